@@ -1,0 +1,24 @@
+# Two commands do all set-up on a fresh machine:
+#   make serve   -> environment + install + the 1-prefill/1-decode cluster on the embedded model
+#   make test    -> environment + install + the whole test suite
+VENV := .venv
+PY := $(VENV)/bin/python
+PDSERVE := $(VENV)/bin/pdserve
+
+.PHONY: setup serve demo test bench
+
+setup:
+	bash scripts/setup.sh
+
+serve: setup
+	$(PDSERVE) serve
+
+demo: setup
+	$(PDSERVE) demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PDSERVE) bench-engine --model small
+	$(PDSERVE) bench-transfer

@@ -1,0 +1,85 @@
+"""One preallocated paged K/V pool per worker, laid out as its `KvAbi` declares.
+
+Contract: the pool owns bytes only; which blocks belong to whom is the `BlockManager`'s job.
+The storage may live in ordinary memory or in a named POSIX shared-memory segment, so a
+same-host peer can copy K/V straight into reserved destination blocks (the shm transport).
+
+    tensor: [L, 2, N, B, H_kv, D]   (see kv_abi.AXIS_ORDER)
+
+Chunk I/O works on raw bytes so transports never need to know torch dtypes: a chunk is the
+K and V slabs of one layer for a list of blocks, serialized as [2, len(blocks), B, H_kv, D].
+"""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv_abi import KvAbi
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# numpy has no bfloat16: raw byte views use an integer type of the same width.
+NUMPY_VIEW_DTYPES = {"float32": np.int32, "bfloat16": np.int16, "float16": np.int16}
+
+
+class KvPool:
+    """Paged K/V storage for `num_blocks` blocks of `abi` geometry."""
+
+    def __init__(self, abi: KvAbi, num_blocks: int, shm_name: str | None = None, create: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.abi = abi
+        self.num_blocks = num_blocks
+        self.shape = (abi.num_layers, 2, num_blocks, abi.block_size, abi.num_kv_heads, abi.head_dim)
+        self.nbytes = int(np.prod(self.shape)) * abi.dtype_bytes
+        self._shm: shared_memory.SharedMemory | None = None
+        view_dtype = NUMPY_VIEW_DTYPES[abi.dtype]
+        if shm_name is None:
+            raw = np.zeros(self.shape, dtype=view_dtype)
+        else:
+            self._shm = shared_memory.SharedMemory(name=shm_name, create=create, size=self.nbytes if create else 0)
+            raw = np.ndarray(self.shape, dtype=view_dtype, buffer=self._shm.buf)
+            if create:
+                raw.fill(0)
+        self._raw = raw  # [L, 2, N, B, H, D] integer view of the same bytes
+        self.tensor = torch.from_numpy(raw).view(TORCH_DTYPES[abi.dtype])  # [L, 2, N, B, H, D]
+
+    @property
+    def shm_name(self) -> str | None:
+        return None if self._shm is None else self._shm.name
+
+    def chunk_nbytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.abi.slab_bytes
+
+    def read_chunk(self, layer: int, block_ids: list[int]) -> bytes:
+        """K and V of `layer` for `block_ids`, as bytes shaped [2, len(block_ids), B, H, D]."""
+        return self._raw[layer][:, block_ids].tobytes()
+
+    def read_chunk_into(self, layer: int, block_ids: list[int], out: memoryview) -> None:
+        """Same bytes as `read_chunk`, written into a caller's buffer without an extra copy."""
+        dst = np.frombuffer(out, dtype=self._raw.dtype).reshape((2, len(block_ids)) + self.shape[3:])
+        np.take(self._raw[layer], block_ids, axis=1, out=dst)
+
+    def write_chunk(self, layer: int, block_ids: list[int], data: bytes | memoryview) -> None:
+        """Inverse of `read_chunk`: place a chunk's bytes into `block_ids` of `layer`."""
+        src = np.frombuffer(data, dtype=self._raw.dtype)
+        expected = 2 * len(block_ids) * self.abi.slab_elems
+        if src.size != expected:
+            raise ValueError(f"chunk holds {src.size} scalars, expected {expected} for {len(block_ids)} blocks")
+        self._raw[layer][:, block_ids] = src.reshape((2, len(block_ids)) + self.shape[3:])
+
+    def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy whole blocks (all layers, K and V) inside this pool."""
+        self._raw[:, :, dst_ids] = self._raw[:, :, src_ids]
+
+    def close(self, unlink: bool = False) -> None:
+        if self._shm is None:
+            return
+        self.tensor = None  # type: ignore[assignment]
+        self._raw = None  # type: ignore[assignment]
+        self._shm.close()
+        if unlink:
+            self._shm.unlink()
+        self._shm = None
