@@ -1,0 +1,196 @@
+"""Block accounting for one K/V pool: free list, reference counts, prefix cache, reservations.
+
+Contract:
+- Every block is in exactly one place: the free list, the evictable LRU (cached, refcount 0),
+  or in use (refcount > 0). `check_integrity()` proves it, and that refcounts equal the number
+  of block-table references the caller reports.
+- Mutations come in check-then-act pairs: `can_allocate` / `allocate`, `can_reserve` / `reserve`.
+  Acting without capacity raises `OutOfBlocks`; nothing is half-done.
+- Prefix cache: a full block's identity is the chain hash h_j = H(I || h_{j-1} || tokens_j), with I
+  the model + K/V ABI identity. A hit re-checks the stored token ids. Shared blocks are
+  reference-counted; unreferenced cached blocks stay reusable until evicted, least recent first.
+- Reservations hold capacity (not specific blocks) for an owner, e.g. a handoff destination's
+  expected decode growth; `can_allocate` for everyone else leaves reserved capacity untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
+
+
+def root_hash(identity: str) -> bytes:
+    return hashlib.blake2b(b"pdserve-prefix-root|" + identity.encode(), digest_size=16).digest()
+
+
+def chain_hash(identity: bytes, parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """h_j = H(I || h_{j-1} || tokens of block j)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(identity)
+    h.update(parent)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def prompt_block_hashes(identity: bytes, tokens: list[int] | tuple[int, ...], block_size: int) -> list[bytes]:
+    """Chain hashes of every full block of `tokens` (a trailing partial block has none)."""
+    hashes, parent = [], identity
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = chain_hash(identity, parent, tokens[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, identity: str, enable_prefix_cache: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.identity = root_hash(identity)
+        self.enable_prefix_cache = enable_prefix_cache
+        self.refcount = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.cached: dict[bytes, int] = {}  # chain hash -> block
+        self.block_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, token ids)
+        self.reserved: dict[str, int] = {}
+        self.num_prefix_hits = 0
+        self.num_evictions = 0
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free + evictable), before reservations."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(self.reserved.values())
+
+    def available_for(self, owner: str | None = None) -> int:
+        mine = self.reserved.get(owner, 0) if owner is not None else 0
+        return self.num_free - (self.num_reserved - mine)
+
+    def can_allocate(self, n: int, owner: str | None = None) -> bool:
+        return n <= self.available_for(owner)
+
+    def allocate(self, n: int, owner: str | None = None) -> list[int]:
+        """Take n blocks (refcount 1). An owner's own reservation is consumed first."""
+        if not self.can_allocate(n, owner):
+            raise OutOfBlocks(f"need {n} blocks, {self.available_for(owner)} available")
+        if owner is not None and owner in self.reserved:
+            self.reserved[owner] = max(0, self.reserved[owner] - n)
+        return [self._take_one() for _ in range(n)]
+
+    def _take_one(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._uncache(block)
+            self.num_evictions += 1
+        self.refcount[block] = 1
+        return block
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; unreferenced blocks go to LRU or free list."""
+        for block in blocks:
+            if self.refcount[block] <= 0:
+                raise PoolIntegrityError(f"block {block} released with refcount {self.refcount[block]}")
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                if block in self.block_key:
+                    self.evictable[block] = None
+                else:
+                    self.free.append(block)
+
+    # ---- reservations ---------------------------------------------------------------------
+    def can_reserve(self, n: int) -> bool:
+        return n <= self.num_free - self.num_reserved
+
+    def reserve(self, owner: str, n: int) -> None:
+        if owner in self.reserved:
+            raise PoolIntegrityError(f"owner {owner} already holds a reservation")
+        if not self.can_reserve(n):
+            raise OutOfBlocks(f"cannot reserve {n} blocks, {self.num_free - self.num_reserved} unreserved")
+        self.reserved[owner] = n
+
+    def release_reservation(self, owner: str) -> None:
+        self.reserved.pop(owner, None)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def hashes_for(self, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
+        return prompt_block_hashes(self.identity, tokens, self.block_size)
+
+    def match_prefix(self, hashes: list[bytes], tokens: list[int] | tuple[int, ...]) -> int:
+        """Number of leading blocks cached with these exact hashes and token ids (no side effects)."""
+        if not self.enable_prefix_cache:
+            return 0
+        n = 0
+        for j, h in enumerate(hashes):
+            block = self.cached.get(h)
+            if block is None or self.block_key[block][1] != tuple(tokens[j * self.block_size : (j + 1) * self.block_size]):
+                break
+            n += 1
+        return n
+
+    def acquire_prefix(self, hashes: list[bytes], tokens: list[int] | tuple[int, ...], limit: int) -> list[int]:
+        """Take a reference on up to `limit` leading cached blocks; returns their ids."""
+        n = min(self.match_prefix(hashes, tokens), limit)
+        blocks = [self.cached[h] for h in hashes[:n]]
+        for block in blocks:
+            if self.refcount[block] == 0:
+                del self.evictable[block]
+            self.refcount[block] += 1
+        self.num_prefix_hits += n
+        return blocks
+
+    def register(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """Publish a full, computed block to the prefix cache (first writer wins)."""
+        if not self.enable_prefix_cache or block_hash in self.cached or block in self.block_key:
+            return
+        self.cached[block_hash] = block
+        self.block_key[block] = (block_hash, tokens)
+
+    def _uncache(self, block: int) -> None:
+        key = self.block_key.pop(block, None)
+        if key is not None and self.cached.get(key[0]) == block:
+            del self.cached[key[0]]
+
+    def cached_hashes(self) -> set[bytes]:
+        return set(self.cached)
+
+    # ---- integrity ------------------------------------------------------------------------
+    def check_integrity(self, tables: list[list[int]] | None = None) -> None:
+        """free + evictable + in-use == total, each block in one place, refcounts match tables."""
+        free, lru = set(self.free), set(self.evictable)
+        used = {b for b in range(self.num_blocks) if self.refcount[b] > 0}
+        problems = []
+        if len(free) != len(self.free):
+            problems.append("duplicate block in free list")
+        if free & lru or free & used or lru & used:
+            problems.append("block in two places")
+        if len(free) + len(lru) + len(used) != self.num_blocks:
+            problems.append(f"free {len(free)} + evictable {len(lru)} + used {len(used)} != {self.num_blocks}")
+        if any(b not in self.block_key for b in lru):
+            problems.append("uncached block in evictable list")
+        if self.num_reserved > self.num_free:
+            problems.append("reservations exceed free capacity")
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for b in table:
+                    counts[b] += 1
+            if counts != self.refcount:
+                problems.append("refcounts do not match block tables")
+        if problems:
+            raise PoolIntegrityError("; ".join(problems))
+
+    def assert_baseline(self) -> None:
+        """Nothing referenced and nothing reserved: every block is free or evictable."""
+        self.check_integrity([])
+        if self.reserved:
+            raise PoolIntegrityError(f"reservations outstanding: {self.reserved}")

@@ -1,0 +1,20 @@
+"""Engine configuration: one frozen dataclass; the CLI reads its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # "tiny" | "small" | path to a Hugging Face checkpoint directory
+    dtype: str = "bfloat16"  # "bfloat16" | "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None  # overrides kv_cache_bytes when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    kv_shm_name: str | None = None  # put the K/V pool in this POSIX shared-memory segment

@@ -1,0 +1,258 @@
+"""The in-process engine: add requests, step, abort; plus the two phase entry points.
+
+One step is schedule -> run -> postprocess. Request life cycle (see sequence.py for states):
+    add_request -> WAITING -> RUNNING (chunked prefill, then decode) -> FINISHED
+Phase entry points for disaggregation:
+    prefill worker: add_request(mode=PREFILL_ONLY) -> ... -> PREFILLED (first token sampled,
+        K/V kept) -> export(request_id) -> [handoff moves the blocks] -> release_prefilled()
+    decode worker:  can_reserve_import() / reserve_import() -> [handoff writes the blocks]
+        -> commit_import() (now RUNNING, decoding) or cancel_import() (abort path)
+Bad requests raise `InvalidRequest` before any state changes; other requests keep running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager, chain_hash
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
+from pdserve.engine.outputs import ImportReservation, KvExport, RequestOutput
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.sequence import SamplingParams, Sequence, SeqMode, SeqStatus
+from pdserve.engine.stops import StopChecker
+from pdserve.model.config import load_config
+from pdserve.model.default import resolve_model
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import checkpoint_hash, load_state_dict
+from pdserve.model.tokenizer import load_tokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = load_config(self.model_dir)
+        dtype = TORCH_DTYPES[config.dtype]
+        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir, self.model_config, dtype), dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        mc = self.model_config
+        self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
+        self.identity = CacheIdentity(
+            model_hash=checkpoint_hash(self.model_dir),
+            tokenizer_hash=self.tokenizer.identity_hash if self.tokenizer else "none",
+            abi_hash=self.abi.abi_hash,
+            position_policy=f"rope:{mc.rope_theta}",
+        )
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
+        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name)
+        self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, sched)
+        self.runner = ModelRunner(self.model, self.pool)
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.stops = StopChecker(self.tokenizer, frozenset(eos), self.max_model_len)
+        self.seqs: dict[str, Sequence] = {}
+        self.prefilled: dict[str, Sequence] = {}
+        self.imports: dict[str, ImportReservation] = {}
+        self._arrivals = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (prompt + at least one new token)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: SeqMode = SeqMode.NORMAL
+    ) -> None:
+        self.validate(prompt_ids, params)
+        if request_id in self.seqs or request_id in self.prefilled or request_id in self.imports:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        seq = Sequence(request_id, tuple(prompt_ids), params, seed, mode=mode, arrival=next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.stops.start(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
+        if request_id in self.imports:
+            self.cancel_import(request_id)
+            return True
+        seq = self.seqs.pop(request_id, None) or self.prefilled.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish("abort")
+        self.stops.forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        batch, logits = self.runner.run(plan, layer_hook)
+        for seq, rows in plan.prefill:
+            seq.num_computed += rows
+        for seq in plan.decode:
+            seq.num_computed += 1
+        self._register_full_blocks([*plan.decode, *(s for s, _ in plan.prefill)])
+        indices = [len(s.output_ids) for s in batch.sampled]
+        tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
+        return [self._postprocess(seq, token) for seq, token in zip(batch.sampled, tokens)]
+
+    def _register_full_blocks(self, seqs: list[Sequence]) -> None:
+        bs = self.blocks.block_size
+        for seq in seqs:
+            full = seq.num_computed // bs
+            if len(seq.block_hashes) >= full:
+                continue
+            tokens = seq.tokens
+            for j in range(len(seq.block_hashes), full):
+                block_tokens = tuple(tokens[j * bs : (j + 1) * bs])
+                parent = seq.block_hashes[-1] if seq.block_hashes else self.blocks.identity
+                h = chain_hash(self.blocks.identity, parent, block_tokens)
+                self.blocks.register(seq.block_table[j], h, block_tokens)
+                seq.block_hashes.append(h)
+
+    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        new_text, reason = self.stops.update(seq, token)
+        prefilled = False
+        if reason is not None:
+            self.scheduler.remove(seq)
+            seq.finish(reason)
+            del self.seqs[seq.request_id]
+            self.stops.forget(seq.request_id)
+        elif seq.mode is SeqMode.PREFILL_ONLY:
+            self.scheduler.running.remove(seq)
+            seq.transition(SeqStatus.PREFILLED)
+            self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)
+            prefilled = True
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=(token,),
+            output_ids=tuple(seq.output_ids),
+            new_text=new_text,
+            text=seq.text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            prefilled=prefilled,
+        )
+
+    # ---- prefill side of a handoff --------------------------------------------------------
+    def export(self, request_id: str) -> KvExport:
+        seq = self.prefilled[request_id]
+        n = len(seq.prompt_ids)
+        return KvExport(
+            request_id=request_id,
+            prompt_ids=seq.prompt_ids,
+            first_token=seq.output_ids[0],
+            seed=seq.seed,
+            block_ids=tuple(seq.block_table[: -(-n // self.abi.block_size)]),
+            block_hashes=tuple(seq.block_hashes[: n // self.abi.block_size]),
+            num_tokens=n,
+        )
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Drop the source copy (after the destination acknowledged publication)."""
+        seq = self.prefilled.pop(request_id)
+        self.scheduler.release_blocks(seq)
+        seq.finish("handed_off")
+        self.stops.forget(request_id)
+
+    # ---- decode side of a handoff ---------------------------------------------------------
+    def _import_needs(self, num_prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
+        bs = self.abi.block_size
+        prompt_blocks = -(-num_prompt_tokens // bs)
+        final = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        return prompt_blocks, max(0, -(-final // bs) - prompt_blocks)
+
+    def can_reserve_import(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        prompt_blocks, growth = self._import_needs(num_prompt_tokens, max_tokens)
+        return self.blocks.can_reserve(prompt_blocks + growth)
+
+    def reserve_import(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> ImportReservation:
+        """Hold destination blocks for an incoming prompt K/V plus its decode growth."""
+        self.validate(prompt_ids, params)
+        if request_id in self.seqs or request_id in self.imports:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        prompt_blocks, growth = self._import_needs(len(prompt_ids), params.max_tokens)
+        if not self.blocks.can_reserve(prompt_blocks + growth):
+            raise InvalidRequest(f"no K/V capacity for {prompt_blocks + growth} blocks")  # caller checks first
+        hashes = self.blocks.hashes_for(prompt_ids)
+        visible = self.blocks.acquire_prefix(hashes, prompt_ids, limit=len(hashes))
+        fresh = self.blocks.allocate(prompt_blocks - len(visible))
+        self.blocks.reserve(request_id, growth)
+        res = ImportReservation(request_id, tuple(visible + fresh), len(visible), growth)
+        self.imports[request_id] = res
+        return res
+
+    def cancel_import(self, request_id: str) -> None:
+        res = self.imports.pop(request_id)
+        self.blocks.release(list(res.block_ids))
+        self.blocks.release_reservation(request_id)
+
+    def commit_import(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams, seed: int) -> None:
+        """Admit a published handoff: decode continues from the imported blocks."""
+        res = self.imports.pop(request_id)
+        seq = Sequence(request_id, tuple(prompt_ids), params, seed, SeqMode.IMPORTED, next(self._arrivals))
+        seq.block_table = list(res.block_ids)
+        seq.num_computed = len(prompt_ids)
+        seq.output_ids.append(first_token)
+        seq.transition(SeqStatus.RUNNING)
+        self.seqs[request_id] = seq
+        self.stops.start(seq)
+        self.stops.skip_first(seq, first_token)
+        self._register_full_blocks([seq])
+        self.scheduler.add(seq)
+
+    # ---- conveniences ---------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; returns each request's final output, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        tables = [s.block_table for s in self.seqs.values()] + [s.block_table for s in self.prefilled.values()]
+        tables += [list(r.block_ids) for r in self.imports.values()]
+        self.blocks.check_integrity(tables)
+
+    def assert_no_leaks(self) -> None:
+        """Nothing running, nothing held for export or import: the pool is back at baseline."""
+        assert not self.seqs and not self.prefilled and not self.imports, "requests still held"
+        self.blocks.assert_baseline()

@@ -1,0 +1,98 @@
+"""Turns a `StepPlan` into flat tensors, runs the model once, returns logits per sampled row.
+
+Contract: rows are laid out decode-first (one per decoding sequence), then each prefill chunk.
+A sequence is sampled when this step computes its last known token (every decode row; a prefill
+chunk only when it completes the prompt, or the recompute of prompt + outputs). The runner
+never changes sequence state: the engine applies results after the model returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.scheduler import StepPlan
+from pdserve.engine.sequence import Sequence
+from pdserve.model.attention import AttnMetadata, DecodeBatch, PrefillSlice
+from pdserve.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttnMetadata
+    logits_rows: torch.Tensor  # [R] int64
+    sampled: list[Sequence]  # R sequences, in logits_rows order
+
+
+def build_batch(plan: StepPlan, block_size: int) -> StepBatch:
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sampled: list[Sequence] = []
+    logits_rows: list[int] = []
+    for seq in plan.decode:
+        pos = seq.num_computed
+        tokens.append(seq.output_ids[-1])
+        positions.append(pos)
+        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        logits_rows.append(len(tokens) - 1)
+        sampled.append(seq)
+    decode = _decode_batch(plan.decode, block_size)
+    prefills = []
+    for seq, rows in plan.prefill:
+        start, all_tokens = seq.num_computed, seq.tokens
+        prefills.append(_prefill_slice(seq, len(tokens), rows, block_size))
+        for pos in range(start, start + rows):
+            tokens.append(all_tokens[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        if start + rows == seq.num_tokens:
+            logits_rows.append(len(tokens) - 1)
+            sampled.append(seq)
+    meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), decode=decode, prefills=tuple(prefills))
+    return StepBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        meta=meta,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        sampled=sampled,
+    )
+
+
+def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> PrefillSlice:
+    ctx = seq.num_computed + rows
+    table = torch.tensor(seq.block_table[: -(-ctx // block_size)], dtype=torch.int64)
+    return PrefillSlice(q_start=q_start, q_len=rows, ctx_len=ctx, block_table=table)
+
+
+def _decode_batch(seqs: list[Sequence], block_size: int) -> DecodeBatch | None:
+    if not seqs:
+        return None
+    ctx = [s.num_computed + 1 for s in seqs]
+    width = max(-(-c // block_size) for c in ctx)
+    tables = torch.zeros((len(seqs), width), dtype=torch.int64)  # [Bd, M]
+    for i, (seq, c) in enumerate(zip(seqs, ctx)):
+        n = -(-c // block_size)
+        tables[i, :n] = torch.tensor(seq.block_table[:n], dtype=torch.int64)
+    lens = torch.tensor(ctx, dtype=torch.int64).unsqueeze(1)  # [Bd, 1]
+    key_mask = torch.arange(width * block_size).unsqueeze(0) < lens  # [Bd, M*B]
+    return DecodeBatch(num_rows=len(seqs), block_tables=tables, key_mask=key_mask[:, None, None, :])
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KvPool):
+        self.model = model
+        self.pool = pool
+
+    def run(self, plan: StepPlan, layer_hook: Callable[[int], None] | None = None) -> tuple[StepBatch, torch.Tensor]:
+        """-> (batch, logits [R, V] fp32)."""
+        batch = build_batch(plan, self.pool.abi.block_size)
+        logits = self.model.forward(
+            batch.token_ids, batch.positions, batch.meta, self.pool.tensor, batch.logits_rows, layer_hook
+        )
+        return batch, logits

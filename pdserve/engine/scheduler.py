@@ -1,0 +1,158 @@
+"""Iteration-level scheduler with chunked prefill (decode rows first, prefill chunks fill the rest).
+
+Contract, per `schedule()` call:
+1. Every decoding sequence gets one row, oldest first. If its next slot needs a block that is
+   not available, the newest other running sequence is preempted (blocks freed, K/V recomputed
+   later); if there is none, the sequence itself is preempted. Decode never waits on prefill.
+2. The remaining token budget goes to prefill chunks: sequences already prefilling first, then
+   waiting sequences in arrival order. Admission looks up the prefix cache; a chunk is trimmed to
+   the blocks available, and admission stops (FCFS) at the first sequence that cannot start.
+3. Nothing here touches tensors; the runner turns the plan into a batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SeqMode, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, rows this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
+        self.blocks = blocks
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING:  # imported: K/V already in place
+            self.running.append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Detach a sequence (finished, aborted or prefilled) and drop its block references."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release_blocks(seq)
+
+    def release_blocks(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        self.blocks.release_reservation(seq.request_id)
+        seq.block_table, seq.block_hashes = [], []
+
+    @property
+    def num_pending_prompt_tokens(self) -> int:
+        return sum(s.num_uncomputed for s in self.waiting) + sum(
+            s.num_uncomputed for s in self.running if not s.is_decoding
+        )
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.is_decoding and seq in self.running and budget > 0:
+                if self._reserve_decode_slot(seq, plan):
+                    plan.decode.append(seq)
+                    budget -= 1
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if not seq.is_decoding and budget > 0:
+                rows = self._fit_chunk(seq, budget)
+                if rows:
+                    plan.prefill.append((seq, rows))
+                    budget -= rows
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            rows = self._admit(self.waiting[0], budget)
+            if not rows:
+                break
+            seq = self.waiting.popleft()
+            seq.transition(SeqStatus.RUNNING)
+            self.running.append(seq)
+            plan.prefill.append((seq, rows))
+            budget -= rows
+        return plan
+
+    # ---- decode slots and preemption --------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, rows: int) -> int:
+        bs = self.blocks.block_size
+        return max(0, -(-(seq.num_computed + rows) // bs) - len(seq.block_table))
+
+    def _reserve_decode_slot(self, seq: Sequence, plan: StepPlan) -> bool:
+        need = self._blocks_needed(seq, 1)
+        while need and not self.blocks.can_allocate(need, owner=seq.request_id):
+            victim = self._pick_victim(exclude=[seq, *plan.decode])
+            if victim is None:
+                self._preempt(seq, plan)
+                return False
+            self._preempt(victim, plan)
+        if need:
+            seq.block_table += self.blocks.allocate(need, owner=seq.request_id)
+        return True
+
+    def _pick_victim(self, exclude: list[Sequence]) -> Sequence | None:
+        candidates = [s for s in self.running if s not in exclude]
+        return max(candidates, key=lambda s: s.arrival) if candidates else None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.release_blocks(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        if seq.mode is SeqMode.IMPORTED:
+            seq.mode = SeqMode.NORMAL  # its K/V is recomputed here from now on
+        seq.transition(SeqStatus.WAITING)
+        plan.preempted.append(seq)
+        # keep FCFS: a preempted sequence goes back ahead of anything that arrived after it
+        index = next((i for i, w in enumerate(self.waiting) if w.arrival > seq.arrival), len(self.waiting))
+        self.waiting.insert(index, seq)
+
+    # ---- prefill chunks ---------------------------------------------------------------------
+    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
+        """Rows of `seq` to prefill now, limited by budget and blocks; allocates the blocks."""
+        rows = min(seq.num_uncomputed, budget)
+        avail = self.blocks.available_for(seq.request_id)
+        bs = self.blocks.block_size
+        rows = min(rows, (len(seq.block_table) + avail) * bs - seq.num_computed)
+        if rows <= 0:
+            return 0
+        seq.block_table += self.blocks.allocate(self._blocks_needed(seq, rows), owner=seq.request_id)
+        return rows
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Look up the prefix cache for a waiting sequence, then fit its first chunk."""
+        tokens = seq.tokens
+        hashes = self.blocks.hashes_for(tokens)
+        limit = (len(tokens) - 1) // self.blocks.block_size  # always compute >= 1 row for logits
+        hit_blocks = self.blocks.acquire_prefix(hashes, tokens, limit)
+        seq.block_table = hit_blocks
+        seq.block_hashes = hashes[: len(hit_blocks)]
+        seq.num_computed = len(hit_blocks) * self.blocks.block_size
+        if seq.num_preemptions == 0 and seq.mode is not SeqMode.IMPORTED:
+            seq.num_cached_tokens = seq.num_computed
+        rows = self._fit_chunk(seq, budget)
+        if rows == 0:
+            self.release_blocks(seq)
+            seq.num_computed = 0
+        return rows

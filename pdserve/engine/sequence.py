@@ -1,0 +1,120 @@
+"""Requests inside one engine: sampling parameters, the sequence record and its state machine.
+
+Life cycle of a sequence (illegal transitions raise `IllegalTransition`):
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED
+       ^                    |  \\
+       +----preempt---------+   +--prefill done (prefill-only)--> PREFILLED --release--> FINISHED
+    any non-finished state --abort--> FINISHED (finish_reason "abort")
+
+A sequence's tokens are prompt + outputs; `num_computed` counts the leading tokens whose K/V is
+in the pool. A RUNNING sequence with more than one uncomputed token is prefilling (possibly in
+chunks); with exactly one it is decoding. Imported sequences (decode from handed-off K/V) start
+RUNNING with the prompt already computed and the first token already sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from pdserve.engine.errors import IllegalTransition, InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREFILLED = "prefilled"
+    FINISHED = "finished"
+
+
+_ALLOWED = {
+    SeqStatus.WAITING: {SeqStatus.RUNNING, SeqStatus.FINISHED},
+    SeqStatus.RUNNING: {SeqStatus.WAITING, SeqStatus.PREFILLED, SeqStatus.FINISHED},
+    SeqStatus.PREFILLED: {SeqStatus.FINISHED},
+    SeqStatus.FINISHED: set(),
+}
+
+
+class SeqMode(enum.Enum):
+    NORMAL = "normal"  # prefill and decode here (colocated)
+    PREFILL_ONLY = "prefill_only"  # stop after the first token; K/V kept for export
+    IMPORTED = "imported"  # decode from K/V placed by a handoff
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    mode: SeqMode = SeqMode.NORMAL
+    arrival: int = 0  # admission order; larger = newer (preempted first)
+    status: SeqStatus = SeqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full, registered blocks
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    num_released_chars: int = 0  # leading chars of `text` already reported to the caller
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt_ids, *self.output_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is SeqStatus.RUNNING and self.num_uncomputed == 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def transition(self, new: SeqStatus) -> None:
+        if new not in _ALLOWED[self.status]:
+            raise IllegalTransition(f"sequence {self.request_id}: {self.status.value} -> {new.value} is not allowed")
+        self.status = new
+
+    def finish(self, reason: str) -> None:
+        self.transition(SeqStatus.FINISHED)
+        self.finish_reason = reason

@@ -1,0 +1,71 @@
+"""Finish conditions and output text: EOS, stop token ids, stop strings, max_tokens, context end.
+
+Contract: `update(seq, token)` is called once per sampled token, after it was appended to
+`seq.output_ids`; it returns the newly completed text and a finish reason or None. Stop strings
+are matched on the detokenized output; the text is cut before the stop string (the token ids
+keep every sampled token). EOS text never appears in the output text.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.sequence import Sequence
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Tokenizer | None, eos_ids: frozenset[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def start(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            self._detok[seq.request_id] = self.tokenizer.detokenizer()
+
+    def forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+
+    def skip_first(self, seq: Sequence, token: int) -> None:
+        """Prime the detokenizer with a token sampled elsewhere (the prefill worker)."""
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            seq.text += detok.push(token)
+            seq.num_released_chars = len(seq.text)
+
+    def update(self, seq: Sequence, token: int) -> tuple[str, str | None]:
+        """-> (text released by this token, finish reason or None)."""
+        params = seq.params
+        is_eos = token in self.eos_ids and not params.ignore_eos
+        if not is_eos:
+            self._push_text(seq, token)
+        reason = None
+        if is_eos or token in params.stop_token_ids:
+            reason = "stop"
+        elif params.stop and self._cut_at_stop(seq):
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        return self._release(seq, final=reason is not None), reason
+
+    def _push_text(self, seq: Sequence, token: int) -> None:
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            seq.text += detok.push(token)
+
+    def _release(self, seq: Sequence, final: bool) -> str:
+        """Text not yet released; while running, hold back what could start a stop string."""
+        hold = 0 if final or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        end = max(seq.num_released_chars, len(seq.text) - hold)
+        piece = seq.text[seq.num_released_chars : end]
+        seq.num_released_chars = end
+        return piece
+
+    def _cut_at_stop(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.num_released_chars - longest)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True

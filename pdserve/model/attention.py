@@ -1,0 +1,108 @@
+"""Paged attention over the K/V pool, in plain PyTorch.
+
+Contract: one engine step is a flat list of T token rows. Decode rows come first (one row per
+decoding sequence), then each prefill chunk's rows, contiguous per sequence. Before attention
+runs, the step's new K/V rows are written into the pool at `slot_mapping`; attention then
+reads every visible key of a sequence from its block table, so a sequence's earlier chunks,
+prefix-cache hits and imported (handed-off) blocks are all read the same way.
+
+- Prefill chunks: SDPA per sequence, grouped-query via `enable_gqa` (K/V never expanded),
+  a causal mask offset by the tokens already in cache.
+- Decode rows: the G = H_q / H_kv query heads that share a K/V head are treated as G query
+  rows of one SDPA call per K/V head, so K/V are gathered once and never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """One sequence's prefill chunk inside the flat step."""
+
+    q_start: int  # first row of this chunk in the flat step
+    q_len: int  # rows in this chunk
+    ctx_len: int  # visible keys after this chunk (cached + new)
+    block_table: torch.Tensor  # [ceil(ctx_len / B)] int64
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All decode rows of the step: rows [0, num_rows) of the flat step."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # [Bd, M] int64, padded with block 0
+    key_mask: torch.Tensor  # [Bd, 1, 1, M * B] bool, True where the key is visible
+
+
+@dataclass(frozen=True)
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block * B + offset for each new row
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillSlice, ...]
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter new rows into one layer's pool.  cache_*: [N, B, H, D]; k, v: [T, H, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    cache_k.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    cache_v.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttnMetadata
+) -> torch.Tensor:
+    """q: [T, H_q, D]; k, v: [T, H_kv, D] (this step's rows, already in the pool) -> [T, H_q, D]."""
+    out = torch.empty_like(q)
+    if meta.decode is not None and meta.decode.num_rows:
+        n = meta.decode.num_rows
+        out[:n] = _decode_attention(q[:n], cache_k, cache_v, meta.decode)
+    for chunk in meta.prefills:
+        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], cache_k, cache_v, chunk)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [N, B, H, D] -> [H, length, D] for one sequence."""
+    blocks = cache.index_select(0, block_table)  # [nb, B, H, D]
+    return blocks.flatten(0, 1)[:length].transpose(0, 1)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, chunk: PrefillSlice
+) -> torch.Tensor:
+    """q: [S, H_q, D] for S new rows after ctx_len - S cached rows -> [S, H_q, D]."""
+    scale = q.shape[-1] ** -0.5
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, S, D]
+    if chunk.ctx_len == chunk.q_len:
+        # Whole context is new: use this step's rows directly (same values as the pool holds).
+        kh = k_new.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+        vh = v_new.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kh = _gather(cache_k, chunk.block_table, chunk.ctx_len).unsqueeze(0)  # [1, H_kv, C, D]
+        vh = _gather(cache_v, chunk.block_table, chunk.ctx_len).unsqueeze(0)
+        offset = chunk.ctx_len - chunk.q_len
+        q_pos = torch.arange(chunk.q_len).unsqueeze(1) + offset  # [S, 1]
+        k_pos = torch.arange(chunk.ctx_len).unsqueeze(0)  # [1, C]
+        mask = k_pos <= q_pos  # [S, C]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [S, H_q, D]
+
+
+def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """q: [Bd, H_q, D], one row per sequence -> [Bd, H_q, D]."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = cache_k.shape[2]
+    group = num_q_heads // num_kv_heads
+    tables = batch.block_tables  # [Bd, M]
+    kh = cache_k[tables].flatten(1, 2).transpose(1, 2)  # [Bd, H_kv, M*B, D]
+    vh = cache_v[tables].flatten(1, 2).transpose(1, 2)
+    qh = q.view(num_rows, num_kv_heads, group, head_dim)  # [Bd, H_kv, G, D]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=batch.key_mask, scale=head_dim**-0.5)
+    return o.reshape(num_rows, num_q_heads, head_dim)

@@ -1,0 +1,133 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) as one readable forward pass over paged K/V.
+
+Contract: `LlamaModel.forward` takes the flat rows of one engine step (token ids, positions and
+`AttnMetadata`), writes each layer's new K/V rows into the pool *before* attending, and returns
+logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `transformers`:
+RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP.
+
+Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer costs two
+large matmuls plus two small ones; the fused products equal the separate ones column by column.
+An optional `layer_hook(layer)` runs after each layer's K/V rows are in the pool, which is the
+producer-ready event that layer-wise K/V streaming waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
+from pdserve.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    wqkv: torch.Tensor  # [(H_q + 2 H_kv) * D, d]
+    bqkv: torch.Tensor | None  # [(H_q + 2 H_kv) * D]
+    wo: torch.Tensor  # [d, H_q * D]
+    bo: torch.Tensor | None  # [d]
+    post_norm: torch.Tensor  # [d]
+    w13: torch.Tensor  # [2 * d_ff, d]  (gate rows then up rows)
+    w2: torch.Tensor  # [d, d_ff]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, d] -> [T, d]; the reduction runs in fp32, as transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [P, D] in fp32, laid out as cat(freqs, freqs) for rotate-half RoPE."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights plus the forward pass. Holds no K/V: the caller passes the pool per step."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        self.embed = state["model.embed_tokens.weight"].to(dtype)  # [V, d]
+        head = state.get("lm_head.weight")
+        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(dtype)  # [V, d]
+        self.final_norm = state["model.norm.weight"].to(dtype)
+        self.layers = [self._fuse_layer(state, i) for i in range(config.num_layers)]
+        cos, sin = rope_tables(config, config.max_position_embeddings)
+        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)  # [P, D]
+
+    def _fuse_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        wqkv = torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"])
+        bqkv = None
+        if self.config.qkv_bias:
+            bqkv = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"]).to(self.dtype)
+        bo = state[attn + "o_proj.bias"].to(self.dtype) if self.config.o_bias else None
+        w13 = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
+        return LayerWeights(
+            input_norm=state[p + "input_layernorm.weight"].to(self.dtype),
+            wqkv=wqkv.to(self.dtype).contiguous(),
+            bqkv=bqkv,
+            wo=state[attn + "o_proj.weight"].to(self.dtype).contiguous(),
+            bo=bo,
+            post_norm=state[p + "post_attention_layernorm.weight"].to(self.dtype),
+            w13=w13.to(self.dtype).contiguous(),
+            w2=state[mlp + "down_proj.weight"].to(self.dtype).contiguous(),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttnMetadata,
+        kv: torch.Tensor,  # pool [L, 2, N, B, H_kv, D]
+        logits_rows: torch.Tensor,  # [R] int64 rows whose next-token logits are wanted
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """-> logits [R, V] in fp32."""
+        cfg = self.config
+        x = self.embed[token_ids]  # [T, d]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin, meta, kv[i])
+            if layer_hook is not None:
+                layer_hook(i)
+            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
+        x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
+        return F.linear(x, self.lm_head).float()  # [R, V]
+
+    def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
+        cfg = self.config
+        num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [T, (H_q + 2 H_kv) * D]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
+        k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
+        v = v.reshape(num_rows, hkv, d)
+        write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
+        return F.linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
+
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.w13).chunk(2, dim=-1)  # [T, d_ff] each
+        return F.linear(F.silu(gate) * up, layer.w2)
