@@ -1,0 +1,225 @@
+"""Model configuration: the subset of a Hugging Face `config.json` that pdserve runs.
+
+Contract: `ModelConfig.from_dict` either returns a config the forward pass implements exactly
+(a Llama-style decoder: RMSNorm, rotary embeddings with plain theta, grouped-query attention,
+SwiGLU MLP) or raises `CheckpointError` naming the source file and the unsupported feature.
+Anything that would silently change the math (rope scaling, sliding windows, MLP biases, a
+different activation) is refused rather than ignored.
+
+Both rope spellings are read: the top-level `rope_theta` that transformers 4.x writes and the
+`rope_parameters` dict ({"rope_type": "default", "rope_theta": ...}) that transformers 5.x writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.model.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+
+# architecture -> model_type it must be paired with
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_RMS_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a supported decoder-only model."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    checkpoint_dtype: str | None = None  # dtype the weights were saved in, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str) -> ModelConfig:
+        """Parse a Hugging Face config dict; `source` names the file in error messages."""
+        return _parse(d, source)
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output: H * D."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projection outputs: H_kv * D."""
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count: embedding + layers + final norm + lm_head when untied."""
+        h, d_ff = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        per_layer = attn + 3 * h * d_ff + 2 * h  # q/k/v/o, gate/up/down, two RMSNorms
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_layers * per_layer + h + head
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict of this config's fields (not Hugging Face key names)."""
+        out = dataclasses.asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read `config.json` from a model directory (or the file itself) into a `ModelConfig`."""
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(file, "config.json not found")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(file, f"config.json is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(file, "config.json must hold a JSON object")
+    return ModelConfig.from_dict(raw, str(file))
+
+
+def _parse(d: dict[str, Any], source: str) -> ModelConfig:
+    arch, model_type = _architecture(d, source)
+    _reject_unsupported(d, source, arch)
+    num_heads = _int(d, "num_attention_heads", source)
+    hidden = _int(d, "hidden_size", source)
+    head_dim = d.get("head_dim")
+    attention_bias = bool(d.get("attention_bias", False))
+    try:
+        return ModelConfig(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=_int(d, "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=_int(d, "intermediate_size", source),
+            num_layers=_int(d, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=_int(d, "num_key_value_heads", source, default=num_heads),
+            head_dim=_int(d, "head_dim", source) if head_dim is not None else hidden // num_heads,
+            rope_theta=_rope_theta(d, source),
+            rms_norm_eps=float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+            max_position_embeddings=_int(d, "max_position_embeddings", source),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=attention_bias if arch == "LlamaForCausalLM" else False,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_token_ids(d.get("eos_token_id"), source),
+            checkpoint_dtype=d.get("dtype") or d.get("torch_dtype"),
+        )
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(source, str(exc)) from exc
+
+
+def _architecture(d: dict[str, Any], source: str) -> tuple[str, str]:
+    archs = d.get("architectures") or []
+    if len(archs) != 1:
+        raise CheckpointError(source, f"expected exactly one entry in 'architectures', got {archs!r}")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(source, f"unsupported architecture {arch!r} (supported: {supported})")
+    model_type = d.get("model_type", SUPPORTED_ARCHITECTURES[arch])
+    if model_type != SUPPORTED_ARCHITECTURES[arch]:
+        raise CheckpointError(source, f"model_type {model_type!r} does not match architecture {arch!r}")
+    return arch, model_type
+
+
+def _reject_unsupported(d: dict[str, Any], source: str, arch: str) -> None:
+    """Refuse features that would change the math if ignored."""
+    if d.get("mlp_bias", False):
+        raise CheckpointError(source, "mlp_bias: true is not supported")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(source, f"hidden_act {act!r} is not supported (only 'silu')")
+    if arch != "LlamaForCausalLM" and _uses_sliding_window(d, arch):
+        raise CheckpointError(
+            source,
+            f"sliding window attention is not supported (sliding_window={d['sliding_window']}, "
+            f"max_position_embeddings={d.get('max_position_embeddings')})",
+        )
+
+
+def _uses_sliding_window(d: dict[str, Any], arch: str) -> bool:
+    window = d.get("sliding_window")
+    if window is None or window >= d.get("max_position_embeddings", 0):
+        return False
+    # Qwen2 applies the window only when use_sliding_window is set (transformers' default: off).
+    if arch == "Qwen2ForCausalLM":
+        return bool(d.get("use_sliding_window", False))
+    return True
+
+
+def _rope_theta(d: dict[str, Any], source: str) -> float:
+    scaling = d.get("rope_scaling")
+    if scaling is not None:
+        _check_rope_type(scaling, "rope_scaling", source)
+    params = d.get("rope_parameters")
+    if params is not None:
+        _check_rope_type(params, "rope_parameters", source)
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+    return float(d.get("rope_theta", DEFAULT_ROPE_THETA))
+
+
+def _check_rope_type(params: Any, key: str, source: str) -> None:
+    if not isinstance(params, dict):
+        raise CheckpointError(source, f"{key} must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(source, f"unsupported rope scaling: {key}.rope_type = {rope_type!r}")
+
+
+def _int(d: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = d.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(source, f"missing required key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(source, f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, source: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(source, f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return tuple(ids)

@@ -1,0 +1,179 @@
+"""Chunked prefill, prefix cache, preemption and the two phase entry points keep tokens exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.sequence import SamplingParams, SeqMode
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def prompts(n: int, lengths=(5, 16, 17, 33, 50, 7, 64, 29)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 128, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n)]
+
+
+def run(engine, ps, params=GREEDY) -> list[tuple[int, ...]]:
+    return [o.output_ids for o in engine.generate(ps, params)]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_equals_one_shot(gqa_ckpt, engine_factory, chunk):
+    ps = prompts(4)
+    whole = run(engine_factory(gqa_ckpt, max_num_batched_tokens=4096, enable_prefix_cache=False), ps)
+    chunked = run(engine_factory(gqa_ckpt, max_num_batched_tokens=chunk, enable_prefix_cache=False), ps)
+    assert chunked == whole
+
+
+def test_prefix_cache_hit_gives_cold_tokens(gqa_ckpt, engine_factory):
+    base = prompts(1, lengths=(40,))[0]
+    shared = [base + [3, 4, 5], base + [9, 9]]
+    cold = run(engine_factory(gqa_ckpt, enable_prefix_cache=False), shared)
+    eng = engine_factory(gqa_ckpt)
+    first = eng.generate([shared[0]], GREEDY)[0]
+    second = eng.generate([shared[1]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 32  # two full 16-token blocks of the shared 40-token base
+    assert [first.output_ids, second.output_ids] == cold
+    again = eng.generate([shared[0]], GREEDY)[0]  # whole prompt cached: last block recomputed
+    assert again.num_cached_tokens == 32 and again.output_ids == cold[0]
+
+
+def test_prefix_hit_rechecks_token_ids(gqa_ckpt, engine_factory):
+    eng = engine_factory(gqa_ckpt)
+    p = prompts(1, lengths=(33,))[0]
+    eng.generate([p], GREEDY)
+    hashes = eng.blocks.hashes_for(p)
+    tampered = list(p)
+    tampered[0] = (tampered[0] + 1) % 128
+    # same hashes, other tokens: the stored ids do not match, so no hit
+    assert eng.blocks.match_prefix(hashes, tampered) == 0
+    assert eng.blocks.match_prefix(hashes, p) == 2
+
+
+def test_lru_eviction_reuses_unreferenced_cached_blocks(gqa_ckpt, engine_factory):
+    eng = engine_factory(gqa_ckpt, num_blocks=8)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ps = prompts(6, lengths=(50, 60, 45))
+    ps[3] = ps[0][:40] + [1, 2, 3]  # a later hit on blocks that survived eviction pressure
+    cold = run(engine_factory(gqa_ckpt, enable_prefix_cache=False), ps, params)
+    warm = [eng.generate([p], params)[0].output_ids for p in ps]  # one at a time: cache fills up
+    assert warm == cold
+    assert eng.blocks.num_evictions > 0
+
+
+def test_preemption_and_recompute_give_same_tokens(gqa_ckpt, engine_factory):
+    ps = prompts(6)
+    roomy = run(engine_factory(gqa_ckpt, enable_prefix_cache=False), ps)
+    tight = engine_factory(gqa_ckpt, num_blocks=14, enable_prefix_cache=False)
+    outs = run(tight, ps)
+    assert outs == roomy
+    assert not tight.scheduler.waiting and not tight.scheduler.running
+
+
+def test_preemption_happens_under_pressure(gqa_ckpt, engine_factory):
+    eng = engine_factory(gqa_ckpt, num_blocks=10, enable_prefix_cache=False)
+    ps = prompts(4, lengths=(30,))
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
+    preempted = 0
+    while eng.has_unfinished():
+        plan_before = sum(s.num_preemptions for s in eng.seqs.values())
+        eng.step()
+        eng.check_integrity()
+        preempted = max(preempted, plan_before)
+    assert preempted > 0
+
+
+def test_prefill_only_then_import_equals_uninterrupted(gqa_ckpt, engine_factory):
+    ps = prompts(5)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=123)
+    reference = run(engine_factory(gqa_ckpt), ps, params)
+    src = engine_factory(gqa_ckpt)
+    dst = engine_factory(gqa_ckpt)
+    for i, p in enumerate(ps):
+        src.add_request(f"r{i}", p, params, mode=SeqMode.PREFILL_ONLY)
+    while src.has_unfinished():
+        src.step()
+    for i, p in enumerate(ps):
+        exp = src.export(f"r{i}")
+        res = dst.reserve_import(f"r{i}", p, params)
+        for layer in range(src.abi.num_layers):
+            dst.pool.write_chunk(layer, list(res.block_ids), src.pool.read_chunk(layer, list(exp.block_ids)))
+        dst.commit_import(f"r{i}", p, exp.first_token, params, exp.seed)
+        src.release_prefilled(f"r{i}")
+    final = {}
+    while dst.has_unfinished():
+        for out in dst.step():
+            if out.finished:
+                final[out.request_id] = out.output_ids
+    assert [final[f"r{i}"] for i in range(len(ps))] == reference
+
+
+def test_seeded_sampling_ignores_batch_mates(gqa_ckpt, engine_factory):
+    p = prompts(1)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=42, ignore_eos=True)
+    alone = run(engine_factory(gqa_ckpt), [p], params)[0]
+    mates = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    crowd = engine_factory(gqa_ckpt).generate([p] + prompts(3), [params] + mates)
+    assert crowd[0].output_ids == alone
+    other_seed = run(engine_factory(gqa_ckpt), [p], SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=43, ignore_eos=True))[0]
+    assert other_seed != alone
+
+
+def test_stop_token_and_max_tokens(gqa_ckpt, engine_factory):
+    eng = engine_factory(gqa_ckpt)
+    p = prompts(1)[0]
+    ref = eng.generate([p], GREEDY)[0].output_ids
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    out = eng.generate([p], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop_tok,)))[0]
+    assert out.output_ids == ref[: first + 1] and out.finish_reason == "stop"
+    assert eng.generate([p], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids == ref[:3]
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([], SamplingParams(), "empty"),
+        ([1] * 600, SamplingParams(), "context"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(max_tokens=-3), "max_tokens"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1, 999], SamplingParams(), "out of range"),
+    ],
+)
+def test_bad_requests_rejected_while_others_run(gqa_ckpt, engine_factory, prompt, params, message):
+    eng = engine_factory(gqa_ckpt)
+    good = prompts(1)[0]
+    eng.add_request("good", good, GREEDY)
+    eng.step()
+    with pytest.raises(InvalidRequest, match=message):
+        eng.add_request("bad", prompt, params)
+    eng.check_integrity()
+    final = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            final = out
+    assert final.request_id == "good" and len(final.output_ids) == 24
+
+
+def test_abort_frees_blocks_in_every_state(gqa_ckpt, engine_factory):
+    eng = engine_factory(gqa_ckpt, max_num_batched_tokens=8)
+    p = prompts(1, lengths=(40,))[0]
+    eng.add_request("waiting", p, GREEDY)
+    eng.add_request("running", p, GREEDY)
+    eng.step()  # "waiting" is mid-prefill (8-token budget), "running" still waits
+    assert eng.abort("waiting") and eng.abort("running")
+    eng.add_request("pf", p, GREEDY, mode=SeqMode.PREFILL_ONLY)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.abort("pf")
+    eng.reserve_import("imp", p, GREEDY)
+    assert eng.abort("imp")
+    assert not eng.abort("unknown")

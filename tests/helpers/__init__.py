@@ -1,0 +1,1 @@
+"""Shared test helpers (checkpoint builders, reference models)."""
