@@ -29,7 +29,7 @@ class StepBatch:
     sampled: list[Sequence]  # R sequences, in logits_rows order
 
 
-def build_batch(plan: StepPlan, block_size: int) -> StepBatch:
+def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.float32) -> StepBatch:
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -42,7 +42,7 @@ def build_batch(plan: StepPlan, block_size: int) -> StepBatch:
         slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
         logits_rows.append(len(tokens) - 1)
         sampled.append(seq)
-    decode = _decode_batch(plan.decode, block_size)
+    decode = _decode_batch(plan.decode, block_size, dtype)
     prefills = []
     for seq, rows in plan.prefill:
         start, all_tokens = seq.num_computed, seq.tokens
@@ -70,7 +70,7 @@ def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> P
     return PrefillSlice(q_start=q_start, q_len=rows, ctx_len=ctx, block_table=table)
 
 
-def _decode_batch(seqs: list[Sequence], block_size: int) -> DecodeBatch | None:
+def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype) -> DecodeBatch | None:
     if not seqs:
         return None
     ctx = [s.num_computed + 1 for s in seqs]
@@ -80,7 +80,9 @@ def _decode_batch(seqs: list[Sequence], block_size: int) -> DecodeBatch | None:
         n = -(-c // block_size)
         tables[i, :n] = torch.tensor(seq.block_table[:n], dtype=torch.int64)
     lens = torch.tensor(ctx, dtype=torch.int64).unsqueeze(1)  # [Bd, 1]
-    key_mask = torch.arange(width * block_size).unsqueeze(0) < lens  # [Bd, M*B]
+    visible = torch.arange(width * block_size).unsqueeze(0) < lens  # [Bd, M*B]
+    # additive mask in the compute dtype: SDPA's CPU kernel is faster with it than with a bool mask
+    key_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return DecodeBatch(num_rows=len(seqs), block_tables=tables, key_mask=key_mask[:, None, None, :])
 
 
@@ -91,7 +93,7 @@ class ModelRunner:
 
     def run(self, plan: StepPlan, layer_hook: Callable[[int], None] | None = None) -> tuple[StepBatch, torch.Tensor]:
         """-> (batch, logits [R, V] fp32)."""
-        batch = build_batch(plan, self.pool.abi.block_size)
+        batch = build_batch(plan, self.pool.abi.block_size, self.model.dtype)
         logits = self.model.forward(
             batch.token_ids, batch.positions, batch.meta, self.pool.tensor, batch.logits_rows, layer_hook
         )

@@ -1,0 +1,115 @@
+"""Engine throughput against `transformers` on the same checkpoint, measured in one run.
+
+Contract: prefill tokens/s on fresh 512-token prompts (no prefix-cache hits), and decode
+tokens/s at several batch sizes with `context` tokens of K/V per sequence, for pdserve's engine
+and for transformers' own forward + KV cache (the peer). Medians of `repeats` timings; both
+sides use the same dtype and thread count. Speed claims are ratios measured side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+
+DECODE_STEPS = 8
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    model: str = "small"
+    dtype: str = "bfloat16"
+    prompt_len: int = 512
+    batches: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 3
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+
+
+def pdserve_prefill_tok_s(engine: Engine, spec: BenchSpec) -> float:
+    times = []
+    for i, prompt in enumerate(_prompts(spec.repeats + 1, spec.prompt_len, engine.model_config.vocab_size, 1)):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return spec.prompt_len / statistics.median(times[1:])  # first run warms up
+
+
+def pdserve_decode_tok_s(engine: Engine, spec: BenchSpec, batch: int) -> float:
+    params = SamplingParams(max_tokens=DECODE_STEPS * (spec.repeats + 1) + 2, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(batch, spec.prompt_len, engine.model_config.vocab_size, 2 + batch)):
+        engine.add_request(f"d{batch}-{i}", prompt, params)
+    while any(not s.is_decoding for s in engine.seqs.values()):
+        engine.step()
+    times = []
+    for _ in range(spec.repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(engine.seqs):
+        engine.abort(rid)
+    return batch * DECODE_STEPS / statistics.median(times[1:])
+
+
+def peer_tok_s(model_dir: str, spec: BenchSpec) -> dict:
+    """The same measurements with transformers' LlamaForCausalLM and its own cache."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, spec.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    vocab = model.config.vocab_size
+    times = []
+    with torch.inference_mode():
+        for prompt in _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1):
+            t0 = time.perf_counter()
+            model(torch.tensor([prompt]), use_cache=True)
+            times.append(time.perf_counter() - t0)
+        prefill = spec.prompt_len / statistics.median(times[1:])
+        decode = {str(b): _peer_decode(model, spec, b, vocab) for b in spec.batches}
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode}
+
+
+def _peer_decode(model, spec: BenchSpec, batch: int, vocab: int) -> float:
+    ids = torch.tensor(_prompts(batch, spec.prompt_len, vocab, 2 + batch))
+    out = model(ids, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    times = []
+    for _ in range(spec.repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            out = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - t0)
+    return batch * DECODE_STEPS / statistics.median(times[1:])
+
+
+def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
+    max_batch = max(spec.batches)
+    tokens = max_batch * (spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 16)
+    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, enable_prefix_cache=False, max_num_seqs=max_batch,
+                                 kv_cache_bytes=0, num_blocks=tokens // 16 + 64, max_num_batched_tokens=spec.prompt_len))
+    result = {
+        "model": spec.model, "dtype": spec.dtype, "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
+        "prefill_tok_s": pdserve_prefill_tok_s(engine, spec),
+        "decode_tok_s": {str(b): pdserve_decode_tok_s(engine, spec, b) for b in spec.batches},
+    }
+    engine.assert_no_leaks()
+    if with_peer:
+        peer = peer_tok_s(str(engine.model_dir), spec)
+        result["peer"] = peer
+        result["ratio"] = {"prefill": result["prefill_tok_s"] / peer["prefill_tok_s"]}
+        for b in spec.batches:
+            result["ratio"][f"decode_{b}"] = result["decode_tok_s"][str(b)] / peer["decode_tok_s"][str(b)]
+    return result
