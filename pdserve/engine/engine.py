@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -34,6 +35,10 @@ from pdserve.model.default import resolve_model
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import checkpoint_hash, load_state_dict
 from pdserve.model.tokenizer import load_tokenizer
+
+
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 class Engine:
@@ -83,15 +88,29 @@ class Engine:
             raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: SeqMode = SeqMode.NORMAL
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        mode: SeqMode = SeqMode.NORMAL,
+        seed: int | None = None,
+        resume_output_ids: tuple[int, ...] = (),
     ) -> None:
+        """Queue a request. `resume_output_ids` continues a request whose first outputs were
+        produced elsewhere (recompute fallback): their K/V is recomputed here, sampling goes on
+        at the next output index, so a seeded request yields the same tokens as uninterrupted."""
         self.validate(prompt_ids, params)
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.imports:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        if len(prompt_ids) + len(resume_output_ids) >= self.max_model_len:
+            raise InvalidRequest("prompt plus resumed output fills the context")
+        seed = seed if seed is not None else params.seed if params.seed is not None else new_seed()
         seq = Sequence(request_id, tuple(prompt_ids), params, seed, mode=mode, arrival=next(self._arrivals))
+        seq.output_ids.extend(resume_output_ids)
         self.seqs[request_id] = seq
         self.stops.start(seq)
+        for token in resume_output_ids:
+            self.stops.skip_first(seq, token)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -111,19 +130,36 @@ class Engine:
         return bool(self.seqs)
 
     # ---- one step -------------------------------------------------------------------------
-    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return []
-        batch, logits = self.runner.run(plan, layer_hook)
+    def step(self, layer_hook: Callable[[int, tuple[str, ...]], None] | None = None, lock=None) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. `layer_hook(layer, ids)` runs after each layer's K/V
+        rows are in the pool; `ids` are the requests whose prompt K/V this step completes.
+        With `lock`, bookkeeping runs under it and the model forward runs outside it, so
+        other threads (handoff links) can touch the block manager during the forward."""
+        with lock or nullcontext():
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return []
+            completing = tuple(s.request_id for s, rows in plan.prefill if s.num_computed + rows == s.num_tokens)
+        hook = None if layer_hook is None else (lambda layer: layer_hook(layer, completing))
+        batch, logits = self.runner.run(plan, hook)
+        with lock or nullcontext():
+            return self._apply(plan, batch, logits)
+
+    def _apply(self, plan, batch, logits) -> list[RequestOutput]:
         for seq, rows in plan.prefill:
             seq.num_computed += rows
         for seq in plan.decode:
             seq.num_computed += 1
-        self._register_full_blocks([*plan.decode, *(s for s, _ in plan.prefill)])
+        live = [s for s in batch.sampled if not s.finished]  # aborted during the forward: dropped
+        self._register_full_blocks([s for s in [*plan.decode, *(q for q, _ in plan.prefill)] if not s.finished])
         indices = [len(s.output_ids) for s in batch.sampled]
         tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
-        return [self._postprocess(seq, token) for seq, token in zip(batch.sampled, tokens)]
+        return [self._postprocess(seq, tok) for seq, tok in zip(batch.sampled, tokens) if seq in live]
+
+    def kv_blocks(self, request_id: str) -> list[int]:
+        """Block table of a running or prefilled request (its prompt K/V lives there)."""
+        seq = self.seqs.get(request_id) or self.prefilled[request_id]
+        return list(seq.block_table)
 
     def _register_full_blocks(self, seqs: list[Sequence]) -> None:
         bs = self.blocks.block_size

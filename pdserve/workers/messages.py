@@ -1,0 +1,184 @@
+"""Typed messages between the router and worker processes, with their one serializer.
+
+Contract: everything that crosses the router <-> worker boundary is one of these frozen msgspec
+Structs, tagged by class name and encoded with msgpack. Every worker -> router message carries
+(worker_id, epoch) so the router can reject messages from a retired epoch.
+
+Request life cycle over these messages (disaggregated):
+    router -> D: ReserveKv          D -> router: Reserved (blocks held before any prefill)
+    router -> P: Prefill(+plan)     P -> router: Tokens(first token, prefilled)   [TTFT]
+    P -> D over the handoff link: manifest, chunks, seal; D publishes
+    D -> router: TransferDone       P -> router: TransferDone (source side, then releases)
+    router -> D: StartDecode(first token, seed)  D -> router: Tokens ... finished
+Colocated: router -> W: Generate;  W -> router: Tokens ... finished.
+Recompute fallback: router -> W: Generate(resume_output_ids=[tokens already streamed]).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.engine.sequence import SamplingParams
+
+
+class TransferPlan(msgspec.Struct, frozen=True):
+    """Where a prefill worker sends a request's K/V: the destination's reservation and link."""
+
+    transfer_id: str
+    generation: int
+    attempt: int
+    tenant: str
+    dest_worker: str
+    dest_epoch: int
+    reservation_id: str
+    dest_blocks: tuple[int, ...]  # all prompt blocks at the destination, in order
+    num_visible_blocks: int  # leading blocks already exact at the destination (not moved)
+    transport: str  # "shm" | "tcp"
+    dest_address: tuple[str, int]  # handoff listener (host, port)
+    dest_shm_name: str | None = None
+    dest_num_blocks: int = 0
+
+
+# ---- router -> worker ---------------------------------------------------------------------
+class Generate(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    resume_output_ids: tuple[int, ...] = ()
+
+
+class Prefill(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    plan: TransferPlan
+
+
+class ReserveKv(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    transfer_id: str
+    generation: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    source_worker: str
+    source_epoch: int
+
+
+class StartDecode(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    first_token: int
+    seed: int
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    reason: str = "abort"
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+# ---- worker -> router ---------------------------------------------------------------------
+class Register(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    host_id: str
+    role: str
+    pid: int
+    num_blocks: int
+    block_size: int
+    model_hash: str
+    abi_hash: str
+    bytes_per_token: int
+    max_model_len: int
+    handoff_address: tuple[str, int] | None = None
+    shm_name: str | None = None
+
+
+class Load(msgspec.Struct, frozen=True):
+    pending_prompt_tokens: int
+    active_decode: int
+    num_running: int
+    free_blocks: int
+    reserved_blocks: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    load: Load
+    prefix_hashes: tuple[bytes, ...] = ()
+
+
+class TokenItem(msgspec.Struct, frozen=True):
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled: bool = False
+
+
+class Tokens(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    items: tuple[TokenItem, ...]
+
+
+class Reserved(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    request_id: str
+    transfer_id: str
+    ok: bool
+    reason: str | None = None
+    dest_blocks: tuple[int, ...] = ()
+    num_visible_blocks: int = 0
+
+
+class TransferDone(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    request_id: str
+    transfer_id: str
+    generation: int
+    side: str  # "source" | "destination"
+    published: bool
+    reason: str | None = None
+    logical_bytes: int = 0
+    physical_bytes: int = 0
+    transfer_s: float = 0.0
+    exposed_s: float = 0.0
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    request_id: str
+    message: str
+    code: str = "internal_error"
+
+
+ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown
+ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_to_router = msgspec.msgpack.Decoder(ToRouter)
+
+
+def encode(msg: ToWorker | ToRouter) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes) -> ToWorker:
+    return _to_worker.decode(data)
+
+
+def decode_to_router(data: bytes) -> ToRouter:
+    return _to_router.decode(data)

@@ -1,0 +1,10 @@
+"""Make the mutation helpers importable from this directory's tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
