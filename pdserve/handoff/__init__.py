@@ -1,1 +1,10 @@
-"""See docs/architecture.md for this package's job."""
+"""Prefill -> decode K/V handoff: manifest, sets, state machines, credits, directory, transports.
+
+Life cycle of one transfer (see each module's contract):
+  router picks (source, destination, generation) -> destination `DecodeEndpoint.reserve`
+  -> source builds the `HandoffManifest` (identity fence + expected chunks) -> `drive_source`
+  sends chunks as layers pass the producer gate and byte credits allow -> destination lands,
+  verifies and makes each chunk visible (credit returns) -> seal -> validate -> one atomic
+  publish in the `DecodeDirectory` -> decode `admit`s the handle -> the source is acknowledged
+  and may release its copy. Any failure before publication takes the one abort path.
+"""

@@ -1,0 +1,153 @@
+"""Drive a transfer end to end over any link: the loops shared by every transport.
+
+Contract:
+  * `drive_source` runs on the prefill worker: manifest -> chunks as layers pass the producer
+    gate and credits allow -> seal -> wait for publication. Unanswered chunks are resent under
+    the same transfer id after `ack_timeout_s`. It returns the source transfer in PUBLISHED or
+    ABORTED state; on a dead link it aborts (credits reclaimed) rather than raising.
+  * `serve_destination` runs on the decode worker: frames in, `DecodeEndpoint.handle`, answers
+    out, until the transfer is terminal. A dead or silent link aborts the unpublished transfer.
+Neither loop knows which transport it drives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.frames import ChunkAck, ManifestFrame, PublishAck
+from pdserve.handoff.source import SourceTransfer
+from pdserve.handoff.states import TxnState
+from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, ReceiverLink, SenderLink
+
+
+@dataclass(frozen=True)
+class DriveConfig:
+    ack_timeout_s: float = 1.0
+    give_up_s: float = 30.0
+    poll_s: float = 0.0005
+
+
+def _payload(src: SourceTransfer, chunk_id: str) -> ChunkPayload:
+    spec = src.manifest.chunk(chunk_id)
+    return ChunkPayload(spec.layer, src.raw, tuple(src.chunk_src_blocks(spec)), tuple(src.manifest.chunk_dst_blocks(spec)))
+
+
+def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
+    """Send every producer-ready chunk the credit window admits; returns how many were sent."""
+    sent = 0
+    for spec in src.ready_chunks():
+        if not src.credits.can_acquire(spec.nbytes):
+            break
+        frame = src.begin_send(spec.chunk_id)
+        link.send_chunk(frame, _payload(src, spec.chunk_id))
+        src.mark_sent(frame)
+        sent += 1
+    return sent
+
+
+def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str]) -> None:
+    for chunk_id in chunk_ids:
+        frame = src.resend_frame(chunk_id, resend=src.log.num_resends + 1)
+        link.send_chunk(frame, _payload(src, chunk_id))
+        src.mark_sent(frame)
+
+
+def _absorb(src: SourceTransfer, link: SenderLink, timeout_s: float) -> bool:
+    """Apply every answer waiting on the link; True if any arrived."""
+    got = False
+    while (answer := link.recv(timeout_s if not got else 0.0)) is not None:
+        got = True
+        try:
+            if isinstance(answer, ChunkAck):
+                src.on_ack(answer)
+            elif isinstance(answer, PublishAck):
+                src.on_publish_ack(answer)
+        except HandoffError as err:
+            if err.reason not in (RejectReason.WRONG_GENERATION, RejectReason.WRONG_TRANSFER):
+                raise
+    return got
+
+
+def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = DriveConfig()) -> SourceTransfer:
+    try:
+        _drive(src, link, config)
+    except LinkClosed:
+        _abort_source(src, link, RejectReason.TRANSPORT_FAILURE)
+    except HandoffError as err:
+        _abort_source(src, link, err.reason)
+    return src
+
+
+def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig) -> None:
+    link.send(ManifestFrame(src.manifest))
+    sealed, last_progress, deadline = False, time.monotonic(), time.monotonic() + config.give_up_s
+    while src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+        if time.monotonic() > deadline:
+            raise HandoffError(RejectReason.TIMEOUT, src.manifest.transfer_id)
+        progressed = _send_ready(src, link) > 0
+        if src.resend_queue:
+            _resend(src, link, _take(src.resend_queue))
+            progressed = True
+        if not sealed and src.all_sent():
+            link.send(src.seal())
+            sealed = True
+        waiting_on_producer = not src.all_sent() and not src.ready_chunks()
+        progressed |= _absorb(src, link, config.poll_s if waiting_on_producer else config.ack_timeout_s / 20)
+        if waiting_on_producer:
+            src.gate.wait_for_more(len(src.gate.ready_times()), config.poll_s)
+        if progressed or waiting_on_producer:
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > config.ack_timeout_s:
+            sealed = _on_silence(src, link, sealed)
+            last_progress = time.monotonic()
+
+
+def _on_silence(src: SourceTransfer, link: SenderLink, sealed: bool) -> bool:
+    """No answer for a while: resend the manifest (idempotent), unanswered chunks, and the seal."""
+    link.send(ManifestFrame(src.manifest))
+    _resend(src, link, src.unacknowledged())
+    if sealed:
+        link.send(src.seal())
+    return sealed
+
+
+def _take(queue: list[str]) -> list[str]:
+    items = list(queue)
+    queue.clear()
+    return items
+
+
+def _abort_source(src: SourceTransfer, link: SenderLink, reason: RejectReason) -> None:
+    if src.state in (TxnState.PUBLISHED, TxnState.ABORTED):
+        return
+    frame = src.abort(reason)
+    try:
+        link.send(frame)
+    except LinkClosed:
+        pass
+
+
+def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id: str,
+                      config: DriveConfig = DriveConfig(), until: Callable[[], bool] | None = None) -> TxnState:
+    """Answer frames until `transfer_id` is terminal (or `until()` holds); returns its final state."""
+    txn = endpoint.transfers[transfer_id]
+    done = until or (lambda: txn.state in (TxnState.PUBLISHED, TxnState.ABORTED))
+    last_frame = time.monotonic()
+    try:
+        while not done():
+            frame = link.recv(config.ack_timeout_s / 10, endpoint.landing_blocks)
+            if frame is None:
+                if time.monotonic() - last_frame > config.give_up_s:
+                    raise LinkClosed("source silent")
+                continue
+            last_frame = time.monotonic()
+            for answer in endpoint.handle(frame):
+                link.send(answer)
+    except LinkClosed:
+        if txn.state < TxnState.PUBLISHED:
+            endpoint.abort(transfer_id, RejectReason.TRANSPORT_FAILURE)
+    return txn.state

@@ -1,0 +1,71 @@
+"""Typed wire messages of the handoff protocol and their one serializer (msgpack, tagged union).
+
+Contract: everything that crosses a process or host boundary is one of these frozen Structs.
+Source -> destination: `ManifestFrame` (opens the transfer), `ChunkFrame` (one chunk has been
+placed, or its payload follows on a byte stream), `SealFrame` (the checksum of every chunk),
+`AbortFrame`. Destination -> source: `ChunkAck` (visible, or refused with a reason),
+`PublishAck` (published or refused), `AbortFrame`.
+Every frame names its transfer id and generation so late frames can be fenced.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.handoff.manifest import HandoffManifest, IdentityFence
+
+
+class ManifestFrame(msgspec.Struct, frozen=True, tag=True):
+    manifest: HandoffManifest
+
+
+class ChunkFrame(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    fence: IdentityFence
+    chunk_id: str
+    layer: int
+    nbytes: int
+    checksum: int
+    resend: int = 0  # 0 for the first send; n for the n-th retry of the same chunk
+
+
+class SealFrame(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    fence: IdentityFence
+    checksums: dict[str, int]
+
+
+class ChunkAck(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    generation: int
+    chunk_id: str
+    visible: bool
+    reason: str | None = None
+
+
+class PublishAck(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    generation: int
+    request_id: str
+    published: bool
+    reason: str | None = None
+
+
+class AbortFrame(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+Frame = ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_frame(data: bytes | memoryview) -> Frame:
+    return _decoder.decode(data)

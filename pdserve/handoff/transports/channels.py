@@ -1,0 +1,121 @@
+"""Frame channels: an in-process queue pair and a length-prefixed socket stream.
+
+Contract: a channel carries whole frames in order. `SocketChannel` writes a 4-byte length, the
+msgpack header and then any payload views in one scatter-gather `sendmsg` (no concatenation),
+and reads payloads with `recv_into` straight into caller-provided views (the destination pool).
+A closed peer raises `LinkClosed`.
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import struct
+import threading
+
+import numpy as np
+
+from pdserve.handoff.frames import Frame, decode_frame, encode_frame
+from pdserve.handoff.transports.base import LinkClosed
+
+_LEN = struct.Struct("<I")
+_SCRATCH_BYTES = 1 << 20
+
+
+class QueueChannel:
+    """One direction of an in-process frame queue."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def put(self, frame: Frame) -> None:
+        with self._cond:
+            if self.closed:
+                raise LinkClosed("queue closed")
+            self._items.append(frame)
+            self._cond.notify()
+
+    def get(self, timeout_s: float) -> Frame | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._items or self.closed, timeout_s)
+            if self._items:
+                return self._items.popleft()
+            if self.closed:
+                raise LinkClosed("queue closed")
+            return None
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class SocketChannel:
+    """Frames over a connected stream socket (TCP or Unix)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        sock.setblocking(True)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._scratch = bytearray(_SCRATCH_BYTES)
+
+    def send_frame(self, frame: Frame, views: list[np.ndarray] = ()) -> int:
+        """Send header (+ payload views); returns header bytes on the wire."""
+        header = encode_frame(frame)
+        buffers = [_LEN.pack(len(header)) + header] + [memoryview(v).cast("B") for v in views]
+        self._sendmsg_all(buffers)
+        return _LEN.size + len(header)
+
+    def _sendmsg_all(self, buffers: list) -> None:
+        try:
+            while buffers:
+                sent = self.sock.sendmsg(buffers[:64])
+                while buffers and sent >= len(buffers[0]):
+                    sent -= len(buffers[0])
+                    buffers.pop(0)
+                if sent:
+                    buffers[0] = memoryview(buffers[0])[sent:]
+        except (BrokenPipeError, ConnectionResetError, OSError) as err:
+            raise LinkClosed(str(err)) from err
+
+    def recv_frame(self, timeout_s: float) -> Frame | None:
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        if not ready:
+            return None
+        size = bytearray(_LEN.size)
+        self._recv_exact(memoryview(size))
+        header = bytearray(_LEN.unpack(size)[0])
+        self._recv_exact(memoryview(header))
+        return decode_frame(header)
+
+    def recv_into_views(self, views: list[np.ndarray]) -> None:
+        for v in views:
+            self._recv_exact(memoryview(v).cast("B"))
+
+    def discard(self, nbytes: int) -> None:
+        view = memoryview(self._scratch)
+        while nbytes > 0:
+            step = min(nbytes, len(view))
+            self._recv_exact(view[:step])
+            nbytes -= step
+
+    def _recv_exact(self, view: memoryview) -> None:
+        while len(view):
+            try:
+                n = self.sock.recv_into(view)
+            except (ConnectionResetError, OSError) as err:
+                raise LinkClosed(str(err)) from err
+            if n == 0:
+                raise LinkClosed("peer closed the connection")
+            view = view[n:]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

@@ -1,0 +1,87 @@
+"""TCP transport: a small header frame, then the chunk's bytes, on one stream per (source, destination).
+
+Contract: the sender writes the header and the chunk's pool views in one scatter-gather call
+(no staging copy); the receiver asks the protocol where the chunk may land and `recv_into`s the
+bytes straight into those destination blocks, or drains them into scratch when the chunk is
+fenced, unknown or already accepted. Chunks are sized by the manifest (~1 MiB each).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from pdserve.handoff.frames import ChunkFrame, Frame
+from pdserve.handoff.kvbytes import chunk_views
+from pdserve.handoff.transports.base import ChunkPayload, Landing, ReceiverLink, SenderLink
+from pdserve.handoff.transports.channels import SocketChannel
+
+_SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune(sock: socket.socket) -> socket.socket:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
+    return sock
+
+
+class TcpSenderLink(SenderLink):
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.channel = SocketChannel(tune(sock))
+
+    def send(self, frame: Frame) -> None:
+        self.traffic.record(header_bytes=self.channel.send_frame(frame), num_frames=1)
+
+    def send_chunk(self, frame: ChunkFrame, payload: ChunkPayload) -> None:
+        views = chunk_views(payload.src_raw, payload.layer, list(payload.src_blocks))
+        header = self.channel.send_frame(frame, views)
+        self.traffic.record(header_bytes=header, payload_bytes=frame.nbytes, num_frames=1,
+                            retry_bytes=frame.nbytes if frame.resend else 0)
+
+    def recv(self, timeout_s: float) -> Frame | None:
+        return self.channel.recv_frame(timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class TcpReceiverLink(ReceiverLink):
+    def __init__(self, sock: socket.socket, dst_raw: np.ndarray):
+        super().__init__()
+        self.channel = SocketChannel(tune(sock))
+        self.dst_raw = dst_raw
+
+    def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
+        frame = self.channel.recv_frame(timeout_s)
+        if isinstance(frame, ChunkFrame):
+            blocks = landing(frame)
+            if blocks is None:
+                self.channel.discard(frame.nbytes)
+            else:
+                self.channel.recv_into_views(chunk_views(self.dst_raw, frame.layer, blocks))
+            self.traffic.record(payload_bytes=frame.nbytes, num_frames=1)
+        return frame
+
+    def send(self, frame: Frame) -> None:
+        self.channel.send_frame(frame)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def listen_local(host: str = "127.0.0.1") -> socket.socket:
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tune(server)
+    server.bind((host, 0))
+    server.listen(1)
+    return server
+
+
+def connect(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tune(sock)
+    sock.connect(address)
+    return sock
