@@ -243,7 +243,8 @@ class Engine:
         if not self.blocks.can_reserve(prompt_blocks + growth):
             raise InvalidRequest(f"no K/V capacity for {prompt_blocks + growth} blocks")  # caller checks first
         hashes = self.blocks.hashes_for(prompt_ids)
-        visible = self.blocks.acquire_prefix(hashes, prompt_ids, limit=len(hashes))
+        # like local admission, at least the last block moves: the transfer set is never empty
+        visible = self.blocks.acquire_prefix(hashes, prompt_ids, limit=(len(prompt_ids) - 1) // self.abi.block_size)
         fresh = self.blocks.allocate(prompt_blocks - len(visible))
         self.blocks.reserve(request_id, growth)
         res = ImportReservation(request_id, tuple(visible + fresh), len(visible), growth)

@@ -64,6 +64,8 @@ class ReserveKv(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     source_worker: str
     source_epoch: int
+    attempt: int = 0
+    tenant: str = "default"
 
 
 class StartDecode(msgspec.Struct, frozen=True, tag=True):
@@ -139,6 +141,7 @@ class Reserved(msgspec.Struct, frozen=True, tag=True):
     reason: str | None = None
     dest_blocks: tuple[int, ...] = ()
     num_visible_blocks: int = 0
+    reservation_id: str = ""
 
 
 class TransferDone(msgspec.Struct, frozen=True, tag=True):

@@ -1,0 +1,122 @@
+"""Running `pdserve bench`: one offered rate, or a goodput sweep, against one endpoint.
+
+Contract: `run_bench(config)` replays the seeded workload (at `rate`, or at every rate the
+goodput search asks for), applies the measurement window, and returns a `BenchOutcome` whose
+`report` is the JSON document; `runs` keeps every rate's records for plotting. With a sweep the
+report's top-level metrics are those of the run at the joint goodput rate (the lowest measured
+rate if none passed), and `sweep` lists every measured rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.goodput import GoodputResult, SearchPlan, next_rate_any, result
+from pdserve.bench.metrics import Attainment, Slo, attainment, select_window, summarize
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.report import DEFINITIONS, goodput_fields, record_dicts, slo_fields, sweep_point, window_fields
+from pdserve.bench.runner import run_requests_sync
+from pdserve.bench.workload import Workload, WorkloadConfig, build_workload
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark: where, what workload, which SLO, and at what rate(s)."""
+
+    endpoint: EndpointConfig
+    workload: WorkloadConfig
+    slo: Slo
+    rate: float | None = None
+    sweep: SearchPlan | None = None
+    warmup_s: float = 0.0
+    cooldown_s: float = 0.0
+    quiet: bool = False
+    include_records: bool = False
+
+
+@dataclass(frozen=True)
+class RateRun:
+    """One replay at one offered rate (None: a trace's own timing), after windowing."""
+
+    rate: float | None
+    records: tuple[RequestRecord, ...]
+    measured: tuple[RequestRecord, ...]
+    summary: dict
+    attainment: Attainment
+
+
+@dataclass(frozen=True)
+class BenchOutcome:
+    """The report plus the runs behind it."""
+
+    report: dict
+    runs: dict[float | None, RateRun]
+    goodput: dict[str, GoodputResult] | None = None
+
+
+def measure_rate(config: BenchConfig, workload: Workload, rate: float | None, label: str = "") -> RateRun:
+    """Replay `workload` at `rate` and summarise its measurement window."""
+    requests = workload.at_rate(rate)
+    result_ = run_requests_sync(requests, config.endpoint, quiet=config.quiet, label=label or _rate_label(rate))
+    window = select_window(result_.records, config.warmup_s, config.cooldown_s)
+    summary = {**window_fields(window, len(requests)), **summarize(window.measured, config.slo)}
+    summary["offered_rate"] = rate if rate is not None else workload.native_rate
+    summary["max_send_lag_ms"] = result_.max_send_lag_s * 1e3
+    att = attainment(window.measured, config.slo)
+    return RateRun(rate, result_.records, window.measured, summary, att)
+
+
+def run_bench(config: BenchConfig) -> BenchOutcome:
+    """The whole benchmark `config` describes."""
+    workload = build_workload(config.workload)
+    if config.sweep is None:
+        run = measure_rate(config, workload, config.rate)
+        return BenchOutcome(_report(config, run), {config.rate: run})
+    runs = sweep(config, workload)
+    results = {d: result({r: run.attainment for r, run in runs.items()}, config.sweep, d) for d in ("joint", "phase")}
+    return BenchOutcome(_sweep_report(config, runs, results), runs, results)
+
+
+def sweep(config: BenchConfig, workload: Workload) -> dict[float, RateRun]:
+    """Measure every rate the goodput search asks for."""
+    runs: dict[float, RateRun] = {}
+    while (rate := next_rate_any({r: run.attainment for r, run in runs.items()}, config.sweep)) is not None:
+        runs[rate] = measure_rate(config, workload, rate)
+    return runs
+
+
+def metadata(config: BenchConfig) -> dict:
+    """What was measured and how, for the report."""
+    workload = asdict(config.workload)
+    workload["input_len"] = str(config.workload.input_len)
+    workload["output_len"] = str(config.workload.output_len)
+    endpoint = {k: v for k, v in asdict(config.endpoint).items() if k != "api_key"}
+    return {
+        "endpoint": endpoint,
+        "workload": workload,
+        **slo_fields(config.slo),
+        "warmup_s": config.warmup_s,
+        "cooldown_s": config.cooldown_s,
+        "definitions": DEFINITIONS,
+    }
+
+
+def _report(config: BenchConfig, run: RateRun) -> dict:
+    report = {**metadata(config), **run.summary}
+    if config.include_records:
+        report["records"] = record_dicts(run.records)
+    return report
+
+
+def _sweep_report(config: BenchConfig, runs: dict[float, RateRun], results: dict[str, GoodputResult]) -> dict:
+    joint_rate = results["joint"].rate
+    headline = runs[joint_rate] if joint_rate in runs else runs[min(runs)]
+    report = _report(config, headline)
+    report.update(goodput_fields(results, config.sweep))
+    report["sweep"] = [sweep_point(rate, runs[rate].summary) for rate in sorted(runs)]
+    return report
+
+
+def _rate_label(rate: float | None) -> str:
+    return "trace timing" if rate is None else f"{rate:g} req/s"

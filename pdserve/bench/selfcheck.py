@@ -1,0 +1,82 @@
+"""Is the client the bottleneck? Its own TTFT measurement error against the stand-in.
+
+The stand-in records, per request id, the TTFT it actually delivered (request fully read ->
+first token written). The client measures TTFT from just before handing the request to httpx to
+reading the first data line. Their difference is everything the benchmark adds: request
+serialisation, connection handling, the loopback network and event-loop lag. We report its
+percentiles at a given offered rate, and also the error against the nominal (configured) delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.lengths import fixed
+from pdserve.bench.runner import run_requests
+from pdserve.bench.standin import StandinConfig, StandinProcess
+from pdserve.bench.workload import WorkloadConfig, build_workload
+
+
+@dataclass(frozen=True)
+class ClientCheckConfig:
+    """The offered load and the stand-in's timing."""
+
+    rate: float = 200.0
+    num_requests: int = 2000
+    input_len: int = 128
+    output_len: int = 8
+    first_token_s: float = 0.02
+    inter_token_s: float = 0.005
+    arrival: str = "poisson"
+    seed: int = 0
+
+
+def check_client(config: ClientCheckConfig, quiet: bool = True) -> dict:
+    """Run the check against a fresh stand-in process; returns the report dictionary."""
+    standin = StandinConfig(first_token_s=config.first_token_s, inter_token_s=config.inter_token_s)
+    with StandinProcess(standin) as server:
+        return asyncio.run(_measure(server.url, config, quiet))
+
+
+async def _measure(url: str, config: ClientCheckConfig, quiet: bool) -> dict:
+    workload = build_workload(
+        WorkloadConfig(
+            num_requests=config.num_requests,
+            input_len=fixed(config.input_len),
+            output_len=fixed(config.output_len),
+            seed=config.seed,
+            arrival=ArrivalSpec(config.arrival),
+        )
+    )
+    endpoint = EndpointConfig(base_url=url, model="standin")
+    result = await run_requests(workload.at_rate(config.rate), endpoint, quiet=quiet, label="bench-client")
+    async with httpx.AsyncClient(trust_env=False) as client:
+        server_ttft_s = (await client.get(url + "/standin/stats")).json()["server_ttft_s"]
+    return _report(config, result, server_ttft_s)
+
+
+def _report(config: ClientCheckConfig, result, server_ttft_s: dict[str, float]) -> dict:
+    measured = [r for r in result.records if r.success and str(r.request_id) in server_ttft_s]
+    error_ms = np.array([(r.ttft_s - server_ttft_s[str(r.request_id)]) * 1e3 for r in measured])
+    nominal_ms = np.array([(r.ttft_s - config.first_token_s) * 1e3 for r in measured])
+    report = {
+        "rate": config.rate,
+        "num_requests": config.num_requests,
+        "completed": len(measured),
+        "achieved_request_rate": len(result.records) / result.wall_s if result.wall_s else 0.0,
+        "max_send_lag_ms": result.max_send_lag_s * 1e3,
+        "first_token_ms": config.first_token_s * 1e3,
+        "percentile_method": "numpy linear interpolation",
+    }
+    for name, values in (("ttft_error", error_ms), ("ttft_error_vs_nominal", nominal_ms)):
+        for q in (50, 90, 99):
+            report[f"p{q}_{name}_ms"] = float(np.percentile(values, q)) if len(values) else None
+        report[f"max_{name}_ms"] = float(values.max()) if len(values) else None
+    report["within_1ms_at_p99"] = bool(report["p99_ttft_error_ms"] is not None and report["p99_ttft_error_ms"] <= 1.0)
+    return report

@@ -1,0 +1,190 @@
+"""A worker's end of the K/V handoff: sources on prefill workers, a listener on decode workers.
+
+Contract:
+- `HandoffSender.start(...)` (prefill worker) builds the manifest for one request against the
+  destination's reservation, opens a link (shm: copy straight into the destination's shared
+  pool, frames on a socket; tcp: frames and payloads on the socket) and drives the transfer on
+  its own thread. The engine marks layers ready through `gate(request_id)`; the thread reports
+  the finished `SourceTransfer` through `on_done`.
+- `HandoffListener` (decode worker) accepts one connection per transfer and answers frames with
+  the worker's `DecodeEndpoint`; every endpoint call runs under the worker lock, payload bytes
+  land in reserved blocks outside it. The final state is reported through `on_done`.
+Link preamble: one byte, b"S" (shm) or b"T" (tcp), then frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from pdserve.engine.kv_abi import CacheIdentity
+from pdserve.engine.kv_pool import KvPool
+from pdserve.handoff.credits import ByteCredits
+from pdserve.handoff.driver import DriveConfig, drive_source
+from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.frames import Frame, ManifestFrame
+from pdserve.handoff.kvbytes import pool_bytes
+from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
+from pdserve.handoff.source import LayerGate, SourceTransfer
+from pdserve.handoff.states import TxnState
+from pdserve.handoff.trace import TraceSink
+from pdserve.handoff.transports.base import LinkClosed, ReceiverLink
+from pdserve.handoff.transports.channels import SocketChannel
+from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
+from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, tune
+from pdserve.workers.messages import TransferPlan
+
+CHUNK_TARGET_BYTES = 1 << 20
+
+
+def prompt_digest(prompt_ids: tuple[int, ...] | list[int]) -> str:
+    return hashlib.sha256(np.asarray(prompt_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+class HandoffSender:
+    def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
+                 on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20):
+        self.worker_id, self.epoch = worker_id, epoch
+        self.pool, self.raw, self.identity, self.trace = pool, pool_bytes(pool), identity, trace
+        self.credits = ByteCredits(credit_bytes)
+        self.on_done = on_done
+        self.gates: dict[str, LayerGate] = {}
+
+    def gate(self, request_id: str) -> LayerGate | None:
+        return self.gates.get(request_id)
+
+    def start(self, request_id: str, prompt_ids: tuple[int, ...], src_blocks: list[int], plan: TransferPlan,
+              tenant: str, schedule: str) -> SourceTransfer:
+        abi = self.pool.abi
+        fence = IdentityFence(tenant, request_id, plan.generation, plan.attempt, self.worker_id, self.epoch,
+                              plan.dest_worker, plan.dest_epoch, plan.reservation_id)
+        span = PromptSpan(prompt_digest(prompt_ids), len(prompt_ids), plan.num_visible_blocks)
+        per_chunk = max(1, CHUNK_TARGET_BYTES // (2 * abi.slab_bytes))
+        manifest = build_manifest(plan.transfer_id, fence, span, self.identity, abi,
+                                  list(plan.dest_blocks[plan.num_visible_blocks:]), per_chunk, schedule)
+        gate = LayerGate(abi.num_layers, clock=time.monotonic)
+        self.gates[request_id] = gate
+        blocks = src_blocks[plan.num_visible_blocks : len(plan.dest_blocks)]
+        src = SourceTransfer(manifest, self.raw, blocks, self.credits, gate, self.trace, worker=self.worker_id)
+        threading.Thread(target=self._run, args=(request_id, src, plan), daemon=True, name=f"send-{request_id}").start()
+        return src
+
+    def _run(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
+        t0 = time.monotonic()
+        try:
+            link = self._open_link(plan)
+        except OSError:
+            link = None
+        physical = 0
+        if link is None:
+            src.abort(_transport_failure())
+        else:
+            try:
+                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0))
+            finally:
+                physical = link.traffic.snapshot.total_bytes
+                link.close()
+        self.gates.pop(request_id, None)
+        self.on_done(request_id, src, time.monotonic() - t0, physical)
+
+    def _open_link(self, plan: TransferPlan):
+        sock = tune(socket.create_connection(tuple(plan.dest_address), timeout=5.0))
+        sock.settimeout(None)
+        if plan.transport == "shm" and plan.dest_shm_name:
+            sock.sendall(b"S")
+            return ShmSenderLink(SocketChannel(sock), self.pool.abi, plan.dest_shm_name, plan.dest_num_blocks)
+        sock.sendall(b"T")
+        return TcpSenderLink(sock)
+
+
+def _transport_failure():
+    from pdserve.handoff.errors import RejectReason
+
+    return RejectReason.TRANSPORT_FAILURE
+
+
+class _FirstFrameLink(ReceiverLink):
+    """Replays the manifest frame the listener read to learn the transfer id."""
+
+    def __init__(self, inner: ReceiverLink, first: Frame):
+        super().__init__()
+        self.inner, self.first = inner, first
+
+    def recv(self, timeout_s, landing):
+        if self.first is not None:
+            frame, self.first = self.first, None
+            return frame
+        return self.inner.recv(timeout_s, landing)
+
+    def send(self, frame: Frame) -> None:
+        self.inner.send(frame)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class HandoffListener:
+    def __init__(self, endpoint: DecodeEndpoint, lock: threading.RLock, host: str,
+                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0):
+        self.endpoint, self.lock, self.on_done = endpoint, lock, on_done
+        self.give_up_s = give_up_s
+        self.sock = socket.create_server((host, 0))
+        self.address = (host, self.sock.getsockname()[1])
+        threading.Thread(target=self._accept_loop, daemon=True, name="handoff-listener").start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(tune(conn),), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            kind = conn.recv(1)
+            link = ShmReceiverLink(SocketChannel(conn)) if kind == b"S" else TcpReceiverLink(conn, self.endpoint.raw)
+            first = link.recv(5.0, self._landing)
+        except (OSError, LinkClosed):
+            conn.close()
+            return
+        if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers:
+            link.close()
+            return
+        transfer_id = first.manifest.transfer_id
+        state = self._answer(_FirstFrameLink(link, first), transfer_id)
+        link.close()
+        self.on_done(transfer_id, state)
+
+    def _landing(self, frame):
+        with self.lock:
+            return self.endpoint.landing_blocks(frame)
+
+    def _answer(self, link: ReceiverLink, transfer_id: str) -> TxnState:
+        txn = self.endpoint.transfers[transfer_id]
+        last = time.monotonic()
+        try:
+            while txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+                frame = link.recv(0.1, self._landing)
+                if frame is None:
+                    if time.monotonic() - last > self.give_up_s:
+                        raise LinkClosed("source silent")
+                    continue
+                last = time.monotonic()
+                with self.lock:
+                    answers = self.endpoint.handle(frame)
+                for answer in answers:
+                    link.send(answer)
+        except (LinkClosed, OSError):
+            with self.lock:
+                if txn.state < TxnState.PUBLISHED:
+                    self.endpoint.abort(transfer_id, _transport_failure())
+        return txn.state
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,102 @@
+"""The prefill role inside a worker: prefill-only requests whose K/V is handed to a decode worker.
+
+Life cycle of one request here:
+    Prefill(plan) -> engine.add_request(PREFILL_ONLY)
+    -> (layer-wise) the step that completes the prompt starts the transfer at layer 0 and marks
+       each layer ready as the forward passes it; (serialized) the transfer starts after the step
+    -> first token reported to the router (prefilled=True)
+    -> source transfer PUBLISHED: the source copy is released (publication was acknowledged)
+       ABORTED: released too; the router recomputes or reroutes (decode-start fallback)
+    -> TransferDone(side="source") with logical bytes, transfer and exposed seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import SeqMode
+from pdserve.handoff.source import SourceTransfer
+from pdserve.handoff.states import TxnState
+from pdserve.handoff.streaming import choose_schedule
+from pdserve.workers import messages as m
+from pdserve.workers.handoff_io import HandoffSender
+
+
+class PrefillSide:
+    def __init__(self, worker):
+        self.worker = worker
+        self.engine = worker.engine
+        self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
+                                    on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))))
+        self.plans: dict[str, m.Prefill] = {}
+        self.started: dict[str, SourceTransfer] = {}
+        self.prefill_end: dict[str, float] = {}
+
+    def on_prefill(self, msg: m.Prefill) -> None:
+        with self.worker.lock:
+            self.engine.add_request(msg.request_id, list(msg.prompt_ids), msg.params, mode=SeqMode.PREFILL_ONLY, seed=msg.seed)
+        self.plans[msg.request_id] = msg
+        plan = msg.plan
+        self.worker.trace.emit("prefill_start", msg.request_id, plan.transfer_id, plan.generation, plan.attempt, worker=self.worker.id)
+
+    def _schedule(self, msg: m.Prefill) -> str:
+        return choose_schedule(len(msg.prompt_ids), self.worker.config.layerwise_threshold_tokens)
+
+    def _start(self, request_id: str, schedule: str) -> SourceTransfer:
+        msg = self.plans[request_id]
+        blocks = self.engine.kv_blocks(request_id)
+        src = self.sender.start(request_id, msg.prompt_ids, blocks, msg.plan, msg.plan.tenant, schedule)
+        self.started[request_id] = src
+        return src
+
+    def layer_hook(self, layer: int, completing: tuple[str, ...]) -> None:
+        """Runs inside the forward, after `layer` wrote its K/V rows: the producer gate opens."""
+        for rid in completing:
+            msg = self.plans.get(rid)
+            if msg is None or self._schedule(msg) != "layerwise" or msg.params.max_tokens <= 1:
+                continue
+            if rid not in self.started:
+                self._start(rid, "layerwise")
+            self.sender.gate(rid).mark_ready(layer)
+            plan = msg.plan
+            self.worker.trace.emit("layer_ready", rid, plan.transfer_id, plan.generation, plan.attempt, layer=layer, worker=self.worker.id)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            msg = self.plans.get(out.request_id)
+            if msg is None:
+                continue
+            plan = msg.plan
+            self.prefill_end[out.request_id] = time.monotonic()
+            self.worker.trace.emit("prefill_end", out.request_id, plan.transfer_id, plan.generation, plan.attempt, worker=self.worker.id)
+            if out.finished:  # ended at the first token: nothing to hand off (the router drops D's reservation)
+                self.plans.pop(out.request_id)
+                continue
+            if out.request_id not in self.started:
+                with self.worker.lock:
+                    self._start(out.request_id, "serialized")
+                self.sender.gate(out.request_id).mark_all_ready()
+
+    def on_event(self, kind: str, payload) -> None:
+        rid, src, transfer_s, physical, done_at = payload
+        published = src.state is TxnState.PUBLISHED
+        with self.worker.lock:
+            if published:
+                src.release_source()  # legal only after the publish ack; the engine frees the blocks
+            if rid in self.engine.prefilled:
+                self.engine.release_prefilled(rid)
+        self.started.pop(rid, None)
+        self.plans.pop(rid, None)
+        end = self.prefill_end.pop(rid, done_at)
+        manifest = src.manifest
+        self.worker.send(m.TransferDone(
+            self.worker.id, self.worker.epoch, rid, manifest.transfer_id, manifest.fence.generation, "source", published,
+            reason=None if published else (src.terminal_reason.value if src.terminal_reason else "aborted"),
+            logical_bytes=manifest.total_bytes, physical_bytes=physical,
+            transfer_s=transfer_s, exposed_s=max(0.0, done_at - end),
+        ))
+
+    def abort(self, request_id: str) -> None:
+        self.plans.pop(request_id, None)
+        self.prefill_end.pop(request_id, None)

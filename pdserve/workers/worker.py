@@ -1,0 +1,197 @@
+"""A worker process: one engine with a role (prefill, decode or colocated) behind a zmq socket.
+
+Contract: the worker registers with the router, heartbeats its load every `heartbeat_s`, and
+handles typed commands between engine steps (see messages.py for the request life cycle).
+The main thread owns the engine; handoff threads touch it only under `self.lock`, and the
+engine releases the lock during the model forward so transfers land while it computes.
+A request that fails here is reported as a WorkerError for that request; the worker keeps
+serving. Fault injection never lives here: tests kill the process from outside.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.errors import EngineError
+from pdserve.engine.outputs import RequestOutput
+from pdserve.handoff.trace import TraceSink
+from pdserve.workers import messages as m
+from pdserve.workers.decode_side import DecodeSide
+from pdserve.workers.prefill_side import PrefillSide
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    router_address: str  # zmq endpoint, e.g. tcp://127.0.0.1:5555
+    epoch: int = 1
+    host_id: str = "localhost"
+    handoff_host: str = "127.0.0.1"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cpu_affinity: tuple[int, ...] = ()
+    heartbeat_s: float = 0.25
+    trace_path: str | None = None
+    layerwise_threshold_tokens: int = 256
+
+
+def pin_threads(config: WorkerConfig) -> None:
+    if config.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(config.cpu_affinity))
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        pin_threads(config)
+        self.config, self.id, self.epoch = config, config.worker_id, config.epoch
+        shm = f"pdserve-{config.worker_id}-{os.getpid()}" if config.role != "prefill" else None
+        self.engine = Engine(_with_shm(config.engine, shm))
+        self.lock = threading.RLock()
+        self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop
+        self.trace = TraceSink(path=config.trace_path, keep=False)
+        self.prefill = PrefillSide(self) if config.role in ("prefill", "colocated") else None
+        self.decode = DecodeSide(self) if config.role in ("decode", "colocated") else None
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(config.router_address)
+        self.running = True
+        self._last_beat = 0.0
+
+    # ---- messaging ------------------------------------------------------------------------
+    def send(self, msg: m.ToRouter) -> None:
+        self.sock.send(m.encode(msg))
+
+    def register(self) -> None:
+        eng = self.engine
+        self.send(m.Register(
+            worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.config.role, pid=os.getpid(),
+            num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,
+            abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
+            handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
+        ))
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_beat < self.config.heartbeat_s:
+            return
+        self._last_beat = now
+        with self.lock:
+            eng = self.engine
+            running = eng.scheduler.running
+            load = m.Load(
+                pending_prompt_tokens=eng.scheduler.num_pending_prompt_tokens,
+                active_decode=sum(1 for s in running if s.is_decoding),
+                num_running=len(running) + len(eng.scheduler.waiting),
+                free_blocks=eng.blocks.num_free,
+                reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
+            )
+            hashes = tuple(list(eng.blocks.cached)[:4096])
+        self.send(m.Heartbeat(self.id, self.epoch, load, hashes))
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        self.register()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while self.running:
+            busy = self.engine.has_unfinished()
+            timeout_ms = 0 if busy else 2
+            while dict(poller.poll(timeout_ms)).get(self.sock):
+                self.handle(m.decode_to_worker(self.sock.recv()))
+                timeout_ms = 0
+            self.drain_events()
+            if self.engine.has_unfinished():
+                self.step()
+            self.heartbeat()
+        self.close()
+
+    def handle(self, msg: m.ToWorker) -> None:
+        try:
+            if isinstance(msg, m.Generate):
+                self.add_local(msg)
+            elif isinstance(msg, m.Prefill):
+                self.prefill.on_prefill(msg)
+            elif isinstance(msg, m.ReserveKv):
+                self.decode.on_reserve(msg)
+            elif isinstance(msg, m.StartDecode):
+                self.decode.on_start(msg)
+            elif isinstance(msg, m.Abort):
+                self.abort(msg.request_id)
+            elif isinstance(msg, m.Shutdown):
+                self.running = False
+        except (EngineError, ValueError, KeyError) as exc:
+            self.send(m.WorkerError(self.id, self.epoch, getattr(msg, "request_id", "?"), str(exc), "invalid_request"))
+
+    def add_local(self, msg: m.Generate) -> None:
+        with self.lock:
+            self.engine.add_request(msg.request_id, list(msg.prompt_ids), msg.params, seed=msg.seed,
+                                    resume_output_ids=msg.resume_output_ids)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            if self.decode:
+                self.decode.abort(request_id)
+            if self.prefill:
+                self.prefill.abort(request_id)
+            self.engine.abort(request_id)
+
+    def drain_events(self) -> None:
+        while True:
+            try:
+                kind, payload = self.events.get_nowait()
+            except queue.Empty:
+                return
+            side = self.prefill if kind.startswith("source") else self.decode
+            side.on_event(kind, payload)
+
+    def step(self) -> None:
+        hook = self.prefill.layer_hook if self.prefill else None
+        outputs = self.engine.step(layer_hook=hook, lock=self.lock)
+        if self.prefill:
+            self.prefill.after_step(outputs)
+        if self.decode:
+            self.decode.after_step(outputs)
+        self.send_outputs(outputs)
+
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        items = tuple(
+            m.TokenItem(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
+                        o.num_cached_tokens, o.prefilled)
+            for o in outputs
+        )
+        self.send(m.Tokens(self.id, self.epoch, items))
+
+    def close(self) -> None:
+        if self.decode:
+            self.decode.close()
+        self.sock.close()
+        self.trace.close()
+        self.engine.pool.close(unlink=True)
+
+
+def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(config, kv_shm_name=shm_name)
+
+
+def serve_worker(config: WorkerConfig) -> None:
+    """Process entry point (multiprocessing target or Ray actor body)."""
+    worker = Worker(config)
+    try:
+        worker.run()
+    finally:
+        if worker.running:
+            worker.close()
