@@ -1,0 +1,70 @@
+"""Router configuration: serving mode, cluster shape, SLO targets, heartbeat timing, policy.
+
+`--mode disaggregated --prefill N --decode M` (any xPyD) and `--mode colocated --replicas N`
+map onto `ClusterShape`; both drive the same `Router` API, only the accepted worker roles differ.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import Role
+
+
+class Mode(str, enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    COLOCATED = "colocated"
+
+    @property
+    def roles(self) -> frozenset[Role]:
+        if self is Mode.COLOCATED:
+            return frozenset({Role.COLOCATED})
+        return frozenset({Role.PREFILL, Role.DECODE})
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """How many workers of each role a launcher starts."""
+
+    mode: Mode
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode is Mode.DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1 or self.num_colocated):
+            raise ValueError("disaggregated mode needs --prefill >= 1 and --decode >= 1 and no replicas")
+        if self.mode is Mode.COLOCATED and (self.num_colocated < 1 or self.num_prefill or self.num_decode):
+            raise ValueError("colocated mode needs --replicas >= 1 and no prefill/decode workers")
+
+    @classmethod
+    def disaggregated(cls, num_prefill: int, num_decode: int) -> ClusterShape:
+        return cls(Mode.DISAGGREGATED, num_prefill=num_prefill, num_decode=num_decode)
+
+    @classmethod
+    def colocated(cls, replicas: int) -> ClusterShape:
+        return cls(Mode.COLOCATED, num_colocated=replicas)
+
+    def roles(self) -> list[Role]:
+        """One role per worker to launch, prefill workers first."""
+        return [Role.PREFILL] * self.num_prefill + [Role.DECODE] * self.num_decode + [Role.COLOCATED] * self.num_colocated
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: Mode
+    model_identity: str
+    kv_abi_hash: str
+    policy: str = "slo"  # one of policies.POLICIES
+    cost: CostModel = field(default_factory=CostModel)
+    ttft_slo_s: float = 2.0  # default targets for requests that carry none
+    tpot_slo_s: float = 0.1
+    heartbeat_interval_s: float = 1.0
+    missed_heartbeats: int = 3  # a worker silent this many intervals is retired
+    retry_after_s: float = 1.0  # suggested Retry-After when capacity is exhausted
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.missed_heartbeats

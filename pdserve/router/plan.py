@@ -1,0 +1,77 @@
+"""Turn a policy's `Choice` into the holds to take and the `RoutePlan` to hand the runtime."""
+
+from __future__ import annotations
+
+from pdserve.router import demand
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import BlockHold, RoutePlan, RouteRequest
+from pdserve.router.policies import Choice
+from pdserve.router.reservations import HoldRequest
+from pdserve.router.snapshot import Snapshot
+
+
+def hold_requests(
+    snapshot: Snapshot, request: RouteRequest, choice: Choice, block_size: int
+) -> tuple[HoldRequest | None, HoldRequest]:
+    """(staging hold at P or None when colocated, decode reservation at D)."""
+    p_hit, d_hit = choice.prefill_hit_blocks, choice.decode_hit_blocks
+    tokens = int(demand.compute_tokens(request, p_hit, block_size))
+    if snapshot.colocated:
+        w = snapshot.decode
+        blocks = int(demand.colocated_blocks(request, p_hit, block_size))
+        slot = choice.decode_slot
+        return None, HoldRequest(w.worker_ids[slot], w.role_epochs[slot], blocks, tokens=tokens, seqs=1)
+    p, d = snapshot.prefill, snapshot.decode
+    ps, ds = choice.prefill_slot, choice.decode_slot
+    p_blocks = int(demand.prefill_blocks(request, p_hit, block_size))
+    d_blocks = int(demand.decode_blocks(request, d_hit, block_size))
+    return (
+        HoldRequest(p.worker_ids[ps], p.role_epochs[ps], p_blocks, tokens=tokens),
+        HoldRequest(d.worker_ids[ds], d.role_epochs[ds], d_blocks, seqs=1),
+    )
+
+
+def predicted_clocks(snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel) -> tuple[float, float]:
+    """(TTFT s, TPOT s) for the chosen pair, with the same formulas the cost-aware policies use."""
+    bs = cost.block_size_tokens
+    p, d = snapshot.prefill, snapshot.decode
+    ps, ds = choice.prefill_slot, choice.decode_slot
+    compute = int(demand.compute_tokens(request, choice.prefill_hit_blocks, bs))
+    per_p = cost.queue_s(int(p.pending_tokens[ps])) + cost.prefill_s(compute)
+    batch = int(d.active_batch[ds])
+    tpot_s = cost.decode_step_s(batch + 1)
+    if snapshot.colocated:
+        return per_p + cost.admission_delay_s(batch), tpot_s
+    transfer_bytes = int(demand.transfer_tokens(request, choice.decode_hit_blocks, bs)) * cost.kv_bytes_per_token
+    same = int(snapshot.same_host[ps, ds])
+    return per_p + (cost.transfer_s(transfer_bytes, same) + cost.admission_delay_s(batch)), tpot_s
+
+
+def route_plan(
+    snapshot: Snapshot,
+    request: RouteRequest,
+    choice: Choice,
+    cost: CostModel,
+    policy: str,
+    holds: tuple[BlockHold | None, BlockHold],
+) -> RoutePlan:
+    bs = cost.block_size_tokens
+    ttft_s, tpot_s = predicted_clocks(snapshot, request, choice, cost)
+    prefill_id = snapshot.prefill.worker_ids[choice.prefill_slot]
+    decode_id = snapshot.decode.worker_ids[choice.decode_slot]
+    transfer = 0 if snapshot.colocated else int(demand.transfer_tokens(request, choice.decode_hit_blocks, bs))
+    return RoutePlan(
+        request_id=request.request_id,
+        policy=policy,
+        prefill_id=prefill_id,
+        decode_id=decode_id,
+        prefill_hit_blocks=choice.prefill_hit_blocks,
+        decode_hit_blocks=choice.decode_hit_blocks,
+        compute_tokens=int(demand.compute_tokens(request, choice.prefill_hit_blocks, bs)),
+        transfer_tokens=transfer,
+        transfer_bytes=transfer * cost.kv_bytes_per_token,
+        predicted_ttft_s=float(ttft_s),
+        predicted_tpot_s=float(tpot_s),
+        prefill_hold=holds[0],
+        decode_hold=holds[1],
+    )

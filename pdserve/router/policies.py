@@ -1,0 +1,205 @@
+"""Route policies: pure functions (snapshot, request, context) -> Choice | Refusal.
+
+Every policy works in both serving modes; in colocated mode the prefill and decode pools are the
+same pool and a choice is always (w, w). Hard gates apply to all policies, checked in this order:
+
+    no_route            a pool is empty
+    no_decode_capacity  no decode worker has headroom for the decode reservation
+    no_transfer_buffer  no prefill worker has headroom for the prompt's new blocks
+                        (P keeps the prompt K/V in its own pool until D pulls it)
+
+The cost-aware policies add the two SLO clocks (section 0x08E):
+
+    TTFT(P, D) = queue(P) + prefill(compute tokens at P) + [transfer(bytes to D, host path)
+                 + admission(D)]
+    TPOT(D)    = decode_step(active_batch(D) + 1)
+
+    tpot_slo  no decode worker with capacity meets the TPOT target
+    ttft_slo  the fastest pair left misses the TTFT target (retry after roughly the excess)
+
+and pick the admitted pair with the smallest TTFT. The TTFT splits into a per-P vector plus a
+per-D vector for each host path (same or cross host), so the P x D search is a grouped minimum
+per host and one argmin over P (see `_fastest_pair`), not a Python double loop; a plain
+double-loop reference in the tests must pick the identical pair. `slo` assumes no prefix reuse;
+`prefix` reads the workers' prefix indexes, so the longest hit still loses to a shorter queue or a
+cheaper transfer path when that is faster (Mooncake).
+Ties break toward the lower prefill slot, then the lower decode slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.router import demand
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import RejectReason, RouteRequest
+from pdserve.router.snapshot import Snapshot
+
+_NO_FIT = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    cost: CostModel
+    ttft_slo_s: float = math.inf  # defaults for requests that carry none
+    tpot_slo_s: float = math.inf
+    turn: int = 0  # routes this policy made before; round robin's cursor
+    retry_after_s: float = 1.0  # suggestion when capacity, not a clock, is the problem
+    max_retry_after_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    prefill_slot: int
+    decode_slot: int
+    prefill_hit_blocks: int  # usable leading prefix reused at P
+    decode_hit_blocks: int  # leading prefix already visible at D (not transferred)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: RejectReason
+    retry_after_s: float
+    detail: str = ""
+
+
+Hits = "np.ndarray | int"  # per-slot hit blocks, or one value for every slot
+Policy = Callable[[Snapshot, RouteRequest, PolicyContext], "Choice | Refusal"]
+
+
+def round_robin(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    gates = capacity_gates(snapshot, request, ctx, 0, 0)
+    if isinstance(gates, Refusal):
+        return gates
+    p_slots, d_slots = np.flatnonzero(gates[0]), np.flatnonzero(gates[1])
+    p, d = int(p_slots[ctx.turn % len(p_slots)]), int(d_slots[ctx.turn % len(d_slots)])
+    return Choice(p, p if snapshot.colocated else d, 0, 0)
+
+
+def join_shortest_queue(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    """Prefill by fewest pending prompt tokens, decode by smallest batch; colocated by their sum."""
+    gates = capacity_gates(snapshot, request, ctx, 0, 0)
+    if isinstance(gates, Refusal):
+        return gates
+    p_ok, d_ok = gates
+    pool = snapshot.prefill
+    if snapshot.colocated:
+        w = int(np.argmin(np.where(p_ok, pool.pending_tokens + pool.active_batch, _NO_FIT)))
+        return Choice(w, w, 0, 0)
+    p = int(np.argmin(np.where(p_ok, pool.pending_tokens, _NO_FIT)))
+    d = int(np.argmin(np.where(d_ok, snapshot.decode.active_batch, _NO_FIT)))
+    return Choice(p, d, 0, 0)
+
+
+def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    return _cost_aware(snapshot, request, ctx, 0, 0)
+
+
+def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    return _cost_aware(snapshot, request, ctx, *prefix_hits(snapshot, request, ctx.cost.block_size_tokens))
+
+
+POLICIES: dict[str, Policy] = {
+    "round_robin": round_robin,
+    "jsq": join_shortest_queue,
+    "slo": slo_aware,
+    "prefix": prefix_aware,
+}
+
+
+def prefix_hits(snapshot: Snapshot, request: RouteRequest, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(usable hit blocks per prefill slot, visible hit blocks per decode slot)."""
+    raw_p, raw_d = snapshot.leading_hits(request.block_hashes)
+    p_hit = demand.usable_prefill_hit(request, raw_p, block_size)
+    if snapshot.colocated:
+        return p_hit, p_hit  # one pool: the decode side reuses exactly what prefill reused
+    return p_hit, demand.visible_decode_hit(request, raw_d, block_size)
+
+
+def capacity_gates(
+    snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p_hit: Hits, d_hit: Hits
+) -> tuple[np.ndarray, np.ndarray] | Refusal:
+    """Masks of prefill and decode slots with headroom for this request, or why there are none.
+    Hits are per-slot arrays, or 0 for policies that assume no reuse."""
+    bs = ctx.cost.block_size_tokens
+    if len(snapshot.prefill) == 0 or len(snapshot.decode) == 0:
+        return Refusal(RejectReason.NO_ROUTE, ctx.retry_after_s, "no live worker for a phase")
+    if snapshot.colocated:
+        ok = snapshot.decode.headroom_blocks >= demand.colocated_blocks(request, d_hit, bs)
+        return (ok, ok) if ok.any() else _full(RejectReason.NO_DECODE_CAPACITY, ctx)
+    d_ok = snapshot.decode.headroom_blocks >= demand.decode_blocks(request, d_hit, bs)
+    if not d_ok.any():
+        return _full(RejectReason.NO_DECODE_CAPACITY, ctx)
+    p_ok = snapshot.prefill.headroom_blocks >= demand.prefill_blocks(request, p_hit, bs)
+    if not p_ok.any():
+        return _full(RejectReason.NO_TRANSFER_BUFFER, ctx)
+    return p_ok, d_ok
+
+
+def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p_hit: Hits, d_hit: Hits) -> Choice | Refusal:
+    gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
+    if isinstance(gates, Refusal):
+        return gates
+    p_ok, d_ok = gates
+    tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
+    tpot_s = ctx.cost.decode_step_s(snapshot.decode.active_batch + 1)
+    d_ok = d_ok & (tpot_s <= tpot_slo_s)
+    if not d_ok.any():
+        best = float(tpot_s[gates[1]].min())
+        return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
+    p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, p_hit, d_hit, p_ok, d_ok)
+    refusal = _ttft_gate(ctx, request, best_ttft_s)
+    return refusal or Choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d))
+
+
+def _fastest_pair(
+    snapshot: Snapshot, request: RouteRequest, cost: CostModel, p_hit: Hits, d_hit: Hits, p_ok: np.ndarray, d_ok: np.ndarray
+) -> tuple[int, int, float]:
+    """(p, d, TTFT) of the admitted pair with the smallest predicted TTFT, lowest slots on ties.
+
+    TTFT(P, D) = per_p[P] + x[P, D] with x = transfer_s(bytes[D], path) + admission_s[D], where
+    the path is same-host or cross-host. Same-host is never slower (CostModel enforces it), so the
+    best x for a P on host h is min(min of same-host x over D on h, min of cross-host x over all D):
+    one grouped minimum per host instead of a [P, D] matrix. Adding per_p[P] is monotone under
+    rounding, so this is the exact minimum the pairwise loop would find; the decode slot is then
+    read off the chosen P's row so ties break exactly as in the loop.
+    """
+    bs = cost.block_size_tokens
+    prefill, decode = snapshot.prefill, snapshot.decode
+    per_p = cost.queue_s(prefill.pending_tokens) + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))
+    per_p = np.where(p_ok, per_p, np.inf)  # [P]
+    admission_s = cost.admission_delay_s(decode.active_batch)  # [D]
+    if snapshot.colocated:
+        ttft_s = np.where(d_ok, per_p + admission_s, np.inf)
+        w = int(ttft_s.argmin())
+        return w, w, float(ttft_s[w])
+    transfer_bytes = demand.transfer_tokens(request, d_hit, bs) * cost.kv_bytes_per_token  # [D] or scalar
+    same_x = np.where(d_ok, cost.transfer_s(transfer_bytes, 1) + admission_s, np.inf)  # [D]
+    cross_x = np.where(d_ok, cost.transfer_s(transfer_bytes, 0) + admission_s, np.inf)  # [D]
+    hosts = snapshot.hosts
+    same_best = np.append(np.minimum.reduceat(same_x[hosts.decode_order], hosts.group_starts), np.inf)
+    best_x = np.minimum(same_best[hosts.prefill_group], cross_x.min())  # [P]
+    p = int((per_p + best_x).argmin())
+    row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]
+    d = int(row.argmin())
+    return p, d, float(row[d])
+
+
+def _ttft_gate(ctx: PolicyContext, request: RouteRequest, best_ttft_s: float) -> Refusal | None:
+    slo_s = ctx.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
+    if best_ttft_s <= slo_s:
+        return None
+    retry_s = min(max(best_ttft_s - slo_s, 0.1), ctx.max_retry_after_s)
+    return Refusal(RejectReason.TTFT_SLO, retry_s, f"best TTFT {best_ttft_s:.4f}s > {slo_s}s")
+
+
+def _full(reason: RejectReason, ctx: PolicyContext) -> Refusal:
+    return Refusal(reason, ctx.retry_after_s, "no worker has headroom for this request")
+
+
+def _at(hits: Hits, slot: int) -> int:
+    return int(hits[slot]) if isinstance(hits, np.ndarray) else int(hits)

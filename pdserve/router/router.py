@@ -1,0 +1,177 @@
+"""The `Router` facade: the control plane's pure, synchronous core.
+
+The process edge (zmq, HTTP) feeds it worker messages and request events and forwards its
+answers; nothing here does I/O or sleeps. One call per event:
+
+    register / heartbeat / report_load / deregister   worker membership (registry.py)
+    expire()                                          retire silent workers, orphan their routes
+    route(request)                                    policy over a snapshot -> plan with holds, or
+                                                      an early rejection before any prefill work
+    kv_published(request_id)                          K/V visible at D: release P's staging hold
+    complete(request_id) / abort(request_id)          release every hold of the route
+
+Every route decision is counted by (policy, result) in `RouterCounters`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.messages import (
+    RejectReason,
+    RoutePlan,
+    RouteRejection,
+    RouteRequest,
+    WorkerInfo,
+    WorkerLoad,
+)
+from pdserve.router.plan import hold_requests, route_plan
+from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
+from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker
+from pdserve.router.reservations import HoldRequest, ReservationLedger
+from pdserve.router.snapshot import Snapshot, SnapshotBuilder
+
+ROUTED = "routed"
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """A retired worker epoch and the routes that lost a hold on it (the runtime must fail or
+    reroute them; their other holds are already released)."""
+
+    worker: RetiredWorker
+    orphaned_request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RouterCounters:
+    """Plain counters for the metrics layer; `route_total` is keyed by (policy, result)."""
+
+    route_total: Mapping[tuple[str, str], int]
+    workers_retired: Mapping[str, int]  # by reason
+    num_stale_rejected: int
+    num_holds_granted: int
+    num_holds_released: int
+    num_kv_published: int
+    num_completed: int
+    num_aborted: int
+    num_orphaned: int
+
+
+class Router:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic):
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}; expected one of {sorted(POLICIES)}")
+        self.config = config
+        identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
+        self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
+        self._ledger = ReservationLedger()
+        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED)
+        self._route_total: Counter[tuple[str, str]] = Counter()
+        self._retired: Counter[str] = Counter()
+        self._events: Counter[str] = Counter()
+        self._turns: Counter[str] = Counter()  # decisions per policy: round robin's cursor
+
+    # ----- workers -----
+    def register(self, info: WorkerInfo) -> Retirement | None:
+        superseded = self._registry.register(info)
+        return None if superseded is None else self._on_retired(superseded)
+
+    def heartbeat(self, worker_id: str, role_epoch: int) -> None:
+        self._registry.heartbeat(worker_id, role_epoch)
+
+    def report_load(self, worker_id: str, role_epoch: int, load: WorkerLoad) -> None:
+        self._registry.report_load(worker_id, role_epoch, load)
+        self._snapshots.note_load(worker_id, load)
+        self._ledger.apply_ack(worker_id, load.applied_grant_seq)
+
+    def deregister(self, worker_id: str, role_epoch: int) -> Retirement:
+        return self._on_retired(self._registry.deregister(worker_id, role_epoch))
+
+    def expire(self) -> list[Retirement]:
+        return [self._on_retired(r) for r in self._registry.expire()]
+
+    # ----- requests -----
+    def route(self, request: RouteRequest, policy: str | None = None) -> RoutePlan | RouteRejection:
+        name = policy or self.config.policy
+        snapshot = self.snapshot()
+        choice = POLICIES[name](snapshot, request, self._context(name))
+        result = self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
+        if isinstance(result, Refusal):
+            self._route_total[(name, result.reason.value)] += 1
+            return RouteRejection(request.request_id, name, result.reason, result.retry_after_s, result.detail)
+        self._route_total[(name, ROUTED)] += 1
+        return result
+
+    def kv_published(self, request_id: str) -> None:
+        self._ledger.publish(request_id)
+        self._events["kv_published"] += 1
+
+    def complete(self, request_id: str) -> None:
+        self._ledger.release(request_id)
+        self._events["completed"] += 1
+
+    def abort(self, request_id: str) -> None:
+        self._ledger.release(request_id)
+        self._events["aborted"] += 1
+
+    # ----- views and checks -----
+    def snapshot(self) -> Snapshot:
+        return self._snapshots.build(self._registry, self._ledger.in_flight())
+
+    def counters(self) -> RouterCounters:
+        return RouterCounters(
+            route_total=dict(self._route_total),
+            workers_retired=dict(self._retired),
+            num_stale_rejected=self._registry.num_stale_rejected,
+            num_holds_granted=self._ledger.num_granted,
+            num_holds_released=self._ledger.num_released,
+            num_kv_published=self._events["kv_published"],
+            num_completed=self._events["completed"],
+            num_aborted=self._events["aborted"],
+            num_orphaned=self._events["orphaned"],
+        )
+
+    def live_requests(self) -> tuple[str, ...]:
+        return self._ledger.live_requests()
+
+    def check_invariants(self) -> None:
+        self._ledger.check_invariants()
+
+    def assert_no_leaks(self) -> None:
+        self._ledger.assert_no_leaks()
+
+    # ----- internals -----
+    def _context(self, policy: str) -> PolicyContext:
+        cfg = self.config
+        turn = self._turns[policy]
+        self._turns[policy] += 1
+        return PolicyContext(cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s, turn, cfg.retry_after_s)
+
+    def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
+        """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes."""
+        cost = self.config.cost
+        prefill, decode = hold_requests(snapshot, request, choice, cost.block_size_tokens)
+        reported = {decode.worker_id: self._registry.entry(decode.worker_id).load.free_blocks}
+        if prefill is not None:
+            reported[prefill.worker_id] = self._registry.entry(prefill.worker_id).load.free_blocks
+        holds = self._ledger.try_reserve(request.request_id, prefill, decode, reported)
+        if holds is None:
+            return Refusal(_shortfall_reason(decode, self._ledger, reported), self.config.retry_after_s)
+        return route_plan(snapshot, request, choice, cost, policy, holds)
+
+    def _on_retired(self, retired: RetiredWorker) -> Retirement:
+        orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
+        self._retired[retired.reason] += 1
+        self._events["orphaned"] += len(orphaned)
+        return Retirement(retired, orphaned)
+
+
+def _shortfall_reason(decode: HoldRequest, ledger: ReservationLedger, reported: Mapping[str, int]) -> RejectReason:
+    if ledger.can_reserve([decode], reported):
+        return RejectReason.NO_TRANSFER_BUFFER
+    return RejectReason.NO_DECODE_CAPACITY

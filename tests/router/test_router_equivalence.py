@@ -1,0 +1,96 @@
+"""The optimised cost-aware policies pick exactly what a plain double loop picks."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from router_fixtures import entry
+from router_reference import reference_cost_aware
+
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import Role, RouteRequest
+from pdserve.router.policies import Choice, PolicyContext, prefix_aware, slo_aware
+from pdserve.router.prefix_index import PrefixIndex, leading_hit_blocks
+from pdserve.router.snapshot import make_snapshot
+from pdserve.router.synthetic import chain
+
+CHAINS = [chain(c, 7, 8) for c in range(3)]  # three 8-block prefix chains
+ALL_HASHES = sorted({h for c in CHAINS for h in c})
+COST = CostModel(kv_bytes_per_token=1024, same_host_bytes_per_s=4e6, cross_host_bytes_per_s=1e6)
+
+
+def held_sets():
+    """Either a leading run of one chain (what an LRU prefix cache holds) or an arbitrary subset."""
+    runs = st.builds(lambda c, k: frozenset(CHAINS[c][:k]), st.integers(0, 2), st.integers(0, 8))
+    return st.one_of(runs, st.frozensets(st.sampled_from(ALL_HASHES), max_size=10))
+
+
+def workers(role: Role, prefix: str):
+    load = st.fixed_dictionaries(
+        {
+            "host": st.sampled_from(["h0", "h1", "h2"]),
+            "pending": st.sampled_from([0, 16, 32, 400, 4000]),
+            "batch": st.integers(0, 4),
+            "free": st.integers(0, 30),
+            "held": held_sets(),
+        }
+    )
+    return st.lists(load, min_size=1, max_size=7).map(
+        lambda loads: [entry(f"{prefix}{i}", role, **kw) for i, kw in enumerate(loads)]
+    )
+
+
+requests = st.builds(
+    lambda c, shared, tail, out, ttft, tpot: RouteRequest(
+        "r", len(CHAINS[c][:shared]) * 16 + tail, out, tuple(CHAINS[c][:shared]), ttft, tpot
+    ),
+    st.integers(0, 2),
+    st.integers(0, 8),
+    st.integers(1, 40),
+    st.integers(0, 200),
+    st.sampled_from([None, 0.05, 0.3, 10.0]),
+    st.sampled_from([None, 0.0105, 0.0112, 1.0]),
+)
+
+
+def same(got, want) -> bool:
+    if isinstance(want, Choice):
+        return got == want
+    return not isinstance(got, Choice) and got.reason == want.reason and abs(got.retry_after_s - want.retry_after_s) < 1e-12
+
+
+@settings(max_examples=400, deadline=None)
+@given(workers(Role.PREFILL, "p"), workers(Role.DECODE, "d"), requests, st.booleans())
+def test_disaggregated_policies_match_reference(prefill, decode, request, use_prefix):
+    snapshot = make_snapshot(prefill, decode)
+    ctx = PolicyContext(COST, ttft_slo_s=1.0, tpot_slo_s=0.011)
+    policy = prefix_aware if use_prefix else slo_aware
+    assert same(policy(snapshot, request, ctx), reference_cost_aware(snapshot, request, ctx, use_prefix))
+
+
+@settings(max_examples=200, deadline=None)
+@given(workers(Role.COLOCATED, "w"), requests, st.booleans())
+def test_colocated_policies_match_reference(pool, request, use_prefix):
+    snapshot = make_snapshot(pool, [], colocated=True)
+    ctx = PolicyContext(COST, ttft_slo_s=1.0, tpot_slo_s=0.011)
+    policy = prefix_aware if use_prefix else slo_aware
+    assert same(policy(snapshot, request, ctx), reference_cost_aware(snapshot, request, ctx, use_prefix))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(held_sets(), max_size=70), st.lists(st.sampled_from(ALL_HASHES), max_size=10))
+def test_prefix_index_matches_per_worker_scan(held, block_hashes):
+    hits = PrefixIndex.build(held).leading_hits(block_hashes)
+    assert list(hits) == [leading_hit_blocks(block_hashes, h) for h in held]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(held_sets(), min_size=1, max_size=8), st.data())
+def test_prefix_index_patch_equals_rebuild(held, data):
+    index = PrefixIndex.build(held)
+    for _ in range(data.draw(st.integers(1, 5))):
+        slot = data.draw(st.integers(0, len(held) - 1))
+        new = data.draw(held_sets())
+        index.replace_slot(slot, held[slot], new)
+        held[slot] = new
+    assert index.owners == PrefixIndex.build(held).owners
