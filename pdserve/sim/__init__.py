@@ -1,1 +1,1 @@
-"""See docs/architecture.md for this package's job."""
+"""Planner: latency models, a discrete-event simulator and the placement search (docs/planner.md)."""

@@ -1,0 +1,103 @@
+"""The HTTP front end: an OpenAI-compatible FastAPI app over any `Backend`.
+
+Routes:
+    POST /v1/completions, POST /v1/chat/completions   generation (JSON or SSE with "stream": true)
+    GET  /v1/models                                   the one served model
+    GET  /health                                      200 when backend.healthy(), else 503
+    GET  /metrics                                     the backend's Prometheus text
+    GET  /workers                                     backend.workers() as JSON
+
+Life cycle of a generation request: validate (protocol.py) -> id `cmpl-<hex>` / `chatcmpl-<hex>`
+-> submit and wait for the first event (lifecycle.py; a `Rejection` here answers 429/503 with
+Retry-After) -> aggregate or stream (relay.py). A client that leaves at any point gets its
+request aborted in the backend. Every error is an OpenAI error object (errors.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.api.backend import Backend, ErrorEvent
+from pdserve.api.errors import from_event_code, install_error_handlers
+from pdserve.api.lifecycle import ClientDisconnected, RequestStream, until_disconnected
+from pdserve.api.protocol import (
+    ChatCompletionRequest, CompletionRequest, ParsedRequest, ServedModel, parse_chat, parse_completion,
+)
+from pdserve.api.relay import EventStreamResponse, collect, sse_events
+from pdserve.api.responses import ChatFormat, ResponseFormat
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
+
+
+def create_app(backend: Backend) -> FastAPI:
+    """An app serving `backend`; the caller owns the backend's start and close."""
+    app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
+    app.state.backend = backend
+    started = int(time.time())
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        parsed = parse_completion(body, served_model(backend))
+        return await generate(backend, request, parsed, new_format(ResponseFormat, "cmpl", backend, parsed))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        parsed = parse_chat(body, served_model(backend))
+        return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": backend.model_name, "object": "model", "created": started, "owned_by": "pdserve",
+                "max_model_len": backend.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = backend.healthy()
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/workers")
+    async def workers() -> list[dict]:
+        return [dataclasses.asdict(w) for w in backend.workers()]
+
+    return app
+
+
+def served_model(backend: Backend) -> ServedModel:
+    return ServedModel(backend.model_name, backend.max_model_len, backend.tokenizer())
+
+
+def new_format(kind: type[ResponseFormat], id_prefix: str, backend: Backend, parsed: ParsedRequest) -> ResponseFormat:
+    """The response shape for one request, with a fresh id `<id_prefix>-<uuid hex>`."""
+    return kind(f"{id_prefix}-{uuid.uuid4().hex}", backend.model_name, parsed.return_token_ids, parsed.include_usage)
+
+
+async def generate(backend: Backend, request: Request, parsed: ParsedRequest, fmt: ResponseFormat) -> Response:
+    """Submit one request and answer with the whole result or an event stream."""
+    stream = RequestStream(backend, parsed.to_generation(fmt.request_id))
+    streaming_started = False
+    try:
+        first = await until_disconnected(request, stream.open())
+        if isinstance(first, ErrorEvent):
+            raise from_event_code(first.message, first.code)
+        if parsed.stream:
+            streaming_started = True  # from here the response owns the stream's close()
+            return EventStreamResponse(stream, sse_events(stream, first, fmt))
+        result = await until_disconnected(request, collect(stream, first))
+        return JSONResponse(fmt.response(result.text, result.token_ids, result.finish_reason, result.usage))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not streaming_started:
+            await stream.close()

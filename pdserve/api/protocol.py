@@ -1,0 +1,255 @@
+"""OpenAI-compatible request bodies for /v1/completions and /v1/chat/completions, and their validation.
+
+Contract: FastAPI validates a body against `CompletionRequest` / `ChatCompletionRequest` (strict
+types: "16" is not an int, 1 is not a bool; NaN/inf rejected); `parse_completion` / `parse_chat`
+then check what types cannot (served model name, unsupported features, prompt length) and build a
+`ParsedRequest`: prompt token ids plus engine `SamplingParams`. Every failure is an `ApiError`
+(400, or 404 for an unknown model) naming the offending parameter.
+
+Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
+choice then carries `token_ids`, the output ids). Accepted but ignored: `user`. Rejected with
+400 when set to a non-default value: n > 1, best_of > 1, echo, logprobs, suffix, presence and
+frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
+Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.api.backend import GenerationRequest
+from pdserve.api.chat_template import render_chat
+from pdserve.api.errors import ApiError, bad_request
+from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.sequence import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _CommonRequest(_Body):
+    """Fields shared by both endpoints; None means "use the default" as in OpenAI's API."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Finite, Field(ge=0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    n: int | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Any  # str | list[int], or a list holding exactly one of those; checked in parse_completion
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What parsing needs to know about the model behind the backend."""
+
+    name: str
+    max_model_len: int
+    tokenizer: Any  # pdserve.model.tokenizer.Tokenizer | None
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request, ready to submit."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+    def to_generation(self, request_id: str) -> GenerationRequest:
+        return GenerationRequest(request_id=request_id, prompt_ids=self.prompt_ids, params=self.params)
+
+
+# ---- entry points -------------------------------------------------------------------------
+def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequest:
+    _check_model(body.model, served)
+    _reject_unsupported(_common_unsupported(body) + _completion_unsupported(body))
+    prompt_ids = _completion_prompt_ids(body.prompt, served)
+    return _finish(body, served, prompt_ids, body.max_tokens, "prompt")
+
+
+def parse_chat(body: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
+    _check_model(body.model, served)
+    _reject_unsupported(_common_unsupported(body) + _chat_unsupported(body))
+    text = render_chat((m.role, _message_text(m, i)) for i, m in enumerate(body.messages))
+    prompt_ids = _encode(text, served, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _finish(body, served, prompt_ids, max_tokens, "messages")
+
+
+# ---- checks -------------------------------------------------------------------------------
+def _check_model(model: str, served: ServedModel) -> None:
+    if model != served.name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served.name}`.",
+                       param="model", code="model_not_found")
+
+
+def _reject_unsupported(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        param, message = problems[0]
+        raise bad_request(message, param=param, code="unsupported_parameter")
+
+
+def _common_unsupported(body: _CommonRequest) -> list[tuple[str, str]]:
+    problems = []
+    if body.n is not None and body.n != 1:
+        problems.append(("n", "n > 1 is not supported" if body.n > 1 else "n must be 1"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0):
+            problems.append((name, f"{name} is not supported (only 0)"))
+    if body.logit_bias:
+        problems.append(("logit_bias", "logit_bias is not supported"))
+    if body.stream_options is not None and not body.stream:
+        problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    return problems
+
+
+def _completion_unsupported(body: CompletionRequest) -> list[tuple[str, str]]:
+    problems = []
+    if body.echo:
+        problems.append(("echo", "echo is not supported"))
+    if body.best_of is not None and body.best_of != 1:
+        problems.append(("best_of", "best_of > 1 is not supported"))
+    if body.logprobs is not None:
+        problems.append(("logprobs", "logprobs is not supported"))
+    if body.suffix:
+        problems.append(("suffix", "suffix is not supported"))
+    return problems
+
+
+def _chat_unsupported(body: ChatCompletionRequest) -> list[tuple[str, str]]:
+    problems = []
+    if body.logprobs or body.top_logprobs:
+        problems.append(("logprobs", "logprobs is not supported"))
+    if body.tools or body.functions or body.tool_choice not in (None, "none"):
+        problems.append(("tools", "tools and function calling are not supported"))
+    if body.function_call not in (None, "none"):
+        problems.append(("function_call", "function calling is not supported"))
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        problems.append(("response_format", "only the text response format is supported"))
+    return problems
+
+
+# ---- prompts ------------------------------------------------------------------------------
+def _completion_prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
+    """str | [int] -> ids; a list holding exactly one prompt is unwrapped; several are refused."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"one prompt per request is supported; got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _encode(prompt, served, "prompt")
+    if isinstance(prompt, list) and all(_is_token_id(t) for t in prompt):
+        return list(prompt)
+    raise bad_request("prompt must be a string or a list of token ids (non-negative integers)", param="prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _encode(text: str, served: ServedModel, param: str) -> list[int]:
+    if served.tokenizer is None:
+        raise bad_request("this model has no tokenizer; send the prompt as a list of token ids", param=param)
+    return served.tokenizer.encode(text)
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.type != "text" or part.text is None for part in content):
+        raise bad_request("only text content parts are supported", param=f"messages.{index}.content")
+    return "".join(part.text for part in content)
+
+
+# ---- sampling -----------------------------------------------------------------------------
+def _finish(body: _CommonRequest, served: ServedModel, prompt_ids: list[int], max_tokens: int | None,
+            prompt_param: str) -> ParsedRequest:
+    _check_length(prompt_ids, served, prompt_param)
+    params = _sampling_params(body, max_tokens)
+    stream = bool(body.stream)
+    include_usage = stream and body.stream_options is not None and body.stream_options.include_usage
+    return ParsedRequest(tuple(prompt_ids), params, stream, include_usage, body.return_token_ids)
+
+
+def _check_length(prompt_ids: list[int], served: ServedModel, param: str) -> None:
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", param=param)
+    if len(prompt_ids) >= served.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {served.max_model_len} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens and at least one token must remain for the output.",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def _sampling_params(body: _CommonRequest, max_tokens: int | None) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    params = SamplingParams(
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        stop=stop,
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        params.validate()
+    except InvalidRequest as exc:
+        raise bad_request(str(exc)) from exc
+    return params

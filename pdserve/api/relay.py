@@ -1,0 +1,105 @@
+"""Turns one request's backend events into an HTTP answer: a whole JSON body or an SSE stream.
+
+Contract: both paths start from the first event, already read by `RequestStream.open()`.
+- `collect` reads to the terminal event; an ErrorEvent raises `ApiError` (status from its code).
+- `sse_events` yields the OpenAI stream (see responses.py) and then `data: [DONE]`. An ErrorEvent
+  after the stream began becomes one `data: {"error": {...}}` event before `[DONE]`, so a client
+  can always tell a failed stream from a finished one; so does a backend iterator that raises. Token events without text are sent only
+  when the client asked for token ids.
+- `EventStreamResponse` closes the `RequestStream` when the response ends for any reason (normal
+  end, client disconnect, cancellation, error), so an abandoned request is always aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationEvent, TokenEvent
+from pdserve.api.errors import from_event_code
+from pdserve.api.lifecycle import RequestStream
+from pdserve.api.responses import DONE_EVENT, ResponseFormat, Usage, sse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Collected:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+
+
+async def collect(stream: RequestStream, first: GenerationEvent) -> Collected:
+    """Aggregate the whole output; raise `ApiError` on an ErrorEvent."""
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    event = first
+    while isinstance(event, TokenEvent):
+        pieces.append(event.text)
+        token_ids.extend(event.token_ids)
+        event = await stream.next()
+    if isinstance(event, ErrorEvent):
+        raise from_event_code(event.message, event.code)
+    pieces.append(event.text)
+    usage = Usage(event.prompt_tokens, event.completion_tokens)
+    return Collected("".join(pieces), token_ids, event.finish_reason, usage)
+
+
+async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response; closes `stream` when it ends."""
+    try:
+        for chunk in fmt.opening():
+            yield sse(chunk)
+        event = first
+        while isinstance(event, TokenEvent):
+            if event.text or fmt.return_token_ids:
+                yield sse(fmt.delta(event.text, event.token_ids))
+            event = await _next_or_error(stream)
+        for chunk in _ending(event, fmt):
+            yield chunk
+        yield DONE_EVENT
+    finally:
+        await stream.close()
+
+
+async def _next_or_error(stream: RequestStream) -> GenerationEvent:
+    """Headers are sent: a backend that raises must still end the stream with an error event."""
+    try:
+        return await stream.next()
+    except Exception as exc:
+        log.exception("backend failed mid-stream for %s", stream.request_id)
+        return ErrorEvent(f"the backend failed: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def _ending(event: FinishEvent | ErrorEvent, fmt: ResponseFormat) -> list[bytes]:
+    if isinstance(event, ErrorEvent):
+        return [sse(_stream_error(event))]
+    chunks = [sse(fmt.closing(event.text, event.finish_reason))]
+    if fmt.include_usage:
+        chunks.append(sse(fmt.usage_chunk(Usage(event.prompt_tokens, event.completion_tokens))))
+    return chunks
+
+
+def _stream_error(event: ErrorEvent) -> dict:
+    return from_event_code(event.message, event.code).info.body()
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` response that closes its `RequestStream` on every exit path."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[bytes]):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.request_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.request_stream.close()

@@ -1,0 +1,152 @@
+"""Assembles a serving stack: worker processes, the router backend and the HTTP app.
+
+Contract: `ServeConfig` is the one frozen description of a deployment (the CLI reads its
+defaults from here). `cluster(config)` is an async context manager that starts the workers
+(local processes, or Ray actors with `ray=True`), waits until all registered, yields the
+`ClusterBackend`, and on exit shuts every worker down. `serve(config)` runs uvicorn on top.
+The model checkpoint is resolved (and the embedded default generated) once, before any worker
+starts, so workers never race to write it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_abi import KvAbi
+from pdserve.model.config import load_config
+from pdserve.model.default import resolve_model
+from pdserve.model.loader import checkpoint_hash
+from pdserve.model.tokenizer import load_tokenizer
+from pdserve.router.config import ClusterShape, Mode, RouterConfig
+from pdserve.router.cost import CostModel
+from pdserve.router.frontend import ClusterBackend
+from pdserve.router.router import Router
+from pdserve.workers.launch import LaunchConfig, LocalCluster
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    replicas: int = 2
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(kv_cache_bytes=256 << 20))
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "jsq"
+    slo_ttft_s: float = 30.0
+    slo_tpot_s: float = 5.0
+    threads_per_worker: int = 1
+    pin_cpus: bool = True
+    trace_dir: str | None = None
+    layerwise_threshold_tokens: int = 256
+    ray: bool = False
+    ray_address: str | None = None
+    ray_pack_pairs: bool = False
+    startup_timeout_s: float = 180.0
+
+    def shape(self) -> ClusterShape:
+        if self.mode == "colocated":
+            return ClusterShape.colocated(self.replicas)
+        return ClusterShape.disaggregated(self.num_prefill, self.num_decode)
+
+
+def router_for(config: ServeConfig, model_dir) -> Router:
+    mc = load_config(model_dir)
+    abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
+    cost = CostModel.from_abi(abi)
+    return Router(RouterConfig(Mode(config.mode), checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
+                               cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s))
+
+
+@contextlib.asynccontextmanager
+async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, object]]:
+    model_dir = resolve_model(config.engine.model)
+    mc = load_config(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    trace = f"{config.trace_dir}/requests.jsonl" if config.trace_dir else None
+    bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
+    launcher = _launcher(config)
+    backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, trace,
+                             is_dead=launcher.dead)
+    backend.start()
+    launcher.start(backend.address if not config.ray else _reachable(backend.address))
+    try:
+        await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
+        yield backend, launcher
+    finally:
+        await backend.close()
+        await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
+
+
+def model_name(config: ServeConfig) -> str:
+    spec = config.engine.model
+    return spec if spec in ("tiny", "small") else spec.rstrip("/").split("/")[-1]
+
+
+class _Launcher:
+    """Defers building the worker launcher until the router's zmq address is known."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.impl = None
+
+    def start(self, router_address: str) -> None:
+        cfg = self.config
+        launch = LaunchConfig(cfg.shape(), _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
+                              cfg.trace_dir, cfg.layerwise_threshold_tokens)
+        if cfg.ray:
+            from pdserve.workers.ray_launch import RayCluster
+
+            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs)
+        else:
+            self.impl = LocalCluster(launch, router_address)
+        self.impl.start()
+
+    def dead(self) -> list[str]:
+        return [] if self.impl is None else self.impl.dead()
+
+    def kill(self, worker_id: str) -> None:
+        self.impl.kill(worker_id)
+
+    def pid(self, worker_id: str) -> int:
+        return self.impl.pid(worker_id)
+
+    def stop(self) -> None:
+        if self.impl is not None:
+            self.impl.stop()
+
+
+def _launcher(config: ServeConfig) -> _Launcher:
+    return _Launcher(config)
+
+
+def _with_resolved_model(engine: EngineConfig) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(engine, model=str(resolve_model(engine.model)))
+
+
+def _reachable(address: str) -> str:
+    """tcp://0.0.0.0:PORT -> tcp://<this node's IP>:PORT for workers on other nodes."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    return address.replace("0.0.0.0", host)
+
+
+async def serve(config: ServeConfig) -> None:
+    import uvicorn
+
+    from pdserve.api.app import create_app
+
+    async with cluster(config) as (backend, _):
+        app = create_app(backend)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}", flush=True)
+        await server.serve()

@@ -1,0 +1,107 @@
+"""`pdserve plan`: colocate or disaggregate, with which parallelism and how many replicas.
+
+Searches colocated (replicas x TP/PP x chunk budget) and disaggregated (high and low node
+affinity) deployments of a model on a GPU budget (or for a target rate) under TTFT and TPOT
+SLOs, with the simulator and the benchmark's goodput search, and prints the decision (a table,
+or one JSON line with --json). Progress goes to stderr. `--validate` runs the recommended and
+runner-up configurations with the local runtime and the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdserve.commands.simulate import add_slo_args, add_workload_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="placement search: colocate or disaggregate, parallelism, replicas")
+    p.add_argument("--model", required=True, help="tiny | small | llama-13b-class | llama-70b-class | DIR | config.json")
+    p.add_argument("--hardware", default="a100-80g", help="a100-80g | h100 | h200 | PROFILE.json")
+    p.add_argument("--latency-model", metavar="FILE.json", help="use this latency model (e.g. a profile fit) for tp1pp1 only")
+    p.add_argument("--gpus", type=int, required=True, help="GPU budget")
+    p.add_argument("--gpus-per-node", type=int, help="override the hardware profile's GPUs per node")
+    p.add_argument("--link-gbps", type=float, help="inter-node K/V link per GPU, Gbit/s (default: the profile's NIC)")
+    p.add_argument("--target-rate", type=float, help="size replicas for this rate instead of filling the budget")
+    p.add_argument("--margin", type=float, default=0.1, help="disaggregate only if per-GPU goodput beats colocated by this fraction")
+    p.add_argument("--definition", choices=("joint", "phase"), default="joint", help="goodput definition")
+    p.add_argument("--chunk-budgets", default="256,512,1024,2048", help="colocated chunk budgets to search")
+    p.add_argument("--max-seqs", type=int, default=256, help="decode batch limit")
+    p.add_argument("--transfer", choices=("request", "layer"), default="layer", help="K/V transfer overlap")
+    add_workload_args(p, 400)
+    add_slo_args(p, required=True)
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--plot", metavar="PATH", help="write a goodput-vs-rate PNG here")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--validate", action="store_true", help="measure the top two configurations with the local runtime")
+    p.add_argument("--serve-model", default="small", help="model for --validate's local server (default small)")
+    p.set_defaults(func=run_plan)
+
+
+def plan_inputs(args: argparse.Namespace):
+    import dataclasses
+
+    from pdserve.bench.cli_args import workload_config
+    from pdserve.bench.metrics import Slo
+    from pdserve.sim.geometry import load_model_spec
+    from pdserve.sim.hardware import load_hardware
+    from pdserve.sim.latency import load_latency_model
+    from pdserve.sim.planner import PlanInputs
+
+    if args.trace is None and (args.input_len is None and args.input_dist is None):
+        raise SystemExit("pdserve plan: give --input-len/--input-dist and --output-len, or --trace")
+    hardware = load_hardware(args.hardware)
+    if args.gpus_per_node:
+        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    return PlanInputs(
+        model=load_model_spec(args.model), hardware=hardware, gpus=args.gpus, workload=workload_config(args),
+        slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment), target_rps=args.target_rate,
+        link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
+        chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
+        definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
+        fixed_model=load_latency_model(args.latency_model) if args.latency_model else None,
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from pdserve.sim.plan_report import plan_summary, plan_table, plot_plan
+    from pdserve.sim.planner import plan
+
+    progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        result = plan(plan_inputs(args), progress)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve plan: {exc}") from exc
+    summary = plan_summary(result)
+    if args.plot:
+        plot_plan(result, args.plot)
+    if args.validate:
+        summary["validation"] = _validate(args, result)
+    print(json.dumps(summary) if args.json else plan_table(summary))
+    return 0
+
+
+def _validate(args: argparse.Namespace, result) -> list[dict]:
+    from pdserve.sim.validate import LocalConfig, validate
+
+    configs = []
+    for name, plan_ in _ranked(result):
+        if name == "colocated":
+            configs.append(LocalConfig(name, "colocated", replicas=plan_.replicas, predicted_goodput_rps=plan_.goodput_rps))
+        else:
+            configs.append(LocalConfig(name, "disaggregated", prefill=plan_.n_prefill, decode=plan_.n_decode,
+                                       predicted_goodput_rps=plan_.goodput_rps))
+    bench = ["--num-requests", str(args.num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
+             "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed)]
+    bench += ["--trace", args.trace] if args.trace else ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    return validate(configs, args.serve_model, bench)
+
+
+def _ranked(result) -> list[tuple[str, object]]:
+    """(name, plan) of the recommendation first, then the runner-up (the other kind)."""
+    plans = [("colocated", result.colocated), ("disaggregated", result.disaggregated)]
+    if result.decision == "disaggregate":
+        plans.reverse()
+    return [(n, p) for n, p in plans if p is not None]

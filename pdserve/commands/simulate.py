@@ -1,0 +1,131 @@
+"""`pdserve simulate` and `pdserve bench-sim`: the discrete-event simulator from the shell.
+
+`simulate` runs one workload (the benchmark's own specs and traces) through a colocated or
+disaggregated deployment under a latency model JSON and prints the benchmark's metric keys
+(one JSON line with --json). `bench-sim` measures the simulator itself: requests simulated per
+wall second on a 1P1D configuration. Registration is argparse only; the simulator is imported
+by the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TPOT_MS = 100.0
+
+
+def add_workload_args(parser: argparse.ArgumentParser, default_requests: int) -> None:
+    """Workload flags with the benchmark's names (read by `pdserve.bench.cli_args.workload_config`)."""
+    group = parser.add_argument_group("workload")
+    source = group.add_mutually_exclusive_group()
+    source.add_argument("--input-len", type=int, help="fixed prompt length (tokens)")
+    source.add_argument("--input-dist", metavar="SPEC", help="prompt length distribution, e.g. uniform:256,1024")
+    source.add_argument("--trace", metavar="FILE", help="JSON-lines trace (prompt_len/output_len[/arrival_s])")
+    output = group.add_mutually_exclusive_group()
+    output.add_argument("--output-len", type=int, help="fixed output length (tokens)")
+    output.add_argument("--output-dist", metavar="SPEC", help="output length distribution")
+    group.add_argument("--num-requests", type=int, default=default_requests, help=f"requests (default {default_requests})")
+    group.add_argument("--arrival", choices=("poisson", "gamma", "constant", "trace"), help="arrival process (default poisson)")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-conversations", type=int, default=0, help="multi-turn: requests cycle over C conversations")
+    group.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one system prefix shared by all")
+    group.add_argument("--prefix-cache", action="store_true", help="count shared prefixes and earlier turns as cache hits")
+    parser.set_defaults(prompt_format="ids", tokenizer_bytes_per_token=1.0, bos_tokens=1, sweep=False)
+
+
+def add_slo_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    group = parser.add_argument_group("SLO")
+    group.add_argument("--slo-ttft-ms", type=float, required=required, default=None if required else DEFAULT_SLO_TTFT_MS,
+                       help="TTFT threshold (ms)" + ("" if required else f" (default {DEFAULT_SLO_TTFT_MS:g})"))
+    group.add_argument("--slo-tpot-ms", type=float, required=required, default=None if required else DEFAULT_SLO_TPOT_MS,
+                       help="TPOT threshold (ms)" + ("" if required else f" (default {DEFAULT_SLO_TPOT_MS:g})"))
+    group.add_argument("--attainment", type=float, default=0.9, help="required attainment p (default 0.9)")
+
+
+def link_bytes_per_s(gbps: float | None) -> float:
+    """--link-gbps is gigabits per second; None means an unconstrained link."""
+    return float("inf") if gbps is None else gbps * 1e9 / 8
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    sim = subparsers.add_parser("simulate", help="simulate a deployment under a latency model (discrete events)")
+    sim.add_argument("--latency-model", required=True, metavar="FILE.json", help="constant, roofline or profiled model")
+    sim.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
+    sim.add_argument("--replicas", type=int, default=1, help="colocated instances")
+    sim.add_argument("--prefill", type=int, default=1, help="prefill instances (disaggregated)")
+    sim.add_argument("--decode", type=int, default=1, help="decode instances (disaggregated)")
+    sim.add_argument("--max-prefill-batch", type=int, default=1, help="requests per prefill batch")
+    sim.add_argument("--max-prefill-tokens", type=int, help="new tokens per prefill batch")
+    sim.add_argument("--prefill-policy", choices=("fcfs", "sjf"), default="fcfs")
+    sim.add_argument("--chunk-tokens", type=int, default=512, help="colocated per-iteration token budget")
+    sim.add_argument("--max-seqs", type=int, default=256, help="decode batch limit")
+    sim.add_argument("--link-gbps", type=float, help="K/V link per decode instance, Gbit/s (default unconstrained)")
+    sim.add_argument("--transfer", choices=("request", "layer"), default="request", help="K/V transfer overlap")
+    sim.add_argument("--layers", type=int, default=1, help="layers for layer-wise transfer")
+    sim.add_argument("--rate", type=float, help="offered rate req/s (default: a trace's own rate)")
+    add_workload_args(sim, 1000)
+    add_slo_args(sim)
+    sim.add_argument("--json", action="store_true", help="print one JSON line")
+    sim.set_defaults(func=run_simulate)
+    bench = subparsers.add_parser("bench-sim", help="measure simulator speed: requests simulated per wall second")
+    bench.add_argument("--num-requests", type=int, default=50000)
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=run_bench_sim)
+
+
+def sim_config(args: argparse.Namespace):
+    from pdserve.sim.prefill_pool import PrefillPolicy
+    from pdserve.sim.simulator import SimConfig
+    from pdserve.sim.transfer import LinkSpec
+
+    return SimConfig(
+        mode=args.mode, replicas=args.replicas, prefill_replicas=args.prefill, decode_replicas=args.decode,
+        prefill=PrefillPolicy(args.prefill_policy, args.max_prefill_batch, args.max_prefill_tokens),
+        chunk_tokens=args.chunk_tokens, max_decode_seqs=args.max_seqs,
+        link=LinkSpec(link_bytes_per_s(args.link_gbps), args.transfer, args.layers),
+    )
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from pdserve.bench.cli_args import workload_config
+    from pdserve.bench.metrics import Slo, summarize
+    from pdserve.sim.latency import load_latency_model
+    from pdserve.sim.requests import build_requests
+    from pdserve.sim.simulator import simulate
+
+    if args.trace is None and args.input_len is None and args.input_dist is None:
+        raise SystemExit("pdserve simulate: give --input-len, --input-dist or --trace")
+    try:
+        model = load_latency_model(args.latency_model)
+        requests = build_requests(workload_config(args), prefix_cache=args.prefix_cache)
+        started = time.perf_counter()
+        result = simulate(requests, args.rate, sim_config(args), model)
+        wall_s = time.perf_counter() - started
+    except ValueError as exc:
+        raise SystemExit(f"pdserve simulate: {exc}") from exc
+    report = summarize(result.records, Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment))
+    report.update(num_arrived=result.num_arrived, num_finished=result.num_finished, num_rejected=result.num_rejected,
+                  num_preempted=result.num_preempted, mean_transfer_exposed_ms=result.mean_transfer_exposed_s * 1e3,
+                  offered_rate=args.rate, sim_wall_s=wall_s)
+    _emit(report, args.json)
+    return 0
+
+
+def run_bench_sim(args: argparse.Namespace) -> int:
+    from pdserve.sim.benchsim import bench_sim
+
+    _emit(bench_sim(args.num_requests), args.json)
+    return 0
+
+
+def _emit(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"{key:<28}{shown}")

@@ -1,0 +1,127 @@
+"""Candidate instance shapes and the analytic bounds that prune them before simulation.
+
+Contract: `parallel_shapes` lists every TP x PP shape that divides the model (heads by tp, layers
+by pp), keeps TP inside one node, and fits the model and one largest request in memory (the
+ledger's `fits_on_gpus` plus the roofline's K/V capacity). The bounds are per instance:
+
+- prefill: zero when one mean prompt alone misses the TTFT gate; otherwise the rate-matching
+  capacity pp / D, and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f with stage
+  interval S = D/pp) that centres the simulated sweep;
+- decode: zero when a lone sequence misses the TPOT gate; otherwise the largest batch B that
+  fits K/V and keeps a step under tau_o gives capacity B / ((O - 1) * step(B));
+- colocated: min of the two phase capacities (an estimate: the phases taking turns).
+
+Bounds are capacities (no queueing), so a candidate whose bound per GPU is below the best
+simulated goodput per GPU cannot win and is not simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.bench.metrics import Slo
+from pdserve.ledger.placement import fits_on_gpus
+from pdserve.sim.geometry import ModelSpec
+from pdserve.sim.hardware import HardwareProfile
+from pdserve.sim.requests import SimRequests
+from pdserve.sim.latency import LatencyModel
+from pdserve.sim.roofline import RooflineLatency
+
+POWERS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Tensor x pipeline shape of one instance."""
+
+    tp: int
+    pp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}pp{self.pp}"
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """Mean prompt and output lengths, and the largest prompt + output, of a workload."""
+
+    mean_prompt: float
+    mean_output: float
+    max_tokens: int
+
+    @classmethod
+    def of(cls, requests: SimRequests) -> WorkloadShape:
+        n = len(requests)
+        new = [p - c for p, c in zip(requests.prompt_tokens, requests.cached_tokens)]
+        return cls(sum(new) / n, sum(requests.output_tokens) / n,
+                   max(p + o for p, o in zip(requests.prompt_tokens, requests.output_tokens)))
+
+
+def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape: WorkloadShape) -> list[Parallel]:
+    """Every TP x PP shape within `max_gpus` that divides the model and fits in memory."""
+    g = model.geometry
+    out = []
+    for tp in POWERS:
+        for pp in POWERS:
+            par = Parallel(tp, pp)
+            if par.gpus > max_gpus or tp > hw.gpus_per_node or g.q_heads % tp or g.kv_heads % tp and tp % g.kv_heads:
+                continue
+            if g.layers % pp or not fits_on_gpus(model.total_weight_bytes, par.gpus, int(hw.usable_memory_bytes)):
+                continue
+            if latency_for(model, hw, par).kv_capacity_tokens >= shape.max_tokens:
+                out.append(par)
+    return out
+
+
+def latency_for(model: ModelSpec, hw: HardwareProfile, par: Parallel) -> RooflineLatency:
+    return RooflineLatency(model, hw, par.tp, par.pp)
+
+
+def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo) -> tuple[float, float]:
+    """(capacity rps, M/D/1 estimate rps) of one prefill instance; (0, 0) when infeasible."""
+    d = model.prefill_s(round(shape.mean_prompt), 0)
+    if d > slo.ttft_s:
+        return 0.0, 0.0
+    s = d / model.pipeline_stages
+    slack = slo.ttft_s - d
+    return 1 / s, 2 * slack / (s * s + 2 * slack * s)
+
+
+def decode_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> float:
+    """Capacity rps of one decode instance at the largest batch meeting the TPOT gate."""
+    steps = max(shape.mean_output - 1, 1)
+    context = shape.mean_prompt + shape.mean_output / 2
+    if model.decode_step_s(1, context) > slo.tpot_s:
+        return 0.0
+    capacity = model.kv_capacity_tokens
+    fit = max_seqs if capacity is None else int(capacity // (shape.mean_prompt + shape.mean_output))
+    batch = _largest(lambda b: model.decode_step_s(b, b * context) <= slo.tpot_s, max(1, min(max_seqs, fit)))
+    return batch / (steps * model.decode_step_s(batch, batch * context))
+
+
+def colocated_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> tuple[float, float]:
+    """(capacity, estimate) rps of one colocated instance.
+
+    Capacity: neither phase can run faster than it would alone, min(pp / D, decode capacity).
+    Estimate: the phases take turns, 1 / (D/pp + 1 / decode capacity); mixing shares the weight
+    reads, so the truth lies between the two.
+    """
+    d = model.prefill_s(round(shape.mean_prompt), 0)
+    decode_rps = decode_bound(model, shape, slo, max_seqs)
+    if d > slo.ttft_s or decode_rps <= 0:
+        return 0.0, 0.0
+    stage_s = d / model.pipeline_stages
+    return min(1 / stage_s, decode_rps), 1 / (stage_s + 1 / decode_rps)
+
+
+def _largest(ok, hi: int) -> int:
+    """Largest b in [1, hi] with ok(b), assuming ok is monotone (true then false)."""
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo

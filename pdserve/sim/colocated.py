@@ -1,0 +1,163 @@
+"""One colocated instance: chunked prefill mixed into continuous decode under a token budget.
+
+Contract (Sarathi-style): each iteration runs one decode row for every running sequence plus
+prefill rows from the FCFS pending queue up to `chunk_tokens - batch size`; a prompt may span
+several iterations. A request's first token appears at the end of the iteration that finishes
+its prompt, and it joins the decode batch for the next iteration. Starting a prompt reserves its
+K/V (prompt tokens) in the pool; a prompt starts only if the pool keeps room for one more step
+and the instance has fewer than `max_seqs` sequences. When decode growth overflows the pool the
+newest decode member is preempted back to the front of the queue, to recompute prompt +
+generated - 1 rows. With no prefill to run, the batch advances by whole segments.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.sim.batch import DecodeBatch, segment_s, steps_until
+from pdserve.sim.latency import LatencyModel
+
+
+@dataclass(frozen=True)
+class ColocatedLimits:
+    """Per-iteration token budget and admission limits of one colocated instance."""
+
+    chunk_tokens: int = 512
+    max_seqs: int = 256
+    capacity_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1 or self.max_seqs < 1:
+            raise ValueError("chunk budget and max sequences must be >= 1")
+
+
+@dataclass
+class ColocatedRun:
+    """Mutable per-instance results."""
+
+    first_token_s: dict[int, float]
+    finish_s: dict[int, float]
+    num_preempted: int = 0
+
+
+class _Instance:
+    """State of one simulated instance; `run` drives it to completion."""
+
+    def __init__(self, prompt, output, cached, model: LatencyModel, limits: ColocatedLimits) -> None:
+        self.prompt, self.output, self.cached, self.model, self.limits = prompt, output, cached, model, limits
+        self.cap = float("inf") if limits.capacity_tokens is None else limits.capacity_tokens
+        self.batch = DecodeBatch()
+        self.pending: deque[list] = deque()  # [idx, rows to compute, rows done, generated, reserved]
+        self.reserved = 0
+        self.result = ColocatedRun({}, {})
+        self.t = 0.0
+
+    def run(self, arrivals_s: Sequence[float], idxs: Sequence[int]) -> ColocatedRun:
+        j, n = 0, len(idxs)
+        while True:
+            while j < n and arrivals_s[j] <= self.t:
+                i = idxs[j]
+                self.pending.append([i, self.prompt[i] - self.cached[i], 0, 0, 0])
+                j += 1
+            self._preempt_overflow()
+            if self.pending and self._mixed_iteration():
+                continue
+            if self.batch.size == 0:
+                if self.pending:
+                    raise ValueError(f"request {self.pending[0][0]} cannot fit an empty colocated instance")
+                if j == n:
+                    return self.result
+                self.t = arrivals_s[j]
+                continue
+            next_arrival = arrivals_s[j] if j < n and not self.pending else None
+            self._decode_segment(next_arrival)
+
+    def _preempt_overflow(self) -> None:
+        batch = self.batch
+        while batch.context_sum + self.reserved > self.cap and batch.size > 1:
+            idx, generated = batch.preempt_newest()
+            self.pending.appendleft([idx, self.prompt[idx] + generated - 1, 0, generated, 0])
+            self.result.num_preempted += 1
+
+    def _mixed_iteration(self) -> bool:
+        """Run one iteration with prefill rows; False when no prefill row can run now."""
+        budget = self.limits.chunk_tokens - self.batch.size
+        rows = pairs = kv = 0
+        fraction = 0.0
+        started = sum(1 for e in self.pending if e[4])
+        for entry in self.pending:
+            if budget <= 0:
+                break
+            if not entry[4]:
+                if not self._reserve(entry, started):
+                    break
+                started += 1
+            visible = entry[2] + (self.cached[entry[0]] if entry[3] == 0 else 0)
+            take = min(entry[1] - entry[2], budget)
+            rows, budget = rows + take, budget - take
+            pairs += take * visible + take * (take + 1) // 2
+            kv += visible + 2 * take
+            fraction += take / entry[1]
+            entry[2] += take
+        if rows == 0:
+            return False
+        batch = self.batch
+        self.t += self.model.mixed_step_s(rows, pairs, kv, fraction, batch.size, batch.context_sum)
+        if batch.size:
+            batch.advance(1)
+            for idx in batch.pop_finished():
+                self.result.finish_s[idx] = self.t
+        self._promote_finished_prompts()
+        return True
+
+    def _reserve(self, entry: list, started: int) -> bool:
+        need = self.prompt[entry[0]] + max(entry[3], 1)
+        room = self.cap - self.batch.context_sum - self.reserved - self.batch.size - 1
+        if (self.batch.size or self.reserved) and need > room:
+            return False
+        if self.batch.size + started >= self.limits.max_seqs:
+            return False
+        entry[4] = need
+        self.reserved += need
+        return True
+
+    def _promote_finished_prompts(self) -> None:
+        while self.pending and self.pending[0][2] >= self.pending[0][1]:
+            idx, _, _, generated, reserved = self.pending.popleft()
+            self.reserved -= reserved
+            if generated == 0:
+                self.result.first_token_s[idx] = self.t
+                generated = 1
+            if generated >= self.output[idx]:
+                self.result.finish_s[idx] = self.t
+            else:
+                self.batch.add(idx, self.prompt[idx] + generated, generated, self.output[idx] - generated)
+
+    def _decode_segment(self, next_arrival_s: float | None) -> None:
+        batch, segment = self.batch, self.model.decode_segment_s
+        size, ctx = batch.size, batch.context_sum
+        d0, d1 = segment(size, ctx)
+        k = batch.steps_to_next_finish()
+        if self.cap != float("inf"):
+            k = min(k, max(1, int((self.cap - ctx - self.reserved) // size) + 1))
+        if next_arrival_s is not None:
+            k = min(k, steps_until(d0, d1, next_arrival_s - self.t))
+        self.t += segment_s(d0, d1, k)
+        batch.advance(k)
+        for idx in batch.pop_finished():
+            self.result.finish_s[idx] = self.t
+
+
+def run_colocated_instance(
+    arrivals_s: Sequence[float],
+    idxs: Sequence[int],
+    prompt_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+    cached_tokens: Sequence[int],
+    model: LatencyModel,
+    limits: ColocatedLimits,
+) -> ColocatedRun:
+    """Simulate one instance; request `idxs[j]` arrives at `arrivals_s[j]` (sorted)."""
+    return _Instance(prompt_tokens, output_tokens, cached_tokens, model, limits).run(arrivals_s, idxs)

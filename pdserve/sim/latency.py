@@ -1,0 +1,126 @@
+"""Latency models: how long one engine iteration takes, as a function of what it runs.
+
+Contract shared by every model (all times in seconds, all counts in tokens):
+
+- ``prefill_s(new, cached)``: one request's prefill alone, `new` rows after `cached` visible rows;
+- ``prefill_batch_s(news, cacheds)``: one batched prefill of several requests;
+- ``decode_step_s(batch, context)``: one decode iteration of `batch` sequences whose visible
+  lengths (each including its current row) sum to `context`; ``decode_segment_s`` gives the
+  first step and the per-step growth of a run of such iterations;
+- ``mixed_step_s(chunk, pairs, kv, fraction, batch, context)``: one colocated iteration running a
+  prefill chunk of `chunk` rows with `pairs` causal query-key pairs touching `kv` K/V tokens
+  (cached + 2 * new, summed; `fraction` of its requests' prompts) next to a decode batch;
+- ``pipeline_stages``: a prefill occupies the instance for latency / stages (the first stage
+  frees up), while its result is ready after the full latency;
+- ``kv_bytes_per_token`` (0: transfers are free) and ``kv_capacity_tokens`` (None: unbounded).
+
+Three kinds: ``constant`` (queueing-theory checks), ``roofline`` (analytic, `roofline.py`) and
+``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`). Each loads from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+LATENCY_KINDS = ("constant", "roofline", "profiled")
+
+
+def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
+    """Query-key pairs of a prefill chunk: N*T0 + N(N+1)/2 (ledger `prefill_causal_pairs`)."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+
+
+class LatencyModel(ABC):
+    """Iteration cost of one serving instance (see the module contract)."""
+
+    pipeline_stages: int = 1
+    kv_bytes_per_token: int = 0
+    kv_capacity_tokens: int | None = None
+
+    @abstractmethod
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float: ...
+
+    @abstractmethod
+    def decode_step_s(self, batch: int, context_tokens: int) -> float: ...
+
+    @abstractmethod
+    def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
+                     batch: int, context_tokens: int) -> float: ...
+
+    @abstractmethod
+    def to_dict(self) -> dict: ...
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.prefill_batch_s((new_tokens,), (cached_tokens,))
+
+    def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
+        """(first step, growth per step) of a decode segment: d0 = step(B, C) and
+        d1 = step(B, C + B) - d0 (the context grows by B per step)."""
+        d0 = self.decode_step_s(batch, context_tokens)
+        return d0, self.decode_step_s(batch, context_tokens + batch) - d0
+
+
+@dataclass(frozen=True)
+class ConstantLatency(LatencyModel):
+    """Every prefill takes `prefill_ms` (a batch of k takes k times that); every decode step
+    `decode_step_ms`, whatever its size. A colocated chunk costs its prompt fraction of a prefill."""
+
+    prefill_ms: float
+    decode_step_ms: float
+    kv_bytes_per_token: int = 0
+    kv_capacity_tokens: int | None = None
+
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
+        return len(new_tokens) * self.prefill_ms * 1e-3
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return self.decode_step_ms * 1e-3 if batch > 0 else 0.0
+
+    def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
+                     batch: int, context_tokens: int) -> float:
+        return chunk_fraction * self.prefill_ms * 1e-3 + self.decode_step_s(batch, context_tokens)
+
+    def to_dict(self) -> dict:
+        out = {"kind": "constant", "prefill_ms": self.prefill_ms, "decode_step_ms": self.decode_step_ms}
+        if self.kv_bytes_per_token:
+            out["kv_bytes_per_token"] = self.kv_bytes_per_token
+        if self.kv_capacity_tokens is not None:
+            out["kv_capacity_tokens"] = self.kv_capacity_tokens
+        return out
+
+
+def latency_from_dict(d: dict) -> LatencyModel:
+    """Build a latency model from its JSON form; raises ValueError on an unknown kind."""
+    kind = d.get("kind")
+    if kind == "constant":
+        return ConstantLatency(
+            prefill_ms=float(d["prefill_ms"]),
+            decode_step_ms=float(d["decode_step_ms"]),
+            kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
+            kv_capacity_tokens=_optional_int(d.get("kv_capacity_tokens")),
+        )
+    if kind == "profiled":
+        from pdserve.sim.profiled import ProfiledLatency
+
+        return ProfiledLatency.from_dict(d)
+    if kind == "roofline":
+        from pdserve.sim.roofline import roofline_from_dict
+
+        return roofline_from_dict(d)
+    raise ValueError(f"latency model kind must be one of {LATENCY_KINDS}, got {kind!r}")
+
+
+def load_latency_model(path: str | Path) -> LatencyModel:
+    """Read a latency model JSON file."""
+    try:
+        return latency_from_dict(json.loads(Path(path).read_text()))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: malformed latency model ({exc})") from exc
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)

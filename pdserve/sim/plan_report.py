@@ -1,0 +1,120 @@
+"""Presenting a plan: the JSON summary, a readable table, and the goodput-vs-rate plot.
+
+Contract: `plan_summary` is the one JSON shape `pdserve plan --json` prints (decision,
+colocated, disaggregated, net_margin, search statistics); `plan_table` renders the same facts
+for a terminal; `plot_plan` draws joint attainment vs offered rate for the top candidates of
+each kind with the attainment target and each curve's goodput marked.
+"""
+
+from __future__ import annotations
+
+from pdserve.sim.phase_search import Score
+from pdserve.sim.planner import PlanResult
+from pdserve.sim.plans import ColocatedPlan, DisaggPlan
+
+
+def _phase(score: Score, replicas: int) -> dict:
+    return {"tp": score.par.tp, "pp": score.par.pp, "replicas": replicas, "goodput_per_replica_rps": score.goodput_rps}
+
+
+def colocated_summary(plan: ColocatedPlan | None, e2e) -> dict | None:
+    if plan is None:
+        return None
+    s = plan.score
+    return {
+        "config": {"tp": s.par.tp, "pp": s.par.pp, "chunk_tokens": s.chunk_tokens, "replicas": plan.replicas},
+        "goodput_rps": plan.goodput_rps, "goodput_per_gpu": plan.goodput_per_gpu, "gpus": plan.gpus,
+        "goodput_per_replica_rps": s.goodput_rps, "residency_bytes": plan.residency_bytes,
+        "simulated_goodput_rps": e2e.rate if e2e else None,
+    }
+
+
+def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
+    if plan is None:
+        return None
+    return {
+        "affinity": plan.affinity,
+        "prefill": _phase(plan.prefill, plan.n_prefill), "decode": _phase(plan.decode, plan.n_decode),
+        "goodput_rps": plan.goodput_rps, "goodput_per_gpu": plan.goodput_per_gpu, "gpus": plan.gpus,
+        "kv_demand_bytes_per_s": plan.kv_demand_bytes_per_s, "link_capacity_bytes_per_s": plan.link_capacity_bytes_per_s,
+        "link_ok": plan.link_ok, "residency_bytes": plan.residency_bytes,
+        "simulated_goodput_rps": e2e.rate if e2e else None,
+    }
+
+
+def plan_summary(result: PlanResult) -> dict:
+    """The `pdserve plan --json` object."""
+    inputs, margin = result.inputs, result.margin
+    return {
+        "decision": result.decision,
+        "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
+        "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
+        "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),
+        "disaggregated": disagg_summary(result.disaggregated, result.end_to_end.get("disaggregated")),
+        "alternatives": [disagg_summary(p, None) for p in result.alternatives if p is not result.disaggregated],
+        "net_margin": None if margin is None else {"delta_t_s": result.net_margin_s, **vars(margin)},
+        "num_candidates": result.num_candidates,
+        "num_simulated": sum(s.status == "simulated" for v in result.scores.values() for s in v),
+        "search_s": result.elapsed_s,
+    }
+
+
+def plan_table(summary: dict) -> str:
+    """A readable multi-line rendering of `plan_summary`."""
+    lines = [f"decision: {summary['decision'].upper()}  ({summary['model']} on {summary['gpus']} x {summary['hardware']})"]
+    colo, dis = summary["colocated"], summary["disaggregated"]
+    lines.append(f"{'plan':<16}{'layout':<44}{'goodput rps':>12}{'per GPU':>10}{'sim rps':>10}")
+    if colo:
+        c = colo["config"]
+        layout = f"{c['replicas']} x tp{c['tp']}pp{c['pp']} chunk {c['chunk_tokens']}"
+        lines.append(f"{'colocated':<16}{layout:<44}{colo['goodput_rps']:>12.3g}{colo['goodput_per_gpu']:>10.3g}{_num(colo['simulated_goodput_rps']):>10}")
+    if dis:
+        p, d = dis["prefill"], dis["decode"]
+        layout = f"P {p['replicas']} x tp{p['tp']}pp{p['pp']} + D {d['replicas']} x tp{d['tp']}pp{d['pp']} ({dis['affinity']})"
+        lines.append(f"{'disaggregated':<16}{layout:<44}{dis['goodput_rps']:>12.3g}{dis['goodput_per_gpu']:>10.3g}{_num(dis['simulated_goodput_rps']):>10}")
+        lines.append(f"K/V demand {dis['kv_demand_bytes_per_s'] / 1e9:.3g} GB/s vs link {dis['link_capacity_bytes_per_s'] / 1e9:.3g} GB/s: "
+                     + ("ok" if dis["link_ok"] else "INFEASIBLE"))
+    if summary["net_margin"]:
+        lines.append(f"net margin dT = {summary['net_margin']['delta_t_s'] * 1e3:.1f} ms/request")
+    lines.append(f"{summary['num_candidates']} candidates, {summary['num_simulated']} simulated, {summary['search_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def plot_plan(result: PlanResult, path: str, top: int = 3) -> None:
+    """Joint attainment vs offered rate for the top `top` candidates of each phase kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    _curves(axes[0], [s for s in result.scores["colocated"] if s.points][:top], "colocated instance", result)
+    e2e = result.end_to_end
+    for name, search in e2e.items():
+        rates = sorted(search.points)
+        axes[1].plot(rates, [search.points[r].joint for r in rates], marker="o", label=f"{name} ({search.rate:.3g} rps)")
+    _decorate(axes[1], "planned deployments (end to end)", result)
+    fig.suptitle(f"{result.inputs.model.name} on {result.inputs.gpus} x {result.inputs.hardware.name}: decision {result.decision}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _curves(ax, scores: list[Score], title: str, result: PlanResult) -> None:
+    for s in scores:
+        rates = [r for r, _ in s.points]
+        ax.plot(rates, [a.joint for _, a in s.points], marker="o", label=f"{s.label} ({s.goodput_rps:.3g} rps)")
+    _decorate(ax, title, result)
+
+
+def _decorate(ax, title: str, result: PlanResult) -> None:
+    ax.axhline(result.inputs.slo.attainment, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("joint SLO attainment")
+    ax.set_title(title)
+    ax.legend(fontsize=8)

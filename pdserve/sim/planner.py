@@ -1,0 +1,186 @@
+"""The placement planner: colocate or disaggregate, with which parallelism and how many replicas.
+
+Contract: `plan(inputs)` scores every colocated (TP x PP x chunk budget), prefill and decode
+candidate (`phase_search.py`), builds the best colocated, high-affinity and low-affinity
+deployments (`plans.py`), re-simulates the winners end to end (with K/V transfer) for their
+system goodput, and computes the net margin dT (ledger `net_margin_s`) at matched load.
+Disaggregation is recommended only when a K/V-feasible disaggregated plan's goodput per GPU
+beats the best colocated plan's by more than `margin` (a fraction); the runner-up is the best
+plan of the other kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Callable
+
+from pdserve.bench.metrics import Slo
+from pdserve.bench.workload import WorkloadConfig
+from pdserve.ledger.margin import MarginTerms, net_margin_s
+from pdserve.sim.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
+from pdserve.sim.geometry import ModelSpec
+from pdserve.sim.goodput import GoodputSearch, goodput_rps, ladder_around
+from pdserve.sim.hardware import HardwareProfile
+from pdserve.sim.latency import LatencyModel
+from pdserve.sim.phase_search import Score, SearchSpace, score_all
+from pdserve.sim.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
+from pdserve.sim.requests import SimRequests, build_requests
+from pdserve.sim.simulator import SimConfig, simulate
+from pdserve.sim.transfer import LinkSpec
+
+CHUNK_BUDGETS = (256, 512, 1024, 2048)
+MARGIN_LOAD = 0.8
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on. `link_bytes_per_s` overrides the per-GPU inter-node NIC."""
+
+    model: ModelSpec
+    hardware: HardwareProfile
+    gpus: int
+    workload: WorkloadConfig
+    slo: Slo
+    target_rps: float | None = None
+    link_bytes_per_s: float | None = None
+    chunk_budgets: tuple[int, ...] = CHUNK_BUDGETS
+    definition: str = "joint"
+    margin: float = 0.1
+    max_seqs: int = 256
+    transfer_overlap: str = "layer"
+    route_delta_s: float = 0.0
+    failure_penalty_s: float = 0.0
+    fixed_model: LatencyModel | None = None  # e.g. a `pdserve profile` fit: single-GPU shapes only
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    decision: str
+    colocated: ColocatedPlan | None
+    disaggregated: DisaggPlan | None
+    alternatives: tuple[DisaggPlan, ...]
+    scores: dict[str, list[Score]]
+    end_to_end: dict[str, GoodputSearch]
+    margin: MarginTerms | None
+    elapsed_s: float
+    inputs: PlanInputs = field(repr=False)
+
+    @property
+    def net_margin_s(self) -> float | None:
+        return None if self.margin is None else net_margin_s(self.margin)
+
+    @property
+    def num_candidates(self) -> int:
+        return sum(len(v) for v in self.scores.values())
+
+
+def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None) -> PlanResult:
+    """Search, combine, verify end to end and decide (see the module contract)."""
+    started = time.perf_counter()
+    requests = build_requests(inputs.workload)
+    decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs)
+    space = _space(inputs, requests, decode_requests)
+    shapes = [Parallel(1, 1)] if inputs.fixed_model else parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests))
+    if not shapes:
+        raise ValueError(f"{inputs.model.name} does not fit on {inputs.gpus} x {inputs.hardware.name} with this workload")
+    scores = {
+        "colocated": score_all(space, "colocated", [(p, c) for p in shapes for c in inputs.chunk_budgets], progress),
+        "prefill": score_all(space, "prefill", [(p, 0) for p in shapes], progress),
+        "decode": score_all(space, "decode", [(p, 0) for p in shapes], progress),
+    }
+    colo, options = _build_plans(inputs, requests, scores)
+    disagg = _pick_disagg(options)
+    end_to_end = _verify(inputs, colo, disagg, progress)
+    margin = _margin(inputs, colo, disagg) if colo and disagg else None
+    return PlanResult(_decide(inputs, colo, disagg), colo, disagg, tuple(options), scores, end_to_end, margin,
+                      time.perf_counter() - started, inputs)
+
+
+def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
+    return SearchSpace(inputs.model, inputs.hardware, requests, decode_requests, inputs.slo, inputs.definition,
+                       inputs.max_seqs, fixed_model=inputs.fixed_model)
+
+
+def _latency(inputs: PlanInputs, par: Parallel) -> LatencyModel:
+    return inputs.fixed_model or latency_for(inputs.model, inputs.hardware, par)
+
+
+def _build_plans(inputs: PlanInputs, requests: SimRequests, scores) -> tuple[ColocatedPlan | None, list[DisaggPlan]]:
+    hw, weights = inputs.hardware, inputs.model.total_weight_bytes
+    kv_per_request = WorkloadShape.of(requests).mean_prompt * inputs.model.kv_bytes_per_token
+    nic = inputs.link_bytes_per_s or hw.internode_bytes_per_s
+    pre, dec, target = scores["prefill"], scores["decode"], inputs.target_rps
+    colo = colocated_plan(scores["colocated"], inputs.gpus, target, weights)
+    options = [
+        high_affinity_plan(pre, dec, inputs.gpus, target, kv_per_request, nic, weights),
+        low_affinity_plan(pre, dec, inputs.gpus, target, hw.gpus_per_node, kv_per_request, hw.nvlink_bytes_per_s, weights),
+    ]
+    return colo, [p for p in options if p is not None]
+
+
+def _pick_disagg(options: list[DisaggPlan]) -> DisaggPlan | None:
+    """Best goodput per GPU among K/V-feasible plans (an infeasible one only if nothing else)."""
+    return max(options, key=lambda p: (p.link_ok, p.goodput_per_gpu, -p.gpus), default=None)
+
+
+def _decide(inputs: PlanInputs, colo: ColocatedPlan | None, disagg: DisaggPlan | None) -> str:
+    if disagg is None or not disagg.link_ok or disagg.goodput_rps <= 0:
+        return "colocate"
+    if colo is None or colo.goodput_rps <= 0:
+        return "disaggregate"
+    return "disaggregate" if disagg.goodput_per_gpu > colo.goodput_per_gpu * (1 + inputs.margin) else "colocate"
+
+
+def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
+    """(SimConfig, prefill model, decode model) simulating a whole planned deployment."""
+    if isinstance(plan_, ColocatedPlan):
+        model = _latency(inputs, plan_.score.par)
+        config = SimConfig(mode="colocated", replicas=plan_.replicas, chunk_tokens=plan_.score.chunk_tokens,
+                           max_decode_seqs=inputs.max_seqs)
+        return config, model, model
+    link = LinkSpec(plan_.decode.par.gpus * plan_.link_bytes_per_s_per_gpu, inputs.transfer_overlap, inputs.model.geometry.layers)
+    config = SimConfig(mode="disaggregated", prefill_replicas=plan_.n_prefill, decode_replicas=plan_.n_decode,
+                       max_decode_seqs=inputs.max_seqs, link=link)
+    return config, _latency(inputs, plan_.prefill.par), _latency(inputs, plan_.decode.par)
+
+
+def _more_requests(workload: WorkloadConfig, at_least: int) -> SimRequests:
+    """The workload grown to `at_least` requests (a trace is used as it is)."""
+    if workload.trace_path is None and workload.num_requests < at_least:
+        workload = dataclasses.replace(workload, num_requests=at_least)
+    return build_requests(workload)
+
+
+def _e2e_requests(inputs: PlanInputs, config: SimConfig) -> SimRequests:
+    """Enough requests that every instance, and every decode batch, sees a useful sample."""
+    decode_instances = config.replicas if config.mode == "colocated" else config.decode_replicas
+    return _more_requests(inputs.workload, max(100 * config.instances, 8 * inputs.max_seqs * decode_instances))
+
+
+def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSearch]:
+    """Simulated goodput of each chosen deployment, transfers and routing included."""
+    found = {}
+    for name, plan_ in (("colocated", colo), ("disaggregated", disagg)):
+        if plan_ is None or plan_.goodput_rps <= 0:
+            continue
+        config, pm, dm = deployment(inputs, plan_)
+        requests = _e2e_requests(inputs, config)
+        run = lambda rate, c=config, p=pm, d=dm, r=requests: simulate(r, rate, c, p, d).records  # noqa: E731
+        found[name] = goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition)
+        progress(f"end-to-end {name}: {found[name].rate:.3g} rps (ledger {plan_.goodput_rps:.3g})")
+    return found
+
+
+def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> MarginTerms:
+    """dT terms at matched offered load: 80% of the smaller planned goodput (both plans in SLO)."""
+    rate = MARGIN_LOAD * (min(colo.goodput_rps, disagg.goodput_rps) or max(colo.goodput_rps, disagg.goodput_rps))
+    colo_cfg, pm, _ = deployment(inputs, colo)
+    colo_e2e = fmean(r.e2e_s for r in simulate(_e2e_requests(inputs, colo_cfg), rate, colo_cfg, pm).records if r.success)
+    dis_cfg, pm, dm = deployment(inputs, disagg)
+    result = simulate(_e2e_requests(inputs, dis_cfg), rate, dis_cfg, pm, dm)
+    dis_e2e = fmean(r.e2e_s for r in result.records if r.success)
+    exposed = result.mean_transfer_exposed_s
+    return MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)

@@ -1,0 +1,200 @@
+"""Turn scored instances into deployments: replica counts, GPUs, K/V links and residency.
+
+Contract: all capacity arithmetic is the ledger's (spec 0x08C-0x08D, 0x0A):
+g_system = `system_goodput`(n_p g_p, n_d g_d); per-GPU goodput = `system_goodput_per_gpu` over
+every GPU of both pools; replicas for a target rate = `replica_count`; K/V demand =
+`payload_demand_bytes_per_s`(g_system, M_KV) checked by `link_feasible` against the pool's
+handoff capacity; residency = `model_residency_bytes` over all instances; each phase's shape is
+the ledger's `best_per_gpu`. With a GPU budget (and no target) the replica split maximises
+g_system within the budget, fewer GPUs breaking ties.
+
+High node affinity: phases are chosen independently; K/V crosses the inter-node NIC (one per
+GPU). Low node affinity: prefill and decode share a PP degree, stage j of every instance sits on
+node j (checked with the ledger's `stage_packing_violations`), and K/V moves over NVLink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.ledger.goodput import best_per_gpu, replica_count, system_goodput, system_goodput_per_gpu
+from pdserve.ledger.placement import (
+    StageSlot,
+    link_feasible,
+    model_residency_bytes,
+    payload_demand_bytes_per_s,
+    stage_packing_violations,
+)
+from pdserve.sim.phase_search import Score
+
+
+@dataclass(frozen=True)
+class ColocatedPlan:
+    score: Score
+    replicas: int
+    weight_bytes: int
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.score.par.gpus
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.replicas * self.score.goodput_rps
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / self.gpus
+
+    @property
+    def residency_bytes(self) -> int:
+        return model_residency_bytes(self.replicas, self.weight_bytes)
+
+
+@dataclass(frozen=True)
+class DisaggPlan:
+    affinity: str  # "high" | "low"
+    prefill: Score
+    decode: Score
+    n_prefill: int
+    n_decode: int
+    kv_bytes_per_request: float
+    link_bytes_per_s_per_gpu: float
+    weight_bytes: int
+
+    @property
+    def prefill_gpus(self) -> int:
+        return self.n_prefill * self.prefill.par.gpus
+
+    @property
+    def decode_gpus(self) -> int:
+        return self.n_decode * self.decode.par.gpus
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_gpus + self.decode_gpus
+
+    @property
+    def goodput_rps(self) -> float:
+        return system_goodput(self.n_prefill * self.prefill.goodput_rps, self.n_decode * self.decode.goodput_rps)
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return system_goodput_per_gpu(self.goodput_rps, self.prefill_gpus, self.decode_gpus)
+
+    @property
+    def kv_demand_bytes_per_s(self) -> float:
+        return payload_demand_bytes_per_s(self.goodput_rps, self.kv_bytes_per_request)
+
+    @property
+    def link_capacity_bytes_per_s(self) -> float:
+        return self.decode_gpus * self.link_bytes_per_s_per_gpu
+
+    @property
+    def link_ok(self) -> bool:
+        return link_feasible(self.kv_demand_bytes_per_s, self.link_capacity_bytes_per_s)
+
+    @property
+    def residency_bytes(self) -> int:
+        return model_residency_bytes(self.n_prefill + self.n_decode, self.weight_bytes)
+
+
+def _best(scores: list[Score]) -> Score | None:
+    viable = [s for s in scores if s.goodput_rps > 0]
+    if not viable:
+        return None
+    name, _, _ = best_per_gpu([(s.label, s.goodput_rps, s.par.gpus) for s in viable])
+    return next(s for s in viable if s.label == name)
+
+
+def colocated_plan(scores: list[Score], budget: int, target_rps: float | None, weight_bytes: int) -> ColocatedPlan | None:
+    """Best per-GPU colocated instance, replicated to the target or to fill the budget."""
+    best = _best(scores)
+    if best is None or (target_rps is None and best.par.gpus > budget):
+        return None
+    replicas = replica_count(target_rps, best.goodput_rps) if target_rps else budget // best.par.gpus
+    return ColocatedPlan(best, replicas, weight_bytes)
+
+
+def split_budget(g_p: float, gpus_p: int, g_d: float, gpus_d: int, budget: int) -> tuple[int, int] | None:
+    """(n_p, n_d) >= 1 maximising min(n_p g_p, n_d g_d) within `budget` GPUs."""
+    best, best_key = None, None
+    for n_p in range(1, budget // gpus_p + 1):
+        n_d = (budget - n_p * gpus_p) // gpus_d
+        if n_d < 1:
+            break
+        n_d = min(n_d, replica_count(n_p * g_p, g_d))  # decode beyond the prefill rate is idle
+        key = (system_goodput(n_p * g_p, n_d * g_d), -(n_p * gpus_p + n_d * gpus_d))
+        if best_key is None or key > best_key:
+            best, best_key = (n_p, n_d), key
+    return best
+
+
+def high_affinity_plan(prefill: list[Score], decode: list[Score], budget: int, target_rps: float | None,
+                       kv_bytes_per_request: float, nic_bytes_per_s: float, weight_bytes: int) -> DisaggPlan | None:
+    """DistServe high node affinity: phases chosen independently.
+
+    Target rate: each phase's best per GPU, replicated to the target. Budget: every pair of
+    simulated phase shapes with its best split, keeping the highest g_system.
+    """
+    make = lambda c_p, c_d, n: DisaggPlan("high", c_p, c_d, n[0], n[1], kv_bytes_per_request, nic_bytes_per_s, weight_bytes)  # noqa: E731
+    if target_rps:
+        c_p, c_d = _best(prefill), _best(decode)
+        if c_p is None or c_d is None:
+            return None
+        return make(c_p, c_d, (replica_count(target_rps, c_p.goodput_rps), replica_count(target_rps, c_d.goodput_rps)))
+    plans = []
+    for c_p, c_d in _viable_pairs(prefill, decode):
+        counts = split_budget(c_p.goodput_rps, c_p.par.gpus, c_d.goodput_rps, c_d.par.gpus, budget)
+        if counts is not None:
+            plans.append(make(c_p, c_d, counts))
+    return _top(plans, by_rate=True)
+
+
+def low_affinity_plan(prefill: list[Score], decode: list[Score], budget: int, target_rps: float | None,
+                      gpus_per_node: int, kv_bytes_per_request: float, nvlink_bytes_per_s: float,
+                      weight_bytes: int) -> DisaggPlan | None:
+    """DistServe low node affinity: equal PP, stage j of every instance on node j."""
+    plans = []
+    for c_p, c_d in _viable_pairs(prefill, decode):
+        if c_p.par.pp != c_d.par.pp:
+            continue
+        counts = _pack_low(c_p, c_d, budget, target_rps, gpus_per_node)
+        if counts is not None:
+            plans.append(DisaggPlan("low", c_p, c_d, *counts, kv_bytes_per_request, nvlink_bytes_per_s, weight_bytes))
+    return _top(plans, by_rate=not target_rps)
+
+
+def _viable_pairs(prefill: list[Score], decode: list[Score]):
+    return [(p, d) for p in prefill if p.goodput_rps > 0 for d in decode if d.goodput_rps > 0]
+
+
+def _top(plans: list[DisaggPlan], by_rate: bool) -> DisaggPlan | None:
+    """Highest g_system (budget) or goodput per GPU (target); fewer GPUs, then labels, break ties."""
+    key = (lambda p: (p.goodput_rps, p.goodput_per_gpu, -p.gpus)) if by_rate else (lambda p: (p.goodput_per_gpu, -p.gpus))
+    return max(sorted(plans, key=lambda p: (p.prefill.label, p.decode.label)), key=key, default=None)
+
+
+def _pack_low(c_p: Score, c_d: Score, budget: int, target_rps: float | None, gpus_per_node: int) -> tuple[int, int] | None:
+    """Replica counts whose stage-j segments share node j within `gpus_per_node` GPUs each."""
+    pp, tp_p, tp_d = c_p.par.pp, c_p.par.tp, c_d.par.tp
+    if target_rps:
+        n_p, n_d = replica_count(target_rps, c_p.goodput_rps), replica_count(target_rps, c_d.goodput_rps)
+        groups = -(-(n_p * tp_p + n_d * tp_d) // gpus_per_node)
+        per_group = (-(-n_p // groups), -(-n_d // groups))
+    else:
+        groups = max(1, budget // (pp * gpus_per_node))
+        per_node = min(gpus_per_node, budget // (groups * pp))
+        per_group = split_budget(c_p.goodput_rps, tp_p, c_d.goodput_rps, tp_d, per_node) if per_node else None
+    if per_group is None or stage_packing_violations(_group_slots(per_group, pp, tp_p, tp_d), pp, gpus_per_node):
+        return None
+    return per_group[0] * groups, per_group[1] * groups
+
+
+def _group_slots(counts: tuple[int, int], pp: int, tp_p: int, tp_d: int) -> list[StageSlot]:
+    """One node group: stage j of every prefill and decode instance on node j."""
+    slots = []
+    for phase, n, tp in (("prefill", counts[0], tp_p), ("decode", counts[1], tp_d)):
+        for k in range(n):
+            slots.extend(StageSlot(f"{phase[0]}{k}", phase, j, f"node{j}", tp) for j in range(pp))
+    return slots

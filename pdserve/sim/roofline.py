@@ -1,0 +1,121 @@
+"""Analytic roofline latency of one TP x PP instance, built on the ledger's work vectors.
+
+Contract: an iteration costs
+
+    step_overhead + max(F / (tp * C_eff), (W_block + kv_read + kv_write) / (tp * R_eff)) + comm
+
+where F and the byte terms are exactly `pdserve.ledger.phase` (`linear_flops`,
+`attention_flops`, `BlockGeometry.weight_bytes`, `kv_bytes_per_token`), so `prefill_s` equals
+`lower_bound_s(prefill_work(...))` on the scaled rates plus the overhead and communication
+terms. TP adds two ring all-reduces of the activations per layer, 2(tp-1)/tp * rows*d*b bytes
+each plus a collective latency; PP adds (pp-1) point-to-point activation hops. Links are NVLink
+when the instance fits in one node, else the inter-node NIC.
+
+Pipeline parallelism: a prefill traverses every stage (full latency) but frees the first stage
+after latency/pp; decode keeps pp micro-batches in flight, so each step of a batch B costs the
+full-stack time of a micro-batch of ceil(B/pp) sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pdserve.ledger.phase import attention_flops, linear_flops
+from pdserve.sim.geometry import ModelSpec, load_model_spec
+from pdserve.sim.hardware import HardwareProfile, load_hardware
+from pdserve.sim.latency import LatencyModel
+
+
+@dataclass(frozen=True)
+class RooflineLatency(LatencyModel):
+    """Roofline iteration cost of `model` on a tp x pp instance of `hardware`."""
+
+    model: ModelSpec
+    hardware: HardwareProfile
+    tp: int = 1
+    pp: int = 1
+    _coef: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError("tp and pp must be >= 1")
+        g, hw = self.model.geometry, self.hardware
+        gpus = self.tp * self.pp
+        link = hw.nvlink_bytes_per_s if gpus <= hw.gpus_per_node else hw.internode_bytes_per_s
+        act_bytes_per_row = g.d_model * g.dtype_bytes
+        tp_bytes_per_row = 2 * g.layers * 2 * (self.tp - 1) / self.tp * act_bytes_per_row
+        coef = (
+            linear_flops(g, 1) / (self.tp * hw.effective_flops_per_s),  # s per new row (compute)
+            attention_flops(g, 1) / (self.tp * hw.effective_flops_per_s),  # s per causal pair
+            g.weight_bytes / (self.tp * hw.effective_bytes_per_s),  # s to read the weights once
+            g.kv_bytes_per_token / (self.tp * hw.effective_bytes_per_s),  # s per K/V token touched
+            (tp_bytes_per_row + (self.pp - 1) * act_bytes_per_row) / link,  # s of comm per row
+            hw.step_overhead_s + (2 * g.layers * hw.collective_latency_s if self.tp > 1 else 0.0)
+            + (self.pp - 1) * hw.collective_latency_s,
+        )
+        object.__setattr__(self, "_coef", coef)
+
+    @property
+    def pipeline_stages(self) -> int:  # type: ignore[override]
+        return self.pp
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # type: ignore[override]
+        return self.model.kv_bytes_per_token
+
+    @property
+    def kv_capacity_tokens(self) -> int:  # type: ignore[override]
+        """Tokens of K/V that fit beside one sharded model copy (0 when weights do not fit)."""
+        free = self.tp * self.pp * self.hardware.usable_memory_bytes - self.model.total_weight_bytes
+        return max(0, int(free // self.model.kv_bytes_per_token))
+
+    def iteration_s(self, rows: int, pairs: int, kv_tokens: int) -> float:
+        """Full-stack time of one iteration with `rows` new rows, `pairs` query-key pairs and
+        `kv_tokens` K/V tokens read or written."""
+        row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
+        return fixed + max(row_f * rows + pair_f * pairs, weight_b + kv_b * kv_tokens) + comm * rows
+
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
+        rows = sum(new_tokens)
+        pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new_tokens, cached_tokens))
+        kv_tokens = sum(c + 2 * n for n, c in zip(new_tokens, cached_tokens))
+        return self.iteration_s(rows, pairs, kv_tokens)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        micro = -(-batch // self.pp)
+        ctx = context_tokens * micro / batch
+        return self.iteration_s(micro, ctx, ctx + micro)
+
+    def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
+        """Both decode_step_s values of a segment in one call (the simulator's hot path)."""
+        micro = -(-batch // self.pp)
+        ctx = context_tokens * micro / batch
+        row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
+        base = fixed + comm * micro
+        compute, memory = row_f * micro + pair_f * ctx, weight_b + kv_b * (ctx + micro)
+        d0 = base + (compute if compute > memory else memory)
+        compute, memory = compute + pair_f * micro, memory + kv_b * micro
+        return d0, base + (compute if compute > memory else memory) - d0
+
+    def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
+                     batch: int, context_tokens: int) -> float:
+        share = 1.0 / self.pp
+        rows = (chunk_tokens + batch) * share
+        kv_tokens = chunk_kv_tokens + context_tokens + batch
+        return self.iteration_s(rows, (chunk_pairs + context_tokens) * share, kv_tokens * share)
+
+    def to_dict(self) -> dict:
+        return {"kind": "roofline", "model": self.model.name, "hardware": self.hardware.name, "tp": self.tp, "pp": self.pp}
+
+
+def roofline_from_dict(d: dict) -> RooflineLatency:
+    """{"kind": "roofline", "model": ..., "hardware": ..., "tp": 1, "pp": 1}."""
+    return RooflineLatency(
+        model=load_model_spec(str(d["model"])),
+        hardware=load_hardware(str(d["hardware"])),
+        tp=int(d.get("tp", 1)),
+        pp=int(d.get("pp", 1)),
+    )

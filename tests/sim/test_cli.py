@@ -1,0 +1,88 @@
+"""`pdserve simulate`, `plan`, `bench-sim` and `profile` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cli import main
+
+
+def _json_line(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    return json.loads(out[0])
+
+
+def test_simulate_prints_the_benchmark_keys(tmp_path, capsys):
+    model = tmp_path / "m.json"
+    model.write_text('{"kind": "constant", "prefill_ms": 10, "decode_step_ms": 5}')
+    argv = ["simulate", "--latency-model", str(model), "--mode", "disaggregated", "--prefill", "1", "--decode", "1",
+            "--max-prefill-batch", "1", "--rate", "50", "--arrival", "poisson", "--num-requests", "500",
+            "--input-len", "64", "--output-len", "8", "--seed", "3", "--json"]
+    assert main(argv) == 0
+    report = _json_line(capsys)
+    for key in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "attainment_joint", "good_request_throughput",
+                "num_arrived", "num_rejected"):
+        assert key in report
+    assert report["num_arrived"] == report["num_finished"] + report["num_rejected"] == 500
+
+
+def test_simulate_colocated_from_a_trace(tmp_path, capsys):
+    model = tmp_path / "m.json"
+    model.write_text('{"kind": "constant", "prefill_ms": 10, "decode_step_ms": 5}')
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(f'{{"prompt_len": {16 + i}, "output_len": 4}}' for i in range(40)))
+    assert main(["simulate", "--latency-model", str(model), "--mode", "colocated", "--replicas", "2", "--rate", "20",
+                 "--trace", str(trace), "--output-len", "4", "--json"]) == 0
+    assert _json_line(capsys)["completed"] == 40
+
+
+def test_plan_json_shape(capsys):
+    argv = ["plan", "--model", "llama-13b-class", "--hardware", "a100-80g", "--gpus", "4", "--input-len", "512",
+            "--output-len", "64", "--num-requests", "150", "--slo-ttft-ms", "500", "--slo-tpot-ms", "80",
+            "--chunk-budgets", "512", "--max-seqs", "32", "--quiet", "--json"]
+    assert main(argv) == 0
+    summary = _json_line(capsys)
+    assert summary["decision"] in ("colocate", "disaggregate")
+    colo, dis = summary["colocated"], summary["disaggregated"]
+    assert set(colo) >= {"config", "goodput_rps", "goodput_per_gpu"}
+    assert set(dis) >= {"prefill", "decode", "goodput_rps", "goodput_per_gpu", "kv_demand_bytes_per_s", "link_ok"}
+    assert set(dis["prefill"]) == {"tp", "pp", "replicas", "goodput_per_replica_rps"}
+    assert dis["gpus"] <= 4 and colo["gpus"] <= 4
+    assert summary["net_margin"] is not None and "delta_t_s" in summary["net_margin"]
+    if summary["decision"] == "disaggregate":
+        assert dis["goodput_per_gpu"] > colo["goodput_per_gpu"] * 1.1
+
+
+def test_plan_accepts_a_bare_config_and_plots(tmp_path, capsys):
+    from pdserve.sim.hardware import PROFILE_DIR
+
+    config = tmp_path / "config.json"
+    config.write_text((PROFILE_DIR / "llama-13b-class.config.json").read_text())
+    png = tmp_path / "p.png"
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "2", "--input-len", "256", "--output-len", "32",
+            "--num-requests", "100", "--slo-ttft-ms", "300", "--slo-tpot-ms", "60", "--chunk-budgets", "512",
+            "--max-seqs", "16", "--quiet", "--plot", str(png)]
+    assert main(argv) == 0
+    assert "decision:" in capsys.readouterr().out
+    assert png.stat().st_size > 1000
+
+
+def test_bench_sim_reports_rates(capsys):
+    assert main(["bench-sim", "--num-requests", "2000", "--json"]) == 0
+    report = _json_line(capsys)
+    assert report["roofline_finished"] == 2000 and report["roofline_requests_per_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_profile_quick_writes_a_usable_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the tiny checkpoint goes here
+    out = tmp_path / "prof.json"
+    assert main(["profile", "--quick", "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
+    from pdserve.sim.latency import load_latency_model
+
+    model = load_latency_model(out)
+    assert model.prefill_s(64) > 0 and model.decode_step_s(4, 256) > 0
+    assert json.loads(out.read_text())["meta"]["threads"] == 1
