@@ -44,6 +44,7 @@ class ServeConfig:
     pin_cpus: bool = True
     trace_dir: str | None = None
     layerwise_threshold_tokens: int = 256
+    transport: str = "auto"  # "auto" (shm on one host, tcp across) | "shm" | "tcp"
     ray: bool = False
     ray_address: str | None = None
     ray_pack_pairs: bool = False
@@ -72,8 +73,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     trace = f"{config.trace_dir}/requests.jsonl" if config.trace_dir else None
     bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
     launcher = _launcher(config)
-    backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, trace,
-                             is_dead=launcher.dead)
+    backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
+                             is_dead=launcher.dead, transport=config.transport)
     backend.start()
     launcher.start(backend.address if not config.ray else _reachable(backend.address))
     try:

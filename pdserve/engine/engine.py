@@ -185,6 +185,7 @@ class Engine:
             del self.seqs[seq.request_id]
             self.stops.forget(seq.request_id)
         elif seq.mode is SeqMode.PREFILL_ONLY:
+            new_text += self.stops.flush(seq)  # the decode worker continues after this text
             self.scheduler.running.remove(seq)
             seq.transition(SeqStatus.PREFILLED)
             self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)

@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.kv_pool import KvPool
 from pdserve.engine.scheduler import StepPlan
 from pdserve.engine.sequence import Sequence
-from pdserve.model.attention import AttnMetadata, DecodeBatch, PrefillSlice
+from pdserve.model.attention import AttnMetadata, DecodeBatch, DecodeGroup, PrefillSlice
 from pdserve.model.llama import LlamaModel
 
 
@@ -70,20 +70,33 @@ def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> P
     return PrefillSlice(q_start=q_start, q_len=rows, ctx_len=ctx, block_table=table)
 
 
+DECODE_BUCKET_BLOCKS = 8  # decode K/V is read padded to a multiple of this many blocks
+
+
 def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype) -> DecodeBatch | None:
+    """Group decode rows by padded K/V length; the padding depends only on a row's own length."""
     if not seqs:
         return None
+    buckets: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        blocks = -(-(seq.num_computed + 1) // block_size)
+        width = -(-blocks // DECODE_BUCKET_BLOCKS) * DECODE_BUCKET_BLOCKS
+        buckets.setdefault(width, []).append(i)
+    groups = tuple(_decode_group([seqs[i] for i in rows], rows, width, block_size, dtype) for width, rows in buckets.items())
+    return DecodeBatch(num_rows=len(seqs), groups=groups)
+
+
+def _decode_group(seqs: list[Sequence], rows: list[int], width: int, block_size: int, dtype: torch.dtype) -> DecodeGroup:
+    tables = torch.zeros((len(seqs), width), dtype=torch.int64)  # [g, M]
     ctx = [s.num_computed + 1 for s in seqs]
-    width = max(-(-c // block_size) for c in ctx)
-    tables = torch.zeros((len(seqs), width), dtype=torch.int64)  # [Bd, M]
     for i, (seq, c) in enumerate(zip(seqs, ctx)):
         n = -(-c // block_size)
         tables[i, :n] = torch.tensor(seq.block_table[:n], dtype=torch.int64)
-    lens = torch.tensor(ctx, dtype=torch.int64).unsqueeze(1)  # [Bd, 1]
-    visible = torch.arange(width * block_size).unsqueeze(0) < lens  # [Bd, M*B]
+    lens = torch.tensor(ctx, dtype=torch.int64).unsqueeze(1)  # [g, 1]
+    visible = torch.arange(width * block_size).unsqueeze(0) < lens  # [g, M*B]
     # additive mask in the compute dtype: SDPA's CPU kernel is faster with it than with a bool mask
     key_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return DecodeBatch(num_rows=len(seqs), block_tables=tables, key_mask=key_mask[:, None, None, :])
+    return DecodeGroup(torch.tensor(rows, dtype=torch.int64), tables, key_mask[:, None, None, :])
 
 
 class ModelRunner:

@@ -5,8 +5,10 @@ Contract, per `schedule()` call:
    not available, the newest other running sequence is preempted (blocks freed, K/V recomputed
    later); if there is none, the sequence itself is preempted. Decode never waits on prefill.
 2. The remaining token budget goes to prefill chunks: sequences already prefilling first, then
-   waiting sequences in arrival order. Admission looks up the prefix cache; a chunk is trimmed to
-   the blocks available, and admission stops (FCFS) at the first sequence that cannot start.
+   waiting sequences in arrival order. Chunks end on multiples of the chunk size (the budget), so
+   a prompt is split at the same positions in every step mix and on every worker role: its K/V
+   bits do not depend on its batch mates. Admission looks up the prefix cache; a chunk is trimmed
+   only when blocks run short, and admission stops (FCFS) at the first sequence that cannot start.
 3. Nothing here touches tensors; the runner turns the plan into a batch.
 """
 
@@ -73,25 +75,30 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.is_decoding and seq in self.running and budget > 0:
+            if seq.is_decoding and seq in self.running and len(plan.decode) < self.config.max_num_seqs:
                 if self._reserve_decode_slot(seq, plan):
                     plan.decode.append(seq)
                     budget -= 1
+        # Prefill chunks end on multiples of the chunk size C (= the token budget), so a prompt is
+        # cut at the same places whatever else shares the step. The first chunk of a step may
+        # overrun the budget left by decode rows (by at most their number); later chunks run
+        # only if they fit whole.
+        first = True
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if not seq.is_decoding and budget > 0:
-                rows = self._fit_chunk(seq, budget)
+            if not seq.is_decoding:
+                rows = self._fit_chunk(seq, budget, first)
                 if rows:
                     plan.prefill.append((seq, rows))
-                    budget -= rows
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            rows = self._admit(self.waiting[0], budget)
+                    budget, first = budget - rows, False
+        while self.waiting and len(self.running) < self.config.max_num_seqs and (first or budget > 0):
+            rows = self._admit(self.waiting[0], budget, first)
             if not rows:
                 break
             seq = self.waiting.popleft()
             seq.transition(SeqStatus.RUNNING)
             self.running.append(seq)
             plan.prefill.append((seq, rows))
-            budget -= rows
+            budget, first = budget - rows, False
         return plan
 
     # ---- decode slots and preemption --------------------------------------------------------
@@ -129,18 +136,24 @@ class Scheduler:
         self.waiting.insert(index, seq)
 
     # ---- prefill chunks ---------------------------------------------------------------------
-    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
-        """Rows of `seq` to prefill now, limited by budget and blocks; allocates the blocks."""
-        rows = min(seq.num_uncomputed, budget)
+    def _aligned_rows(self, seq: Sequence) -> int:
+        chunk = self.config.max_num_batched_tokens
+        return min(seq.num_uncomputed, chunk - seq.num_computed % chunk)
+
+    def _fit_chunk(self, seq: Sequence, budget: int, first: bool) -> int:
+        """Rows of `seq` to prefill now (its next aligned chunk, whole); allocates the blocks."""
+        rows = self._aligned_rows(seq)
+        if rows > budget and not first:
+            return 0
         avail = self.blocks.available_for(seq.request_id)
         bs = self.blocks.block_size
-        rows = min(rows, (len(seq.block_table) + avail) * bs - seq.num_computed)
+        rows = min(rows, (len(seq.block_table) + avail) * bs - seq.num_computed)  # only under memory pressure
         if rows <= 0:
             return 0
         seq.block_table += self.blocks.allocate(self._blocks_needed(seq, rows), owner=seq.request_id)
         return rows
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, first: bool) -> int:
         """Look up the prefix cache for a waiting sequence, then fit its first chunk."""
         tokens = seq.tokens
         hashes = self.blocks.hashes_for(tokens)
@@ -151,7 +164,7 @@ class Scheduler:
         seq.num_computed = len(hit_blocks) * self.blocks.block_size
         if seq.num_preemptions == 0 and seq.mode is not SeqMode.IMPORTED:
             seq.num_cached_tokens = seq.num_computed
-        rows = self._fit_chunk(seq, budget)
+        rows = self._fit_chunk(seq, budget, first)
         if rows == 0:
             self.release_blocks(seq)
             seq.num_computed = 0

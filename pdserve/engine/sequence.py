@@ -89,6 +89,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     num_released_chars: int = 0  # leading chars of `text` already reported to the caller
+    text_cut: bool = False  # a stop string ended the text
 
     @property
     def tokens(self) -> list[int]:

@@ -46,7 +46,18 @@ class StopChecker:
             reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if reason is not None and not (params.stop and seq.text_cut):
+            self._flush_detokenizer(seq)  # bytes held back for an incomplete character end the text
         return self._release(seq, final=reason is not None), reason
+
+    def _flush_detokenizer(self, seq: Sequence) -> None:
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            seq.text += detok.flush()
+
+    def flush(self, seq: Sequence) -> str:
+        """Release held-back text now (the sequence leaves this engine mid-request)."""
+        return self._release(seq, final=True)
 
     def _push_text(self, seq: Sequence, token: int) -> None:
         detok = self._detok.get(seq.request_id)
@@ -68,4 +79,5 @@ class StopChecker:
         if not hits:
             return False
         seq.text = seq.text[: min(hits)]
+        seq.text_cut = True
         return True

@@ -31,12 +31,21 @@ class PrefillSlice:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows whose K/V is read padded to the same length (a function of each row's own
+    length only), so a row's attention bits never depend on its batch mates."""
+
+    rows: torch.Tensor  # [g] int64 indices into the step's decode rows
+    block_tables: torch.Tensor  # [g, M] int64, padded with block 0
+    key_mask: torch.Tensor  # [g, 1, 1, M * B] additive: 0 where the key is visible, -inf past the end
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """All decode rows of the step: rows [0, num_rows) of the flat step."""
 
     num_rows: int
-    block_tables: torch.Tensor  # [Bd, M] int64, padded with block 0
-    key_mask: torch.Tensor  # [Bd, 1, 1, M * B] additive: 0 where the key is visible, -inf past the end
+    groups: tuple[DecodeGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -97,13 +106,20 @@ def _prefill_attention(
 
 def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """q: [Bd, H_q, D], one row per sequence -> [Bd, H_q, D]."""
+    out = torch.empty_like(q)
+    for group in batch.groups:
+        out[group.rows] = _decode_group(q.index_select(0, group.rows), cache_k, cache_v, group)
+    return out
+
+
+def _decode_group(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    """q: [g, H_q, D] -> [g, H_q, D]; K/V gathered once per K/V head, never repeated per query head."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = cache_k.shape[2]
-    group = num_q_heads // num_kv_heads
-    flat = batch.block_tables.flatten()  # [Bd * M]; index_select is ~4x faster than tensor indexing here
-    span = batch.block_tables.shape[1] * cache_k.shape[1]  # M * B
-    kh = cache_k.index_select(0, flat).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, H_kv, M*B, D]
+    flat = group.block_tables.flatten()  # [g * M]; index_select is ~4x faster than tensor indexing here
+    span = group.block_tables.shape[1] * cache_k.shape[1]  # M * B
+    kh = cache_k.index_select(0, flat).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)  # [g, H_kv, M*B, D]
     vh = cache_v.index_select(0, flat).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)
-    qh = q.view(num_rows, num_kv_heads, group, head_dim)  # [Bd, H_kv, G, D]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=batch.key_mask, scale=head_dim**-0.5)
+    qh = q.view(num_rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [g, H_kv, G, D]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=group.key_mask, scale=head_dim**-0.5)
     return o.reshape(num_rows, num_q_heads, head_dim)

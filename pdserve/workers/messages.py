@@ -46,6 +46,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     seed: int
     resume_output_ids: tuple[int, ...] = ()
+    grant_seq: int = 0  # router hold applied by accepting this message
 
 
 class Prefill(msgspec.Struct, frozen=True, tag=True):
@@ -54,6 +55,7 @@ class Prefill(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     seed: int
     plan: TransferPlan
+    grant_seq: int = 0
 
 
 class ReserveKv(msgspec.Struct, frozen=True, tag=True):
@@ -66,6 +68,7 @@ class ReserveKv(msgspec.Struct, frozen=True, tag=True):
     source_epoch: int
     attempt: int = 0
     tenant: str = "default"
+    grant_seq: int = 0
 
 
 class StartDecode(msgspec.Struct, frozen=True, tag=True):
@@ -96,6 +99,7 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     abi_hash: str
     bytes_per_token: int
     max_model_len: int
+    prefix_identity: str = ""
     handoff_address: tuple[str, int] | None = None
     shm_name: str | None = None
 
@@ -106,6 +110,7 @@ class Load(msgspec.Struct, frozen=True):
     num_running: int
     free_blocks: int
     reserved_blocks: int
+    applied_grant_seq: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

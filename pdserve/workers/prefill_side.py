@@ -12,15 +12,18 @@ Life cycle of one request here:
 
 from __future__ import annotations
 
+import logging
 import time
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import SeqMode
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
-from pdserve.handoff.streaming import choose_schedule
+from pdserve.handoff.streaming import ScheduleConfig, choose_schedule
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffSender
+
+log = logging.getLogger("pdserve.worker")
 
 
 class PrefillSide:
@@ -41,7 +44,7 @@ class PrefillSide:
         self.worker.trace.emit("prefill_start", msg.request_id, plan.transfer_id, plan.generation, plan.attempt, worker=self.worker.id)
 
     def _schedule(self, msg: m.Prefill) -> str:
-        return choose_schedule(len(msg.prompt_ids), self.worker.config.layerwise_threshold_tokens)
+        return choose_schedule(len(msg.prompt_ids), ScheduleConfig(self.worker.config.layerwise_threshold_tokens))
 
     def _start(self, request_id: str, schedule: str) -> SourceTransfer:
         msg = self.plans[request_id]
@@ -58,7 +61,10 @@ class PrefillSide:
                 continue
             if rid not in self.started:
                 self._start(rid, "layerwise")
-            self.sender.gate(rid).mark_ready(layer)
+            gate = self.sender.gate(rid)
+            if gate is None:  # the transfer already ended (aborted): nothing waits for this layer
+                continue
+            gate.mark_ready(layer)
             plan = msg.plan
             self.worker.trace.emit("layer_ready", rid, plan.transfer_id, plan.generation, plan.attempt, layer=layer, worker=self.worker.id)
 
@@ -76,11 +82,15 @@ class PrefillSide:
             if out.request_id not in self.started:
                 with self.worker.lock:
                     self._start(out.request_id, "serialized")
-                self.sender.gate(out.request_id).mark_all_ready()
+                gate = self.sender.gate(out.request_id)
+                if gate is not None:
+                    gate.mark_all_ready()
 
     def on_event(self, kind: str, payload) -> None:
         rid, src, transfer_s, physical, done_at = payload
         published = src.state is TxnState.PUBLISHED
+        if not published:
+            log.warning("transfer %s aborted at the source: %s", src.manifest.transfer_id, src.terminal_reason)
         with self.worker.lock:
             if published:
                 src.release_source()  # legal only after the publish ack; the engine frees the blocks

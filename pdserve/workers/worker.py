@@ -10,6 +10,7 @@ serving. Fault injection never lives here: tests kill the process from outside.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -26,6 +27,8 @@ from pdserve.handoff.trace import TraceSink
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.prefill_side import PrefillSide
+
+log = logging.getLogger("pdserve.worker")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(config.router_address)
         self.running = True
+        self.applied_grant_seq = 0
         self._last_beat = 0.0
 
     # ---- messaging ------------------------------------------------------------------------
@@ -77,6 +81,7 @@ class Worker:
             worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.config.role, pid=os.getpid(),
             num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
+            prefix_identity=eng.identity.identity_hash,
             handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
         ))
 
@@ -94,6 +99,7 @@ class Worker:
                 num_running=len(running) + len(eng.scheduler.waiting),
                 free_blocks=eng.blocks.num_free,
                 reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
+                applied_grant_seq=self.applied_grant_seq,
             )
             hashes = tuple(list(eng.blocks.cached)[:4096])
         self.send(m.Heartbeat(self.id, self.epoch, load, hashes))
@@ -116,6 +122,7 @@ class Worker:
         self.close()
 
     def handle(self, msg: m.ToWorker) -> None:
+        self.applied_grant_seq = max(self.applied_grant_seq, getattr(msg, "grant_seq", 0))
         try:
             if isinstance(msg, m.Generate):
                 self.add_local(msg)
@@ -130,6 +137,7 @@ class Worker:
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:
+            log.warning("worker %s: %s failed: %r", self.id, type(msg).__name__, exc)
             self.send(m.WorkerError(self.id, self.epoch, getattr(msg, "request_id", "?"), str(exc), "invalid_request"))
 
     def add_local(self, msg: m.Generate) -> None:

@@ -177,3 +177,17 @@ def test_abort_frees_blocks_in_every_state(gqa_ckpt, engine_factory):
     eng.reserve_import("imp", p, GREEDY)
     assert eng.abort("imp")
     assert not eng.abort("unknown")
+
+
+def test_bf16_tokens_do_not_depend_on_batch_mates(gqa_ckpt, engine_factory):
+    """Aligned chunks, batch-invariant bf16 matmuls and decode K/V padding that depends only on a
+    row's own length: a request's tokens are the same alone or in any crowd (exactness across
+    colocated and disaggregated serving rests on this)."""
+    p = prompts(1, lengths=(45,))[0]
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)
+    alone = run(engine_factory(gqa_ckpt, dtype="bfloat16", max_num_batched_tokens=32), [p], params)[0]
+    mates = prompts(7, lengths=(5, 140, 17, 90, 33, 61, 200))
+    crowd = engine_factory(gqa_ckpt, dtype="bfloat16", max_num_batched_tokens=32).generate(
+        mates[:3] + [p] + mates[3:], [SamplingParams(max_tokens=30 + i, ignore_eos=True) for i in range(3)] + [params]
+        + [SamplingParams(max_tokens=25, ignore_eos=True)] * 4)
+    assert crowd[3].output_ids == alone

@@ -1,0 +1,86 @@
+"""`pdserve serve`: the OpenAI-compatible server over disaggregated or colocated worker pools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.engine.config import EngineConfig
+
+DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """Deployment flags shared by `serve` and `demo`; defaults mirror `ServeConfig`."""
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    p.add_argument("--replicas", type=int, default=2, help="colocated workers (colocated)")
+    p.add_argument("--model", default="tiny", help="tiny | small | path to a HF checkpoint dir")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=EngineConfig.dtype)
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="per-step token budget (chunked prefill)")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--policy", choices=["round_robin", "jsq", "slo", "prefix"], default="jsq")
+    p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")
+    p.add_argument("--slo-tpot-ms", type=float, default=5000.0, help="SLO-aware routing: TPOT target")
+    p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker process")
+    p.add_argument("--no-pin-cpus", action="store_true", help="do not pin each worker to its own CPUs")
+    p.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto", help="K/V handoff transport")
+    p.add_argument("--layerwise-threshold", type=int, default=256,
+                   help="prompts with at least this many tokens stream K/V layer by layer")
+    p.add_argument("--trace-dir", default=None, help="write per-request and per-worker JSONL traces here")
+    p.add_argument("--ray", action="store_true", help="place workers as Ray actors")
+    p.add_argument("--address", default=None, help="Ray cluster address (with --ray)")
+    p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")
+
+
+def serve_config(args: argparse.Namespace, port: int | None = None):
+    from pdserve.api.server import ServeConfig
+
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    )
+    return ServeConfig(
+        mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, replicas=args.replicas, engine=engine,
+        host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
+        policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+        threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
+        layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
+        ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible API over prefill/decode worker pools")
+    add_cluster_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from pdserve.api.server import serve
+
+    try:
+        config = serve_config(args)
+        config.shape()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except TimeoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

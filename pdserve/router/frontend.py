@@ -1,0 +1,288 @@
+"""The router process's serving backend: the control plane wired to worker processes over zmq.
+
+Contract: implements the API's `Backend`. One asyncio task receives every worker message and
+applies it; `submit` drives one request through its life cycle (messages.py):
+    route (early rejection -> Rejection, no prefill work spent)
+    disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
+        -> first token from P (TTFT) -> StartDecode at D -> tokens from D -> finish
+    colocated: Generate at W -> tokens -> finish
+Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
+fallback (recompute on a live decode worker from the tokens already streamed, with the same
+seed) or ends the request with an explicit error event; nothing hangs and nothing is cut off
+silently. Messages from a retired epoch or from a worker that no longer owns a request are
+dropped. Every hold the router took is released exactly once (complete or abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, Rejection, TokenEvent, WorkerView
+from pdserve.engine.block_manager import prompt_block_hashes, root_hash
+from pdserve.engine.errors import InvalidRequest
+from pdserve.router import frontend_events as ev
+from pdserve.router.inflight import InFlight, RequestTraceWriter
+from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.metrics import RuntimeMetrics
+from pdserve.router.router import Router
+from pdserve.workers import messages as m
+
+RESERVE_TIMEOUT_S = 10.0
+
+
+class ClusterBackend:
+    def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
+                 trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto"):
+        self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.metrics = RuntimeMetrics()
+        self.trace = RequestTraceWriter(trace_path)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.bind(bind)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.is_dead = is_dead
+        self.transport = transport
+        self.registered: dict[str, m.Register] = {}
+        self.loads: dict[str, m.Load] = {}
+        self.live: dict[str, InFlight] = {}
+        self._grant_seq: dict[str, int] = {}
+        self._prefix_root: bytes | None = None
+        self._block_size = 16
+        self._tasks: list[asyncio.Task] = []
+        self._gen = itertools.count(1)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._receive_loop()), loop.create_task(self._watchdog())]
+
+    async def wait_for_workers(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.registered) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.registered)} of {count} workers registered in {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for wid in list(self.registered):
+            await self._send(wid, m.Shutdown())
+        for task in self._tasks:
+            task.cancel()
+        self.sock.close()
+        self.trace.close()
+
+    # ---- Backend protocol -----------------------------------------------------------------
+    def tokenizer(self):
+        return self._tokenizer
+
+    def healthy(self) -> bool:
+        roles = {w.role for w in self.registered.values()}
+        return "colocated" in roles or {"prefill", "decode"} <= roles
+
+    def workers(self) -> list[WorkerView]:
+        return [self._view(w) for w in self.registered.values()]
+
+    def metrics_text(self) -> bytes:
+        for name, count in self.router.counters().route_total.items():
+            self.metrics.route_decisions.labels(*name)._value.set(count)
+        return self.metrics.text()
+
+    async def abort(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is None or live.done:
+            return
+        live.done = True
+        for wid in {live.prefill_id, live.decode_id, *live.owners} - {""}:
+            await self._send(wid, m.Abort(request_id, "client_disconnect"))
+        self.router.abort(request_id)
+        self.metrics.requests.labels("aborted").inc()
+        self.trace.write(live.record("abort"))
+
+    async def submit(self, req: GenerationRequest) -> AsyncIterator:
+        """Async generator of events; a Rejection raised before the first event means not admitted."""
+        self._validate(req)
+        seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        live = InFlight(req, seed, asyncio.Queue())
+        plan = self._route(live)
+        self.live[req.request_id] = live
+        try:
+            await self._start(live, plan)
+        except BaseException:
+            self.live.pop(req.request_id, None)
+            live.done = True
+            self.router.abort(req.request_id)
+            raise
+        try:
+            while True:
+                event = await live.queue.get()
+                yield event
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return
+        finally:
+            if not live.done:
+                await self.abort(req.request_id)
+
+    def _validate(self, req: GenerationRequest) -> None:
+        """The checks a worker would make, made before any route or hold is taken."""
+        req.params.validate()
+        if not req.prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(req.prompt_ids)} tokens; the context holds {self.max_model_len}")
+        if self.vocab_size and any(t < 0 or t >= self.vocab_size for t in req.prompt_ids):
+            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})")
+
+    # ---- routing --------------------------------------------------------------------------
+    def _route(self, live: InFlight) -> RoutePlan:
+        req = live.req
+        hashes = self._block_hashes(req.prompt_ids)
+        result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), req.params.max_tokens, hashes))
+        if isinstance(result, RouteRejection):
+            self.metrics.early_rejections.labels(result.reason.value).inc()
+            self.trace.write({"request_id": req.request_id, "rejected": result.reason.value, "detail": result.detail})
+            status = 503
+            raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), status,
+                            result.retry_after_s, result.reason.value)
+        live.policy, live.prefill_id, live.decode_id = result.policy, result.prefill_id, result.decode_id
+        live.note(prefix_hit_blocks=result.prefill_hit_blocks, decode_hit_blocks=result.decode_hit_blocks,
+                  prefix_hit_bytes=result.prefill_hit_blocks * self._block_size * self._bytes_per_token(),
+                  transfer_bytes_planned=result.transfer_bytes, predicted_ttft_s=result.predicted_ttft_s,
+                  predicted_tpot_s=result.predicted_tpot_s)
+        return result
+
+    def _block_hashes(self, prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
+        if self._prefix_root is None:
+            return ()
+        return tuple(int.from_bytes(h[:8], "little") for h in prompt_block_hashes(self._prefix_root, prompt_ids, self._block_size))
+
+    def _bytes_per_token(self) -> int:
+        return next(iter(self.registered.values())).bytes_per_token if self.registered else 0
+
+    async def _start(self, live: InFlight, plan: RoutePlan) -> None:
+        req = live.req
+        if not live.disaggregated:
+            live.owners = {plan.decode_id}
+            await self._send(plan.decode_id, m.Generate(req.request_id, req.prompt_ids, req.params, live.seed,
+                                                        grant_seq=plan.decode_hold.grant_seq))
+            return
+        live.generation = next(self._gen)
+        live.transfer_id = f"{req.request_id}/g{live.generation}"
+        reserved = await self._reserve(live, plan)
+        dest, src = self.registered[plan.decode_id], self.registered[plan.prefill_id]
+        same_host = dest.host_id == src.host_id and dest.shm_name is not None and self.transport != "tcp"
+        transfer = m.TransferPlan(
+            live.transfer_id, live.generation, 0, req.tenant, plan.decode_id, dest.epoch, reserved.reservation_id,
+            reserved.dest_blocks, reserved.num_visible_blocks, "shm" if same_host else "tcp",
+            tuple(dest.handoff_address), dest.shm_name, dest.num_blocks,
+        )
+        live.owners = {plan.prefill_id, plan.decode_id}
+        self.metrics.kv_transfer_attempts.inc()
+        grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0
+        await self._send(plan.prefill_id, m.Prefill(req.request_id, req.prompt_ids, req.params, live.seed, transfer, grant))
+
+    async def _reserve(self, live: InFlight, plan: RoutePlan) -> m.Reserved:
+        req, src = live.req, self.registered[plan.prefill_id]
+        live.reserved = asyncio.get_running_loop().create_future()
+        t0 = time.monotonic()
+        await self._send(plan.decode_id, m.ReserveKv(req.request_id, live.transfer_id, live.generation, req.prompt_ids,
+                                                     req.params, plan.prefill_id, src.epoch, 0, req.tenant,
+                                                     plan.decode_hold.grant_seq))
+        try:
+            reserved = await asyncio.wait_for(live.reserved, RESERVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            reserved = None
+        live.note(reserve_wait_s=time.monotonic() - t0)
+        if reserved is None or not reserved.ok:
+            await self._send(plan.decode_id, m.Abort(req.request_id, "reservation_abandoned"))  # a late grant is returned
+            reason = "no_decode_capacity" if reserved is None else (reserved.reason or "no_decode_capacity")
+            self.metrics.early_rejections.labels(reason).inc()
+            raise Rejection(f"decode reservation refused: {reason}", 503, 1.0, reason)
+        return reserved
+
+    # ---- worker messages ------------------------------------------------------------------
+    async def _send(self, worker_id: str, msg) -> bool:
+        try:
+            await self.sock.send_multipart([worker_id.encode(), m.encode(msg)])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    async def _receive_loop(self) -> None:
+        while True:
+            ident, data = await self.sock.recv_multipart()
+            try:
+                msg = m.decode_to_router(data)
+            except Exception:  # noqa: BLE001 - a malformed message must not stop the router
+                continue
+            await self._on_message(msg)
+
+    def _current(self, msg) -> bool:
+        reg = self.registered.get(msg.worker_id)
+        return reg is not None and reg.epoch == msg.epoch
+
+    async def _on_message(self, msg) -> None:
+        if isinstance(msg, m.Register):
+            self._on_register(msg)
+            return
+        if not self._current(msg):
+            return  # a retired epoch or an unknown worker: late message, rejected
+        await ev.dispatch(self, msg)
+
+    def _on_register(self, reg: m.Register) -> None:
+        old = self.registered.get(reg.worker_id)
+        retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
+                                                     reg.model_hash, reg.abi_hash))
+        self.registered[reg.worker_id] = reg
+        self._block_size = reg.block_size
+        self._prefix_root = root_hash(reg.prefix_identity) if reg.prefix_identity else None
+        if old is not None and retirement is not None:
+            asyncio.get_running_loop().create_task(self._on_worker_lost(reg.worker_id, retirement.orphaned_request_ids))
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for wid in self.is_dead():
+                reg = self.registered.pop(wid, None)
+                if reg is not None:
+                    retirement = self.router.deregister(wid, reg.epoch)
+                    await self._on_worker_lost(wid, retirement.orphaned_request_ids)
+            for retirement in self.router.expire():
+                wid = retirement.worker.worker_id
+                self.registered.pop(wid, None)
+                await self._on_worker_lost(wid, retirement.orphaned_request_ids)
+
+    async def _on_worker_lost(self, worker_id: str, orphaned: tuple[str, ...]) -> None:
+        affected = {rid for rid, live in self.live.items() if worker_id in live.owners} | set(orphaned)
+        for rid in affected:
+            live = self.live.get(rid)
+            if live is not None and not live.done:
+                await ev.recover(self, live, lost=worker_id)
+
+    def _view(self, reg: m.Register) -> WorkerView:
+        load = self.loads.get(reg.worker_id)
+        load_dict = {} if load is None else {
+            "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
+            "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
+        }
+        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict)
+
+    def report_load(self, hb: m.Heartbeat) -> None:
+        self.loads[hb.worker_id] = hb.load
+        hashes = frozenset(int.from_bytes(h[:8], "little") for h in hb.prefix_hashes)
+        load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
+                          hb.load.applied_grant_seq, hashes)
+        self.router.report_load(hb.worker_id, hb.epoch, load)
+        self.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
+        self.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
+        self.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)

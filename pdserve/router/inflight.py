@@ -1,0 +1,75 @@
+"""One in-flight request as the router process sees it, and its per-request trace record.
+
+Contract: `InFlight` holds the request's route, which workers may speak for it right now
+(`owners`: messages from anyone else are late and ignored), the tokens streamed so far (the
+recompute fallback resumes from them), and the timestamps its trace line reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from pdserve.api.backend import GenerationRequest
+
+
+@dataclass
+class InFlight:
+    req: GenerationRequest
+    seed: int
+    queue: asyncio.Queue
+    arrival_s: float = field(default_factory=time.monotonic)
+    policy: str = ""
+    prefill_id: str = ""
+    decode_id: str = ""
+    generation: int = 0
+    transfer_id: str = ""
+    owners: set[str] = field(default_factory=set)
+    output_ids: list[int] = field(default_factory=list)
+    reserved: asyncio.Future | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    published: bool = False
+    kv_failed: bool = False
+    started_decode: bool = False
+    done: bool = False
+    trace: dict = field(default_factory=dict)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_id != self.decode_id
+
+    def note(self, **fields) -> None:
+        self.trace.update(fields)
+
+    def bump(self, key: str) -> None:
+        self.trace[key] = self.trace.get(key, 0) + 1
+
+    def record(self, finish_reason: str) -> dict:
+        now = time.monotonic()
+        ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s
+        n = len(self.output_ids)
+        tpot = (now - self.first_token_s) / (n - 1) if self.first_token_s is not None and n > 1 else None
+        return {
+            "request_id": self.req.request_id, "policy": self.policy, "prefill": self.prefill_id, "decode": self.decode_id,
+            "prompt_tokens": len(self.req.prompt_ids), "output_tokens": n, "ttft_s": ttft, "tpot_s": tpot,
+            "e2e_s": now - self.arrival_s, "finish_reason": finish_reason, "generation": self.generation,
+            "reroutes": self.trace.get("reroutes", 0), "retries": self.trace.get("retries", 0), **self.trace,
+        }
+
+
+class RequestTraceWriter:
+    """Appends one JSON line per finished (or rejected) request."""
+
+    def __init__(self, path: str | None):
+        self._file = open(path, "a", buffering=1) if path else None
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

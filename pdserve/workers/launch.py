@@ -1,0 +1,87 @@
+"""Start worker processes on this machine (the default deployment).
+
+Contract: `LocalCluster` starts one OS process per worker (`python -m pdserve.workers.main`, so
+no state is inherited from the router process), each with an explicit torch thread count and, when asked,
+a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
+`dead()` reports each worker whose process exited, once; `kill()` exists for fault tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+from pdserve.engine.config import EngineConfig
+from pdserve.router.config import ClusterShape
+from pdserve.workers.main import encode_config
+from pdserve.workers.worker import WorkerConfig
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    shape: ClusterShape
+    engine: EngineConfig
+    threads_per_worker: int = 1
+    pin_cpus: bool = True
+    trace_dir: str | None = None
+    layerwise_threshold_tokens: int = 256
+    heartbeat_s: float = 0.25
+
+
+def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | None = None) -> list[WorkerConfig]:
+    host = host_id or socket.gethostname()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    configs, counters = [], {}
+    for index, role in enumerate(launch.shape.roles()):
+        n = counters[role.value] = counters.get(role.value, -1) + 1
+        worker_id = f"{role.value}-{n}"
+        per = launch.threads_per_worker
+        affinity = tuple(cpus[(index * per + k) % len(cpus)] for k in range(per)) if launch.pin_cpus else ()
+        trace = os.path.join(launch.trace_dir, f"{worker_id}.jsonl") if launch.trace_dir else None
+        configs.append(WorkerConfig(
+            worker_id=worker_id, role=role.value, router_address=router_address, host_id=host,
+            engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace,
+            layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s,
+        ))
+    return configs
+
+
+class LocalCluster:
+    def __init__(self, launch: LaunchConfig, router_address: str):
+        self.launch = launch
+        self.configs = worker_configs(launch, router_address)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._reported: set[str] = set()
+
+    def start(self) -> None:
+        for cfg in self.configs:
+            cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
+            self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def dead(self) -> list[str]:
+        gone = [wid for wid, p in self.procs.items() if p.poll() is not None and wid not in self._reported]
+        self._reported.update(gone)
+        return gone
+
+    def pid(self, worker_id: str) -> int:
+        return self.procs[worker_id].pid
+
+    def kill(self, worker_id: str) -> None:
+        os.kill(self.procs[worker_id].pid, signal.SIGKILL)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Workers were asked to shut down; wait, then terminate any that did not."""
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=timeout_s / max(1, len(self.procs)))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()

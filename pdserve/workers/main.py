@@ -1,0 +1,27 @@
+"""Worker process entry point: `python -m pdserve.workers.main CONFIG_JSON`.
+
+The launcher passes a `WorkerConfig` as JSON (msgspec) on the command line, so a worker
+inherits nothing from its parent but the environment: no pickled state, no re-import of the
+parent's main module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from pdserve.workers.worker import WorkerConfig, serve_worker
+
+
+def encode_config(config: WorkerConfig) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    serve_worker(msgspec.json.decode(args[0].encode(), type=WorkerConfig))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Place the same workers as Ray actors, for multi-node deployments (`pdserve serve --ray`).
+
+Contract: `RayCluster` has `LocalCluster`'s interface (start, dead, pid, kill, stop). Each worker
+is one actor whose `run` is `serve_worker`; Ray only places and supervises processes. Requests
+still flow over the router's zmq socket and K/V still moves on the handoff transports: a worker's
+`host_id` is its Ray node id, so the router picks shared memory for a pair on one node and TCP
+across nodes. Placement uses placement groups: one PACK group for all workers by default, or with
+`pack_pairs` one STRICT_PACK group per (prefill-i, decode-i) pair so the K/V exchange stays on a
+node. Configs are completed after placement, once each actor's node is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.workers.launch import LaunchConfig, worker_configs
+from pdserve.workers.worker import WorkerConfig, serve_worker
+
+log = logging.getLogger("pdserve.ray")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an actor landed, asked once before it starts serving."""
+
+    pid: int
+    node_id: str
+    node_ip: str
+    has_model: bool
+
+
+@ray.remote
+class WorkerActor:
+    def describe(self, model_dir: str) -> Placement:
+        ctx = ray.get_runtime_context()
+        return Placement(os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address(), os.path.isdir(model_dir))
+
+    def run(self, config: WorkerConfig) -> None:
+        """Serves until the router sends Shutdown; returns (or raises) when the worker ends."""
+        serve_worker(config)
+
+
+def group_workers(worker_ids: list[str], pack_pairs: bool) -> list[tuple[str, list[str]]]:
+    """Worker ids -> placement groups as (strategy, members).
+
+    With `pack_pairs`, prefill-i and decode-i share a STRICT_PACK group; workers without a partner
+    (colocated replicas, surplus prefill or decode) share one PACK group.
+    """
+    if not pack_pairs:
+        return [("PACK", list(worker_ids))]
+    ids = set(worker_ids)
+    pairs = [[w, "decode-" + w.removeprefix("prefill-")] for w in worker_ids if w.startswith("prefill-")]
+    pairs = [p for p in pairs if p[1] in ids]
+    paired = {w for p in pairs for w in p}
+    rest = [w for w in worker_ids if w not in paired]
+    return [("STRICT_PACK", p) for p in pairs] + ([("PACK", rest)] if rest else [])
+
+
+def connect(ray_address: str | None) -> bool:
+    """Join the Ray cluster at `ray_address` (or $RAY_ADDRESS), else start a local one.
+
+    Returns True when this call started Ray, so the caller owns its shutdown.
+    """
+    if ray.is_initialized():
+        return False
+    address = ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    local = {"num_cpus": os.cpu_count()} if address == "local" else {}
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local)
+    return True
+
+
+class RayCluster:
+    def __init__(self, launch: LaunchConfig, router_address: str, ray_address: str | None = None,
+                 pack_pairs: bool = False, cpus_per_worker: float | None = None, placement_timeout_s: float = 120.0):
+        self.launch = launch
+        self.ray_address, self.pack_pairs = ray_address, pack_pairs
+        self.cpus_per_worker = float(launch.threads_per_worker) if cpus_per_worker is None else cpus_per_worker
+        self.placement_timeout_s = placement_timeout_s
+        # host_id, handoff_host and affinity are filled in per node after placement.
+        self.configs = {c.worker_id: c for c in worker_configs(launch, router_address)}
+        self.groups: list[PlacementGroup] = []
+        self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.placements: dict[str, Placement] = {}
+        self.runs: dict[ray.ObjectRef, str] = {}  # run ref -> worker id
+        self._reported: set[str] = set()
+        self._owns_ray = False
+
+    def start(self) -> None:
+        self._owns_ray = connect(self.ray_address)
+        try:
+            self._place()
+            for wid, actor in self.actors.items():
+                self.runs[actor.run.remote(self._placed_config(wid))] = wid
+        except BaseException:
+            self.stop(timeout_s=0.0)
+            raise
+
+    def _place(self) -> None:
+        for strategy, members in group_workers(list(self.configs), self.pack_pairs):
+            pg = placement_group([{"CPU": self.cpus_per_worker}] * len(members), strategy=strategy)
+            self.groups.append(pg)
+            if not pg.wait(self.placement_timeout_s):
+                raise RuntimeError(f"placement group {strategy} {members} not placed within {self.placement_timeout_s}s "
+                                   f"({self.cpus_per_worker} CPU each); cluster has {ray.cluster_resources()}")
+            for index, wid in enumerate(members):
+                self.actors[wid] = WorkerActor.options(
+                    num_cpus=self.cpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                ).remote()
+        model_dir = self.launch.engine.model
+        refs = {wid: actor.describe.remote(model_dir) for wid, actor in self.actors.items()}
+        self.placements = dict(zip(refs, ray.get(list(refs.values()))))
+        missing = {p.node_ip for p in self.placements.values() if not p.has_model}
+        if missing:
+            raise RuntimeError(f"model directory {model_dir} is missing on node(s) {sorted(missing)}: "
+                               "put the checkpoint at the same path on every node (e.g. a shared filesystem)")
+
+    def _placed_config(self, worker_id: str) -> WorkerConfig:
+        # Ray does not hand out specific cores, so the local launcher's affinity does not apply.
+        where = self.placements[worker_id]
+        return replace(self.configs[worker_id], host_id=where.node_id, handoff_host=where.node_ip, cpu_affinity=())
+
+    def dead(self) -> list[str]:
+        if not self.runs:
+            return []
+        ended, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=0)
+        gone = []
+        for ref in ended:
+            wid = self.runs.pop(ref)
+            if wid not in self._reported:
+                self._reported.add(wid)
+                gone.append(wid)
+                _log_end(wid, ref)
+        return gone
+
+    def pid(self, worker_id: str) -> int:
+        return self.placements[worker_id].pid
+
+    def kill(self, worker_id: str) -> None:
+        ray.kill(self.actors[worker_id], no_restart=True)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Workers were asked to shut down; wait briefly, then kill the actors and free the groups."""
+        if not ray.is_initialized():
+            return
+        if self.runs and timeout_s > 0:
+            ray.wait(list(self.runs), num_returns=len(self.runs), timeout=timeout_s)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        for pg in self.groups:
+            remove_placement_group(pg)
+        self.actors, self.groups, self.runs = {}, [], {}
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _log_end(worker_id: str, ref: ray.ObjectRef) -> None:
+    try:
+        ray.get(ref, timeout=0)
+    except Exception as err:  # the actor died or serve_worker raised: say why once
+        log.warning("worker %s ended: %s", worker_id, err)
