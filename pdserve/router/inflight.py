@@ -61,14 +61,21 @@ class InFlight:
 
 
 class RequestTraceWriter:
-    """Appends one JSON line per finished (or rejected) request."""
+    """Appends one JSON line per finished (or rejected) request; keeps the last `keep` in memory."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, keep: int = 10_000):
         self._file = open(path, "a", buffering=1) if path else None
+        self.recent: list[dict] = []
+        self._keep = keep
 
     def write(self, record: dict) -> None:
+        self.recent.append(record)
+        del self.recent[: -self._keep]
         if self._file is not None:
             self._file.write(json.dumps(record, default=str) + "\n")
+
+    def values(self, key: str) -> list:
+        return [r[key] for r in self.recent if r.get(key) is not None]
 
     def close(self) -> None:
         if self._file is not None:
