@@ -1,12 +1,19 @@
 """`pdserve bench-transfer`: move K/V through every handoff transport and compare with raw baselines.
 
-Measures, as medians of `--runs` repetitions:
-  memcpy_gbps   numpy copy of 64 MiB into a preallocated buffer
-  socket_gbps   raw loopback TCP: a thread sends 64 MiB in 1 MiB pieces, another recv_into()s a
-                preallocated buffer
+The decode side runs in its own spawned process (`transfer_peer`), as in the runtime; the source
+keeps one persistent link per transport, "one stream per (source, destination)". Every round
+measures the peers and the handoffs back to back, so a noisy machine hits them alike; the
+reported figures are medians over `--runs` rounds:
+  memcpy_gbps   numpy copy of 64 MiB into a preallocated buffer (this process)
+  socket_gbps   raw loopback TCP: 64 MiB sent in 1 MiB pieces, recv_into() a preallocated buffer
+                in the peer process
   shm_gbps      64 MiB of K/V handed off through the shared-memory transport, reserve -> publish
   tcp_gbps      the same through the TCP transport
-(each handoff includes manifest, credits, checksums on both ends, validation and publication),
+(each handoff includes the reservation round trip, manifest, credits, checksums on both ends,
+the destination's verification, validation and publication; the last round of each transport
+also checks the published bytes against the source, outside the timing),
+  copy2_gbps    two back-to-back 64 MiB copies through a 16 MiB window: the memcpy-only lower bound
+                of a staging transport (source -> staging -> pool), checksums excluded
 and `exposed_fraction` for a 2048-token prompt of the `small` geometry (12 layers, 4 K/V heads,
 head dim 64, bf16, block 16): prefill is simulated as `--prefill-s` seconds split evenly across
 the 12 layers, each layer marked ready at the end of its slice; chunks stream layer-wise over TCP.
@@ -23,6 +30,7 @@ import threading
 import time
 
 MIB = 1 << 20
+WINDOW_BYTES = 16 * MIB
 
 
 def register(subparsers) -> None:
@@ -33,140 +41,188 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _median_gbps(nbytes: int, seconds: list[float]) -> float:
+def _gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def bench_memcpy(nbytes: int, runs: int) -> float:
-    import numpy as np
+class _Memcpy:
+    """The memcpy peer (one copy) and the staging lower bound (two copies through a window)."""
 
-    src, dst = np.random.randint(0, 255, nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(runs):
+    def __init__(self, nbytes: int):
+        import numpy as np
+
+        self.nbytes = nbytes
+        self.src = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+        self.dst, self.stage = np.empty_like(self.src), np.empty(min(nbytes, WINDOW_BYTES), dtype=np.uint8)
+        self.once(), self.twice()
+
+    def once(self) -> float:
+        import numpy as np
+
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return _median_gbps(nbytes, times)
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
 
+    def twice(self) -> float:
+        import numpy as np
 
-def bench_socket(nbytes: int, runs: int) -> float:
-    from pdserve.handoff.transports.tcp import connect, listen_local
-
-    server = listen_local()
-    client = connect(server.getsockname())
-    conn, _ = server.accept()
-    payload, sink = bytearray(nbytes), bytearray(nbytes)
-    times = []
-    for _ in range(runs + 1):
-        done = threading.Event()
-        threading.Thread(target=_recv_all, args=(conn, memoryview(sink), done)).start()
+        step = self.stage.size
         t0 = time.perf_counter()
-        view = memoryview(payload)
-        for off in range(0, nbytes, MIB):
-            client.sendall(view[off : off + MIB])
-        done.wait()
-        times.append(time.perf_counter() - t0)
-    for s in (client, conn, server):
-        s.close()
-    return _median_gbps(nbytes, times[1:])
+        for off in range(0, self.nbytes, step):
+            np.copyto(self.stage, self.src[off : off + step])
+            np.copyto(self.dst[off : off + step], self.stage)
+        return time.perf_counter() - t0
 
 
-def _recv_all(sock, view: memoryview, done: threading.Event) -> None:
-    while len(view):
-        view = view[sock.recv_into(view) :]
-    done.set()
+class _Peer:
+    """The destination worker: a spawned `transfer_peer` process and this side's persistent links."""
+
+    def __init__(self, abi, num_blocks: int, identity):
+        import multiprocessing
+
+        from pdserve.commands import transfer_peer
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=transfer_peer.serve, args=(child, abi, num_blocks, identity), daemon=True)
+        self.proc.start()
+        self.tcp_address, self.unix_path = self.recv()
+        self.links: dict = {}
+        self.raw = None
+
+    def recv(self, timeout_s: float = 60.0):
+        """The peer's next reply; raises if it died or stayed silent (never hangs the bench)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"transfer peer gone (exit code {self.proc.exitcode})")
+        return self.conn.recv()
+
+    def link(self, kind: str):
+        if kind not in self.links:
+            self.conn.send(("accept", kind))
+            self.links[kind] = _sender(kind, self.tcp_address, self.unix_path)
+            assert self.recv() == "ok"
+        return self.links[kind]
+
+    def raw_socket(self):
+        if self.raw is None:
+            from pdserve.handoff.transports.tcp import connect
+
+            self.conn.send(("accept", "raw"))
+            self.raw = connect(self.tcp_address)
+            assert self.recv() == "ok"
+        return self.raw
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        if self.raw is not None:
+            self.raw.close()
+        self.conn.send(("stop",))
+        self.proc.join(10)
+
+
+def _sender(kind: str, tcp_address, unix_path: str):
+    import socket
+
+    from pdserve.handoff.transports.channels import SocketChannel
+    from pdserve.handoff.transports.copy import ShmSenderLink
+    from pdserve.handoff.transports.tcp import TcpSenderLink, connect
+
+    if kind == "shm":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(unix_path)
+        return ShmSenderLink(SocketChannel(sock), WINDOW_BYTES)
+    return TcpSenderLink(connect(tcp_address))
+
+
+def bench_socket(peer: _Peer, nbytes: int) -> float:
+    """One raw loopback send of `nbytes` into the peer's preallocated buffer; seconds."""
+    sock, payload = peer.raw_socket(), memoryview(bytearray(nbytes))
+    peer.conn.send(("sink", nbytes))
+    t0 = time.perf_counter()
+    for off in range(0, nbytes, MIB):
+        sock.sendall(payload[off : off + MIB])
+    assert peer.recv() == "done"
+    return time.perf_counter() - t0
 
 
 class _Rig:
-    """A source pool and a shared-memory destination pool of one geometry, reused across runs."""
+    """A source pool (blocks allocated contiguously) and its destination peer process, reused across runs."""
 
     def __init__(self, abi, num_tokens: int, blocks_per_chunk: int):
-        import uuid
-
         import torch
 
         from pdserve.engine.kv_abi import CacheIdentity
         from pdserve.engine.kv_pool import KvPool
+        from pdserve.handoff.kvbytes import pool_bytes
 
         self.abi, self.num_tokens, self.blocks_per_chunk = abi, num_tokens, blocks_per_chunk
         self.num_blocks = -(-num_tokens // abi.block_size)
         self.identity = CacheIdentity("bench-model", "bench-tok", abi.abi_hash)
         self.src = KvPool(abi, self.num_blocks)
         self.src.tensor.copy_(torch.randn(self.src.tensor.shape).to(self.src.tensor.dtype))
-        self.dst = KvPool(abi, self.num_blocks, shm_name=f"pdbench-{uuid.uuid4().hex[:8]}")
+        self.raw = pool_bytes(self.src)
         self.nbytes = self.num_blocks * abi.bytes_per_block
+        self.peer = _Peer(abi, self.num_blocks, self.identity)
+        self.num_handoffs = 0
 
     def close(self) -> None:
+        self.peer.close()
         self.src.close()
-        self.dst.close(unlink=True)
 
 
-def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None) -> dict:
+def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: bool = False) -> dict:
     """One reserve -> publish handoff; returns timestamps (time.perf_counter) of its milestones."""
     from pdserve.handoff.credits import ByteCredits
     from pdserve.handoff.destination import ReserveRequest
-    from pdserve.handoff.driver import DriveConfig, drive_source, serve_destination
-    from pdserve.handoff.endpoint import DecodeEndpoint
-    from pdserve.handoff.kvbytes import pool_bytes
+    from pdserve.handoff.driver import DriveConfig, drive_source
     from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
-    from pdserve.handoff.reservations import PooledDestinationBlocks
     from pdserve.handoff.source import LayerGate, SourceTransfer
     from pdserve.handoff.states import TxnState
-    from pdserve.handoff.trace import TraceSink
+    from pdserve.handoff.trace import NullSink
 
-    trace = TraceSink(clock=time.perf_counter)
-    endpoint = DecodeEndpoint("d0", 1, rig.dst, PooledDestinationBlocks(rig.num_blocks), rig.identity, trace=trace)
-    sender, receiver = _links(rig, endpoint, kind)
+    link, peer = rig.peer.link(kind), rig.peer
+    rig.num_handoffs += 1
+    tid = f"x{rig.num_handoffs}"
     gate = LayerGate(rig.abi.num_layers, clock=time.perf_counter)
+    req = ReserveRequest(tid, "t", "r0", 1, 0, "p0", 1, "dg", rig.num_tokens, rig.num_blocks)
     t0 = time.perf_counter()
-    req = ReserveRequest("x0", "t", "r0", 1, 0, "p0", 1, "dg", rig.num_tokens, rig.num_blocks)
-    res = endpoint.reserve(req)
-    fence = IdentityFence("t", "r0", 1, 0, "p0", 1, "d0", 1, res.reservation_id)
-    manifest = build_manifest("x0", fence, PromptSpan("dg", rig.num_tokens, 0), rig.identity, rig.abi,
-                              list(res.prompt_blocks), rig.blocks_per_chunk, schedule)
-    src = SourceTransfer(manifest, pool_bytes(rig.src), list(range(rig.num_blocks)), ByteCredits(16 * MIB), gate, trace)
-    done = lambda: src.state in (TxnState.PUBLISHED, TxnState.ABORTED)  # noqa: E731
-    server = threading.Thread(target=serve_destination, args=(endpoint, receiver, "x0"), kwargs={"until": done})
-    server.start()
+    peer.conn.send(("handoff", kind, req, check))
+    reservation_id, dst_blocks = peer.recv()
+    fence = IdentityFence("t", "r0", 1, 0, "p0", 1, "d0", 1, reservation_id)
+    manifest = build_manifest(tid, fence, PromptSpan("dg", rig.num_tokens, 0), rig.identity, rig.abi,
+                              list(dst_blocks), rig.blocks_per_chunk, schedule)
+    src_blocks = list(range(rig.num_blocks))
+    src = SourceTransfer(manifest, rig.raw, src_blocks, ByteCredits(WINDOW_BYTES), gate, NullSink())
     if producer is None:
         gate.mark_all_ready()
     else:
         threading.Thread(target=producer, args=(gate,)).start()
-    drive_source(src, sender, DriveConfig(ack_timeout_s=2.0))
+    drive_source(src, link, DriveConfig(ack_timeout_s=2.0))
     t_end = time.perf_counter()
-    server.join()
-    sender.close()
-    receiver.close()
-    assert src.state is TxnState.PUBLISHED, src.terminal_reason
-    endpoint.retire("r0")
+    _, dst_state, digests = peer.recv()
+    assert src.state is TxnState.PUBLISHED and dst_state == "PUBLISHED", (src.terminal_reason, dst_state)
+    if check:
+        _check_exact(rig, src_blocks, digests)
     return {"start": t0, "end": t_end, "prefill_end": max(gate.ready_times().values())}
 
 
-def _links(rig: _Rig, endpoint, kind: str):
-    import socket
+def _check_exact(rig: _Rig, src_blocks: list[int], digests: list[int]) -> None:
+    from pdserve.handoff.kvbytes import chunk_checksum
 
-    from pdserve.handoff.transports.channels import SocketChannel
-    from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
-    from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, connect, listen_local
-
-    if kind == "shm":
-        a, b = socket.socketpair()
-        return ShmSenderLink(SocketChannel(a), rig.abi, rig.dst.shm_name, rig.num_blocks), ShmReceiverLink(SocketChannel(b))
-    server = listen_local()
-    client = connect(server.getsockname())
-    conn, _ = server.accept()
-    server.close()
-    return TcpSenderLink(client), TcpReceiverLink(conn, endpoint.raw)
+    expected = [chunk_checksum(rig.raw, layer, src_blocks) for layer in range(rig.abi.num_layers)]
+    if digests != expected:
+        raise AssertionError("published destination bytes differ from the source")
 
 
-def bench_handoff(rig: _Rig, kind: str, runs: int) -> float:
-    _handoff_once(rig, kind, "serialized")  # warm-up: page in the pools
-    times = [(lambda m: m["end"] - m["start"])(_handoff_once(rig, kind, "serialized")) for _ in range(runs)]
-    return _median_gbps(rig.nbytes, times)
+def handoff_s(rig: _Rig, kind: str, check: bool = False) -> float:
+    m = _handoff_once(rig, kind, "serialized", check=check)
+    return m["end"] - m["start"]
 
 
-def bench_exposed(rig: _Rig, kind: str, prefill_s: float, runs: int) -> dict:
+def exposed_s(rig: _Rig, kind: str, prefill_s: float) -> float:
     per_layer_s = prefill_s / rig.abi.num_layers
 
     def producer(gate) -> None:
@@ -174,32 +230,51 @@ def bench_exposed(rig: _Rig, kind: str, prefill_s: float, runs: int) -> dict:
             time.sleep(per_layer_s)
             gate.mark_ready(layer, time.perf_counter())
 
-    serialized = [(lambda m: m["end"] - m["start"])(_handoff_once(rig, kind, "serialized")) for _ in range(runs)]
-    exposed = [(lambda m: max(0.0, m["end"] - m["prefill_end"]))(_handoff_once(rig, kind, "layerwise", producer))
-               for _ in range(runs)]
-    return {"serialized_s": statistics.median(serialized), "exposed_s": statistics.median(exposed)}
+    m = _handoff_once(rig, kind, "layerwise", producer)
+    return max(0.0, m["end"] - m["prefill_end"])
+
+
+def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float) -> dict[str, list[float]]:
+    """Interleave every measurement in each round; the last round also checks exactness."""
+    for kind in ("shm", "tcp"):  # warm-up: links, staging and pools paged in
+        handoff_s(big, kind)
+    handoff_s(small, "tcp")
+    bench_socket(big.peer, big.nbytes)
+    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "tcp", "small", "exposed")}
+    for r in range(runs):
+        last = r == runs - 1
+        samples["memcpy"].append(memcpy.once())
+        samples["shm"].append(handoff_s(big, "shm", check=last))
+        samples["copy2"].append(memcpy.twice())
+        samples["socket"].append(bench_socket(big.peer, big.nbytes))
+        samples["tcp"].append(handoff_s(big, "tcp", check=last))
+        samples["small"].append(handoff_s(small, "tcp", check=last))
+        samples["exposed"].append(exposed_s(small, "tcp", prefill_s))
+    return samples
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.kv_abi import KvAbi
 
-    # Note: source and destination run as threads of this one process and share its GIL;
-    # real prefill and decode workers are separate processes.
     big_abi = KvAbi(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 64 KiB/token
     small_abi = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
-    big = _Rig(big_abi, 64 * MIB // big_abi.bytes_per_token, blocks_per_chunk=16)  # 1 MiB chunks
-    small = _Rig(small_abi, 2048, blocks_per_chunk=64)  # 1 MiB chunks
+    big = _Rig(big_abi, 64 * MIB // big_abi.bytes_per_token, blocks_per_chunk=64)  # 4 MiB chunks: one per layer
+    small = _Rig(small_abi, 2048, blocks_per_chunk=32)  # 512 KiB chunks, 4 per layer
     try:
-        out = {"memcpy_gbps": bench_memcpy(64 * MIB, args.runs), "socket_gbps": bench_socket(64 * MIB, args.runs),
-               "shm_gbps": bench_handoff(big, "shm", args.runs), "tcp_gbps": bench_handoff(big, "tcp", args.runs)}
-        out.update(shm_ratio=out["shm_gbps"] / out["memcpy_gbps"], tcp_ratio=out["tcp_gbps"] / out["socket_gbps"])
-        timing = bench_exposed(small, "tcp", args.prefill_s, args.runs)
-        out.update(small_prompt_bytes=small.nbytes, small_tcp_gbps=small.nbytes / timing["serialized_s"] / 1e9,
-                   prefill_s=args.prefill_s, exposed_s=timing["exposed_s"], serialized_transfer_s=timing["serialized_s"],
-                   exposed_fraction=timing["exposed_s"] / timing["serialized_s"])
+        s = _rounds(big, small, _Memcpy(64 * MIB), args.runs, args.prefill_s)
     finally:
         big.close()
         small.close()
+    out = {"memcpy_gbps": _gbps(64 * MIB, s["memcpy"]), "copy2_gbps": _gbps(64 * MIB, s["copy2"]),
+           "socket_gbps": _gbps(big.nbytes, s["socket"]), "shm_gbps": _gbps(big.nbytes, s["shm"]),
+           "tcp_gbps": _gbps(big.nbytes, s["tcp"]), "runs": args.runs}
+    out.update(shm_ratio=out["shm_gbps"] / out["memcpy_gbps"], tcp_ratio=out["tcp_gbps"] / out["socket_gbps"],
+               copy2_ratio=out["copy2_gbps"] / out["memcpy_gbps"])
+    serialized_s, exposed = statistics.median(s["small"]), statistics.median(s["exposed"])
+    out.update(small_prompt_bytes=small.nbytes, small_tcp_gbps=small.nbytes / serialized_s / 1e9,
+               prefill_s=args.prefill_s, exposed_s=exposed, serialized_transfer_s=serialized_s,
+               exposed_fraction=exposed / serialized_s)
+    out["samples_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in s.items()}
     _print(out, args.json)
     return 0
 

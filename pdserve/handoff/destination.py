@@ -138,8 +138,10 @@ class DestinationTransfer:
         spec = self.manifest.chunk(frame.chunk_id)
         return self.manifest.chunk_dst_blocks(spec) if spec.nbytes == frame.nbytes and spec.layer == frame.layer else None
 
-    def land(self, frame: ChunkFrame, pool_raw: np.ndarray, make_visible: Callable[[int, list[int]], None]) -> bool:
-        """Verify a landed chunk; returns False for an idempotent duplicate. Raises on refusal."""
+    def land(self, frame: ChunkFrame, pool_raw: np.ndarray, make_visible: Callable[[int, list[int]], None],
+             landed_checksum: int | None = None) -> bool:
+        """Verify a landed chunk; returns False for an idempotent duplicate. Raises on refusal.
+        `landed_checksum` is the receiving link's hash of the bytes it wrote into the blocks."""
         self.check_frame(frame)
         if frame.chunk_id not in self.table:
             raise HandoffError(RejectReason.UNKNOWN_CHUNK, frame.chunk_id)
@@ -153,7 +155,9 @@ class DestinationTransfer:
         if frame.nbytes != spec.nbytes or frame.layer != spec.layer:
             raise HandoffError(RejectReason.BAD_SIZE, f"{frame.chunk_id}: {frame.nbytes} B on layer {frame.layer}")
         blocks = self.manifest.chunk_dst_blocks(spec)
-        if chunk_checksum(pool_raw, spec.layer, blocks) != frame.checksum:
+        if landed_checksum is None:
+            landed_checksum = chunk_checksum(pool_raw, spec.layer, blocks)
+        if landed_checksum != frame.checksum:
             raise HandoffError(RejectReason.BAD_CHECKSUM, frame.chunk_id)
         self._mark_landed(spec, frame.checksum, blocks, make_visible)
         return True

@@ -18,7 +18,7 @@ from typing import Callable
 
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
-from pdserve.handoff.frames import ChunkAck, ManifestFrame, PublishAck
+from pdserve.handoff.frames import ChunkAck, ChunkFrame, ManifestFrame, PublishAck
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, ReceiverLink, SenderLink
@@ -42,8 +42,9 @@ def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
     for spec in src.ready_chunks():
         if not src.credits.can_acquire(spec.nbytes):
             break
-        frame = src.begin_send(spec.chunk_id)
-        link.send_chunk(frame, _payload(src, spec.chunk_id))
+        payload = _payload(src, spec.chunk_id)
+        frame = src.begin_send(spec.chunk_id, stage=lambda offset: link.stage(offset, payload))
+        link.send_chunk(frame, payload)
         src.mark_sent(frame)
         sent += 1
     return sent
@@ -96,7 +97,9 @@ def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig) -> None:
             link.send(src.seal())
             sealed = True
         waiting_on_producer = not src.all_sent() and not src.ready_chunks()
-        progressed |= _absorb(src, link, config.poll_s if waiting_on_producer else config.ack_timeout_s / 20)
+        # waiting on the producer: block on the gate (woken the moment a layer is ready), not on
+        # the link; answers are picked up at least every poll_s
+        progressed |= _absorb(src, link, 0.0 if waiting_on_producer else config.ack_timeout_s / 20)
         if waiting_on_producer:
             src.gate.wait_for_more(len(src.gate.ready_times()), config.poll_s)
         if progressed or waiting_on_producer:
@@ -145,7 +148,7 @@ def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id:
                     raise LinkClosed("source silent")
                 continue
             last_frame = time.monotonic()
-            for answer in endpoint.handle(frame):
+            for answer in endpoint.handle(frame, link.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None):
                 link.send(answer)
     except LinkClosed:
         if txn.state < TxnState.PUBLISHED:

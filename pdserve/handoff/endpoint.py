@@ -76,22 +76,24 @@ class DecodeEndpoint:
         txn = self.transfers.get(frame.transfer_id)
         return None if txn is None else txn.landing_blocks(frame)
 
-    def handle(self, frame: Frame) -> list[Frame]:
+    def handle(self, frame: Frame, landed_checksum: int | None = None) -> list[Frame]:
+        """`landed_checksum`: the receiving link's hash of the bytes it just wrote into this chunk's
+        landing blocks (same pass as its copy); None makes the endpoint hash the blocks itself."""
         txn = self.transfers.get(_transfer_id_of(frame))
         if txn is None:
             self._reject_unknown(frame)
             return []
         try:
-            return self._dispatch(txn, frame)
+            return self._dispatch(txn, frame, landed_checksum)
         except HandoffError as err:
             return self._on_refusal(txn, frame, err)
 
-    def _dispatch(self, txn: DestinationTransfer, frame: Frame) -> list[Frame]:
+    def _dispatch(self, txn: DestinationTransfer, frame: Frame, landed_checksum: int | None = None) -> list[Frame]:
         if isinstance(frame, ManifestFrame):
             txn.open(frame.manifest, self.identity, self.pool.abi)
             return []
         if isinstance(frame, ChunkFrame):
-            return self._on_chunk(txn, frame)
+            return self._on_chunk(txn, frame, landed_checksum)
         if isinstance(frame, SealFrame):
             txn.accept_seal(frame)
             return self._try_publish(txn)
@@ -100,11 +102,11 @@ class DecodeEndpoint:
             return []
         raise HandoffError(RejectReason.ILLEGAL_TRANSITION, f"destination got {type(frame).__name__}")
 
-    def _on_chunk(self, txn: DestinationTransfer, frame: ChunkFrame) -> list[Frame]:
+    def _on_chunk(self, txn: DestinationTransfer, frame: ChunkFrame, landed_checksum: int | None) -> list[Frame]:
         if txn.state is TxnState.PUBLISHED:
             return [self._chunk_ack(txn, frame.chunk_id, True)] if txn.accepted.get(frame.chunk_id) == frame.checksum \
                 else self._refuse_published_chunk(txn, frame)
-        txn.land(frame, self.raw, self.make_visible)
+        txn.land(frame, self.raw, self.make_visible, landed_checksum)
         return [self._chunk_ack(txn, frame.chunk_id, True)] + self._try_publish(txn)
 
     def _refuse_published_chunk(self, txn, frame: ChunkFrame) -> list[Frame]:

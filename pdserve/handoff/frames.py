@@ -6,6 +6,8 @@ placed, or its payload follows on a byte stream), `SealFrame` (the checksum of e
 `AbortFrame`. Destination -> source: `ChunkAck` (visible, or refused with a reason),
 `PublishAck` (published or refused), `AbortFrame`.
 Every frame names its transfer id and generation so late frames can be fenced.
+Link-level frames (never seen by the protocol): `StagingHello` (shm sender -> receiver: my
+credit window) and `StagingOffer` (receiver -> sender: the staging segment of that size).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ChunkFrame(msgspec.Struct, frozen=True, tag=True):
     nbytes: int
     checksum: int
     resend: int = 0  # 0 for the first send; n for the n-th retry of the same chunk
+    offset: int = 0  # the chunk's credit range in the window = where it waits in shm staging
 
 
 class SealFrame(msgspec.Struct, frozen=True, tag=True):
@@ -57,7 +60,16 @@ class AbortFrame(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
-Frame = ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame
+class StagingHello(msgspec.Struct, frozen=True, tag=True):
+    window_bytes: int
+
+
+class StagingOffer(msgspec.Struct, frozen=True, tag=True):
+    shm_name: str
+    nbytes: int
+
+
+Frame = ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame | StagingHello | StagingOffer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

@@ -5,8 +5,8 @@ Contract (one `SourceTransfer` per transfer id, on the prefill worker):
     for the prompt exists; `begin_send` refuses a chunk of a layer not yet ready
     (PRODUCER_NOT_READY).
   * `begin_send(chunk)` acquires byte credit (CREDIT_OVERRUN past the window), checksums the
-    source bytes while they are hot and returns the `ChunkFrame`; `mark_sent` follows the
-    transport's send.
+    source bytes while they are hot and returns the `ChunkFrame` (its `offset` is the credit's
+    range in the window; a resend reuses it); `mark_sent` follows the transport's send.
   * `on_ack` applies the destination's answers: a visible chunk walks SENT -> RECEIVED ->
     DEVICE_VISIBLE and only then returns its credit; a refused one is queued for resend.
   * `seal()` once every chunk is sent; `on_publish_ack` records publication.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -116,7 +117,9 @@ class SourceTransfer:
         return [self._specs[cid] for cid in self.table.ids_in(ChunkState.DECLARED)
                 if self.gate.is_ready(self._specs[cid].layer)]
 
-    def begin_send(self, chunk_id: str) -> ChunkFrame:
+    def begin_send(self, chunk_id: str, stage: Callable[[int], int | None] | None = None) -> ChunkFrame:
+        """`stage(offset)`, when given, may place the chunk at its credit offset and return the
+        checksum of the source bytes computed in the same pass (None: this side hashes them)."""
         spec = self._specs.get(chunk_id)
         if spec is None:
             raise HandoffError(RejectReason.UNKNOWN_CHUNK, chunk_id)
@@ -124,13 +127,16 @@ class SourceTransfer:
             check_txn_move(self.state, TxnState.TRANSFERRING)
         if not self.gate.is_ready(spec.layer):
             raise HandoffError(RejectReason.PRODUCER_NOT_READY, f"layer {spec.layer} not produced")
-        self.credits.acquire(self._key(chunk_id), spec.nbytes)
+        offset = self.credits.acquire(self._key(chunk_id), spec.nbytes)
         self.table.move(chunk_id, ChunkState.CREDIT_ACQUIRED)
         if self.state is TxnState.RESERVED:
             self._walk(TxnState.TRANSFERRING)
-        checksum = chunk_checksum(self.raw, spec.layer, self.chunk_src_blocks(spec))
+        checksum = stage(offset) if stage is not None else None
+        if checksum is None:
+            checksum = chunk_checksum(self.raw, spec.layer, self.chunk_src_blocks(spec))
         self.checksums[chunk_id] = checksum
-        return ChunkFrame(self.manifest.transfer_id, self.manifest.fence, chunk_id, spec.layer, spec.nbytes, checksum)
+        return ChunkFrame(self.manifest.transfer_id, self.manifest.fence, chunk_id, spec.layer, spec.nbytes, checksum,
+                          offset=offset)
 
     def mark_sent(self, frame: ChunkFrame) -> None:
         if frame.resend == 0:
@@ -148,7 +154,7 @@ class SourceTransfer:
         spec = self._specs[chunk_id]
         self._emit("retry", layer=spec.layer, chunk=chunk_id, bytes=spec.nbytes)
         return ChunkFrame(self.manifest.transfer_id, self.manifest.fence, chunk_id, spec.layer, spec.nbytes,
-                          self.checksums[chunk_id], resend)
+                          self.checksums[chunk_id], resend, self.credits.offset_of(self._key(chunk_id)))
 
     def unacknowledged(self) -> list[str]:
         return self.table.ids_in(ChunkState.SENT)

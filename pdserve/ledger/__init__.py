@@ -30,6 +30,7 @@ from pdserve.ledger.goodput import (
 )
 from pdserve.ledger.kv import (
     HandoffSets,
+    PhysicalTraffic,
     handoff_sets,
     kv_bytes,
     kv_bytes_per_layer_token,
@@ -59,6 +60,7 @@ __all__ = [
     "HandoffSets",
     "MarginTerms",
     "PhaseWork",
+    "PhysicalTraffic",
     "SlotBounds",
     "attainment",
     "decode_work",

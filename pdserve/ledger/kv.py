@@ -9,7 +9,7 @@ Contracts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 
@@ -107,3 +107,23 @@ def physical_transfer_bytes(
     _require_positive(chunk_bytes=chunk_bytes)
     chunks = -(-logical_bytes // chunk_bytes)
     return chunks * (chunk_bytes + header_bytes_per_chunk) + resent_bytes
+
+
+@dataclass(frozen=True)
+class PhysicalTraffic:
+    """What actually crossed a link, apart from logical K/V bytes. Immutable; `add` returns a copy."""
+
+    payload_bytes: int = 0
+    padding_bytes: int = 0
+    header_bytes: int = 0
+    checksum_bytes: int = 0
+    retry_bytes: int = 0
+    num_frames: int = 0
+    num_retries: int = 0
+
+    def add(self, **deltas: int) -> "PhysicalTraffic":
+        return replace(self, **{k: getattr(self, k) + v for k, v in deltas.items()})
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_bytes + self.padding_bytes + self.header_bytes + self.checksum_bytes + self.retry_bytes

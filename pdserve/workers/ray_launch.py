@@ -87,32 +87,34 @@ class RayCluster:
         self.groups: list[PlacementGroup] = []
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.placements: dict[str, Placement] = {}
-        self.runs: dict[ray.ObjectRef, str] = {}  # run ref -> worker id
-        self._reported: set[str] = set()
+        self.runs: dict[ray.ObjectRef, str] = {}  # run ref -> worker id, until dead() reports it
         self._owns_ray = False
 
     def start(self) -> None:
         self._owns_ray = connect(self.ray_address)
         try:
-            self._place()
+            for strategy, members in group_workers(list(self.configs), self.pack_pairs):
+                self._place_group(strategy, members)
+            self._locate()
             for wid, actor in self.actors.items():
                 self.runs[actor.run.remote(self._placed_config(wid))] = wid
         except BaseException:
             self.stop(timeout_s=0.0)
             raise
 
-    def _place(self) -> None:
-        for strategy, members in group_workers(list(self.configs), self.pack_pairs):
-            pg = placement_group([{"CPU": self.cpus_per_worker}] * len(members), strategy=strategy)
-            self.groups.append(pg)
-            if not pg.wait(self.placement_timeout_s):
-                raise RuntimeError(f"placement group {strategy} {members} not placed within {self.placement_timeout_s}s "
-                                   f"({self.cpus_per_worker} CPU each); cluster has {ray.cluster_resources()}")
-            for index, wid in enumerate(members):
-                self.actors[wid] = WorkerActor.options(
-                    num_cpus=self.cpus_per_worker,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                ).remote()
+    def _place_group(self, strategy: str, members: list[str]) -> None:
+        pg = placement_group([{"CPU": self.cpus_per_worker}] * len(members), strategy=strategy)
+        self.groups.append(pg)
+        if not pg.wait(self.placement_timeout_s):
+            raise RuntimeError(f"placement group {strategy} {members} ({self.cpus_per_worker} CPU each) not placed "
+                               f"within {self.placement_timeout_s}s; cluster has {ray.cluster_resources()}")
+        for index, wid in enumerate(members):
+            in_group = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+            self.actors[wid] = WorkerActor.options(num_cpus=self.cpus_per_worker,
+                                                   scheduling_strategy=in_group).remote()
+
+    def _locate(self) -> None:
+        """Ask every actor once where it runs; fail early if a node lacks the checkpoint."""
         model_dir = self.launch.engine.model
         refs = {wid: actor.describe.remote(model_dir) for wid, actor in self.actors.items()}
         self.placements = dict(zip(refs, ray.get(list(refs.values()))))
@@ -130,13 +132,9 @@ class RayCluster:
         if not self.runs:
             return []
         ended, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=0)
-        gone = []
-        for ref in ended:
-            wid = self.runs.pop(ref)
-            if wid not in self._reported:
-                self._reported.add(wid)
-                gone.append(wid)
-                _log_end(wid, ref)
+        gone = [self.runs.pop(ref) for ref in ended]
+        for wid, ref in zip(gone, ended):
+            _log_end(wid, ref)
         return gone
 
     def pid(self, worker_id: str) -> int:

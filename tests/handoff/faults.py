@@ -3,6 +3,8 @@
 Faults, each drawn per frame from one `random.Random(seed)`: drop, delay (held and released
 after later frames, which also reorders), duplicate, corrupt (one byte of a chunk's payload is
 flipped on the way) and kill (the link dies after `kill_after` frames).
+`stage` is deliberately not forwarded, so every chunk's bytes move inside `send_chunk`, where the
+faults act: over shm a delayed or duplicated chunk is a late write into staging, never the pool.
 """
 
 from __future__ import annotations

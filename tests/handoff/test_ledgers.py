@@ -1,4 +1,5 @@
-"""Sets, byte ledgers, schedules, state machines and the trace sink."""
+"""Sets and byte ledgers as the handoff uses them (the `pdserve.ledger` copy), schedules, state
+machines and the trace sink."""
 
 from __future__ import annotations
 
@@ -8,34 +9,41 @@ import pytest
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason as R
-from pdserve.handoff.sets import PhysicalTraffic, compute_set, logical_transfer_bytes, transfer_set
+from pdserve.handoff.transports.base import TrafficCounter
 from pdserve.handoff.states import ChunkState, ChunkTable, TxnState, check_txn_move
 from pdserve.handoff.streaming import (choose_schedule, exposed_transfer_s, layerwise_visible_times,
                                        serialized_completion)
 from pdserve.handoff.trace import TraceSink, read_trace
+from pdserve.ledger import PhysicalTraffic, handoff_sets, logical_transfer_bytes
 
 PROMPT = [f"b{i}" for i in range(8)]
 
 
 def test_compute_and_transfer_sets_differ():
-    assert compute_set(PROMPT, {"b0", "b1", "b2"}) == ["b3", "b4", "b5", "b6", "b7"]
-    assert transfer_set(PROMPT, {"b0"}) == ["b1", "b2", "b3", "b4", "b5", "b6", "b7"]
+    sets = handoff_sets(PROMPT, ["b0", "b1", "b2"], ["b0"])
+    assert sets.compute_blocks == ("b3", "b4", "b5", "b6", "b7")
+    assert sets.transfer_blocks == ("b1", "b2", "b3", "b4", "b5", "b6", "b7")
 
 
 def test_source_hit_never_warms_destination():
-    assert transfer_set(PROMPT, set()) == PROMPT
-    assert len(transfer_set(PROMPT, {"b0", "b1"})) == 6
+    assert handoff_sets(PROMPT, PROMPT, []).transfer_blocks == tuple(PROMPT)
+    assert len(handoff_sets(PROMPT, [], ["b0", "b1"]).transfer_blocks) == 6
 
 
 def test_logical_bytes_follow_transfer_set():
     abi = KvAbi(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     assert abi.bytes_per_token == 131072
-    assert logical_transfer_bytes(7, abi) == 7 * 16 * 131072
+    geometry = (abi.block_size, abi.num_layers, abi.num_kv_heads, abi.head_dim, abi.dtype_bytes)
+    assert logical_transfer_bytes(7, *geometry) == 7 * 16 * 131072 == 7 * abi.bytes_per_block
 
 
 def test_physical_ledger_is_separate():
     ledger = PhysicalTraffic().add(payload_bytes=100, header_bytes=10).add(retry_bytes=100, num_retries=1)
     assert ledger.total_bytes == 210 and ledger.payload_bytes == 100
+    counter = TrafficCounter()
+    counter.record(payload_bytes=100, num_frames=1)
+    counter.record(header_bytes=10)
+    assert counter.snapshot == PhysicalTraffic(payload_bytes=100, header_bytes=10, num_frames=1)
 
 
 def test_layerwise_recurrence_and_exposed_time():

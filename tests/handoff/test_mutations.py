@@ -261,6 +261,22 @@ def test_credit_overrun(world):
     finish(world, src)
 
 
+def test_credit_ranges_never_overlap_and_are_reused_first_fit():
+    """A credit is a range of the window (= the shm staging area): held ranges are disjoint."""
+    from pdserve.handoff.credits import ByteCredits
+
+    credits = ByteCredits(1000)
+    assert [credits.acquire(k, 300) for k in "abc"] == [0, 300, 600]
+    assert not credits.can_acquire(101) and credits.can_acquire(100)
+    credits.release("b", ChunkState.DEVICE_VISIBLE)
+    assert not credits.can_acquire(401)  # 400 bytes free in total, but only 300 of them contiguous
+    assert credits.acquire("d", 250) == 300 and credits.offset_of("d") == 300
+    assert credits.acquire("e", 100) == 900
+    for key in "acde":
+        credits.reclaim(key)
+    credits.assert_no_leaks()
+
+
 def test_credit_returned_at_receive_is_refused(world):
     req = reserve_request(world)
     manifest, src = open_transfer(world, req)

@@ -5,12 +5,15 @@ is idempotent; a retry under a newer generation supersedes a killed attempt; not
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 
+import msgspec
 import pytest
 
-from pdserve.handoff.driver import DriveConfig, drive_source, serve_destination
+from pdserve.handoff.driver import DriveConfig, _payload, drive_source, serve_destination
+from pdserve.handoff.frames import ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
@@ -18,7 +21,7 @@ from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, connect, listen_local
 
-from tests.handoff.faults import FaultPlan, FaultySenderLink
+from tests.handoff.faults import FaultPlan, FaultySenderLink, _corrupted
 from tests.handoff.world import ABI, finish, make_world, open_transfer, published_bytes_equal, reserve_request
 
 CONFIG = DriveConfig(ack_timeout_s=0.15, give_up_s=15.0)
@@ -26,8 +29,8 @@ CONFIG = DriveConfig(ack_timeout_s=0.15, give_up_s=15.0)
 
 def shm_links(world):
     a, b = socket.socketpair()
-    sender = ShmSenderLink(SocketChannel(a), ABI, world.dst_pool.shm_name, world.dst_pool.num_blocks)
-    return sender, ShmReceiverLink(SocketChannel(b))
+    receiver = ShmReceiverLink(SocketChannel(b), world.endpoint.raw)
+    return ShmSenderLink(SocketChannel(a), world.credits.capacity_bytes), receiver
 
 
 def tcp_links(world):
@@ -44,7 +47,10 @@ LINKS = {"shm": shm_links, "tcp": tcp_links}
 def run_transfer(world, src, make_links, plan: FaultPlan | None = None):
     sender, receiver = make_links(world)
     link = FaultySenderLink(sender, plan) if plan else sender
-    done = lambda: src.state in (TxnState.PUBLISHED, TxnState.ABORTED)  # noqa: E731
+    terminal = (TxnState.PUBLISHED, TxnState.ABORTED)
+    dst = world.endpoint.transfers[src.manifest.transfer_id]
+    # both ends terminal: an aborted source leaves the destination to notice the dead link itself
+    done = lambda: src.state in terminal and dst.state in terminal  # noqa: E731
     server = threading.Thread(target=serve_destination,
                               args=(world.endpoint, receiver, src.manifest.transfer_id, CONFIG), kwargs={"until": done})
     server.start()
@@ -117,4 +123,46 @@ def test_corrupted_only_link_never_publishes_wrong_bytes():
     run_transfer(world, src, tcp_links, FaultPlan(corrupt=1.0))
     assert src.state is TxnState.ABORTED
     assert world.endpoint.directory.lookup("req-1") is None
+    finish(world, src)
+
+
+def _answer_pending(world, receiver) -> list:
+    """Serve every frame already waiting on the receiver; returns the answers it sent."""
+    answers = []
+    while (frame := receiver.recv(0.05, world.endpoint.landing_blocks)) is not None:
+        for answer in world.endpoint.handle(frame):
+            receiver.send(answer)
+            answers.append(answer)
+    return answers
+
+
+@pytest.mark.parametrize("kind", sorted(LINKS))
+def test_late_corrupted_duplicate_never_changes_published_bytes(kind):
+    """A delayed duplicate of an accepted chunk, carrying other bytes, arrives after publication.
+    Only the destination may write its pool: the duplicate is discarded, published bytes stay exact."""
+    world = make_world(num_tokens=9, credit_bytes=4096, shm=True)
+    req = reserve_request(world, num_tokens=9)
+    _, src = open_transfer(world, req)
+    src.gate.mark_all_ready()
+    sender, receiver = LINKS[kind](world)
+    sender.send(ManifestFrame(src.manifest))
+    _answer_pending(world, receiver)  # the manifest (and the shm link's staging handshake)
+    first = None
+    for spec in src.manifest.chunks:
+        frame = src.begin_send(spec.chunk_id)
+        sender.send_chunk(frame, _payload(src, spec.chunk_id))
+        src.mark_sent(frame)
+        first = first or frame
+        for answer in _answer_pending(world, receiver):
+            src.on_ack(answer)
+    sender.send(src.seal())
+    for answer in _answer_pending(world, receiver):
+        src.on_publish_ack(answer)
+    assert src.state is TxnState.PUBLISHED and published_bytes_equal(world, "req-1")
+    late = msgspec.structs.replace(first, resend=1)
+    sender.send_chunk(late, _corrupted(_payload(src, first.chunk_id), random.Random(0)))
+    _answer_pending(world, receiver)
+    assert published_bytes_equal(world, "req-1")
+    sender.close()
+    receiver.close()
     finish(world, src)

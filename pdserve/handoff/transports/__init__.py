@@ -2,5 +2,5 @@
 
 Every backend implements the two small interfaces in `base` and shares the whole protocol layer
 (`pdserve.handoff.source`, `endpoint`, `driver`): in-process (tests), same-host shared memory
-(the source copies straight into the destination pool), and cross-host TCP (header then payload).
+(the source copies into a destination-owned staging area; the destination copies it into its pool), and cross-host TCP (header then payload).
 """

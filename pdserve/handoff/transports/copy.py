@@ -1,46 +1,50 @@
-"""Copy transports: the source writes a chunk straight into the destination pool, then sends its frame.
+"""Copy transports: chunk bytes wait where only the destination reads them; only it writes its pool.
 
-Contract: used when both workers share memory. `inproc_links` connects two pools in one process
-(tests); `ShmSenderLink` attaches to the destination pool's POSIX shared-memory segment by name
-(same host, other process) and sends frames over any `SocketChannel` (a Unix or TCP socket).
-The copy is one memcpy per run of consecutive blocks; the destination verifies the bytes it
-finds in its own blocks, so a torn or misplaced copy fails its checksum there.
-Limitation: a copy cannot be refused by the destination before it happens; fencing a stale
-source relies on the destination never re-reserving an aborted transfer's blocks for a newer
-one before the source's epoch is fenced.
+Contract: used when both workers share memory. The sender never writes the destination pool.
+  * `inproc_links` (tests, one process): a chunk frame travels with a reference to the source
+    bytes; the receiver copies them into the blocks `landing(frame)` names, or drops them.
+  * `ShmSenderLink` / `ShmReceiverLink` (same host, other process): the receiver owns a POSIX
+    shared-memory *staging* area as large as the sender's credit window (offered in-band after
+    the sender's `StagingHello`). The sender copies a chunk to the frame's credit range
+    `[offset, offset + nbytes)` of staging (a first send hashes and copies it in one pass via
+    `stage`), then sends the frame on a `SocketChannel`; the
+    receiver, when `landing(frame)` admits the chunk, copies staging into its reserved blocks and
+    hashes them there in the same pass (`landed_checksum`).
+Why: the destination verifies a chunk's checksum on the bytes in its own pool after its own
+copy, so a late, duplicated, torn or stale-source write can only dirty staging: it fails the
+checksum of whichever chunk reads that range next (which is then resent), and can never touch a
+block after the destination accepted it or after publication. The cost is a second copy.
 """
 
 from __future__ import annotations
 
+import uuid
+from multiprocessing import shared_memory
+
 import numpy as np
 
-from pdserve.engine.kv_abi import KvAbi
 from pdserve.engine.kv_pool import KvPool
-from pdserve.handoff.frames import ChunkFrame, Frame
-from pdserve.handoff.kvbytes import copy_chunk, pool_bytes
-from pdserve.handoff.transports.base import ChunkPayload, Landing, ReceiverLink, SenderLink
+from pdserve.handoff.frames import ChunkFrame, Frame, StagingHello, StagingOffer
+from pdserve.handoff.kvbytes import (checksum_and_gather, chunk_nbytes, copy_chunk, gather_chunk, pool_bytes,
+                                     scatter_and_checksum)
+from pdserve.handoff.transports.base import ChunkPayload, Landing, LinkClosed, ReceiverLink, SenderLink
 from pdserve.handoff.transports.channels import QueueChannel, SocketChannel
 
+MAX_STAGING_BYTES = 1 << 30
 
-class _CopySender(SenderLink):
-    def __init__(self, dst_raw: np.ndarray):
+
+class InProcSenderLink(SenderLink):
+    def __init__(self, out: QueueChannel, back: QueueChannel):
         super().__init__()
-        self.dst_raw = dst_raw
-
-    def send_chunk(self, frame: ChunkFrame, payload: ChunkPayload) -> None:
-        copy_chunk(payload.src_raw, list(payload.src_blocks), self.dst_raw, list(payload.dst_blocks), payload.layer)
-        self.traffic.record(payload_bytes=frame.nbytes, retry_bytes=frame.nbytes if frame.resend else 0)
-        self.send(frame)
-
-
-class InProcSenderLink(_CopySender):
-    def __init__(self, dst_raw: np.ndarray, out: QueueChannel, back: QueueChannel):
-        super().__init__(dst_raw)
         self.out, self.back = out, back
 
     def send(self, frame: Frame) -> None:
         self.traffic.record(num_frames=1)
-        self.out.put(frame)
+        self.out.put((frame, None))
+
+    def send_chunk(self, frame: ChunkFrame, payload: ChunkPayload) -> None:
+        self.traffic.record(payload_bytes=frame.nbytes, retry_bytes=frame.nbytes if frame.resend else 0, num_frames=1)
+        self.out.put((frame, payload))
 
     def recv(self, timeout_s: float) -> Frame | None:
         return self.back.get(timeout_s)
@@ -50,12 +54,18 @@ class InProcSenderLink(_CopySender):
 
 
 class InProcReceiverLink(ReceiverLink):
-    def __init__(self, inbox: QueueChannel, back: QueueChannel):
+    def __init__(self, inbox: QueueChannel, back: QueueChannel, dst_raw: np.ndarray):
         super().__init__()
-        self.inbox, self.back = inbox, back
+        self.inbox, self.back, self.dst_raw = inbox, back, dst_raw
 
     def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
-        return self.inbox.get(timeout_s)
+        item = self.inbox.get(timeout_s)
+        if item is None:
+            return None
+        frame, payload = item
+        if payload is not None and (blocks := landing(frame)) is not None:
+            copy_chunk(payload.src_raw, list(payload.src_blocks), self.dst_raw, blocks, payload.layer)
+        return frame
 
     def send(self, frame: Frame) -> None:
         self.back.put(frame)
@@ -66,42 +76,121 @@ class InProcReceiverLink(ReceiverLink):
 
 def inproc_links(dst_pool: KvPool) -> tuple[InProcSenderLink, InProcReceiverLink]:
     out, back = QueueChannel(), QueueChannel()
-    return InProcSenderLink(pool_bytes(dst_pool), out, back), InProcReceiverLink(out, back)
+    return InProcSenderLink(out, back), InProcReceiverLink(out, back, pool_bytes(dst_pool))
 
 
-class ShmSenderLink(_CopySender):
-    """Attach to the destination's shared-memory pool; frames go over `channel`."""
+class ShmSenderLink(SenderLink):
+    """Copies chunks into the receiver's staging area; frames go over `channel`."""
 
-    def __init__(self, channel: SocketChannel, abi: KvAbi, dst_shm_name: str, dst_num_blocks: int):
-        self._pool = KvPool(abi, dst_num_blocks, shm_name=dst_shm_name, create=False)
-        super().__init__(pool_bytes(self._pool))
-        self.channel = channel
+    def __init__(self, channel: SocketChannel, window_bytes: int, offer_timeout_s: float = 10.0):
+        super().__init__()
+        self.channel, self.window_bytes, self.offer_timeout_s = channel, window_bytes, offer_timeout_s
+        self._shm: shared_memory.SharedMemory | None = None
+        self.staging: np.ndarray | None = None  # uint8 [window_bytes], the receiver's segment
+        self._staged: tuple[int, int, ChunkPayload] | None = None  # the `stage` call send_chunk may reuse
+        self.send(StagingHello(window_bytes))
+
+    def _take_offer(self, offer: StagingOffer) -> None:
+        if offer.nbytes < self.window_bytes:
+            raise LinkClosed(f"staging of {offer.nbytes} B for a window of {self.window_bytes} B")
+        self._shm = shared_memory.SharedMemory(name=offer.shm_name, create=False)
+        self.staging = np.ndarray((offer.nbytes,), dtype=np.uint8, buffer=self._shm.buf)
+
+    def _wait_for_offer(self) -> None:
+        frame = self.channel.recv_frame(self.offer_timeout_s)
+        if not isinstance(frame, StagingOffer):
+            raise LinkClosed(f"expected a staging offer, got {type(frame).__name__}")
+        self._take_offer(frame)
 
     def send(self, frame: Frame) -> None:
         header = self.channel.send_frame(frame)
         self.traffic.record(header_bytes=header, num_frames=1)
 
+    def _range(self, offset: int, nbytes: int) -> np.ndarray:
+        if self.staging is None:
+            self._wait_for_offer()
+        if offset + nbytes > self.window_bytes:
+            raise LinkClosed(f"chunk range {offset}+{nbytes} outside the window")
+        return self.staging[offset : offset + nbytes]
+
+    def stage(self, offset: int, payload: ChunkPayload) -> int:
+        nbytes = chunk_nbytes(payload.src_raw, len(payload.src_blocks))
+        checksum = checksum_and_gather(payload.src_raw, payload.layer, list(payload.src_blocks),
+                                       self._range(offset, nbytes))
+        self._staged = (offset, nbytes, payload)
+        return checksum
+
+    def send_chunk(self, frame: ChunkFrame, payload: ChunkPayload) -> None:
+        staged, self._staged = self._staged, None
+        if staged is None or staged[2] is not payload or staged[:2] != (frame.offset, frame.nbytes):
+            gather_chunk(payload.src_raw, payload.layer, list(payload.src_blocks), self._range(frame.offset, frame.nbytes))
+        self.traffic.record(payload_bytes=frame.nbytes, retry_bytes=frame.nbytes if frame.resend else 0)
+        self.send(frame)
+
     def recv(self, timeout_s: float) -> Frame | None:
-        return self.channel.recv_frame(timeout_s)
+        frame = self.channel.recv_frame(timeout_s)
+        if isinstance(frame, StagingOffer):
+            self._take_offer(frame)
+            return None
+        return frame
 
     def close(self) -> None:
-        self.dst_raw = None
-        self._pool.close()
+        self.staging = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         self.channel.close()
 
 
 class ShmReceiverLink(ReceiverLink):
-    """The destination end: payloads are already in its pool when a frame arrives."""
+    """The destination end: owns the staging segment and copies admitted chunks into its pool."""
 
-    def __init__(self, channel: SocketChannel):
+    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES):
         super().__init__()
-        self.channel = channel
+        self.channel, self.dst_raw, self.max_staging_bytes = channel, dst_raw, max_staging_bytes
+        self._shm: shared_memory.SharedMemory | None = None
+        self.staging: np.ndarray | None = None
+        self._landed: tuple[ChunkFrame, int] | None = None  # the last chunk this link wrote, hashed
+
+    def _open_staging(self, hello: StagingHello) -> None:
+        if self._shm is not None or not 0 < hello.window_bytes <= self.max_staging_bytes:
+            raise LinkClosed(f"refused staging of {hello.window_bytes} B")
+        self._shm = shared_memory.SharedMemory(name=f"pdstage-{uuid.uuid4().hex[:12]}", create=True,
+                                               size=hello.window_bytes)
+        self.staging = np.ndarray((hello.window_bytes,), dtype=np.uint8, buffer=self._shm.buf)
+        self.channel.send_frame(StagingOffer(self._shm.name, hello.window_bytes))
 
     def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
-        return self.channel.recv_frame(timeout_s)
+        self._landed = None
+        frame = self.channel.recv_frame(timeout_s)
+        while isinstance(frame, StagingHello):  # the link's own handshake; callers never see it
+            self._open_staging(frame)
+            frame = self.channel.recv_frame(timeout_s)
+        if isinstance(frame, ChunkFrame):
+            self._unstage(frame, landing(frame))
+        return frame
+
+    def _unstage(self, frame: ChunkFrame, blocks: list[int] | None) -> None:
+        if blocks is None or self.staging is None or frame.offset + frame.nbytes > self.staging.size:
+            return  # fenced, duplicate or malformed: the pool is not touched; the checksum decides
+        staged = self.staging[frame.offset : frame.offset + frame.nbytes]
+        self._landed = (frame, scatter_and_checksum(staged, self.dst_raw, frame.layer, blocks))
+        self.traffic.record(payload_bytes=frame.nbytes, num_frames=1)
+
+    def landed_checksum(self, frame: ChunkFrame) -> int | None:
+        landed, self._landed = self._landed, None
+        return landed[1] if landed is not None and landed[0] is frame else None
 
     def send(self, frame: Frame) -> None:
         self.channel.send_frame(frame)
 
     def close(self) -> None:
+        self.staging = None
+        if self._shm is not None:
+            self._shm.close()
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:  # an attached peer's resource tracker (Python < 3.13) got there first
+                pass
+            self._shm = None
         self.channel.close()

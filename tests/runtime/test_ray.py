@@ -1,0 +1,120 @@
+"""The Ray launcher on a local single-node Ray cluster: same workers, same answers as in-process.
+
+The test starts Ray itself (2 CPUs, no dashboard) so RayCluster joins it rather than owning it,
+and shuts it down at the end of the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+import ray
+
+from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from pdserve.api.server import ServeConfig, cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.workers.ray_launch import RayCluster, group_workers
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+ENGINE = EngineConfig(model="tiny", kv_cache_bytes=32 << 20)
+REQUESTS_TIMEOUT_S = 30.0  # a lost handoff must fail the test, not hang it
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    try:
+        yield ray.get_runtime_context().get_node_id()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[tuple[int, ...]]:
+    engine = Engine(EngineConfig(model="tiny", dtype=ENGINE.dtype))
+    return [out.output_ids for out in engine.generate(prompts(), PARAMS)]
+
+
+async def collect(backend, rid: str, prompt: list[int]) -> tuple[int, ...]:
+    tokens: list[int] = []
+    finish = None
+    async for event in backend.submit(GenerationRequest(rid, tuple(prompt), PARAMS)):
+        if isinstance(event, ErrorEvent):
+            raise AssertionError(f"{rid}: {event.code}: {event.message}")
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, FinishEvent):
+            finish = event
+    assert finish is not None and finish.finish_reason == "length"
+    assert finish.completion_tokens == len(tokens) == PARAMS.max_tokens
+    return tuple(tokens)
+
+
+async def run_cluster(config: ServeConfig, node_id: str, then=None) -> list[tuple[int, ...]]:
+    async with cluster(config) as (backend, launcher):
+        assert isinstance(launcher.impl, RayCluster)
+        views = {v.id: v for v in backend.workers()}
+        assert set(views) == {cfg.worker_id for cfg in launcher.impl.configs.values()}
+        for wid, view in views.items():
+            assert view.pid == launcher.pid(wid) != os.getpid()
+            assert view.host == node_id
+        requests = asyncio.gather(*(collect(backend, f"r{i}", p) for i, p in enumerate(prompts())))
+        outputs = await asyncio.wait_for(requests, REQUESTS_TIMEOUT_S)
+        assert not backend.live
+        backend.router.assert_no_leaks()
+        assert launcher.dead() == []
+        if then is not None:
+            await then(backend, launcher)
+    assert_ray_released()
+    return list(outputs)
+
+
+def assert_ray_released(timeout_s: float = 10.0) -> None:
+    """Every actor and placement group is gone (Ray frees them asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = ray.available_resources()
+        if free.get("CPU") == 2.0 and not any(k.startswith("bundle_group") for k in free):
+            return
+        assert time.monotonic() < deadline, f"Ray resources still held: {free}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_disaggregated_on_ray_matches_in_process(ray_local, expected, transport):
+    config = ServeConfig(ray=True, mode="disaggregated", num_prefill=1, num_decode=1, engine=ENGINE,
+                         transport=transport, ray_pack_pairs=True, startup_timeout_s=60.0)
+    assert asyncio.run(run_cluster(config, ray_local)) == expected
+
+
+def test_colocated_on_ray_matches_in_process_and_survives_a_killed_actor(ray_local, expected):
+    async def kill_one(backend, launcher):
+        launcher.kill("colocated-1")
+        deadline = time.monotonic() + 10.0
+        while "colocated-1" in {v.id for v in backend.workers()}:  # the watchdog saw dead() report it
+            assert time.monotonic() < deadline, "killed actor still registered"
+            await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(collect(backend, "after-kill", prompts()[0]), REQUESTS_TIMEOUT_S) == expected[0]
+
+    config = ServeConfig(ray=True, mode="colocated", replicas=2, engine=ENGINE, startup_timeout_s=60.0)
+    assert asyncio.run(run_cluster(config, ray_local, then=kill_one)) == expected
+
+
+def test_pairs_share_a_strict_pack_group():
+    ids = ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    assert group_workers(ids, pack_pairs=False) == [("PACK", ids)]
+    assert group_workers(ids, pack_pairs=True) == [
+        ("STRICT_PACK", ["prefill-0", "decode-0"]), ("STRICT_PACK", ["prefill-1", "decode-1"]), ("PACK", ["decode-2"]),
+    ]
+    assert group_workers(["colocated-0", "colocated-1"], pack_pairs=True) == [("PACK", ["colocated-0", "colocated-1"])]
