@@ -45,6 +45,7 @@ class ServeConfig:
     trace_dir: str | None = None
     layerwise_threshold_tokens: int = 256
     transport: str = "auto"  # "auto" (shm on one host, tcp across) | "shm" | "tcp"
+    admission_wait_s: float = 30.0  # how long a request may queue for K/V capacity before a 503
     ray: bool = False
     ray_address: str | None = None
     ray_pack_pairs: bool = False
@@ -60,8 +61,11 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     cost = CostModel.from_abi(abi)
+    # Local worker deaths are seen at once through their processes; heartbeats catch hung or
+    # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     return Router(RouterConfig(Mode(config.mode), checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
-                               cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s))
+                               cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
+                               heartbeat_interval_s=0.5, missed_heartbeats=20))
 
 
 @contextlib.asynccontextmanager
@@ -74,7 +78,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
     launcher = _launcher(config)
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
-                             is_dead=launcher.dead, transport=config.transport)
+                             is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s)
     backend.start()
     launcher.start(backend.address if not config.ray else _reachable(backend.address))
     try:

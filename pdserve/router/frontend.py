@@ -29,17 +29,29 @@ from pdserve.engine.block_manager import prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router.inflight import InFlight, RequestTraceWriter
+from pdserve.router.errors import UnknownRequestError
 from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.workers import messages as m
 
 RESERVE_TIMEOUT_S = 10.0
+ADMISSION_POLL_S = 0.02
+WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that completions will free
+
+
+class CapacityShort(Exception):
+    """A worker had less K/V room than its last report said; the request may wait and retry."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class ClusterBackend:
     def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
-                 trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto"):
+                 trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto",
+                 admission_wait_s: float = 30.0):
         self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -53,9 +65,11 @@ class ClusterBackend:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.is_dead = is_dead
         self.transport = transport
+        self.admission_wait_s = admission_wait_s
         self.registered: dict[str, m.Register] = {}
         self.loads: dict[str, m.Load] = {}
         self.live: dict[str, InFlight] = {}
+        self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
         self._grant_seq: dict[str, int] = {}
         self._prefix_root: bytes | None = None
         self._block_size = 16
@@ -82,6 +96,23 @@ class ClusterBackend:
         self.sock.close()
         self.trace.close()
 
+    def lookup(self, engine_id: str) -> InFlight | None:
+        """The in-flight request a worker message names, if that attempt is still the current one."""
+        live = self.live.get(self.engine_ids.get(engine_id, engine_id))
+        return live if live is not None and live.engine_id == engine_id else None
+
+    def alias(self, live: InFlight, engine_id: str) -> str:
+        self.engine_ids[engine_id] = live.req.request_id
+        return engine_id
+
+    def release(self, request_id: str, completed: bool) -> None:
+        """Release the router's holds for a request once; a route already released (its worker
+        was retired and the holds orphaned) is not an error here."""
+        try:
+            (self.router.complete if completed else self.router.abort)(request_id)
+        except UnknownRequestError:
+            pass
+
     # ---- Backend protocol -----------------------------------------------------------------
     def tokenizer(self):
         return self._tokenizer
@@ -102,10 +133,11 @@ class ClusterBackend:
         live = self.live.pop(request_id, None)
         if live is None or live.done:
             return
+        self.engine_ids.pop(live.engine_id, None)
         live.done = True
         for wid in {live.prefill_id, live.decode_id, *live.owners} - {""}:
-            await self._send(wid, m.Abort(request_id, "client_disconnect"))
-        self.router.abort(request_id)
+            await self._send(wid, m.Abort(live.engine_id, "client_disconnect"))
+        self.release(request_id, completed=False)
         self.metrics.requests.labels("aborted").inc()
         self.trace.write(live.record("abort"))
 
@@ -114,14 +146,12 @@ class ClusterBackend:
         self._validate(req)
         seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
         live = InFlight(req, seed, asyncio.Queue())
-        plan = self._route(live)
         self.live[req.request_id] = live
         try:
-            await self._start(live, plan)
+            await self._admit(live)
         except BaseException:
             self.live.pop(req.request_id, None)
             live.done = True
-            self.router.abort(req.request_id)
             raise
         try:
             while True:
@@ -144,22 +174,56 @@ class ClusterBackend:
             raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})")
 
     # ---- routing --------------------------------------------------------------------------
-    def _route(self, live: InFlight) -> RoutePlan:
+    async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
+        """Route now, or wait in the admission queue while capacity is only momentarily short;
+        reject early (before any prefill work) when the wait runs out or no route can exist."""
         req = live.req
         hashes = self._block_hashes(req.prompt_ids)
-        result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), req.params.max_tokens, hashes))
-        if isinstance(result, RouteRejection):
-            self.metrics.early_rejections.labels(result.reason.value).inc()
-            self.trace.write({"request_id": req.request_id, "rejected": result.reason.value, "detail": result.detail})
-            status = 503
-            raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), status,
-                            result.retry_after_s, result.reason.value)
+        while True:
+            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), req.params.max_tokens, hashes))
+            if not isinstance(result, RouteRejection):
+                break
+            if result.reason.value not in WAITABLE or time.monotonic() > deadline or not self._could_ever_fit(req):
+                self._reject(result)
+            await asyncio.sleep(ADMISSION_POLL_S)
+        live.note(admission_wait_s=time.monotonic() - live.arrival_s)
         live.policy, live.prefill_id, live.decode_id = result.policy, result.prefill_id, result.decode_id
         live.note(prefix_hit_blocks=result.prefill_hit_blocks, decode_hit_blocks=result.decode_hit_blocks,
                   prefix_hit_bytes=result.prefill_hit_blocks * self._block_size * self._bytes_per_token(),
                   transfer_bytes_planned=result.transfer_bytes, predicted_ttft_s=result.predicted_ttft_s,
                   predicted_tpot_s=result.predicted_tpot_s)
         return result
+
+    async def _admit(self, live: InFlight) -> None:
+        """Route and start; a decode worker that turns the reservation down for capacity (its
+        report was stale) sends the request back to the admission queue until the deadline."""
+        deadline = time.monotonic() + self.admission_wait_s
+        while True:
+            plan = await self._route(live, deadline)
+            try:
+                await self._start(live, plan)
+                return
+            except CapacityShort as short:
+                self.release(live.req.request_id, completed=False)
+                if time.monotonic() > deadline:
+                    self.metrics.early_rejections.labels(short.reason).inc()
+                    raise Rejection(f"decode reservation refused: {short.reason}", 503, 1.0, short.reason) from None
+                await asyncio.sleep(ADMISSION_POLL_S)
+            except BaseException:
+                self.release(live.req.request_id, completed=False)
+                raise
+
+    def _could_ever_fit(self, req: GenerationRequest) -> bool:
+        """False when even an empty decode worker could not hold the request: waiting is pointless."""
+        need = -(-min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) // self._block_size)
+        pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated")]
+        return bool(pools) and need <= max(pools)
+
+    def _reject(self, result: RouteRejection) -> None:
+        self.metrics.early_rejections.labels(result.reason.value).inc()
+        self.trace.write({"request_id": result.request_id, "rejected": result.reason.value, "detail": result.detail})
+        raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), 503,
+                        result.retry_after_s, result.reason.value)
 
     def _block_hashes(self, prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
         if self._prefix_root is None:
@@ -206,8 +270,10 @@ class ClusterBackend:
         if reserved is None or not reserved.ok:
             await self._send(plan.decode_id, m.Abort(req.request_id, "reservation_abandoned"))  # a late grant is returned
             reason = "no_decode_capacity" if reserved is None else (reserved.reason or "no_decode_capacity")
+            if reason in ("no_kv_capacity", "no_decode_capacity"):
+                raise CapacityShort(reason)
             self.metrics.early_rejections.labels(reason).inc()
-            raise Rejection(f"decode reservation refused: {reason}", 503, 1.0, reason)
+            raise InvalidRequest(f"decode worker refused the request: {reason}")
         return reserved
 
     # ---- worker messages ------------------------------------------------------------------
@@ -274,6 +340,7 @@ class ClusterBackend:
         load_dict = {} if load is None else {
             "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
             "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
+            "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok,
         }
         return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict)
 

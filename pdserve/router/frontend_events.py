@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from pdserve.api.backend import ErrorEvent, FinishEvent, TokenEvent
+from pdserve.router.errors import UnknownRequestError
 from pdserve.router.inflight import InFlight
 from pdserve.workers import messages as m
 
@@ -23,13 +24,13 @@ async def dispatch(backend, msg) -> None:
         for item in msg.items:
             await _on_tokens(backend, msg.worker_id, item)
     elif isinstance(msg, m.Reserved):
-        live = backend.live.get(msg.request_id)
+        live = backend.lookup(msg.request_id)
         if live is not None and live.reserved is not None and not live.reserved.done() and msg.transfer_id == live.transfer_id:
             live.reserved.set_result(msg)
     elif isinstance(msg, m.TransferDone):
         await _on_transfer_done(backend, msg)
     elif isinstance(msg, m.WorkerError):
-        live = backend.live.get(msg.request_id)
+        live = backend.lookup(msg.request_id)
         if live is not None and live.reserved is not None and not live.reserved.done():
             live.reserved.set_result(m.Reserved(msg.worker_id, msg.epoch, msg.request_id, live.transfer_id, False, msg.code))
         elif live is not None and msg.worker_id in live.owners:
@@ -37,7 +38,7 @@ async def dispatch(backend, msg) -> None:
 
 
 async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
-    live = backend.live.get(item.request_id)
+    live = backend.lookup(item.request_id)
     if live is None or live.done or worker_id not in live.owners:
         return  # late tokens from an abandoned route
     now = time.monotonic()
@@ -50,7 +51,7 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
         live.queue.put_nowait(TokenEvent(tuple(item.token_ids), item.text))
     if item.finished:
         if live.disaggregated and worker_id == live.prefill_id:
-            await backend._send(live.decode_id, m.Abort(live.req.request_id, "finished_at_prefill"))
+            await backend._send(live.decode_id, m.Abort(live.engine_id, "finished_at_prefill"))
         await _finish(backend, live, item.finish_reason or "stop", item.prompt_tokens)
     elif item.prefilled:
         await _prefilled(backend, live)
@@ -63,11 +64,11 @@ async def _prefilled(backend, live: InFlight) -> None:
         await recover(backend, live, lost=None)
         return
     live.started_decode = True
-    await backend._send(live.decode_id, m.StartDecode(live.req.request_id, live.output_ids[0], live.seed))
+    await backend._send(live.decode_id, m.StartDecode(live.engine_id, live.output_ids[0], live.seed))
 
 
 async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
-    live = backend.live.get(msg.request_id)
+    live = backend.lookup(msg.request_id)
     metrics = backend.metrics
     if msg.side == "source":
         if msg.published:
@@ -84,7 +85,10 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
     if msg.published:
         live.published = True
         metrics.kv_transfer_bytes.inc(_logical_bytes(backend, live))
-        backend.router.kv_published(live.req.request_id)
+        try:
+            backend.router.kv_published(live.req.request_id)
+        except UnknownRequestError:
+            pass
         return
     metrics.kv_transfer_failures.labels(msg.reason or "aborted").inc()
     live.kv_failed = True
@@ -99,8 +103,11 @@ def _logical_bytes(backend, live: InFlight) -> int:
 async def recover(backend, live: InFlight, lost: str | None) -> None:
     """Recompute on a live decode-capable worker, resuming after the tokens already streamed."""
     rid = live.req.request_id
+    if lost is not None and lost == live.prefill_id and live.disaggregated and live.published and live.started_decode:
+        live.owners.discard(lost)  # the K/V already lives at the decode worker: nothing to recover
+        return
     for wid in live.owners - {lost}:
-        await backend._send(wid, m.Abort(rid, "rerouted"))
+        await backend._send(wid, m.Abort(live.engine_id, "rerouted"))
     target = _pick_decode_worker(backend, exclude={lost} if lost else set())
     if target is None:
         await _fail(backend, live, "no live decode worker can continue this request", "kv_not_visible")
@@ -112,7 +119,9 @@ async def recover(backend, live: InFlight, lost: str | None) -> None:
     live.generation += 1
     live.owners = {target}
     live.prefill_id = live.decode_id = target
-    await backend._send(target, m.Generate(rid, live.req.prompt_ids, live.req.params, live.seed,
+    # a fresh engine id: tokens still in flight from the abandoned attempt can never be mistaken
+    live.engine_id = backend.alias(live, f"{rid}#g{live.generation}")
+    await backend._send(target, m.Generate(live.engine_id, live.req.prompt_ids, live.req.params, live.seed,
                                            resume_output_ids=tuple(live.output_ids)))
 
 
@@ -129,7 +138,8 @@ def _pick_decode_worker(backend, exclude: set[str]) -> str | None:
 async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> None:
     live.done = True
     backend.live.pop(live.req.request_id, None)
-    backend.router.complete(live.req.request_id)
+    backend.engine_ids.pop(live.engine_id, None)
+    backend.release(live.req.request_id, completed=True)
     n = len(live.output_ids)
     if live.first_token_s is not None and n > 1:
         backend.metrics.tpot.observe((live.last_token_s - live.first_token_s) / (n - 1))
@@ -141,9 +151,10 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:
     live.done = True
     backend.live.pop(live.req.request_id, None)
+    backend.engine_ids.pop(live.engine_id, None)
     for wid in live.owners:
-        await backend._send(wid, m.Abort(live.req.request_id, code))
-    backend.router.abort(live.req.request_id)
+        await backend._send(wid, m.Abort(live.engine_id, code))
+    backend.release(live.req.request_id, completed=False)
     backend.metrics.requests.labels("failed").inc()
     rec = live.record("error")
     rec["error"] = code

@@ -36,6 +36,10 @@ class InFlight:
     started_decode: bool = False
     done: bool = False
     trace: dict = field(default_factory=dict)
+    engine_id: str = ""  # the id workers know this attempt by (request id, or id#gN after a retry)
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or self.req.request_id
 
     @property
     def disaggregated(self) -> bool:

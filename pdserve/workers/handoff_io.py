@@ -15,6 +15,7 @@ Link preamble: one byte, b"S" (shm) or b"T" (tcp), then frames.
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.credits import ByteCredits
 from pdserve.handoff.driver import DriveConfig, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint
-from pdserve.handoff.frames import Frame, ManifestFrame
+from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.source import LayerGate, SourceTransfer
@@ -40,6 +41,7 @@ from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, tune
 from pdserve.workers.messages import TransferPlan
 
 CHUNK_TARGET_BYTES = 1 << 20
+log = logging.getLogger("pdserve.worker")
 
 
 def prompt_digest(prompt_ids: tuple[int, ...] | list[int]) -> str:
@@ -48,12 +50,14 @@ def prompt_digest(prompt_ids: tuple[int, ...] | list[int]) -> str:
 
 class HandoffSender:
     def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
-                 on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20):
+                 on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20,
+                 max_concurrent: int = 4):
         self.worker_id, self.epoch = worker_id, epoch
         self.pool, self.raw, self.identity, self.trace = pool, pool_bytes(pool), identity, trace
-        self.credits = ByteCredits(credit_bytes)
+        self.credit_bytes = credit_bytes
         self.on_done = on_done
         self.gates: dict[str, LayerGate] = {}
+        self.slots = threading.BoundedSemaphore(max_concurrent)
 
     def gate(self, request_id: str) -> LayerGate | None:
         return self.gates.get(request_id)
@@ -70,15 +74,23 @@ class HandoffSender:
         gate = LayerGate(abi.num_layers, clock=time.monotonic)
         self.gates[request_id] = gate
         blocks = src_blocks[plan.num_visible_blocks : len(plan.dest_blocks)]
-        src = SourceTransfer(manifest, self.raw, blocks, self.credits, gate, self.trace, worker=self.worker_id)
+        # one credit window per transfer, no larger than its payload: with shm it is also the size
+        # of the staging area the destination maps for this link
+        credits = ByteCredits(max(1, min(self.credit_bytes, manifest.total_bytes)))
+        src = SourceTransfer(manifest, self.raw, blocks, credits, gate, self.trace, worker=self.worker_id)
         threading.Thread(target=self._run, args=(request_id, src, plan), daemon=True, name=f"send-{request_id}").start()
         return src
 
     def _run(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
+        with self.slots:  # a few transfers at a time: dozens of threads only fight for the GIL
+            self._transfer(request_id, src, plan)
+
+    def _transfer(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
         t0 = time.monotonic()
         try:
-            link = self._open_link(plan)
-        except OSError:
+            link = self._open_link(plan, src.credits.capacity_bytes)
+        except OSError as exc:
+            log.warning("handoff link to %s failed: %r", plan.dest_worker, exc)
             link = None
         physical = 0
         if link is None:
@@ -86,18 +98,22 @@ class HandoffSender:
         else:
             try:
                 drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0))
+            except Exception as exc:  # noqa: BLE001 - a broken link must still end the transaction
+                log.warning("handoff %s failed: %r", src.manifest.transfer_id, exc)
+                if src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+                    src.abort(_transport_failure())
             finally:
                 physical = link.traffic.snapshot.total_bytes
                 link.close()
         self.gates.pop(request_id, None)
         self.on_done(request_id, src, time.monotonic() - t0, physical)
 
-    def _open_link(self, plan: TransferPlan):
+    def _open_link(self, plan: TransferPlan, window: int):
         sock = tune(socket.create_connection(tuple(plan.dest_address), timeout=5.0))
         sock.settimeout(None)
-        if plan.transport == "shm" and plan.dest_shm_name:
+        if plan.transport == "shm":
             sock.sendall(b"S")
-            return ShmSenderLink(SocketChannel(sock), self.pool.abi, plan.dest_shm_name, plan.dest_num_blocks)
+            return ShmSenderLink(SocketChannel(sock), window)
         sock.sendall(b"T")
         return TcpSenderLink(sock)
 
@@ -124,6 +140,9 @@ class _FirstFrameLink(ReceiverLink):
     def send(self, frame: Frame) -> None:
         self.inner.send(frame)
 
+    def landed_checksum(self, frame):
+        return self.inner.landed_checksum(frame)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -148,8 +167,11 @@ class HandoffListener:
     def _serve(self, conn: socket.socket) -> None:
         try:
             kind = conn.recv(1)
-            link = ShmReceiverLink(SocketChannel(conn)) if kind == b"S" else TcpReceiverLink(conn, self.endpoint.raw)
-            first = link.recv(5.0, self._landing)
+            if kind == b"S":
+                link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw)
+            else:
+                link = TcpReceiverLink(conn, self.endpoint.raw)
+            first = link.recv(30.0, self._landing)
         except (OSError, LinkClosed):
             conn.close()
             return
@@ -176,8 +198,9 @@ class HandoffListener:
                         raise LinkClosed("source silent")
                     continue
                 last = time.monotonic()
+                landed = link.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None
                 with self.lock:
-                    answers = self.endpoint.handle(frame)
+                    answers = self.endpoint.handle(frame, landed)
                 for answer in answers:
                     link.send(answer)
         except (LinkClosed, OSError):

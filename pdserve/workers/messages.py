@@ -111,6 +111,8 @@ class Load(msgspec.Struct, frozen=True):
     free_blocks: int
     reserved_blocks: int
     applied_grant_seq: int = 0
+    num_blocks: int = 0
+    integrity_ok: bool = True  # the engine's pool check passed at this report
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -69,7 +69,6 @@ class Worker:
         self.sock.connect(config.router_address)
         self.running = True
         self.applied_grant_seq = 0
-        self._last_beat = 0.0
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
@@ -85,11 +84,18 @@ class Worker:
             handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
         ))
 
-    def heartbeat(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_beat < self.config.heartbeat_s:
-            return
-        self._last_beat = now
+    def _heartbeat_loop(self) -> None:
+        """Heartbeats from their own thread and socket: a long step never makes a worker look dead."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.id}#hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.router_address)
+        while self.running:
+            sock.send(m.encode(self.heartbeat()))
+            time.sleep(self.config.heartbeat_s)
+        sock.close()
+
+    def heartbeat(self) -> m.Heartbeat:
         with self.lock:
             eng = self.engine
             running = eng.scheduler.running
@@ -100,13 +106,24 @@ class Worker:
                 free_blocks=eng.blocks.num_free,
                 reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
                 applied_grant_seq=self.applied_grant_seq,
+                num_blocks=eng.pool.num_blocks,
+                integrity_ok=self._integrity_ok(),
             )
             hashes = tuple(list(eng.blocks.cached)[:4096])
-        self.send(m.Heartbeat(self.id, self.epoch, load, hashes))
+        return m.Heartbeat(self.id, self.epoch, load, hashes)
+
+    def _integrity_ok(self) -> bool:
+        try:
+            self.engine.check_integrity()
+            return True
+        except AssertionError as exc:
+            log.error("worker %s: pool integrity check failed: %s", self.id, exc)
+            return False
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> None:
         self.register()
+        threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat").start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while self.running:
@@ -118,7 +135,6 @@ class Worker:
             self.drain_events()
             if self.engine.has_unfinished():
                 self.step()
-            self.heartbeat()
         self.close()
 
     def handle(self, msg: m.ToWorker) -> None:

@@ -1,0 +1,49 @@
+"""Process-level runtime fixtures: real worker processes, the router backend, optionally HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from pdserve.api.server import ServeConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import SamplingParams
+
+TINY = EngineConfig(model="tiny", kv_cache_bytes=48 << 20)
+
+
+def config(**kw) -> ServeConfig:
+    kw.setdefault("engine", TINY)
+    return ServeConfig(**kw)
+
+
+def prompt(n: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 256) for _ in range(n))
+
+
+async def collect(backend, rid: str, ids: tuple[int, ...], params: SamplingParams) -> tuple[list[int], object]:
+    """Run one request to its terminal event; returns (token ids, terminal event)."""
+    tokens: list[int] = []
+    async for event in backend.submit(GenerationRequest(rid, ids, params)):
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, (FinishEvent, ErrorEvent)):
+            return tokens, event
+    return tokens, None
+
+
+async def wait_baseline(backend, timeout_s: float = 10.0) -> list:
+    """Wait until every worker reports an idle pool: nothing running, nothing reserved, all blocks free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        views = backend.workers()
+        idle = [w.load and w.load["num_running"] == 0 and w.load["reserved_blocks"] == 0
+                and w.load["free_blocks"] == w.load["num_blocks"] and w.load["integrity_ok"] for w in views]
+        if views and all(idle) and not backend.live:
+            return views
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not back at baseline: {[(w.id, w.load) for w in views]}, live={list(backend.live)}")
+        await asyncio.sleep(0.1)

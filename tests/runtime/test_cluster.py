@@ -1,0 +1,150 @@
+"""The disaggregated runtime end to end with real worker processes (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.api.backend import ErrorEvent, FinishEvent, Rejection
+from pdserve.api.server import cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
+
+
+@pytest.fixture(scope="module")
+def reference_engine():
+    return Engine(EngineConfig(model="tiny", num_blocks=256))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_1p1d_tokens_equal_engine_and_pools_return_to_baseline(reference_engine, transport):
+    async def main():
+        async with cluster(config(transport=transport)) as (backend, _):
+            cases = [(prompt(n, i), SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=7 + i))
+                     for i, (n, t) in enumerate([(20, 0.0), (300, 0.0), (33, 0.9), (520, 0.7)])]
+            results = await asyncio.gather(*(collect(backend, f"r{i}", p, s) for i, (p, s) in enumerate(cases)))
+            for (ids, event), (p, s) in zip(results, cases):
+                assert isinstance(event, FinishEvent) and event.finish_reason == "length"
+                assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
+            views = await wait_baseline(backend)
+            assert {w.role for w in views} == {"prefill", "decode"}
+            backend.router.assert_no_leaks()
+            text = backend.metrics_text().decode()
+            assert "pdserve_kv_transfer_bytes_total" in text and 'result="routed"' in text
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 2)])
+def test_xpyd_serves_100_concurrent_requests(shape):
+    async def main():
+        async with cluster(config(num_prefill=shape[0], num_decode=shape[1])) as (backend, _):
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            results = await asyncio.gather(*(collect(backend, f"c{i}", prompt(8 + i % 40, i), params) for i in range(100)))
+            assert all(isinstance(e, FinishEvent) and len(ids) == 6 for ids, e in results)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_colocated_mode_serves_and_matches_engine(reference_engine):
+    async def main():
+        async with cluster(config(mode="colocated", replicas=2)) as (backend, _):
+            p, s = prompt(50, 1), SamplingParams(max_tokens=10, ignore_eos=True)
+            ids, event = await collect(backend, "co", p, s)
+            assert isinstance(event, FinishEvent) and ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
+            await wait_baseline(backend)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("victim_role", ["decode", "prefill"])
+def test_kill_9_worker_mid_stream_every_request_ends(victim_role):
+    """kill -9 one worker while streams are in flight: each request completes (rerouted or
+    recomputed) or ends with an explicit error, none hangs, and new requests are served."""
+    shape = (1, 2) if victim_role == "decode" else (2, 1)
+
+    async def main():
+        async with cluster(config(num_prefill=shape[0], num_decode=shape[1])) as (backend, launcher):
+            params = SamplingParams(max_tokens=60, ignore_eos=True)
+            tasks = [asyncio.create_task(collect(backend, f"k{i}", prompt(30 + i, i), params)) for i in range(8)]
+            await asyncio.sleep(1.5)
+            launcher.kill(f"{victim_role}-0")
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            for ids, event in results:
+                assert isinstance(event, (FinishEvent, ErrorEvent)), event
+                if isinstance(event, FinishEvent):
+                    assert len(ids) == 60
+            ids, event = await collect(backend, "after", prompt(20, 99), SamplingParams(max_tokens=5, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 5
+            assert all(w.id != f"{victim_role}-0" for w in backend.workers())
+            await wait_baseline(backend)
+
+    asyncio.run(main())
+
+
+def test_recompute_after_kill_gives_the_same_tokens(reference_engine):
+    """A decode worker dies mid-stream; the request resumes elsewhere with the same seed."""
+    async def main():
+        async with cluster(config(num_prefill=1, num_decode=2)) as (backend, launcher):
+            p, s = prompt(40, 5), SamplingParams(max_tokens=80, ignore_eos=True, temperature=0.8, seed=11)
+            task = asyncio.create_task(collect(backend, "rec", p, s))
+            while not backend.live.get("rec") or len(backend.live["rec"].output_ids) < 5:
+                await asyncio.sleep(0.02)
+            launcher.kill(backend.live["rec"].decode_id)
+            ids, event = await asyncio.wait_for(task, timeout=60)
+            assert isinstance(event, FinishEvent)
+            assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
+
+    asyncio.run(main())
+
+
+def test_disconnect_mid_stream_frees_blocks_on_both_workers():
+    async def main():
+        async with cluster(config()) as (backend, _):
+            from pdserve.api.backend import GenerationRequest
+
+            stream = backend.submit(GenerationRequest("gone", prompt(100, 3), SamplingParams(max_tokens=400, ignore_eos=True)))
+            seen = 0
+            async for _event in stream:
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.aclose()  # what the HTTP layer does when the client leaves
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_invalid_requests_are_refused_before_routing():
+    async def main():
+        async with cluster(config()) as (backend, _):
+            from pdserve.engine.errors import InvalidRequest
+
+            for ids, params in [((), SamplingParams()), ((1,) * 5000, SamplingParams()),
+                                ((1, 2), SamplingParams(max_tokens=0)), ((1, 9999), SamplingParams())]:
+                with pytest.raises(InvalidRequest):
+                    await collect(backend, "bad", ids, params)
+            ids, event = await collect(backend, "good", prompt(10, 1), SamplingParams(max_tokens=3, ignore_eos=True))
+            assert isinstance(event, FinishEvent)
+            await wait_baseline(backend)
+
+    asyncio.run(main())
+
+
+def test_no_decode_capacity_is_an_early_rejection():
+    async def main():
+        tight = EngineConfig(model="tiny", num_blocks=8)
+        async with cluster(config(engine=tight)) as (backend, _):
+            with pytest.raises(Rejection) as info:
+                await collect(backend, "huge", prompt(200, 1), SamplingParams(max_tokens=1000, ignore_eos=True))
+            assert info.value.status == 503 and info.value.retry_after_s > 0
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
