@@ -12,7 +12,7 @@ K and V slabs of one layer for a list of blocks, serialized as [2, len(blocks), 
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
@@ -40,6 +40,11 @@ class KvPool:
             raw = np.zeros(self.shape, dtype=view_dtype)
         else:
             self._shm = shared_memory.SharedMemory(name=shm_name, create=create, size=self.nbytes if create else 0)
+            if not create:  # attached, not owned: the creator unlinks it
+                try:
+                    resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
+                except Exception:  # noqa: BLE001 - only affects warnings at exit
+                    pass
             raw = np.ndarray(self.shape, dtype=view_dtype, buffer=self._shm.buf)
             if create:
                 raw.fill(0)

@@ -19,7 +19,7 @@ block after the destination accepted it or after publication. The cost is a seco
 from __future__ import annotations
 
 import uuid
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -79,6 +79,15 @@ def inproc_links(dst_pool: KvPool) -> tuple[InProcSenderLink, InProcReceiverLink
     return InProcSenderLink(out, back), InProcReceiverLink(out, back, pool_bytes(dst_pool))
 
 
+def forget_attached(shm: shared_memory.SharedMemory) -> None:
+    """An attaching process does not own the segment: keep Python's resource tracker from
+    unlinking it (or warning about it) when this process exits; the creator unlinks it."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - CPython < 3.13 has no track=False
+    except Exception:  # noqa: BLE001 - best effort: only affects warnings at exit
+        pass
+
+
 class ShmSenderLink(SenderLink):
     """Copies chunks into the receiver's staging area; frames go over `channel`."""
 
@@ -94,6 +103,7 @@ class ShmSenderLink(SenderLink):
         if offer.nbytes < self.window_bytes:
             raise LinkClosed(f"staging of {offer.nbytes} B for a window of {self.window_bytes} B")
         self._shm = shared_memory.SharedMemory(name=offer.shm_name, create=False)
+        forget_attached(self._shm)
         self.staging = np.ndarray((offer.nbytes,), dtype=np.uint8, buffer=self._shm.buf)
 
     def _wait_for_offer(self) -> None:
