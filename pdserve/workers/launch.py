@@ -46,6 +46,7 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             worker_id=worker_id, role=role.value, router_address=router_address, host_id=host,
             engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s,
+            exit_with_parent=True,
         ))
     return configs
 

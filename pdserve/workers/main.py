@@ -7,6 +7,7 @@ parent's main module.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import msgspec
@@ -20,6 +21,9 @@ def encode_config(config: WorkerConfig) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    # Ctrl-C in a terminal reaches the whole process group: the router shuts workers down
+    # with a typed Shutdown message instead, and a worker whose router is gone exits by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve_worker(msgspec.json.decode(args[0].encode(), type=WorkerConfig))
 
 

@@ -126,7 +126,8 @@ class RayCluster:
     def _placed_config(self, worker_id: str) -> WorkerConfig:
         # Ray does not hand out specific cores, so the local launcher's affinity does not apply.
         where = self.placements[worker_id]
-        return replace(self.configs[worker_id], host_id=where.node_id, handoff_host=where.node_ip, cpu_affinity=())
+        return replace(self.configs[worker_id], host_id=where.node_id, handoff_host=where.node_ip, cpu_affinity=(),
+                       exit_with_parent=False)
 
     def dead(self) -> list[str]:
         if not self.runs:

@@ -44,6 +44,7 @@ class WorkerConfig:
     heartbeat_s: float = 0.25
     trace_path: str | None = None
     layerwise_threshold_tokens: int = 256
+    exit_with_parent: bool = False  # local processes: stop when the router process is gone
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -90,9 +91,13 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"{self.id}#hb".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.router_address)
+        parent = os.getppid()
         while self.running:
             sock.send(m.encode(self.heartbeat()))
             time.sleep(self.config.heartbeat_s)
+            if self.config.exit_with_parent and os.getppid() != parent:
+                log.warning("worker %s: router process is gone, exiting", self.id)
+                self.running = False
         sock.close()
 
     def heartbeat(self) -> m.Heartbeat:
