@@ -80,8 +80,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s)
     backend.start()
-    launcher.start(backend.address if not config.ray else _reachable(backend.address))
     try:
+        launcher.start(backend.address if not config.ray else _reachable(backend.address))
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         yield backend, launcher
     finally:

@@ -203,7 +203,9 @@ class HandoffListener:
                     answers = self.endpoint.handle(frame, landed)
                 for answer in answers:
                     link.send(answer)
-        except (LinkClosed, OSError):
+        except Exception as exc:  # noqa: BLE001 - any failure on this link ends the unpublished transfer
+            if not isinstance(exc, (LinkClosed, OSError)):
+                log.warning("handoff listener for %s failed: %r", transfer_id, exc)
             with self.lock:
                 if txn.state < TxnState.PUBLISHED:
                     self.endpoint.abort(transfer_id, _transport_failure())
