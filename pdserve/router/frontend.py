@@ -55,7 +55,7 @@ class ClusterBackend:
         self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.metrics = RuntimeMetrics()
+        self.metrics = RuntimeMetrics(lambda: router.counters().route_total)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -125,8 +125,6 @@ class ClusterBackend:
         return [self._view(w) for w in self.registered.values()]
 
     def metrics_text(self) -> bytes:
-        for name, count in self.router.counters().route_total.items():
-            self.metrics.route_decisions.labels(*name)._value.set(count)
         return self.metrics.text()
 
     async def abort(self, request_id: str) -> None:

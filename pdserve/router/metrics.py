@@ -8,16 +8,32 @@ transfer seconds; gauges hold per-worker queue depth and free blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+class RouteDecisions:
+    """Exports the control plane's own (policy, result) counters at scrape time: one source of truth."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]):
+        self.read = read
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_route_decisions", "Route decisions", labels=["policy", "result"])
+        for (policy, result), count in sorted(self.read().items()):
+            family.add_metric([policy, result], count)
+        yield family
+
+
 class RuntimeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
         r = self.registry = CollectorRegistry()
-        self.route_decisions = Counter("pdserve_route_decisions", "Route decisions", ["policy", "result"], registry=r)
+        r.register(RouteDecisions(route_counts))
         self.early_rejections = Counter("pdserve_early_rejections", "Requests rejected before prefill", ["reason"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests", ["result"], registry=r)
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "Logical K/V bytes published at decode", registry=r)
