@@ -291,8 +291,8 @@ class InProcessBackend:
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed")
+            self._check_engine()  # first: a caller woken by the error must already see the health verdict
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}", "engine_error")
-            self._check_engine()
             return
         for output in outputs:
             self._deliver(output)
