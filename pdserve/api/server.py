@@ -103,7 +103,8 @@ class _Launcher:
 
     def start(self, router_address: str) -> None:
         cfg = self.config
-        launch = LaunchConfig(cfg.shape(), _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
+        roles = tuple(role.value for role in cfg.shape().roles())
+        launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
                               cfg.trace_dir, cfg.layerwise_threshold_tokens)
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster

@@ -36,7 +36,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="PATH", help="write a goodput-vs-rate PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--validate", action="store_true", help="measure the top two configurations with the local runtime")
-    p.add_argument("--serve-model", default="small", help="model for --validate's local server (default small)")
+    v = p.add_argument_group("validation (--validate: the local runtime and `pdserve bench --sweep`)")
+    v.add_argument("--serve-model", default=None,
+                   help="model for the local server (default: the --latency-model profile's model, else small)")
+    v.add_argument("--serve-dtype", choices=("bfloat16", "float32"), default=None,
+                   help="server dtype (default: the --latency-model profile's dtype, else float32)")
+    v.add_argument("--validate-rates", metavar="R1,R2,...",
+                   help="bench sweep ladder for every configuration (default: 0.25/0.5/1/1.5 x each prediction)")
+    v.add_argument("--validate-requests", type=int, help="requests per bench run (default --num-requests)")
+    v.add_argument("--validate-max-bisections", type=int, default=1, help="bench bisections after the ladder (default 1)")
+    v.add_argument("--validate-max-workers", type=int, default=None,
+                   help="skip configurations needing more worker processes (default: CPU count)")
     p.set_defaults(func=run_plan)
 
 
@@ -78,25 +88,66 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         plot_plan(result, args.plot)
     if args.validate:
-        summary["validation"] = _validate(args, result)
+        summary["validation"] = _validate(args, result, summary)
     print(json.dumps(summary) if args.json else plan_table(summary))
     return 0
 
 
-def _validate(args: argparse.Namespace, result) -> list[dict]:
+def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
+    import os
+
     from pdserve.sim.validate import LocalConfig, validate
 
+    meta = _profile_meta(args.latency_model)
+    model = args.serve_model or meta.get("model") or "small"
+    dtype = args.serve_dtype or meta.get("dtype") or "float32"
+    serve = ["--dtype", dtype, "--max-num-seqs", str(args.max_seqs)]
     configs = []
     for name, plan_ in _ranked(result):
+        simulated = (summary.get(name) or {}).get("simulated_goodput_rps")
         if name == "colocated":
-            configs.append(LocalConfig(name, "colocated", replicas=plan_.replicas, predicted_goodput_rps=plan_.goodput_rps))
+            chunk = ["--max-num-batched-tokens", str(plan_.score.chunk_tokens)] if plan_.score.chunk_tokens else []
+            configs.append(LocalConfig(name, "colocated", replicas=plan_.replicas, predicted_goodput_rps=plan_.goodput_rps,
+                                       simulated_goodput_rps=simulated, extra_serve_args=(*serve, *chunk)))
         else:
             configs.append(LocalConfig(name, "disaggregated", prefill=plan_.n_prefill, decode=plan_.n_decode,
-                                       predicted_goodput_rps=plan_.goodput_rps))
-    bench = ["--num-requests", str(args.num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
-             "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed)]
-    bench += ["--trace", args.trace] if args.trace else ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    return validate(configs, args.serve_model, bench)
+                                       predicted_goodput_rps=plan_.goodput_rps, simulated_goodput_rps=simulated,
+                                       extra_serve_args=tuple(serve)))
+    bench = ["--num-requests", str(args.validate_requests or args.num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
+             "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed),
+             "--max-bisections", str(args.validate_max_bisections), "--prompt-format", "ids"]
+    if args.arrival:
+        bench += ["--arrival", args.arrival, "--burstiness", str(args.burstiness)]
+    if args.trace:
+        bench += ["--trace", args.trace]
+    else:
+        bench += ["--input-dist", args.input_dist] if args.input_dist else ["--input-len", str(args.input_len)]
+        bench += ["--output-dist", args.output_dist] if args.output_dist else ["--output-len", str(args.output_len)]
+    if args.shared_prefix_len:
+        bench += ["--shared-prefix-len", str(args.shared_prefix_len)]
+    if args.num_conversations:
+        bench += ["--num-conversations", str(args.num_conversations)]
+    rates = [float(r) for r in args.validate_rates.split(",") if r.strip()] if args.validate_rates else None
+    limit = args.validate_max_workers or os.cpu_count() or 1
+    progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    runnable = [c for c in configs if c.workers <= limit]
+    rows = validate(runnable, model, bench, rates, progress)
+    for c in configs:
+        if c.workers > limit:
+            rows.append({"name": c.name, "mode": c.mode, "layout": c.layout, "workers": c.workers,
+                         "predicted_goodput_rps": c.predicted_goodput_rps, "simulated_goodput_rps": c.simulated_goodput_rps,
+                         "error": f"skipped: needs {c.workers} worker processes, limit {limit} (--validate-max-workers)"})
+    return rows
+
+
+def _profile_meta(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f).get("meta") or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _ranked(result) -> list[tuple[str, object]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.api.backend import ErrorEvent, FinishEvent, TokenEvent
+from pdserve.router.contract import ErrorEvent, FinishEvent, TokenEvent
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.inflight import InFlight
 from pdserve.workers import messages as m

@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdserve.api.backend import GenerationRequest
+from pdserve.router.contract import GenerationRequest
 
 
 @dataclass

@@ -70,7 +70,7 @@ class Router:
         identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()
-        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED)
+        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost)
         self._route_total: Counter[tuple[str, str]] = Counter()
         self._retired: Counter[str] = Counter()
         self._events: Counter[str] = Counter()

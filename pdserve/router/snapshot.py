@@ -14,10 +14,12 @@ one slot; each `build` copies the reported arrays and charges in-flight holds on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
+from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
@@ -60,6 +62,7 @@ class HostGroups:
     decode_order: np.ndarray  # decode slots sorted by host
     group_starts: np.ndarray  # where each host's run starts in decode_order
     prefill_group: np.ndarray  # [P] the group of P's host, or len(group_starts) if no decode there
+    all_grouped: bool = False  # every prefill host has a decode worker (no sentinel group needed)
 
     @classmethod
     def build(cls, prefill_hosts: Sequence[str], decode_hosts: Sequence[str]) -> HostGroups:
@@ -69,7 +72,25 @@ class HostGroups:
         sizes = [sum(1 for h in decode_hosts if h == name) for name in names]
         starts = np.cumsum([0] + sizes[:-1]) if sizes else np.zeros(0)
         groups = [group_of.get(h, len(names)) for h in prefill_hosts]
-        return cls(*(_readonly(np.array(a, dtype=np.int64)) for a in (order, starts, groups)))
+        arrays = (_readonly(np.array(a, dtype=np.int64)) for a in (order, starts, groups))
+        return cls(*arrays, all_grouped=all(g < len(names) for g in groups))
+
+
+class Derived(NamedTuple):
+    """Cost-model terms that depend only on a snapshot's loads, not on the request."""
+
+    queue_p: np.ndarray  # [P] cost.queue_s(prefill pending tokens)
+    admission_d: np.ndarray  # [D] cost.admission_delay_s(decode active batch)
+    tpot_d: np.ndarray  # [D] cost.decode_step_s(decode active batch + 1)
+
+    @classmethod
+    def compute(cls, prefill: Pool, decode: Pool, cost: CostModel) -> Derived:
+        arrays = (
+            cost.queue_s(prefill.pending_tokens),
+            cost.admission_delay_s(decode.active_batch),
+            cost.decode_step_s(decode.active_batch + 1),
+        )
+        return cls(*(_readonly(np.asarray(a, dtype=np.float64)) for a in arrays))
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,19 @@ class Snapshot:
     hosts: HostGroups
     prefix: PrefixIndex  # slots: prefill 0..P-1 then decode P..P+D-1 (colocated: the one pool)
     colocated: bool  # colocated mode: prefill and decode are the same pool, routes are (w, w)
+    derived_cache: list = field(default_factory=list, compare=False, repr=False)  # [(cost, Derived)]
+
+    def derived(self, cost: CostModel) -> Derived:
+        """The load-only cost terms for `cost` (precomputed by the builder for the router's cost)."""
+        for known, terms in self.derived_cache:
+            if known is cost:
+                return terms
+        for known, terms in self.derived_cache:
+            if known == cost:
+                return terms
+        terms = Derived.compute(self.prefill, self.decode, cost)
+        self.derived_cache.append((cost, terms))
+        return terms
 
     def leading_hits(self, block_hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Raw leading prefix hits (blocks) per prefill slot and per decode slot."""
@@ -103,8 +137,14 @@ def make_snapshot(prefill: Sequence[WorkerEntry], decode: Sequence[WorkerEntry],
 
 
 class SnapshotBuilder:
-    def __init__(self, colocated: bool):
+    """Keeps the effective loads (report + in-flight holds) and, when given the router's cost
+    model, their load-only cost terms, patched slot by slot: a load report or a changed in-flight
+    total dirties one slot, and `current` rebuilds only those slots. A snapshot is published as
+    read-only copies and reused as is while nothing changed."""
+
+    def __init__(self, colocated: bool, cost: CostModel | None = None):
         self._colocated = colocated
+        self._cost = cost
         self._roles = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
         self._membership_gen = -1
         self.reset([], 0)
@@ -122,22 +162,26 @@ class SnapshotBuilder:
         slot = self._slot_of.get(worker_id)
         if slot is None:
             return  # not LIVE in the current membership; the next rebuild reads it from the registry
-        self._reported[:, slot] = (load.pending_prompt_tokens, load.active_batch, load.free_blocks)
+        self._reported[slot] = (load.pending_prompt_tokens, load.active_batch, load.free_blocks)
+        self._dirty.add(slot)
         if load.prefix_hashes is not None and load.prefix_hashes != self._held[slot]:
             self._prefix.replace_slot(slot, self._held[slot], load.prefix_hashes)
             self._held[slot] = load.prefix_hashes
             self._members = None
+            self._snapshot = None
 
     def reset(self, entries: Sequence[WorkerEntry], num_prefill: int) -> None:
         """Rebuild slots, static members and the prefix index for a new membership."""
         self._entries = tuple(entries)
         self._num_prefill = num_prefill
         self._slot_of = {e.info.worker_id: i for i, e in enumerate(entries)}
-        loads = [e.load for e in entries]
-        self._reported = np.array(
-            [[ld.pending_prompt_tokens for ld in loads], [ld.active_batch for ld in loads], [ld.free_blocks for ld in loads]],
-            dtype=np.int64,
-        ).reshape(3, len(entries))  # [pending, batch, free] x slot
+        self._worker_of = [e.info.worker_id for e in entries]
+        self._reported = [(e.load.pending_prompt_tokens, e.load.active_batch, e.load.free_blocks) for e in entries]
+        self._loads = np.zeros((3, len(entries)), dtype=np.int64)  # effective [pending, batch, headroom] x slot
+        self._terms = np.zeros((3, len(entries)), dtype=np.float64)  # [queue_s, admission_s, tpot_s] x slot
+        self._charged: dict[str, InFlight] = {}  # the in-flight totals charged on `_loads`
+        self._dirty = set(range(len(entries)))
+        self._snapshot: Snapshot | None = None
         self._held = [e.prefix_hashes for e in entries]
         self._prefix = PrefixIndex.build(self._held)
         hosts = [e.info.host_id for e in entries]
@@ -148,20 +192,52 @@ class SnapshotBuilder:
         self._members = None
 
     def current(self, in_flight: Mapping[str, InFlight]) -> Snapshot:
-        """The snapshot now: reported loads with in-flight holds charged on a copy."""
-        loads = self._reported.copy()
-        for worker_id, flight in in_flight.items():
-            slot = self._slot_of.get(worker_id)
-            if slot is not None:
-                loads[0, slot] += flight.tokens
-                loads[1, slot] += flight.seqs
-                loads[2, slot] -= flight.blocks
-        _readonly(loads)
+        """The snapshot now: reported loads with in-flight holds charged (on a copy)."""
+        dirty, charged = self._dirty, self._charged
+        if in_flight != charged:
+            slot_of = self._slot_of
+            for worker_id in charged.keys() | in_flight.keys():
+                if charged.get(worker_id) != in_flight.get(worker_id):
+                    slot = slot_of.get(worker_id)
+                    if slot is not None:
+                        dirty.add(slot)
+            self._charged = charged = dict(in_flight)
+        if not dirty and self._snapshot is not None:
+            return self._snapshot
+        loads, terms, cost, reported, worker_of = self._loads, self._terms, self._cost, self._reported, self._worker_of
+        for slot in dirty:
+            pending, batch, free = reported[slot]
+            flight = charged.get(worker_of[slot])
+            if flight is not None:
+                pending, batch, free = pending + flight.tokens, batch + flight.seqs, free - flight.blocks
+            loads[0, slot] = pending
+            loads[1, slot] = batch
+            loads[2, slot] = free
+            if cost is not None:  # the same formulas as Derived.compute, on one slot's ints
+                terms[0, slot] = cost.queue_s(pending)
+                terms[1, slot] = cost.admission_delay_s(batch)
+                terms[2, slot] = cost.decode_step_s(batch + 1)
+        dirty.clear()
+        self._snapshot = snapshot = self._publish()
+        return snapshot
+
+    def _publish(self) -> Snapshot:
+        loads = _readonly(self._loads.copy())
         prefill_members, decode_members = self._pool_members()
         n = self._num_prefill
-        prefill = Pool(prefill_members, loads[0, :n], loads[1, :n], loads[2, :n])
-        decode = prefill if self._colocated else Pool(decode_members, loads[0, n:], loads[1, n:], loads[2, n:])
-        return Snapshot(prefill, decode, self._same_host, self._hosts, self._prefix, self._colocated)
+        prefill = _pool(prefill_members, loads[0, :n], loads[1, :n], loads[2, :n])
+        decode = prefill if self._colocated else _pool(decode_members, loads[0, n:], loads[1, n:], loads[2, n:])
+        cache = []
+        if self._cost is not None:
+            terms = _readonly(self._terms.copy())
+            d0 = 0 if self._colocated else n
+            cache.append((self._cost, Derived(terms[0, :n], terms[1, d0:], terms[2, d0:])))
+        snapshot = object.__new__(Snapshot)  # a frozen dataclass, built without its __init__ (hot path)
+        snapshot.__dict__.update(
+            prefill=prefill, decode=decode, same_host=self._same_host, hosts=self._hosts, prefix=self._prefix,
+            colocated=self._colocated, derived_cache=cache,
+        )
+        return snapshot
 
     def _pool_members(self) -> tuple[Members, Members]:
         if self._members is None:
@@ -170,6 +246,12 @@ class SnapshotBuilder:
             decode = prefill if self._colocated else _members(self._entries[n:], self._held[n:])
             self._members = (prefill, decode)
         return self._members
+
+
+def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np.ndarray) -> Pool:
+    pool = object.__new__(Pool)  # a frozen dataclass, built without its __init__ (hot path)
+    pool.__dict__.update(members=members, pending_tokens=pending, active_batch=batch, headroom_blocks=headroom)
+    return pool
 
 
 def _members(entries: Sequence[WorkerEntry], held: Sequence[frozenset[int]]) -> Members:

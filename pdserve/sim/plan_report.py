@@ -77,7 +77,30 @@ def plan_table(summary: dict) -> str:
     if summary["net_margin"]:
         lines.append(f"net margin dT = {summary['net_margin']['delta_t_s'] * 1e3:.1f} ms/request")
     lines.append(f"{summary['num_candidates']} candidates, {summary['num_simulated']} simulated, {summary['search_s']:.1f} s")
+    if summary.get("validation") is not None:
+        lines.extend(validation_lines(summary["validation"]))
     return "\n".join(lines)
+
+
+def validation_lines(rows: list[dict]) -> list[str]:
+    """Predicted (plan, end-to-end simulation) vs measured (local runtime) goodput per configuration."""
+    lines = ["validation (local runtime, pdserve bench --sweep):",
+             f"{'plan':<16}{'layout':<20}{'predicted rps':>14}{'sim rps':>10}{'measured rps':>14}{'phase rps':>11}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:<16}{r['layout']:<20}{r['predicted_goodput_rps']:>14.3g}{_num(r.get('simulated_goodput_rps')):>10}"
+                         f"  ERROR: {r['error'].splitlines()[0]}")
+            continue
+        sat = " (saturated: >=)" if r.get("measured_saturated") else ""
+        lines.append(f"{r['name']:<16}{r['layout']:<20}{r['predicted_goodput_rps']:>14.3g}{_num(r.get('simulated_goodput_rps')):>10}"
+                     f"{_num(r.get('measured_goodput_rps')):>14}{_num(r.get('measured_goodput_phase_rps')):>11}{sat}")
+        sweep = ", ".join(f"{p['rate']:g}:{_num(p.get('attainment_joint'))}" for p in r.get("sweep", []))
+        lines.append(f"{'':<16}joint attainment by rate: {sweep}")
+    ok = [r for r in rows if r.get("measured_goodput_rps") is not None]
+    if len(ok) >= 2:
+        best = max(ok, key=lambda r: r["measured_goodput_rps"])
+        lines.append(f"measured better: {best['name']}")
+    return lines
 
 
 def _num(value) -> str:

@@ -1,23 +1,31 @@
 """`pdserve plan --validate`: run planned configurations on this machine and measure them.
 
 Contract: for each configuration (the recommendation and the runner-up) start
-`pdserve serve` as a subprocess on a free port, wait until GET /v1/models answers (or fail with
-a clear error naming the command and its last output), run `pdserve bench --sweep --json`
-against it, stop the server, and report predicted vs measured goodput. Only the local runtime
-is supported (replicas, not TP/PP, are what `pdserve serve` varies here).
+`pdserve serve` as a subprocess in its own process group on a free port, wait until GET /health
+answers 200 (or fail with a clear error naming the command and its last output), run
+`pdserve bench --sweep --json` against it, stop the whole process group (router and workers:
+SIGINT, then SIGTERM, then SIGKILL), and report predicted vs measured goodput. Only the local
+runtime is supported (replicas, not TP/PP, are what `pdserve serve` varies here).
+
+The bench ladder is either given (`rates`) or centred on each configuration's prediction
+(`ladder_around`), so a short sweep still brackets the predicted goodput.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+LADDER_FACTORS = (0.25, 0.5, 1.0, 1.5)
 
 
 @dataclass(frozen=True)
@@ -30,21 +38,46 @@ class LocalConfig:
     prefill: int = 1
     decode: int = 1
     predicted_goodput_rps: float = 0.0
+    simulated_goodput_rps: float | None = None
+    extra_serve_args: tuple[str, ...] = field(default=())  # e.g. --dtype, --max-num-batched-tokens
+
+    @property
+    def workers(self) -> int:
+        return self.replicas if self.mode == "colocated" else self.prefill + self.decode
+
+    @property
+    def layout(self) -> str:
+        return f"{self.replicas} x colocated" if self.mode == "colocated" else f"{self.prefill}P{self.decode}D"
 
     def serve_args(self, model: str, port: int) -> list[str]:
         shape = (["--replicas", str(self.replicas)] if self.mode == "colocated"
                  else ["--prefill", str(self.prefill), "--decode", str(self.decode)])
-        return ["serve", "--mode", self.mode, *shape, "--model", model, "--port", str(port)]
+        return ["serve", "--mode", self.mode, *shape, "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                *self.extra_serve_args]
 
 
 class ServerDidNotStart(RuntimeError):
     """The server exited or never answered; the message carries its command and output tail."""
 
 
+class BenchFailed(RuntimeError):
+    """`pdserve bench` exited non-zero; the message carries its command and output tail."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ladder_around(predicted_rps: float, factors: tuple[float, ...] = LADDER_FACTORS) -> list[float]:
+    """A short sweep ladder bracketing a predicted goodput (a default one if there is none)."""
+    base = predicted_rps if predicted_rps and predicted_rps > 0 else 1.0
+    return sorted({float(f"{base * f:.3g}") for f in factors})
+
+
+def _tail(log: Path, n: int = 2000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else ""
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path, command: list[str]) -> None:
@@ -57,51 +90,111 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path, co
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
-        except OSError:
-            time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        except OSError:  # refused, 503 (HTTPError is an OSError) or timeout: not ready yet
+            pass
+        time.sleep(0.5)
     state = f"exited with {proc.returncode}" if proc.poll() is not None else f"no answer within {timeout_s:.0f} s"
-    raise ServerDidNotStart(f"server did not come up ({state}): {' '.join(command)}\n{tail}")
+    raise ServerDidNotStart(f"server did not come up ({state}): {' '.join(command)}\n{_tail(log)}")
 
 
-def measure(config: LocalConfig, model: str, bench_args: list[str], timeout_s: float = 300.0) -> dict:
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Stop the server and every process of its group (workers included), escalating to SIGKILL."""
+    pgid = proc.pid  # start_new_session=True: the server leads its own group
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if not _group_alive(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is not None and not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+    if proc.poll() is None:
+        proc.wait(timeout=5)
+
+
+def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[float] | None = None,
+            startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
     """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report."""
     port = free_port()
     command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port)]
-    with tempfile.TemporaryDirectory() as tmp:
-        log, report = Path(tmp) / "serve.log", Path(tmp) / "bench.json"
+    ladder = rates or ladder_around(config.predicted_goodput_rps)
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:
+        log, report, bench_log = Path(tmp) / "serve.log", Path(tmp) / "bench.json", Path(tmp) / "bench.log"
         with log.open("w") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         try:
-            wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, timeout_s, log, command)
+            wait_ready(f"http://127.0.0.1:{port}/health", proc, startup_timeout_s, log, command)
             bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", f"http://127.0.0.1:{port}",
-                     "--sweep", "--json", str(report), "--quiet", *bench_args]
-            subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+                     "--sweep", "--sweep-rates", ",".join(f"{r:g}" for r in ladder), "--json", str(report), "--quiet",
+                     *bench_args]
+            with bench_log.open("w") as out:
+                done = subprocess.run(bench, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      timeout=bench_timeout_s)
+            if done.returncode != 0 or not report.exists():
+                raise BenchFailed(f"bench exited with {done.returncode}: {' '.join(bench)}\n{_tail(bench_log)}"
+                                  f"\n--- server log ---\n{_tail(log)}")
             return json.loads(report.read_text())
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_group(proc)
 
 
-def validate(configs: list[LocalConfig], model: str, bench_args: list[str]) -> list[dict]:
+def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rates: list[float] | None = None,
+             progress=lambda _msg: None) -> list[dict]:
     """Predicted vs measured goodput for each configuration (errors reported per row)."""
     rows = []
     for config in configs:
-        row = {"name": config.name, "mode": config.mode, "predicted_goodput_rps": config.predicted_goodput_rps}
+        row = {"name": config.name, "mode": config.mode, "layout": config.layout, "workers": config.workers,
+               "predicted_goodput_rps": config.predicted_goodput_rps,
+               "simulated_goodput_rps": config.simulated_goodput_rps}
+        progress(f"validate {config.name} ({config.layout}): serving {model}, predicted {config.predicted_goodput_rps:.3g} rps")
+        started = time.monotonic()
         try:
-            report = measure(config, model, bench_args)
-            row["measured_goodput_rps"] = _goodput(report)
-        except (ServerDidNotStart, subprocess.CalledProcessError, OSError, ValueError) as exc:
+            report = measure(config, model, bench_args, rates)
+            row.update(_measured(report))
+        except (ServerDidNotStart, BenchFailed, subprocess.SubprocessError, OSError, ValueError) as exc:
             row["error"] = str(exc)
+        row["wall_s"] = round(time.monotonic() - started, 1)
+        progress(f"validate {config.name}: measured {row.get('measured_goodput_rps')} rps"
+                 + (f" (error: {row['error'].splitlines()[0]})" if "error" in row else ""))
         rows.append(row)
     return rows
 
 
+def _measured(report: dict) -> dict:
+    search = report.get("goodput_search") or {}
+    joint = search.get("joint") or {}
+    return {
+        "measured_goodput_rps": _goodput(report),
+        "measured_goodput_phase_rps": report.get("request_goodput_phase"),
+        "measured_saturated": joint.get("saturated"),
+        "ladder": search.get("ladder"),
+        "sweep": [{k: p.get(k) for k in ("rate", "attainment_joint", "attainment_ttft", "attainment_tpot",
+                                          "p99_ttft_ms", "p99_tpot_ms", "failed")} for p in report.get("sweep", [])],
+    }
+
+
 def _goodput(report: dict) -> float | None:
-    """The joint goodput from a bench JSON report (key names tolerated across versions)."""
+    """The joint goodput from a bench JSON report (`request_goodput`; older key names tolerated)."""
     for key in ("request_goodput", "goodput_rps"):
         if key in report:
             return report[key]

@@ -16,14 +16,13 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
-from pdserve.router.config import ClusterShape
 from pdserve.workers.main import encode_config
 from pdserve.workers.worker import WorkerConfig
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    shape: ClusterShape
+    roles: tuple[str, ...]  # one role per worker: "prefill" | "decode" | "colocated", prefill first
     engine: EngineConfig
     threads_per_worker: int = 1
     pin_cpus: bool = True
@@ -36,14 +35,14 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
     host = host_id or socket.gethostname()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     configs, counters = [], {}
-    for index, role in enumerate(launch.shape.roles()):
-        n = counters[role.value] = counters.get(role.value, -1) + 1
-        worker_id = f"{role.value}-{n}"
+    for index, role in enumerate(launch.roles):
+        n = counters[role] = counters.get(role, -1) + 1
+        worker_id = f"{role}-{n}"
         per = launch.threads_per_worker
         affinity = tuple(cpus[(index * per + k) % len(cpus)] for k in range(per)) if launch.pin_cpus else ()
         trace = os.path.join(launch.trace_dir, f"{worker_id}.jsonl") if launch.trace_dir else None
         configs.append(WorkerConfig(
-            worker_id=worker_id, role=role.value, router_address=router_address, host_id=host,
+            worker_id=worker_id, role=role, router_address=router_address, host_id=host,
             engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s,
             exit_with_parent=True,
