@@ -17,6 +17,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from pdserve.ledger.kv import kv_bytes_per_token
+
 AXIS_ORDER = "layer,kv,block,token,head,dim"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,8 +62,8 @@ class KvAbi:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes for one token across all layers: L * 2 * H_kv * D * b."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V bytes for one token across all layers: L * 2 * H_kv * D * b (the ledger's formula)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @property
     def bytes_per_block(self) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import RejectReason, RouteRequest
-from pdserve.router.snapshot import Snapshot
+from pdserve.router.snapshot import Derived, Snapshot
 
 _NO_FIT = np.iinfo(np.int64).max
 
@@ -145,19 +145,29 @@ def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p
     if isinstance(gates, Refusal):
         return gates
     p_ok, d_ok = gates
+    terms = snapshot.derived(ctx.cost)  # load-only cost terms, computed once per load change
     tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
-    tpot_s = ctx.cost.decode_step_s(snapshot.decode.active_batch + 1)
-    d_ok = d_ok & (tpot_s <= tpot_slo_s)
-    if not d_ok.any():
-        best = float(tpot_s[gates[1]].min())
-        return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
-    p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, p_hit, d_hit, p_ok, d_ok)
+    tpot_s = terms.tpot_d
+    tpot_ok = tpot_s <= tpot_slo_s
+    if not tpot_ok.all():
+        d_ok = d_ok & tpot_ok
+        if not d_ok.any():
+            best = float(tpot_s[gates[1]].min())
+            return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
+    p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, p_hit, d_hit, p_ok, d_ok)
     refusal = _ttft_gate(ctx, request, best_ttft_s)
     return refusal or Choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d))
 
 
 def _fastest_pair(
-    snapshot: Snapshot, request: RouteRequest, cost: CostModel, p_hit: Hits, d_hit: Hits, p_ok: np.ndarray, d_ok: np.ndarray
+    snapshot: Snapshot,
+    request: RouteRequest,
+    cost: CostModel,
+    terms: Derived,
+    p_hit: Hits,
+    d_hit: Hits,
+    p_ok: np.ndarray,
+    d_ok: np.ndarray,
 ) -> tuple[int, int, float]:
     """(p, d, TTFT) of the admitted pair with the smallest predicted TTFT, lowest slots on ties.
 
@@ -167,21 +177,31 @@ def _fastest_pair(
     one grouped minimum per host instead of a [P, D] matrix. Adding per_p[P] is monotone under
     rounding, so this is the exact minimum the pairwise loop would find; the decode slot is then
     read off the chosen P's row so ties break exactly as in the loop.
+
+    The load-only terms (queue, admission) come precomputed with the snapshot; masks are applied
+    only when some slot is actually excluded (the common case admits every slot).
     """
     bs = cost.block_size_tokens
-    prefill, decode = snapshot.prefill, snapshot.decode
-    per_p = cost.queue_s(prefill.pending_tokens) + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))
-    per_p = np.where(p_ok, per_p, np.inf)  # [P]
-    admission_s = cost.admission_delay_s(decode.active_batch)  # [D]
+    per_p = terms.queue_p + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))  # [P]
+    if not p_ok.all():
+        per_p = np.where(p_ok, per_p, np.inf)
+    admission_s = terms.admission_d  # [D]
+    d_all = d_ok.all()
     if snapshot.colocated:
-        ttft_s = np.where(d_ok, per_p + admission_s, np.inf)
+        ttft_s = per_p + admission_s
+        if not d_all:
+            ttft_s = np.where(d_ok, ttft_s, np.inf)
         w = int(ttft_s.argmin())
         return w, w, float(ttft_s[w])
     transfer_bytes = demand.transfer_tokens(request, d_hit, bs) * cost.kv_bytes_per_token  # [D] or scalar
-    same_x = np.where(d_ok, cost.transfer_s(transfer_bytes, 1) + admission_s, np.inf)  # [D]
-    cross_x = np.where(d_ok, cost.transfer_s(transfer_bytes, 0) + admission_s, np.inf)  # [D]
+    same_x = cost.transfer_s(transfer_bytes, 1) + admission_s  # [D]
+    cross_x = cost.transfer_s(transfer_bytes, 0) + admission_s  # [D]
+    if not d_all:
+        same_x, cross_x = np.where(d_ok, same_x, np.inf), np.where(d_ok, cross_x, np.inf)
     hosts = snapshot.hosts
-    same_best = np.append(np.minimum.reduceat(same_x[hosts.decode_order], hosts.group_starts), np.inf)
+    same_best = np.minimum.reduceat(same_x[hosts.decode_order], hosts.group_starts)
+    if not hosts.all_grouped:
+        same_best = np.append(same_best, np.inf)
     best_x = np.minimum(same_best[hosts.prefill_group], cross_x.min())  # [P]
     p = int((per_p + best_x).argmin())
     row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]

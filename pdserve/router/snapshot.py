@@ -169,6 +169,7 @@ class SnapshotBuilder:
             self._held[slot] = load.prefix_hashes
             self._members = None
             self._snapshot = None
+            self._stale_pools[:] = (True, True)  # the pools carry the members
 
     def reset(self, entries: Sequence[WorkerEntry], num_prefill: int) -> None:
         """Rebuild slots, static members and the prefix index for a new membership."""
@@ -177,8 +178,13 @@ class SnapshotBuilder:
         self._slot_of = {e.info.worker_id: i for i, e in enumerate(entries)}
         self._worker_of = [e.info.worker_id for e in entries]
         self._reported = [(e.load.pending_prompt_tokens, e.load.active_batch, e.load.free_blocks) for e in entries]
-        self._loads = np.zeros((3, len(entries)), dtype=np.int64)  # effective [pending, batch, headroom] x slot
-        self._terms = np.zeros((3, len(entries)), dtype=np.float64)  # [queue_s, admission_s, tpot_s] x slot
+        # effective [pending, batch, headroom] x slot and [queue_s, admission_s, tpot_s] x slot, one
+        # array per pool so a publish copies whole arrays and unpacks rows (no per-field slicing)
+        num_decode = 0 if self._colocated else len(entries) - num_prefill
+        self._loads = (np.zeros((3, num_prefill), dtype=np.int64), np.zeros((3, num_decode), dtype=np.int64))
+        self._terms = (np.zeros((3, num_prefill)), np.zeros((3, num_decode)))
+        self._stale_pools = [True, True]  # which pool's published copies a patch invalidated
+        self._published: list[tuple[np.ndarray, np.ndarray | None]] = [None, None]  # (loads, terms) per pool
         self._charged: dict[str, InFlight] = {}  # the in-flight totals charged on `_loads`
         self._dirty = set(range(len(entries)))
         self._snapshot: Snapshot | None = None
@@ -204,34 +210,41 @@ class SnapshotBuilder:
             self._charged = charged = dict(in_flight)
         if not dirty and self._snapshot is not None:
             return self._snapshot
-        loads, terms, cost, reported, worker_of = self._loads, self._terms, self._cost, self._reported, self._worker_of
+        cost, reported, worker_of, n = self._cost, self._reported, self._worker_of, self._num_prefill
+        stale = self._stale_pools
         for slot in dirty:
             pending, batch, free = reported[slot]
             flight = charged.get(worker_of[slot])
             if flight is not None:
                 pending, batch, free = pending + flight.tokens, batch + flight.seqs, free - flight.blocks
-            loads[0, slot] = pending
-            loads[1, slot] = batch
-            loads[2, slot] = free
+            pool, i = (0, slot) if slot < n else (1, slot - n)
+            stale[pool] = True
+            loads = self._loads[pool]
+            loads[0, i] = pending
+            loads[1, i] = batch
+            loads[2, i] = free
             if cost is not None:  # the same formulas as Derived.compute, on one slot's ints
-                terms[0, slot] = cost.queue_s(pending)
-                terms[1, slot] = cost.admission_delay_s(batch)
-                terms[2, slot] = cost.decode_step_s(batch + 1)
+                terms = self._terms[pool]
+                terms[0, i] = cost.queue_s(pending)
+                terms[1, i] = cost.admission_delay_s(batch)
+                terms[2, i] = cost.decode_step_s(batch + 1)
         dirty.clear()
         self._snapshot = snapshot = self._publish()
         return snapshot
 
     def _publish(self) -> Snapshot:
-        loads = _readonly(self._loads.copy())
-        prefill_members, decode_members = self._pool_members()
-        n = self._num_prefill
-        prefill = _pool(prefill_members, loads[0, :n], loads[1, :n], loads[2, :n])
-        decode = prefill if self._colocated else _pool(decode_members, loads[0, n:], loads[1, n:], loads[2, n:])
-        cache = []
-        if self._cost is not None:
-            terms = _readonly(self._terms.copy())
-            d0 = 0 if self._colocated else n
-            cache.append((self._cost, Derived(terms[0, :n], terms[1, d0:], terms[2, d0:])))
+        """Read-only copies of the pools a patch touched; an untouched pool is reused as is."""
+        published, stale = self._published, self._stale_pools
+        members = self._pool_members()
+        for pool in (0,) if self._colocated else (0, 1):
+            if stale[pool] or published[pool] is None:
+                loads = _readonly(self._loads[pool].copy())
+                terms = None if self._cost is None else _readonly(self._terms[pool].copy())
+                published[pool] = (_pool(members[pool], loads[0], loads[1], loads[2]), terms)
+                stale[pool] = False
+        prefill, p_terms = published[0]
+        decode, d_terms = published[0] if self._colocated else published[1]
+        cache = [] if p_terms is None else [(self._cost, Derived(p_terms[0], d_terms[1], d_terms[2]))]
         snapshot = object.__new__(Snapshot)  # a frozen dataclass, built without its __init__ (hot path)
         snapshot.__dict__.update(
             prefill=prefill, decode=decode, same_host=self._same_host, hosts=self._hosts, prefix=self._prefix,

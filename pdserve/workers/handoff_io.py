@@ -34,6 +34,7 @@ from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.source import LayerGate, SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.trace import TraceSink
+from pdserve.ledger.kv import logical_transfer_bytes
 from pdserve.handoff.transports.base import LinkClosed, ReceiverLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
@@ -71,6 +72,10 @@ class HandoffSender:
         per_chunk = max(1, CHUNK_TARGET_BYTES // (2 * abi.slab_bytes))
         manifest = build_manifest(plan.transfer_id, fence, span, self.identity, abi,
                                   list(plan.dest_blocks[plan.num_visible_blocks:]), per_chunk, schedule)
+        expected = logical_transfer_bytes(manifest.num_transfer_blocks, abi.block_size, abi.num_layers,
+                                          abi.num_kv_heads, abi.head_dim, abi.dtype_bytes)
+        if manifest.total_bytes != expected:  # the chunk plan must move exactly the ledger's transfer set
+            raise ValueError(f"manifest moves {manifest.total_bytes} bytes, the ledger says {expected}")
         gate = LayerGate(abi.num_layers, clock=time.monotonic)
         self.gates[request_id] = gate
         blocks = src_blocks[plan.num_visible_blocks : len(plan.dest_blocks)]
