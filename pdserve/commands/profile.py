@@ -18,6 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quick", action="store_true", help="a few points only (tests)")
     p.add_argument("--repeats", type=int, help="timings per point (median after one warm-up)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="engine dtype; profile with the dtype you will serve with")
     p.set_defaults(func=run_profile_command)
 
 
@@ -26,8 +28,8 @@ def run_profile_command(args: argparse.Namespace) -> int:
 
     from pdserve.sim.engine_profile import ProfilePlan, run_profile
 
-    plan = ProfilePlan.quick(args.model or "tiny", args.threads) if args.quick else ProfilePlan(
-        model=args.model or "small", threads=args.threads)
+    plan = ProfilePlan.quick(args.model or "tiny", args.threads, dtype=args.dtype) if args.quick else ProfilePlan(
+        model=args.model or "small", threads=args.threads, dtype=args.dtype)
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=args.repeats)
     model = run_profile(plan)
