@@ -66,6 +66,14 @@ class CostModel:
         bandwidth = same_host * self.same_host_bytes_per_s + (1 - same_host) * self.cross_host_bytes_per_s
         return (transfer_bytes > 0) * (self.transfer_overhead_s + transfer_bytes / bandwidth)
 
+    def transfer_s_paths(self, transfer_bytes: Num) -> tuple[Num, Num]:
+        """(same-host, cross-host) `transfer_s`, bit-identical to the two calls, sharing one test."""
+        moved = transfer_bytes > 0
+        return (
+            moved * (self.transfer_overhead_s + transfer_bytes / self.same_host_bytes_per_s),
+            moved * (self.transfer_overhead_s + transfer_bytes / self.cross_host_bytes_per_s),
+        )
+
     def blocks_for(self, tokens: Num) -> Num:
         """Blocks needed to hold `tokens` (the last block may be partly filled)."""
         return -(-tokens // self.block_size_tokens)

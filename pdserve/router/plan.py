@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
+from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import BlockHold, RoutePlan, RouteRequest
 from pdserve.router.policies import Choice
 from pdserve.router.reservations import HoldRequest
@@ -20,15 +21,19 @@ def hold_requests(
         w = snapshot.decode
         blocks = int(demand.colocated_blocks(request, p_hit, block_size))
         slot = choice.decode_slot
-        return None, HoldRequest(w.worker_ids[slot], w.role_epochs[slot], blocks, tokens=tokens, seqs=1)
+        return None, _hold(w.worker_ids[slot], w.role_epochs[slot], blocks, tokens, 1)
     p, d = snapshot.prefill, snapshot.decode
     ps, ds = choice.prefill_slot, choice.decode_slot
     p_blocks = int(demand.prefill_blocks(request, p_hit, block_size))
     d_blocks = int(demand.decode_blocks(request, d_hit, block_size))
     return (
-        HoldRequest(p.worker_ids[ps], p.role_epochs[ps], p_blocks, tokens=tokens),
-        HoldRequest(d.worker_ids[ds], d.role_epochs[ds], d_blocks, seqs=1),
+        _hold(p.worker_ids[ps], p.role_epochs[ps], p_blocks, tokens, 0),
+        _hold(d.worker_ids[ds], d.role_epochs[ds], d_blocks, 0, 1),
     )
+
+
+def _hold(worker_id: str, role_epoch: int, blocks: int, tokens: int, seqs: int) -> HoldRequest:
+    return new_frozen(HoldRequest, worker_id=worker_id, role_epoch=role_epoch, blocks=blocks, tokens=tokens, seqs=seqs)
 
 
 def predicted_clocks(snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel) -> tuple[float, float]:
@@ -60,7 +65,8 @@ def route_plan(
     prefill_id = snapshot.prefill.worker_ids[choice.prefill_slot]
     decode_id = snapshot.decode.worker_ids[choice.decode_slot]
     transfer = 0 if snapshot.colocated else int(demand.transfer_tokens(request, choice.decode_hit_blocks, bs))
-    return RoutePlan(
+    return new_frozen(  # RoutePlan(...) without the frozen __init__ (hot path)
+        RoutePlan,
         request_id=request.request_id,
         policy=policy,
         prefill_id=prefill_id,

@@ -36,10 +36,16 @@ import numpy as np
 
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
+from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.snapshot import Derived, Snapshot
 
 _NO_FIT = np.iinfo(np.int64).max
+_count = np.count_nonzero  # on small bool masks: several times cheaper than ndarray.any() / .all()
+
+
+def _all(mask: np.ndarray) -> bool:
+    return _count(mask) == len(mask)
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,16 @@ def round_robin(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -
     gates = capacity_gates(snapshot, request, ctx, 0, 0)
     if isinstance(gates, Refusal):
         return gates
-    p_slots, d_slots = np.flatnonzero(gates[0]), np.flatnonzero(gates[1])
-    p, d = int(p_slots[ctx.turn % len(p_slots)]), int(d_slots[ctx.turn % len(d_slots)])
-    return Choice(p, p if snapshot.colocated else d, 0, 0)
+    p, d = _nth_admitted(gates[0], ctx.turn), _nth_admitted(gates[1], ctx.turn)
+    return _choice(p, p if snapshot.colocated else d, 0, 0)
+
+
+def _nth_admitted(mask: np.ndarray, turn: int) -> int:
+    """The (turn mod count)-th admitted slot."""
+    if _all(mask):
+        return turn % len(mask)
+    slots = np.flatnonzero(mask)
+    return int(slots[turn % len(slots)])
 
 
 def join_shortest_queue(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
@@ -88,11 +101,14 @@ def join_shortest_queue(snapshot: Snapshot, request: RouteRequest, ctx: PolicyCo
     p_ok, d_ok = gates
     pool = snapshot.prefill
     if snapshot.colocated:
-        w = int(np.argmin(np.where(p_ok, pool.pending_tokens + pool.active_batch, _NO_FIT)))
-        return Choice(w, w, 0, 0)
-    p = int(np.argmin(np.where(p_ok, pool.pending_tokens, _NO_FIT)))
-    d = int(np.argmin(np.where(d_ok, snapshot.decode.active_batch, _NO_FIT)))
-    return Choice(p, d, 0, 0)
+        w = _argmin_admitted(pool.pending_tokens + pool.active_batch, p_ok)
+        return _choice(w, w, 0, 0)
+    return _choice(_argmin_admitted(pool.pending_tokens, p_ok), _argmin_admitted(snapshot.decode.active_batch, d_ok), 0, 0)
+
+
+def _argmin_admitted(values: np.ndarray, mask: np.ndarray) -> int:
+    """The lowest admitted slot with the smallest value."""
+    return int(values.argmin() if _all(mask) else np.where(mask, values, _NO_FIT).argmin())
 
 
 def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
@@ -100,7 +116,10 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    return _cost_aware(snapshot, request, ctx, *prefix_hits(snapshot, request, ctx.cost.block_size_tokens))
+    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
+    # a side with no hit anywhere takes the scalar path: 0 gives the same blocks, tokens and clocks
+    # as an all-zero array (integer terms are exact), with far fewer array operations
+    return _cost_aware(snapshot, request, ctx, p_hit if _count(p_hit) else 0, d_hit if _count(d_hit) else 0)
 
 
 POLICIES: dict[str, Policy] = {
@@ -114,9 +133,15 @@ POLICIES: dict[str, Policy] = {
 def prefix_hits(snapshot: Snapshot, request: RouteRequest, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(usable hit blocks per prefill slot, visible hit blocks per decode slot)."""
     raw_p, raw_d = snapshot.leading_hits(request.block_hashes)
-    p_hit = demand.usable_prefill_hit(request, raw_p, block_size)
+    # a raw hit never exceeds len(block_hashes): when that is within a cap, the cap is a no-op
+    within = len(request.block_hashes)
+    p_hit = raw_p
+    if within > (request.prompt_tokens - 1) // block_size:
+        p_hit = demand.usable_prefill_hit(request, raw_p, block_size)
     if snapshot.colocated:
         return p_hit, p_hit  # one pool: the decode side reuses exactly what prefill reused
+    if within <= request.prompt_tokens // block_size:
+        return p_hit, raw_d
     return p_hit, demand.visible_decode_hit(request, raw_d, block_size)
 
 
@@ -130,12 +155,12 @@ def capacity_gates(
         return Refusal(RejectReason.NO_ROUTE, ctx.retry_after_s, "no live worker for a phase")
     if snapshot.colocated:
         ok = snapshot.decode.headroom_blocks >= demand.colocated_blocks(request, d_hit, bs)
-        return (ok, ok) if ok.any() else _full(RejectReason.NO_DECODE_CAPACITY, ctx)
+        return (ok, ok) if _count(ok) else _full(RejectReason.NO_DECODE_CAPACITY, ctx)
     d_ok = snapshot.decode.headroom_blocks >= demand.decode_blocks(request, d_hit, bs)
-    if not d_ok.any():
+    if not _count(d_ok):
         return _full(RejectReason.NO_DECODE_CAPACITY, ctx)
     p_ok = snapshot.prefill.headroom_blocks >= demand.prefill_blocks(request, p_hit, bs)
-    if not p_ok.any():
+    if not _count(p_ok):
         return _full(RejectReason.NO_TRANSFER_BUFFER, ctx)
     return p_ok, d_ok
 
@@ -149,14 +174,14 @@ def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p
     tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
     tpot_s = terms.tpot_d
     tpot_ok = tpot_s <= tpot_slo_s
-    if not tpot_ok.all():
+    if not _all(tpot_ok):
         d_ok = d_ok & tpot_ok
-        if not d_ok.any():
+        if not _count(d_ok):
             best = float(tpot_s[gates[1]].min())
             return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
     p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, p_hit, d_hit, p_ok, d_ok)
     refusal = _ttft_gate(ctx, request, best_ttft_s)
-    return refusal or Choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d))
+    return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d))
 
 
 def _fastest_pair(
@@ -183,10 +208,10 @@ def _fastest_pair(
     """
     bs = cost.block_size_tokens
     per_p = terms.queue_p + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))  # [P]
-    if not p_ok.all():
+    if not _all(p_ok):
         per_p = np.where(p_ok, per_p, np.inf)
     admission_s = terms.admission_d  # [D]
-    d_all = d_ok.all()
+    d_all = _all(d_ok)
     if snapshot.colocated:
         ttft_s = per_p + admission_s
         if not d_all:
@@ -194,15 +219,16 @@ def _fastest_pair(
         w = int(ttft_s.argmin())
         return w, w, float(ttft_s[w])
     transfer_bytes = demand.transfer_tokens(request, d_hit, bs) * cost.kv_bytes_per_token  # [D] or scalar
-    same_x = cost.transfer_s(transfer_bytes, 1) + admission_s  # [D]
-    cross_x = cost.transfer_s(transfer_bytes, 0) + admission_s  # [D]
+    same_s, cross_s = cost.transfer_s_paths(transfer_bytes)
+    same_x = same_s + admission_s  # [D]
+    cross_x = cross_s + admission_s  # [D]
     if not d_all:
         same_x, cross_x = np.where(d_ok, same_x, np.inf), np.where(d_ok, cross_x, np.inf)
     hosts = snapshot.hosts
     same_best = np.minimum.reduceat(same_x[hosts.decode_order], hosts.group_starts)
     if not hosts.all_grouped:
         same_best = np.append(same_best, np.inf)
-    best_x = np.minimum(same_best[hosts.prefill_group], cross_x.min())  # [P]
+    best_x = np.minimum(same_best[hosts.prefill_group], cross_x[cross_x.argmin()])  # [P]
     p = int((per_p + best_x).argmin())
     row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]
     d = int(row.argmin())
@@ -219,6 +245,10 @@ def _ttft_gate(ctx: PolicyContext, request: RouteRequest, best_ttft_s: float) ->
 
 def _full(reason: RejectReason, ctx: PolicyContext) -> Refusal:
     return Refusal(reason, ctx.retry_after_s, "no worker has headroom for this request")
+
+
+def _choice(p: int, d: int, p_hit: int, d_hit: int) -> Choice:
+    return new_frozen(Choice, prefill_slot=p, decode_slot=d, prefill_hit_blocks=p_hit, decode_hit_blocks=d_hit)
 
 
 def _at(hits: Hits, slot: int) -> int:

@@ -46,28 +46,29 @@ class PrefixIndex:
 
     def leading_hits(self, block_hashes: Sequence[int]) -> np.ndarray:
         """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots]."""
-        hits = [0] * self.num_slots
-        owners = self.owners
-        alive = (1 << self.num_slots) - 1
+        num_slots = self.num_slots
+        hits = [0] * num_slots
+        get = self.owners.get
+        alive = (1 << num_slots) - 1
         depth = 0
         for block_hash in block_hashes:
-            still = alive & owners.get(block_hash, 0)
+            still = alive & get(block_hash, 0)
             if still != alive:
                 if depth:
-                    _set_bits(hits, alive ^ still, depth)  # slots that matched exactly `depth` blocks
+                    dropped = alive ^ still  # slots that matched exactly `depth` blocks
+                    while dropped:
+                        low = dropped & -dropped
+                        hits[low.bit_length() - 1] = depth
+                        dropped ^= low
                 if not still:
                     return np.array(hits, dtype=np.int64)
                 alive = still
             depth += 1
-        _set_bits(hits, alive, depth)
+        while alive:  # slots holding every block
+            low = alive & -alive
+            hits[low.bit_length() - 1] = depth
+            alive ^= low
         return np.array(hits, dtype=np.int64)
-
-
-def _set_bits(out: list[int], mask: int, value: int) -> None:
-    while mask:
-        low = mask & -mask
-        out[low.bit_length() - 1] = value
-        mask ^= low
 
 
 def leading_hit_blocks(block_hashes: Sequence[int], held: frozenset[int]) -> int:

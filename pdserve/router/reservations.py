@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pdserve.router.fastnew import new_frozen
 from pdserve.router.errors import IllegalTransitionError, LeakError, UnknownRequestError
 from pdserve.router.messages import BlockHold
 
@@ -55,6 +56,9 @@ class InFlight(NamedTuple):
         return InFlight(self.blocks + sign * hold.blocks, self.tokens + sign * hold.tokens, self.seqs + sign * hold.seqs)
 
 
+_NONE = InFlight()
+
+
 @dataclass(frozen=True)
 class _Route:
     state: RouteState
@@ -77,10 +81,14 @@ class ReservationLedger:
         return self._in_flight
 
     def headroom_blocks(self, worker_id: str, reported_free_blocks: int) -> int:
-        return reported_free_blocks - self._in_flight.get(worker_id, InFlight()).blocks
+        return reported_free_blocks - self._in_flight.get(worker_id, _NONE).blocks
 
     def can_reserve(self, holds: Sequence[HoldRequest], reported_free: Mapping[str, int]) -> bool:
-        return all(h.blocks <= self.headroom_blocks(h.worker_id, reported_free[h.worker_id]) for h in holds)
+        in_flight = self._in_flight
+        for h in holds:
+            if h.blocks > reported_free[h.worker_id] - in_flight.get(h.worker_id, _NONE).blocks:
+                return False
+        return True
 
     def live_requests(self) -> tuple[str, ...]:
         return tuple(self._routes)
@@ -114,7 +122,7 @@ class ReservationLedger:
         p_grant = None if prefill is None else (prefill, self._grant(prefill))
         d_grant = (decode, self._grant(decode))
         state = RouteState.PUBLISHED if prefill is None else RouteState.RESERVED
-        self._routes[request_id] = _Route(state, p_grant, d_grant)
+        self._routes[request_id] = new_frozen(_Route, state=state, prefill=p_grant, decode=d_grant)
         return (None if p_grant is None else _as_block_hold(*p_grant)), _as_block_hold(*d_grant)
 
     def publish(self, request_id: str) -> None:
@@ -181,7 +189,7 @@ class ReservationLedger:
         seq = self._next_seq.get(hold.worker_id, 0) + 1
         self._next_seq[hold.worker_id] = seq
         self._unapplied.setdefault(hold.worker_id, {})[seq] = hold
-        self._in_flight[hold.worker_id] = self._in_flight.get(hold.worker_id, InFlight()).plus(hold, +1)
+        self._in_flight[hold.worker_id] = self._in_flight.get(hold.worker_id, _NONE).plus(hold, +1)
         self.num_granted += 1
         return seq
 
@@ -193,7 +201,7 @@ class ReservationLedger:
     def _settle(self, worker_id: str, seq: int) -> None:
         hold = self._unapplied[worker_id].pop(seq)
         total = self._in_flight[worker_id].plus(hold, -1)
-        if total == InFlight():
+        if total == _NONE:
             del self._in_flight[worker_id]
         else:
             self._in_flight[worker_id] = total
@@ -208,4 +216,4 @@ def _workers(route: _Route) -> set[str]:
 
 
 def _as_block_hold(hold: HoldRequest, seq: int) -> BlockHold:
-    return BlockHold(hold.worker_id, hold.role_epoch, hold.blocks, seq)
+    return new_frozen(BlockHold, worker_id=hold.worker_id, role_epoch=hold.role_epoch, blocks=hold.blocks, grant_seq=seq)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.cost import CostModel
+from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import (
     RejectReason,
     RoutePlan,
@@ -36,6 +38,7 @@ from pdserve.router.reservations import HoldRequest, ReservationLedger
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
 
 ROUTED = "routed"
+_MAX_RETRY_AFTER_S = PolicyContext(CostModel()).max_retry_after_s  # the policies' default
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,11 @@ class Router:
     def _context(self, policy: str) -> PolicyContext:
         cfg = self.config
         turn = self._turns[policy]
-        self._turns[policy] += 1
-        return PolicyContext(cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s, turn, cfg.retry_after_s)
+        self._turns[policy] = turn + 1
+        return new_frozen(
+            PolicyContext, cost=cfg.cost, ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s, turn=turn,
+            retry_after_s=cfg.retry_after_s, max_retry_after_s=_MAX_RETRY_AFTER_S,
+        )
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes."""

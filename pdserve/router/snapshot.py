@@ -183,6 +183,8 @@ class SnapshotBuilder:
         num_decode = 0 if self._colocated else len(entries) - num_prefill
         self._loads = (np.zeros((3, num_prefill), dtype=np.int64), np.zeros((3, num_decode), dtype=np.int64))
         self._terms = (np.zeros((3, num_prefill)), np.zeros((3, num_decode)))
+        self._load_rows = tuple(tuple(a) for a in self._loads)  # writable row views, to patch one slot
+        self._term_rows = tuple(tuple(a) for a in self._terms)
         self._stale_pools = [True, True]  # which pool's published copies a patch invalidated
         self._published: list[tuple[np.ndarray, np.ndarray | None]] = [None, None]  # (loads, terms) per pool
         self._charged: dict[str, InFlight] = {}  # the in-flight totals charged on `_loads`
@@ -219,15 +221,13 @@ class SnapshotBuilder:
                 pending, batch, free = pending + flight.tokens, batch + flight.seqs, free - flight.blocks
             pool, i = (0, slot) if slot < n else (1, slot - n)
             stale[pool] = True
-            loads = self._loads[pool]
-            loads[0, i] = pending
-            loads[1, i] = batch
-            loads[2, i] = free
+            pending_row, batch_row, free_row = self._load_rows[pool]
+            pending_row[i], batch_row[i], free_row[i] = pending, batch, free
             if cost is not None:  # the same formulas as Derived.compute, on one slot's ints
-                terms = self._terms[pool]
-                terms[0, i] = cost.queue_s(pending)
-                terms[1, i] = cost.admission_delay_s(batch)
-                terms[2, i] = cost.decode_step_s(batch + 1)
+                queue_row, admission_row, tpot_row = self._term_rows[pool]
+                queue_row[i] = cost.queue_s(pending)
+                admission_row[i] = cost.admission_delay_s(batch)
+                tpot_row[i] = cost.decode_step_s(batch + 1)
         dirty.clear()
         self._snapshot = snapshot = self._publish()
         return snapshot
