@@ -83,7 +83,8 @@ class ClusterBackend:
 
     async def wait_for_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while len(self.registered) < count:
+        # ready = registered and reported load once (the registry makes a worker routable then)
+        while len(self.registered) < count or any(wid not in self.loads for wid in self.registered):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self.registered)} of {count} workers registered in {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
