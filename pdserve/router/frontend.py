@@ -151,6 +151,7 @@ class ClusterBackend:
         except BaseException:
             self.live.pop(req.request_id, None)
             live.done = True
+            self._abandon(live)
             raise
         try:
             while True:
@@ -161,6 +162,13 @@ class ClusterBackend:
         finally:
             if not live.done:
                 await self.abort(req.request_id)
+
+    def _abandon(self, live: InFlight) -> None:
+        """Admission ended early (rejected, cancelled): a worker that already got a ReserveKv or
+        Prefill for it must return what it holds. Scheduled as tasks: this runs while cancelling."""
+        loop = asyncio.get_running_loop()
+        for wid in {live.prefill_id, live.decode_id} - {""}:
+            loop.create_task(self._send(wid, m.Abort(live.engine_id, "abandoned")))
 
     def _validate(self, req: GenerationRequest) -> None:
         """The checks a worker would make, made before any route or hold is taken."""
