@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -19,6 +18,7 @@ import httpx
 import numpy as np
 
 from pdserve.api.server import ServeConfig, cluster
+from pdserve.ports import free_local_port
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ async def _drive(config: ServeConfig, bodies: list[dict], model: str) -> tuple[l
 
     from pdserve.api.app import create_app
 
-    port = _free_port()
+    port = free_local_port()
     async with cluster(replace(config, port=port)) as (backend, _):
         server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
         task = asyncio.create_task(server.serve())
@@ -131,9 +131,3 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

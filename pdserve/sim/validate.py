@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.ports import free_local_port
 
 LADDER_FACTORS = (0.25, 0.5, 1.0, 1.5)
 
@@ -62,12 +63,6 @@ class ServerDidNotStart(RuntimeError):
 
 class BenchFailed(RuntimeError):
     """`pdserve bench` exited non-zero; the message carries its command and output tail."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ladder_around(predicted_rps: float, factors: tuple[float, ...] = LADDER_FACTORS) -> list[float]:
@@ -134,7 +129,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[float] | None = None,
             startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
     """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report."""
-    port = free_port()
+    port = free_local_port()
     command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port)]
     ladder = rates or ladder_around(config.predicted_goodput_rps)
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:

@@ -70,6 +70,7 @@ class Worker:
         self.sock.connect(config.router_address)
         self.running = True
         self.applied_grant_seq = 0
+        self._last_integrity = True
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
@@ -118,12 +119,17 @@ class Worker:
         return m.Heartbeat(self.id, self.epoch, load, hashes)
 
     def _integrity_ok(self) -> bool:
+        """The pool check walks every block, so it runs only while the engine is idle (when the
+        pool must be at rest anyway); a busy worker reports its last verdict."""
+        if self.engine.has_unfinished():
+            return self._last_integrity
         try:
             self.engine.check_integrity()
-            return True
+            self._last_integrity = True
         except AssertionError as exc:
             log.error("worker %s: pool integrity check failed: %s", self.id, exc)
-            return False
+            self._last_integrity = False
+        return self._last_integrity
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> None:

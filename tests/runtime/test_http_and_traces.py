@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,13 +18,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.ledger.trace import analyze_trace, parse_jsonl
+from pdserve.ports import free_local_port
 from tests.runtime.conftest import config, prompt, wait_baseline
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _client_calls(port: int) -> dict:
@@ -45,7 +39,7 @@ def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_
     trace_dir = str(tmp_path)
 
     async def main():
-        port = _free_port()
+        port = free_local_port()
         async with cluster(replace(config(trace_dir=trace_dir), port=port)) as (backend, _):
             server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
             task = asyncio.create_task(server.serve())
