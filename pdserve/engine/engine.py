@@ -150,11 +150,11 @@ class Engine:
             seq.num_computed += rows
         for seq in plan.decode:
             seq.num_computed += 1
-        live = [s for s in batch.sampled if not s.finished]  # aborted during the forward: dropped
         self._register_full_blocks([s for s in [*plan.decode, *(q for q, _ in plan.prefill)] if not s.finished])
         indices = [len(s.output_ids) for s in batch.sampled]
         tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
-        return [self._postprocess(seq, tok) for seq, tok in zip(batch.sampled, tokens) if seq in live]
+        # a sequence aborted while the forward ran (other threads) gets no token
+        return [self._postprocess(seq, tok) for seq, tok in zip(batch.sampled, tokens) if not seq.finished]
 
     def kv_blocks(self, request_id: str) -> list[int]:
         """Block table of a running or prefilled request (its prompt K/V lives there)."""
