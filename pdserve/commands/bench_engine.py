@@ -10,6 +10,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench-engine", help="engine prefill/decode tokens/s vs transformers on the same checkpoint")
     p.add_argument("--model", default="small", help="tiny | small | path (default: small)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="pdserve's activation/matmul dtype (default: --dtype); the peer always runs in --dtype")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
@@ -22,13 +24,13 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.benchmark import BenchSpec, run_bench
 
     batches = tuple(int(b) for b in args.batches.split(","))
-    spec = BenchSpec(model=args.model, dtype=args.dtype, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats)
+    spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats)
     result = run_bench(spec, with_peer=not args.no_peer)
     if args.json:
         print(json.dumps(result))
         return 0
     peer = result.get("peer", {})
-    print(f"model={spec.model} dtype={spec.dtype} threads={result['threads']} prompt_len={spec.prompt_len}")
+    print(f"model={spec.model} dtype={spec.dtype} compute={result['compute_dtype']} native_bf16={result['native_bf16']} threads={result['threads']} prompt_len={spec.prompt_len}")
     print(f"{'metric':<16}{'pdserve tok/s':>15}{'transformers':>15}{'ratio':>8}")
     rows = [("prefill", result["prefill_tok_s"], peer.get("prefill_tok_s"))]
     rows += [(f"decode b={b}", result["decode_tok_s"][str(b)], peer.get("decode_tok_s", {}).get(str(b))) for b in batches]

@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=EngineConfig.dtype)
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="activation/matmul dtype (default: --dtype)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=run)
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.model.errors import CheckpointError
 
     try:
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype))
         prompt_ids = _prompt_ids(args, engine)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.model.numerics import cpu_has_native_bf16
 
 DECODE_STEPS = 8
 
@@ -25,6 +26,7 @@ DECODE_STEPS = 8
 class BenchSpec:
     model: str = "small"
     dtype: str = "bfloat16"
+    compute_dtype: str | None = None
     prompt_len: int = 512
     batches: tuple[int, ...] = (1, 8, 32)
     repeats: int = 3
@@ -123,10 +125,12 @@ def _peer_decode(model, spec: BenchSpec, batch: int, vocab: int) -> float:
 def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
     max_batch = max(spec.batches)
     tokens = max_batch * (spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 16)
-    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, enable_prefix_cache=False, max_num_seqs=max_batch,
+    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, compute_dtype=spec.compute_dtype, enable_prefix_cache=False, max_num_seqs=max_batch,
                                  kv_cache_bytes=0, num_blocks=tokens // 16 + 64, max_num_batched_tokens=spec.prompt_len))
     result = {
-        "model": spec.model, "dtype": spec.dtype, "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
+        "model": spec.model, "dtype": spec.dtype, "compute_dtype": str(engine.model.dtype).removeprefix("torch."),
+        "native_bf16": cpu_has_native_bf16(),
+        "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
         "prefill_tok_s": pdserve_prefill_tok_s(engine, spec),
         "decode_tok_s": {str(b): pdserve_decode_tok_s(engine, spec, b) for b in spec.batches},
     }

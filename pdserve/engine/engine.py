@@ -33,6 +33,7 @@ from pdserve.engine.stops import StopChecker
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.llama import LlamaModel
+from pdserve.model.numerics import resolve_compute_dtype
 from pdserve.model.loader import checkpoint_hash, load_state_dict
 from pdserve.model.tokenizer import load_tokenizer
 
@@ -49,7 +50,9 @@ class Engine:
         self.model_dir = resolve_model(config.model)
         self.model_config = load_config(self.model_dir)
         dtype = TORCH_DTYPES[config.dtype]
-        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir, self.model_config, dtype), dtype)
+        compute = resolve_compute_dtype(config.dtype, config.compute_dtype)
+        state = load_state_dict(self.model_dir, self.model_config, dtype)
+        self.model = LlamaModel(self.model_config, state, dtype, compute)
         self.tokenizer = load_tokenizer(self.model_dir)
         mc = self.model_config
         self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)

@@ -8,6 +8,8 @@ prefix-cache hits and imported (handed-off) blocks are all read the same way.
 
 - Prefill chunks: SDPA per sequence, grouped-query via `enable_gqa` (K/V never expanded),
   a causal mask offset by the tokens already in cache.
+- The pool may hold a narrower dtype than the compute dtype (bf16 K/V, fp32 math): gathered
+  K/V are widened after the gather, so every reader sees the same rounded values.
 - Decode rows: the G = H_q / H_kv query heads that share a K/V head are treated as G query
   rows of one SDPA call per K/V head, so K/V are gathered once and never repeated.
 """
@@ -94,8 +96,8 @@ def _prefill_attention(
         vh = v_new.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kh = _gather(cache_k, chunk.block_table, chunk.ctx_len).unsqueeze(0)  # [1, H_kv, C, D]
-        vh = _gather(cache_v, chunk.block_table, chunk.ctx_len).unsqueeze(0)
+        kh = _gather(cache_k, chunk.block_table, chunk.ctx_len).unsqueeze(0).to(q.dtype)  # [1, H_kv, C, D]
+        vh = _gather(cache_v, chunk.block_table, chunk.ctx_len).unsqueeze(0).to(q.dtype)
         offset = chunk.ctx_len - chunk.q_len
         q_pos = torch.arange(chunk.q_len).unsqueeze(1) + offset  # [S, 1]
         k_pos = torch.arange(chunk.ctx_len).unsqueeze(0)  # [1, C]
@@ -118,8 +120,9 @@ def _decode_group(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     num_kv_heads = cache_k.shape[2]
     flat = group.block_tables.flatten()  # [g * M]; index_select is ~4x faster than tensor indexing here
     span = group.block_tables.shape[1] * cache_k.shape[1]  # M * B
-    kh = cache_k.index_select(0, flat).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)  # [g, H_kv, M*B, D]
-    vh = cache_v.index_select(0, flat).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)
+    # widen (if the pool is narrower) while contiguous, then view as [g, H_kv, M*B, D]
+    kh = cache_k.index_select(0, flat).to(q.dtype).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)
+    vh = cache_v.index_select(0, flat).to(q.dtype).view(num_rows, span, num_kv_heads, head_dim).transpose(1, 2)
     qh = q.view(num_rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [g, H_kv, G, D]
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=group.key_mask, scale=head_dim**-0.5)
     return o.reshape(num_rows, num_q_heads, head_dim)

@@ -5,7 +5,9 @@ Contract: `LlamaModel.forward` takes the flat rows of one engine step (token ids
 logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `transformers`:
 RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP.
 
-Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer costs two
+Weights are rounded to the storage dtype and held in the compute dtype (see `numerics`); every
+matmul goes through `numerics.linear`, whose row padding keeps a row's result independent of its
+batch mates. Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer costs two
 large matmuls plus two small ones; the fused products equal the separate ones column by column.
 An optional `layer_hook(layer)` runs after each layer's K/V rows are in the pool, which is the
 producer-ready event that layer-wise K/V streaming waits for.
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
+from pdserve.model.numerics import linear
 
 
 @dataclass
@@ -62,16 +65,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """Weights plus the forward pass. Holds no K/V: the caller passes the pool per step."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 compute_dtype: torch.dtype | None = None):
+        """`dtype`: storage (weights are rounded to it, the K/V pool holds it); `compute_dtype`:
+        what activations and matmuls use (defaults to `dtype`)."""
         self.config = config
-        self.dtype = dtype
-        self.embed = state["model.embed_tokens.weight"].to(dtype)  # [V, d]
+        self.storage_dtype = dtype
+        self.dtype = compute_dtype or dtype
+        state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
+        self.embed = state["model.embed_tokens.weight"].to(self.dtype)  # [V, d]
         head = state.get("lm_head.weight")
-        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(dtype)  # [V, d]
-        self.final_norm = state["model.norm.weight"].to(dtype)
+        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(self.dtype)  # [V, d]
+        self.final_norm = state["model.norm.weight"].to(self.dtype)
         self.layers = [self._fuse_layer(state, i) for i in range(config.num_layers)]
         cos, sin = rope_tables(config, config.max_position_embeddings)
-        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)  # [P, D]
+        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)  # [P, D]
 
     def _fuse_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -114,20 +122,25 @@ class LlamaModel:
                 layer_hook(i)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
         x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
-        return F.linear(x, self.lm_head).float()  # [R, V]
+        return linear(x, self.lm_head).float()  # [R, V]
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [T, (H_q + 2 H_kv) * D]
+        qkv = linear(h, layer.wqkv, layer.bqkv)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
         k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
         v = v.reshape(num_rows, hkv, d)
-        write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
+        if kv_layer.dtype != k.dtype:  # attend over the rounded values the pool holds
+            k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)
+            write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
-        return F.linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
+        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.w13).chunk(2, dim=-1)  # [T, d_ff] each
-        return F.linear(F.silu(gate) * up, layer.w2)
+        gate, up = linear(h, layer.w13).chunk(2, dim=-1)  # [T, d_ff] each
+        return linear(F.silu(gate) * up, layer.w2)

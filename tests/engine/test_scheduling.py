@@ -9,6 +9,8 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams, SeqMode
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+# (storage dtype, compute dtype): the numerics modes whose exactness claims are tested
+NUMERICS = [("float32", None), ("bfloat16", None), ("bfloat16", "float32")]
 
 
 def prompts(n: int, lengths=(5, 16, 17, 33, 50, 7, 64, 29)) -> list[list[int]]:
@@ -88,12 +90,14 @@ def test_preemption_happens_under_pressure(gqa_ckpt, engine_factory):
     assert preempted > 0
 
 
-def test_prefill_only_then_import_equals_uninterrupted(gqa_ckpt, engine_factory):
+@pytest.mark.parametrize("dtype,compute", NUMERICS)
+def test_prefill_only_then_import_equals_uninterrupted(gqa_ckpt, engine_factory, dtype, compute):
     ps = prompts(5)
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=123)
-    reference = run(engine_factory(gqa_ckpt), ps, params)
-    src = engine_factory(gqa_ckpt)
-    dst = engine_factory(gqa_ckpt)
+    mode = dict(dtype=dtype, compute_dtype=compute)
+    reference = run(engine_factory(gqa_ckpt, **mode), ps, params)
+    src = engine_factory(gqa_ckpt, **mode)
+    dst = engine_factory(gqa_ckpt, **mode)
     for i, p in enumerate(ps):
         src.add_request(f"r{i}", p, params, mode=SeqMode.PREFILL_ONLY)
     while src.has_unfinished():
@@ -179,15 +183,17 @@ def test_abort_frees_blocks_in_every_state(gqa_ckpt, engine_factory):
     assert not eng.abort("unknown")
 
 
-def test_bf16_tokens_do_not_depend_on_batch_mates(gqa_ckpt, engine_factory):
-    """Aligned chunks, batch-invariant bf16 matmuls and decode K/V padding that depends only on a
+@pytest.mark.parametrize("dtype,compute", NUMERICS)
+def test_tokens_do_not_depend_on_batch_mates(gqa_ckpt, engine_factory, dtype, compute):
+    """Aligned chunks, batch-invariant matmuls and decode K/V padding that depends only on a
     row's own length: a request's tokens are the same alone or in any crowd (exactness across
     colocated and disaggregated serving rests on this)."""
     p = prompts(1, lengths=(45,))[0]
     params = SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)
-    alone = run(engine_factory(gqa_ckpt, dtype="bfloat16", max_num_batched_tokens=32), [p], params)[0]
+    mode = dict(dtype=dtype, compute_dtype=compute, max_num_batched_tokens=32)
+    alone = run(engine_factory(gqa_ckpt, **mode), [p], params)[0]
     mates = prompts(7, lengths=(5, 140, 17, 90, 33, 61, 200))
-    crowd = engine_factory(gqa_ckpt, dtype="bfloat16", max_num_batched_tokens=32).generate(
+    crowd = engine_factory(gqa_ckpt, **mode).generate(
         mates[:3] + [p] + mates[3:], [SamplingParams(max_tokens=30 + i, ignore_eos=True) for i in range(3)] + [params]
         + [SamplingParams(max_tokens=25, ignore_eos=True)] * 4)
     assert crowd[3].output_ids == alone
