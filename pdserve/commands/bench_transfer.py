@@ -15,10 +15,12 @@ also checks the published bytes against the source, outside the timing),
   copy2_gbps    two back-to-back 64 MiB copies through a 16 MiB window: the memcpy-only lower bound
                 of a staging transport (source -> staging -> pool), checksums excluded
 and `exposed_fraction` for a 2048-token prompt of the `small` geometry (12 layers, 4 K/V heads,
-head dim 64, bf16, block 16): prefill is simulated as `--prefill-s` seconds split evenly across
-the 12 layers, each layer marked ready at the end of its slice; chunks stream layer-wise over TCP.
-exposed = publish_end - prefill_end; the fraction divides it by the serialized transfer time of
-the same prompt (all layers ready, reserve -> publish).
+head dim 64, bf16, block 16): prefill is simulated as the engine runs it, `--prefill-s` seconds
+split evenly over (prefill chunk x layer) slices, each slice reported to the producer gate at its
+end; transfer chunks stream over TCP as the gate covers them. exposed = publish_end -
+prefill_end; the fraction divides it by the serialized transfer time of the same prompt (all
+layers ready, reserve -> publish). `exposed_fraction_unchunked` is the same with the prompt
+prefilled in one chunk (only whole layers stream).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import statistics
 import threading
 import time
 
+from pdserve.engine.config import EngineConfig
+
 MIB = 1 << 20
 WINDOW_BYTES = 16 * MIB
 
@@ -38,6 +42,8 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prefill-s", type=float, default=0.25, help="simulated prefill time of the 2048-token prompt")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                        help="chunked-prefill size of the simulated prefill (default: the engine's)")
     parser.set_defaults(func=run)
 
 
@@ -179,7 +185,8 @@ def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: boo
     from pdserve.handoff.destination import ReserveRequest
     from pdserve.handoff.driver import DriveConfig, drive_source
     from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
-    from pdserve.handoff.source import LayerGate, SourceTransfer
+    from pdserve.handoff.gate import LayerGate
+    from pdserve.handoff.source import SourceTransfer
     from pdserve.handoff.states import TxnState
     from pdserve.handoff.trace import NullSink
 
@@ -222,25 +229,34 @@ def handoff_s(rig: _Rig, kind: str, check: bool = False) -> float:
     return m["end"] - m["start"]
 
 
-def exposed_s(rig: _Rig, kind: str, prefill_s: float) -> float:
-    per_layer_s = prefill_s / rig.abi.num_layers
+def exposed_s(rig: _Rig, kind: str, prefill_s: float, chunk_tokens: int) -> float:
+    """Prefill simulated as the engine runs it: the prompt in chunks of `chunk_tokens`, each chunk
+    passing through every layer in turn (prefill_s split evenly over chunks x layers); after a
+    chunk's pass through a layer, that layer's K/V up to the chunk's end are final."""
+    layers = rig.abi.num_layers
+    ends = list(range(chunk_tokens, rig.num_tokens, chunk_tokens)) + [rig.num_tokens]
+    per_slice_s = prefill_s / (len(ends) * layers)
 
     def producer(gate) -> None:
-        for layer in range(rig.abi.num_layers):
-            time.sleep(per_layer_s)
-            gate.mark_ready(layer, time.perf_counter())
+        for end in ends:
+            for layer in range(layers):
+                time.sleep(per_slice_s)
+                if end == rig.num_tokens:
+                    gate.mark_ready(layer, time.perf_counter())
+                else:
+                    gate.mark_progress(layer, end)
 
     m = _handoff_once(rig, kind, "layerwise", producer)
     return max(0.0, m["end"] - m["prefill_end"])
 
 
-def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float) -> dict[str, list[float]]:
+def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float, chunk_tokens: int) -> dict[str, list[float]]:
     """Interleave every measurement in each round; the last round also checks exactness."""
     for kind in ("shm", "tcp"):  # warm-up: links, staging and pools paged in
         handoff_s(big, kind)
     handoff_s(small, "tcp")
     bench_socket(big.peer, big.nbytes)
-    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "tcp", "small", "exposed")}
+    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "tcp", "small", "exposed", "exposed_unchunked")}
     for r in range(runs):
         last = r == runs - 1
         samples["memcpy"].append(memcpy.once())
@@ -249,7 +265,8 @@ def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float
         samples["socket"].append(bench_socket(big.peer, big.nbytes))
         samples["tcp"].append(handoff_s(big, "tcp", check=last))
         samples["small"].append(handoff_s(small, "tcp", check=last))
-        samples["exposed"].append(exposed_s(small, "tcp", prefill_s))
+        samples["exposed"].append(exposed_s(small, "tcp", prefill_s, chunk_tokens))
+        samples["exposed_unchunked"].append(exposed_s(small, "tcp", prefill_s, small.num_tokens))
     return samples
 
 
@@ -259,9 +276,9 @@ def run(args: argparse.Namespace) -> int:
     big_abi = KvAbi(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 64 KiB/token
     small_abi = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
     big = _Rig(big_abi, 64 * MIB // big_abi.bytes_per_token, blocks_per_chunk=64)  # 4 MiB chunks: one per layer
-    small = _Rig(small_abi, 2048, blocks_per_chunk=32)  # 512 KiB chunks, 4 per layer
+    small = _Rig(small_abi, 2048, blocks_per_chunk=32)  # 512 KiB chunks = one 512-token prefill chunk, 4 per layer
     try:
-        s = _rounds(big, small, _Memcpy(64 * MIB), args.runs, args.prefill_s)
+        s = _rounds(big, small, _Memcpy(64 * MIB), args.runs, args.prefill_s, args.prefill_chunk_tokens)
     finally:
         big.close()
         small.close()
@@ -272,8 +289,9 @@ def run(args: argparse.Namespace) -> int:
                copy2_ratio=out["copy2_gbps"] / out["memcpy_gbps"])
     serialized_s, exposed = statistics.median(s["small"]), statistics.median(s["exposed"])
     out.update(small_prompt_bytes=small.nbytes, small_tcp_gbps=small.nbytes / serialized_s / 1e9,
-               prefill_s=args.prefill_s, exposed_s=exposed, serialized_transfer_s=serialized_s,
-               exposed_fraction=exposed / serialized_s)
+               prefill_s=args.prefill_s, prefill_chunk_tokens=args.prefill_chunk_tokens, exposed_s=exposed,
+               serialized_transfer_s=serialized_s, exposed_fraction=exposed / serialized_s,
+               exposed_fraction_unchunked=statistics.median(s["exposed_unchunked"]) / serialized_s)
     out["samples_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in s.items()}
     _print(out, args.json)
     return 0

@@ -24,7 +24,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
-from pdserve.engine.outputs import ImportReservation, KvExport, RequestOutput
+from pdserve.engine.outputs import ImportReservation, KvExport, PrefillProgress, RequestOutput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -133,17 +133,20 @@ class Engine:
         return bool(self.seqs)
 
     # ---- one step -------------------------------------------------------------------------
-    def step(self, layer_hook: Callable[[int, tuple[str, ...]], None] | None = None, lock=None) -> list[RequestOutput]:
-        """schedule -> run -> postprocess. `layer_hook(layer, ids)` runs after each layer's K/V
-        rows are in the pool; `ids` are the requests whose prompt K/V this step completes.
+    def step(self, layer_hook: Callable[[int, tuple[PrefillProgress, ...]], None] | None = None,
+             lock=None) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. `layer_hook(layer, progress)` runs after each layer's K/V
+        rows are in the pool; `progress` names every prompt this step prefills, with the prompt
+        tokens whose K/V are final once the step is done and whether that completes the prompt.
         With `lock`, bookkeeping runs under it and the model forward runs outside it, so
         other threads (handoff links) can touch the block manager during the forward."""
         with lock or nullcontext():
             plan = self.scheduler.schedule()
             if plan.empty:
                 return []
-            completing = tuple(s.request_id for s, rows in plan.prefill if s.num_computed + rows == s.num_tokens)
-        hook = None if layer_hook is None else (lambda layer: layer_hook(layer, completing))
+            progress = tuple(PrefillProgress(s.request_id, s.num_computed + rows, s.num_computed + rows == s.num_tokens)
+                             for s, rows in plan.prefill)
+        hook = None if layer_hook is None else (lambda layer: layer_hook(layer, progress))
         batch, logits = self.runner.run(plan, hook)
         with lock or nullcontext():
             return self._apply(plan, batch, logits)

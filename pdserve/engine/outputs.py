@@ -44,3 +44,12 @@ class ImportReservation:
     @property
     def transfer_block_ids(self) -> tuple[int, ...]:
         return self.block_ids[self.num_visible_blocks :]
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """One prompt's prefill in the current step, as the per-layer hook sees it."""
+
+    request_id: str
+    computed_tokens: int  # prompt tokens with final K/V in every layer the hook has reached
+    completes: bool  # this step computes the prompt's last token

@@ -119,7 +119,9 @@ class Scheduler:
         return True
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence | None:
-        candidates = [s for s in self.running if s not in exclude]
+        """The newest running sequence, never a prefill-only one: its finished chunks may already
+        be streaming to a decode worker from the blocks it holds (see handoff/gate.py)."""
+        candidates = [s for s in self.running if s not in exclude and s.mode is not SeqMode.PREFILL_ONLY]
         return max(candidates, key=lambda s: s.arrival) if candidates else None
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:

@@ -89,6 +89,7 @@ def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig) -> None:
     while src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
         if time.monotonic() > deadline:
             raise HandoffError(RejectReason.TIMEOUT, src.manifest.transfer_id)
+        version = src.gate.version  # read before looking for work, so no report is missed below
         progressed = _send_ready(src, link) > 0
         if src.resend_queue:
             _resend(src, link, _take(src.resend_queue))
@@ -97,11 +98,11 @@ def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig) -> None:
             link.send(src.seal())
             sealed = True
         waiting_on_producer = not src.all_sent() and not src.ready_chunks()
-        # waiting on the producer: block on the gate (woken the moment a layer is ready), not on
+        # waiting on the producer: block on the gate (woken by the next progress report), not on
         # the link; answers are picked up at least every poll_s
         progressed |= _absorb(src, link, 0.0 if waiting_on_producer else config.ack_timeout_s / 20)
         if waiting_on_producer:
-            src.gate.wait_for_more(len(src.gate.ready_times()), config.poll_s)
+            src.gate.wait_for_more(version, config.poll_s)
         if progressed or waiting_on_producer:
             last_progress = time.monotonic()
         elif time.monotonic() - last_progress > config.ack_timeout_s:

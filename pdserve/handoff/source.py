@@ -1,9 +1,10 @@
 """The source side of one transfer: producer gate, byte credits, send, acknowledgements, release.
 
 Contract (one `SourceTransfer` per transfer id, on the prefill worker):
-  * `LayerGate` is the producer gate: the engine calls `mark_ready(layer)` once that layer's K/V
-    for the prompt exists; `begin_send` refuses a chunk of a layer not yet ready
-    (PRODUCER_NOT_READY).
+  * `LayerGate` (gate.py) is the producer gate: the engine reports per layer how many prompt
+    tokens have final K/V; `begin_send` refuses a chunk whose tokens the gate does not cover, or
+    whose source blocks are not known yet (PRODUCER_NOT_READY). Source blocks may arrive as
+    chunked prefill allocates them (`set_src_blocks`).
   * `begin_send(chunk)` acquires byte credit (CREDIT_OVERRUN past the window), checksums the
     source bytes while they are hot and returns the `ChunkFrame` (its `offset` is the credit's
     range in the window; a resend reuses it); `mark_sent` follows the transport's send.
@@ -16,7 +17,6 @@ Contract (one `SourceTransfer` per transfer id, on the prefill worker):
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,42 +25,11 @@ import numpy as np
 from pdserve.handoff.credits import ByteCredits
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import AbortFrame, ChunkAck, ChunkFrame, PublishAck, SealFrame
+from pdserve.handoff.gate import LayerGate
 from pdserve.handoff.kvbytes import chunk_checksum
 from pdserve.handoff.manifest import ChunkSpec, HandoffManifest
 from pdserve.handoff.states import ChunkState, ChunkTable, TxnState, check_txn_move, txn_path
 from pdserve.handoff.trace import TraceSink
-
-
-class LayerGate:
-    """Per-layer K/V-ready events for one prompt; thread-safe, waitable."""
-
-    def __init__(self, num_layers: int, clock=None):
-        self._ready: dict[int, float] = {}
-        self._num_layers = num_layers
-        self._cond = threading.Condition()
-        self._clock = clock
-
-    def mark_ready(self, layer: int, ts: float | None = None) -> None:
-        if not 0 <= layer < self._num_layers:
-            raise ValueError(f"layer {layer} out of range")
-        with self._cond:
-            self._ready.setdefault(layer, ts if ts is not None else (self._clock() if self._clock else 0.0))
-            self._cond.notify_all()
-
-    def mark_all_ready(self) -> None:
-        for layer in range(self._num_layers):
-            self.mark_ready(layer)
-
-    def is_ready(self, layer: int) -> bool:
-        return layer in self._ready
-
-    def ready_times(self) -> dict[int, float]:
-        return dict(self._ready)
-
-    def wait_for_more(self, known: int, timeout_s: float) -> bool:
-        """Block until more than `known` layers are ready (or timeout); True if more are."""
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self._ready) > known, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -79,9 +48,9 @@ class SendLog:
 class SourceTransfer:
     def __init__(self, manifest: HandoffManifest, pool_raw: np.ndarray, src_blocks: list[int], credits: ByteCredits,
                  gate: LayerGate, trace: TraceSink, worker: str = "prefill", max_resends: int = 8):
-        if len(src_blocks) != manifest.num_transfer_blocks:
-            raise HandoffError(RejectReason.INCOMPLETE_COVERAGE, f"{len(src_blocks)} source blocks for {manifest.num_transfer_blocks}")
-        self.manifest, self.raw, self.src_blocks = manifest, pool_raw, list(src_blocks)
+        self.manifest, self.raw = manifest, pool_raw
+        self.src_blocks: list[int] = []
+        self.set_src_blocks(src_blocks)
         self.credits, self.gate, self.trace, self.worker = credits, gate, trace, worker
         self.table = ChunkTable([c.chunk_id for c in manifest.chunks])
         self.state = TxnState.RESERVED  # a manifest exists only once the destination reserved
@@ -101,6 +70,18 @@ class SourceTransfer:
     def _key(self, chunk_id: str) -> str:
         return f"{self.manifest.transfer_id}/{chunk_id}"
 
+    def set_src_blocks(self, src_blocks: list[int]) -> None:
+        """The source blocks of the transferred prompt blocks known so far (a growing prefix while
+        chunked prefill allocates them; the whole list at the latest when the gate opens fully)."""
+        if len(src_blocks) > self.manifest.num_transfer_blocks:
+            raise HandoffError(RejectReason.INCOMPLETE_COVERAGE,
+                               f"{len(src_blocks)} source blocks for {self.manifest.num_transfer_blocks}")
+        self.src_blocks = list(src_blocks)  # one reference swap: readers see the old or the new list
+
+    def _producible(self, spec: ChunkSpec) -> bool:
+        return (self.gate.covers(spec.layer, spec.token_start + spec.token_count)
+                and len(self.src_blocks) >= spec.first + spec.count)
+
     def chunk_src_blocks(self, spec: ChunkSpec) -> list[int]:
         return self.src_blocks[spec.first : spec.first + spec.count]
 
@@ -110,12 +91,11 @@ class SourceTransfer:
 
     # -- sending -------------------------------------------------------------------------------
     def ready_chunks(self) -> list[ChunkSpec]:
-        """Declared chunks whose layer passed the producer gate, in manifest order. A serialized
-        schedule waits for the whole prompt before the first chunk."""
-        if self.manifest.schedule == "serialized" and len(self.gate.ready_times()) < self.manifest.abi.num_layers:
+        """Declared chunks the producer gate covers, in manifest order. A serialized schedule waits
+        for the whole prompt before the first chunk."""
+        if self.manifest.schedule == "serialized" and not self.gate.all_ready():
             return []
-        return [self._specs[cid] for cid in self.table.ids_in(ChunkState.DECLARED)
-                if self.gate.is_ready(self._specs[cid].layer)]
+        return [self._specs[cid] for cid in self.table.ids_in(ChunkState.DECLARED) if self._producible(self._specs[cid])]
 
     def begin_send(self, chunk_id: str, stage: Callable[[int], int | None] | None = None) -> ChunkFrame:
         """`stage(offset)`, when given, may place the chunk at its credit offset and return the
@@ -125,8 +105,9 @@ class SourceTransfer:
             raise HandoffError(RejectReason.UNKNOWN_CHUNK, chunk_id)
         if self.state not in (TxnState.RESERVED, TxnState.TRANSFERRING):
             check_txn_move(self.state, TxnState.TRANSFERRING)
-        if not self.gate.is_ready(spec.layer):
-            raise HandoffError(RejectReason.PRODUCER_NOT_READY, f"layer {spec.layer} not produced")
+        if not self._producible(spec):
+            raise HandoffError(RejectReason.PRODUCER_NOT_READY,
+                               f"layer {spec.layer} tokens {spec.token_start}+{spec.token_count} not produced")
         offset = self.credits.acquire(self._key(chunk_id), spec.nbytes)
         self.table.move(chunk_id, ChunkState.CREDIT_ACQUIRED)
         if self.state is TxnState.RESERVED:

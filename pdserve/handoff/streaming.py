@@ -7,7 +7,8 @@ Contract (pure functions over seconds):
     max(r_l, v_{l-1}) + x_l.
   * `serialized_completion(ready, durations)`: r_{L-1} + sum(x_l).
   * `exposed_transfer_s(publish_end, prefill_end)` = max(0, publish_end - prefill_end).
-The producer gate (send only after `LayerGate.mark_ready(layer)`) and the consumer gate
+The producer gate (send a chunk only once `LayerGate` covers its layer and tokens; with chunked
+prefill a layer's early blocks stream while its later chunks are still computing) and the consumer gate
 (publish only after every chunk is visible) are enforced in `source` and `validate`; this
 module only plans and measures.
 """

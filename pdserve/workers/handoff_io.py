@@ -31,7 +31,8 @@ from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
-from pdserve.handoff.source import LayerGate, SourceTransfer
+from pdserve.handoff.gate import LayerGate
+from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.trace import TraceSink
 from pdserve.ledger.kv import logical_transfer_bytes
@@ -49,11 +50,20 @@ def prompt_digest(prompt_ids: tuple[int, ...] | list[int]) -> str:
     return hashlib.sha256(np.asarray(prompt_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
 
 
+def transfer_blocks(src_blocks: list[int], plan: TransferPlan) -> list[int]:
+    """The source blocks of the transferred prompt blocks (those not visible at the destination);
+    a prefix of them while chunked prefill is still allocating."""
+    return src_blocks[plan.num_visible_blocks : len(plan.dest_blocks)]
+
+
 class HandoffSender:
     def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
                  on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20,
-                 max_concurrent: int = 4):
+                 max_concurrent: int = 4, prefill_chunk_tokens: int | None = None):
         self.worker_id, self.epoch = worker_id, epoch
+        # transfer chunks no longer than a prefill chunk: each becomes sendable as soon as the prefill
+        # chunk(s) writing it passed its layer (aligned unless the destination already had a prefix)
+        self.max_chunk_blocks = max(1, prefill_chunk_tokens // pool.abi.block_size) if prefill_chunk_tokens else None
         self.pool, self.raw, self.identity, self.trace = pool, pool_bytes(pool), identity, trace
         self.credit_bytes = credit_bytes
         self.on_done = on_done
@@ -70,6 +80,8 @@ class HandoffSender:
                               plan.dest_worker, plan.dest_epoch, plan.reservation_id)
         span = PromptSpan(prompt_digest(prompt_ids), len(prompt_ids), plan.num_visible_blocks)
         per_chunk = max(1, CHUNK_TARGET_BYTES // (2 * abi.slab_bytes))
+        if self.max_chunk_blocks:
+            per_chunk = min(per_chunk, self.max_chunk_blocks)
         manifest = build_manifest(plan.transfer_id, fence, span, self.identity, abi,
                                   list(plan.dest_blocks[plan.num_visible_blocks:]), per_chunk, schedule)
         expected = logical_transfer_bytes(manifest.num_transfer_blocks, abi.block_size, abi.num_layers,
@@ -78,7 +90,7 @@ class HandoffSender:
             raise ValueError(f"manifest moves {manifest.total_bytes} bytes, the ledger says {expected}")
         gate = LayerGate(abi.num_layers, clock=time.monotonic)
         self.gates[request_id] = gate
-        blocks = src_blocks[plan.num_visible_blocks : len(plan.dest_blocks)]
+        blocks = transfer_blocks(src_blocks, plan)
         # one credit window per transfer, no larger than its payload: with shm it is also the size
         # of the staging area the destination maps for this link
         credits = ByteCredits(max(1, min(self.credit_bytes, manifest.total_bytes)))

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import PrefillProgress, RequestOutput
 from pdserve.engine.sequence import SeqMode
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.streaming import ScheduleConfig, choose_schedule
 from pdserve.workers import messages as m
-from pdserve.workers.handoff_io import HandoffSender
+from pdserve.workers.handoff_io import HandoffSender, transfer_blocks
 
 log = logging.getLogger("pdserve.worker")
 
@@ -31,7 +31,8 @@ class PrefillSide:
         self.worker = worker
         self.engine = worker.engine
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
-                                    on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))))
+                                    on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))),
+                                    prefill_chunk_tokens=self.engine.config.max_num_batched_tokens)
         self.plans: dict[str, m.Prefill] = {}
         self.started: dict[str, SourceTransfer] = {}
         self.prefill_end: dict[str, float] = {}
@@ -53,20 +54,29 @@ class PrefillSide:
         self.started[request_id] = src
         return src
 
-    def layer_hook(self, layer: int, completing: tuple[str, ...]) -> None:
-        """Runs inside the forward, after `layer` wrote its K/V rows: the producer gate opens."""
-        for rid in completing:
-            msg = self.plans.get(rid)
+    def layer_hook(self, layer: int, progress: tuple[PrefillProgress, ...]) -> None:
+        """Runs inside the forward, after `layer` wrote its K/V rows: the producer gate advances.
+        A long prompt's transfer starts with its first prefill chunk, so the K/V of finished
+        chunks stream while later chunks compute; only the last chunk's share is left to send
+        after the prompt completes."""
+        for p in progress:
+            msg = self.plans.get(p.request_id)
             if msg is None or self._schedule(msg) != "layerwise" or msg.params.max_tokens <= 1:
                 continue
-            if rid not in self.started:
-                self._start(rid, "layerwise")
-            gate = self.sender.gate(rid)
+            if p.request_id not in self.started:
+                self._start(p.request_id, "layerwise")
+            gate = self.sender.gate(p.request_id)
             if gate is None:  # the transfer already ended (aborted): nothing waits for this layer
                 continue
-            gate.mark_ready(layer)
-            plan = msg.plan
-            self.worker.trace.emit("layer_ready", rid, plan.transfer_id, plan.generation, plan.attempt, layer=layer, worker=self.worker.id)
+            if layer == 0:  # the blocks this step writes were allocated when it was scheduled
+                self.started[p.request_id].set_src_blocks(transfer_blocks(self.engine.kv_blocks(p.request_id), msg.plan))
+            if p.completes:
+                gate.mark_ready(layer)
+                plan = msg.plan
+                self.worker.trace.emit("layer_ready", p.request_id, plan.transfer_id, plan.generation, plan.attempt,
+                                       layer=layer, worker=self.worker.id)
+            else:
+                gate.mark_progress(layer, p.computed_tokens)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

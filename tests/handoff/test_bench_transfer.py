@@ -20,7 +20,8 @@ def test_small_handoffs_through_both_transports():
         for kind in ("shm", "tcp"):
             assert bench.handoff_s(rig, kind, check=True) > 0
             assert bench.handoff_s(rig, kind, check=True) > 0  # the persistent link is reused
-        assert bench.exposed_s(rig, "tcp", prefill_s=0.02) >= 0
+        assert bench.exposed_s(rig, "tcp", prefill_s=0.02, chunk_tokens=12) >= 0  # 4 chunks: progressive gate
+        assert bench.exposed_s(rig, "tcp", prefill_s=0.02, chunk_tokens=40) >= 0  # one chunk: whole layers
         assert bench.bench_socket(rig.peer, 1 << 20) > 0
     finally:
         rig.close()

@@ -17,7 +17,8 @@ from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.reservations import PooledDestinationBlocks
-from pdserve.handoff.source import LayerGate, SourceTransfer
+from pdserve.handoff.gate import LayerGate
+from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.trace import TraceSink
 
 ABI = KvAbi(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")

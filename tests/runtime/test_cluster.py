@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -34,6 +35,26 @@ def test_1p1d_tokens_equal_engine_and_pools_return_to_baseline(reference_engine,
             backend.router.assert_no_leaks()
             text = backend.metrics_text().decode()
             assert "pdserve_kv_transfer_bytes_total" in text and 'result="routed"' in text
+
+    asyncio.run(main())
+
+
+def test_small_prefill_chunks_stream_progressively_and_stay_exact():
+    """With 64-token prefill chunks a 300-token prompt's K/V stream chunk by chunk while later
+    chunks compute (the producer gate's watermarks); tokens equal a local engine's."""
+    chunked = replace(TINY, max_num_batched_tokens=64)
+    reference = Engine(replace(chunked, kv_cache_bytes=0, num_blocks=128))
+
+    async def main():
+        async with cluster(config(engine=chunked, transport="auto", layerwise_threshold_tokens=64)) as (backend, _):
+            cases = [(prompt(n, 40 + i), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=i))
+                     for i, n in enumerate((300, 129, 64))]
+            results = await asyncio.gather(*(collect(backend, f"s{i}", p, s) for i, (p, s) in enumerate(cases)))
+            for (ids, event), (p, s) in zip(results, cases):
+                assert isinstance(event, FinishEvent)
+                assert ids == list(reference.generate([list(p)], s)[0].output_ids)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
 
     asyncio.run(main())
 
