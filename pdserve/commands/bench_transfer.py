@@ -7,7 +7,9 @@ reported figures are medians over `--runs` rounds:
   memcpy_gbps   numpy copy of 64 MiB into a preallocated buffer (this process)
   socket_gbps   raw loopback TCP: 64 MiB sent in 1 MiB pieces, recv_into() a preallocated buffer
                 in the peer process
-  shm_gbps      64 MiB of K/V handed off through the shared-memory transport, reserve -> publish
+  shm_gbps      64 MiB of K/V handed off on one host as the runtime does (pull: the destination
+                copies from the source's shared pool), reserve -> publish
+  staging_gbps  the same through the staging fallback (source -> staging window -> pool)
   tcp_gbps      the same through the TCP transport
 (each handoff includes the reservation round trip, manifest, credits, checksums on both ends,
 the destination's verification, validation and publication; the last round of each transport
@@ -30,6 +32,7 @@ import json
 import statistics
 import threading
 import time
+import uuid
 
 from pdserve.engine.config import EngineConfig
 
@@ -104,10 +107,10 @@ class _Peer:
                 raise RuntimeError(f"transfer peer gone (exit code {self.proc.exitcode})")
         return self.conn.recv()
 
-    def link(self, kind: str):
+    def link(self, kind: str, src_pool=None):
         if kind not in self.links:
             self.conn.send(("accept", kind))
-            self.links[kind] = _sender(kind, self.tcp_address, self.unix_path)
+            self.links[kind] = _sender(kind, self.tcp_address, self.unix_path, src_pool)
             assert self.recv() == "ok"
         return self.links[kind]
 
@@ -129,16 +132,19 @@ class _Peer:
         self.proc.join(10)
 
 
-def _sender(kind: str, tcp_address, unix_path: str):
+def _sender(kind: str, tcp_address, unix_path: str, src_pool=None):
     import socket
 
     from pdserve.handoff.transports.channels import SocketChannel
     from pdserve.handoff.transports.copy import ShmSenderLink
+    from pdserve.handoff.transports.pull import ShmPullSenderLink
     from pdserve.handoff.transports.tcp import TcpSenderLink, connect
 
-    if kind == "shm":
+    if kind in ("staging", "shm"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(unix_path)
+        if kind == "shm":  # the runtime's same-host path: pull from the source's shared pool
+            return ShmPullSenderLink(SocketChannel(sock), src_pool.shm_name, src_pool.num_blocks)
         return ShmSenderLink(SocketChannel(sock), WINDOW_BYTES)
     return TcpSenderLink(connect(tcp_address))
 
@@ -167,7 +173,7 @@ class _Rig:
         self.abi, self.num_tokens, self.blocks_per_chunk = abi, num_tokens, blocks_per_chunk
         self.num_blocks = -(-num_tokens // abi.block_size)
         self.identity = CacheIdentity("bench-model", "bench-tok", abi.abi_hash)
-        self.src = KvPool(abi, self.num_blocks)
+        self.src = KvPool(abi, self.num_blocks, shm_name=f"pdbench-src-{uuid.uuid4().hex[:12]}")
         self.src.tensor.copy_(torch.randn(self.src.tensor.shape).to(self.src.tensor.dtype))
         self.raw = pool_bytes(self.src)
         self.nbytes = self.num_blocks * abi.bytes_per_block
@@ -176,7 +182,7 @@ class _Rig:
 
     def close(self) -> None:
         self.peer.close()
-        self.src.close()
+        self.src.close(unlink=True)
 
 
 def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: bool = False) -> dict:
@@ -190,7 +196,7 @@ def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: boo
     from pdserve.handoff.states import TxnState
     from pdserve.handoff.trace import NullSink
 
-    link, peer = rig.peer.link(kind), rig.peer
+    link, peer = rig.peer.link(kind, rig.src), rig.peer
     rig.num_handoffs += 1
     tid = f"x{rig.num_handoffs}"
     gate = LayerGate(rig.abi.num_layers, clock=time.perf_counter)
@@ -252,16 +258,18 @@ def exposed_s(rig: _Rig, kind: str, prefill_s: float, chunk_tokens: int) -> floa
 
 def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float, chunk_tokens: int) -> dict[str, list[float]]:
     """Interleave every measurement in each round; the last round also checks exactness."""
-    for kind in ("shm", "tcp"):  # warm-up: links, staging and pools paged in
+    for kind in ("shm", "staging", "tcp"):  # warm-up: links, staging and pools paged in
         handoff_s(big, kind)
     handoff_s(small, "tcp")
     bench_socket(big.peer, big.nbytes)
-    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "tcp", "small", "exposed", "exposed_unchunked")}
+    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "staging", "tcp", "small", "exposed",
+                                                   "exposed_unchunked")}
     for r in range(runs):
         last = r == runs - 1
         samples["memcpy"].append(memcpy.once())
         samples["shm"].append(handoff_s(big, "shm", check=last))
         samples["copy2"].append(memcpy.twice())
+        samples["staging"].append(handoff_s(big, "staging", check=last))
         samples["socket"].append(bench_socket(big.peer, big.nbytes))
         samples["tcp"].append(handoff_s(big, "tcp", check=last))
         samples["small"].append(handoff_s(small, "tcp", check=last))
@@ -284,9 +292,10 @@ def run(args: argparse.Namespace) -> int:
         small.close()
     out = {"memcpy_gbps": _gbps(64 * MIB, s["memcpy"]), "copy2_gbps": _gbps(64 * MIB, s["copy2"]),
            "socket_gbps": _gbps(big.nbytes, s["socket"]), "shm_gbps": _gbps(big.nbytes, s["shm"]),
+           "staging_gbps": _gbps(big.nbytes, s["staging"]),
            "tcp_gbps": _gbps(big.nbytes, s["tcp"]), "runs": args.runs}
     out.update(shm_ratio=out["shm_gbps"] / out["memcpy_gbps"], tcp_ratio=out["tcp_gbps"] / out["socket_gbps"],
-               copy2_ratio=out["copy2_gbps"] / out["memcpy_gbps"])
+               copy2_ratio=out["copy2_gbps"] / out["memcpy_gbps"], staging_ratio=out["staging_gbps"] / out["memcpy_gbps"])
     serialized_s, exposed = statistics.median(s["small"]), statistics.median(s["exposed"])
     out.update(small_prompt_bytes=small.nbytes, small_tcp_gbps=small.nbytes / serialized_s / 1e9,
                prefill_s=args.prefill_s, prefill_chunk_tokens=args.prefill_chunk_tokens, exposed_s=exposed,

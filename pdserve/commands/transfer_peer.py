@@ -3,7 +3,8 @@
 Contract: `serve(conn, abi, num_blocks, identity)` owns a destination `KvPool`, a `DecodeEndpoint`
 and two listeners (TCP loopback, Unix socket); it sends their addresses on `conn`, then answers
 commands until "stop":
-  ("accept", kind)                accept the source's persistent link of `kind` ("tcp", "shm", "raw")
+  ("accept", kind)                accept the source's persistent link of `kind` ("tcp", "shm" (pull),
+                                  "staging", "raw")
   ("handoff", kind, req, digest)  reserve `req`, reply the reservation, serve the transfer until it
                                   is terminal, reply ("done", state, per-layer digests or None),
                                   then retire the request (its blocks return to the pool)
@@ -72,9 +73,12 @@ def _accept(server: socket.socket) -> socket.socket:
 def _receiver(kind: str, tcp: socket.socket, unix: socket.socket, endpoint):
     from pdserve.handoff.transports.channels import SocketChannel
     from pdserve.handoff.transports.copy import ShmReceiverLink
+    from pdserve.handoff.transports.pull import ShmPullReceiverLink
     from pdserve.handoff.transports.tcp import TcpReceiverLink
 
     if kind == "shm":
+        return ShmPullReceiverLink(SocketChannel(_accept(unix)), endpoint.raw)
+    if kind == "staging":
         return ShmReceiverLink(SocketChannel(_accept(unix)), endpoint.raw)
     return TcpReceiverLink(_accept(tcp), endpoint.raw)
 

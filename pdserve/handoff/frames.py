@@ -7,7 +7,8 @@ placed, or its payload follows on a byte stream), `SealFrame` (the checksum of e
 `PublishAck` (published or refused), `AbortFrame`.
 Every frame names its transfer id and generation so late frames can be fenced.
 Link-level frames (never seen by the protocol): `StagingHello` (shm sender -> receiver: my
-credit window) and `StagingOffer` (receiver -> sender: the staging segment of that size).
+credit window), `StagingOffer` (receiver -> sender: the staging segment of that size) and
+`SourcePoolHello` (pull sender -> receiver: my pool's segment).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ChunkFrame(msgspec.Struct, frozen=True, tag=True):
     checksum: int
     resend: int = 0  # 0 for the first send; n for the n-th retry of the same chunk
     offset: int = 0  # the chunk's credit range in the window = where it waits in shm staging
+    src_blocks: tuple[int, ...] = ()  # pull links only: source blocks the destination copies from
 
 
 class SealFrame(msgspec.Struct, frozen=True, tag=True):
@@ -69,7 +71,13 @@ class StagingOffer(msgspec.Struct, frozen=True, tag=True):
     nbytes: int
 
 
-Frame = ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame | StagingHello | StagingOffer
+class SourcePoolHello(msgspec.Struct, frozen=True, tag=True):
+    shm_name: str  # the source's K/V pool segment, which a pull receiver maps read-only
+    num_blocks: int
+
+
+Frame = (ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame | StagingHello | StagingOffer
+         | SourcePoolHello)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

@@ -146,3 +146,23 @@ def copy_chunk(src_raw: np.ndarray, src_blocks: list[int], dst_raw: np.ndarray, 
     """Copy one chunk from a source pool into destination blocks: one memcpy per paired run."""
     for s, d, n in paired_runs(list(src_blocks), list(dst_blocks)):
         np.copyto(dst_raw[layer, :, d : d + n], src_raw[layer, :, s : s + n])
+
+
+def copy_and_checksum(src_raw: np.ndarray, src_blocks: list[int], dst_raw: np.ndarray, dst_blocks: list[int],
+                      layer: int) -> int:
+    """`copy_chunk` and `chunk_checksum(dst_raw, layer, dst_blocks)` in one pass: each piece is copied
+    into the destination and hashed there while hot (K runs then V runs, the chunk's byte order)."""
+    h = _xxhash.xxh3_64() if _xxhash is not None else None
+    crc = 0
+    runs = paired_runs(list(src_blocks), list(dst_blocks))
+    for kv in (0, 1):
+        for s, d, n in runs:
+            src, dst = src_raw[layer, kv, s : s + n].reshape(-1), dst_raw[layer, kv, d : d + n].reshape(-1)
+            for start in range(0, dst.size, _PIECE_BYTES):
+                piece = dst[start : start + _PIECE_BYTES]
+                np.copyto(piece, src[start : start + piece.size])
+                if h is not None:
+                    h.update(piece)
+                else:
+                    crc = zlib.crc32(piece, crc)
+    return h.intdigest() if h is not None else crc

@@ -2,14 +2,16 @@
 
 Contract:
 - `HandoffSender.start(...)` (prefill worker) builds the manifest for one request against the
-  destination's reservation, opens a link (shm: copy straight into the destination's shared
-  pool, frames on a socket; tcp: frames and payloads on the socket) and drives the transfer on
-  its own thread. The engine marks layers ready through `gate(request_id)`; the thread reports
+  destination's reservation, opens a link (shm: the destination copies chunks out of this
+  worker's shared pool, frames on a socket; tcp: frames and payloads on the socket) and drives
+  the transfer on its own thread. The engine advances the producer gate through
+  `gate(request_id)`; the thread reports
   the finished `SourceTransfer` through `on_done`.
 - `HandoffListener` (decode worker) accepts one connection per transfer and answers frames with
   the worker's `DecodeEndpoint`; every endpoint call runs under the worker lock, payload bytes
   land in reserved blocks outside it. The final state is reported through `on_done`.
-Link preamble: one byte, b"S" (shm) or b"T" (tcp), then frames.
+Link preamble: one byte, b"P" (shm pull: the destination copies from this worker's shared pool),
+b"S" (shm staging, when the pool is private) or b"T" (tcp), then frames.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pdserve.ledger.kv import logical_transfer_bytes
 from pdserve.handoff.transports.base import LinkClosed, ReceiverLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
+from pdserve.handoff.transports.pull import ShmPullReceiverLink, ShmPullSenderLink
 from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, tune
 from pdserve.workers.messages import TransferPlan
 
@@ -128,6 +131,9 @@ class HandoffSender:
     def _open_link(self, plan: TransferPlan, window: int):
         sock = tune(socket.create_connection(tuple(plan.dest_address), timeout=5.0))
         sock.settimeout(None)
+        if plan.transport == "shm" and self.pool.shm_name is not None:  # pull from this pool's segment
+            sock.sendall(b"P")
+            return ShmPullSenderLink(SocketChannel(sock), self.pool.shm_name, self.pool.num_blocks)
         if plan.transport == "shm":
             sock.sendall(b"S")
             return ShmSenderLink(SocketChannel(sock), window)
@@ -184,7 +190,9 @@ class HandoffListener:
     def _serve(self, conn: socket.socket) -> None:
         try:
             kind = conn.recv(1)
-            if kind == b"S":
+            if kind == b"P":
+                link = ShmPullReceiverLink(SocketChannel(conn), self.endpoint.raw)
+            elif kind == b"S":
                 link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw)
             else:
                 link = TcpReceiverLink(conn, self.endpoint.raw)

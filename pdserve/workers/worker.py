@@ -56,7 +56,7 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         pin_threads(config)
         self.config, self.id, self.epoch = config, config.worker_id, config.epoch
-        shm = f"pdserve-{config.worker_id}-{os.getpid()}" if config.role != "prefill" else None
+        shm = f"pdserve-{config.worker_id}-{os.getpid()}"  # every pool is shared: pull transfers read it
         self.engine = Engine(_with_shm(config.engine, shm))
         self.lock = threading.RLock()
         self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop

@@ -5,6 +5,7 @@ after later frames, which also reorders), duplicate, corrupt (one byte of a chun
 flipped on the way) and kill (the link dies after `kill_after` frames).
 `stage` is deliberately not forwarded, so every chunk's bytes move inside `send_chunk`, where the
 faults act: over shm a delayed or duplicated chunk is a late write into staging, never the pool.
+Over a pull link no bytes travel, so corruption there is a chunk naming a wrong source block.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from pdserve.handoff.frames import ChunkFrame, Frame
 from pdserve.handoff.kvbytes import chunk_views
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, SenderLink
+from pdserve.handoff.transports.pull import ShmPullSenderLink
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class FaultySenderLink(SenderLink):
         self.num_frames = 0
         self.injected: dict[str, int] = {}
         self.traffic = inner.traffic
+        self.pulls = isinstance(inner, ShmPullSenderLink)  # the destination reads the source pool itself
 
     def _count(self, fault: str) -> None:
         self.injected[fault] = self.injected.get(fault, 0) + 1
@@ -67,7 +70,7 @@ class FaultySenderLink(SenderLink):
             return
         if payload is not None and roll() < self.plan.corrupt:
             self._count("corrupt")
-            payload = _corrupted(payload, self.rng)
+            payload = _misread(payload, self.rng) if self.pulls else _corrupted(payload, self.rng)
         self._emit(frame, payload)
         if roll() < self.plan.duplicate:
             self._count("duplicate")
@@ -100,3 +103,12 @@ def _corrupted(payload: ChunkPayload, rng: random.Random) -> ChunkPayload:
     view = views[rng.randrange(len(views))]
     view[rng.randrange(view.size)] ^= 0xFF
     return replace(payload, layer=0, src_raw=layer_copy)
+
+
+def _misread(payload: ChunkPayload, rng: random.Random) -> ChunkPayload:
+    """For a pull link, whose bytes never travel: the chunk names one wrong source block (a stale
+    or misdirected read of the shared pool)."""
+    blocks = list(payload.src_blocks)
+    i = rng.randrange(len(blocks))
+    blocks[i] = (blocks[i] + 1) % payload.src_raw.shape[2]
+    return replace(payload, src_blocks=tuple(blocks))

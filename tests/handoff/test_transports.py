@@ -1,4 +1,4 @@
-"""Fault tests through the real shared-memory and TCP transports, driven by the shared loops.
+"""Fault tests through the real shared-memory (staging and pull) and TCP transports, driven by the shared loops.
 
 The destination never publishes a partial or corrupted cache; a retry under the same transfer id
 is idempotent; a retry under a newer generation supersedes a killed attempt; nothing leaks."""
@@ -18,6 +18,7 @@ from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
+from pdserve.handoff.transports.pull import ShmPullReceiverLink, ShmPullSenderLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, connect, listen_local
 
@@ -41,7 +42,13 @@ def tcp_links(world):
     return TcpSenderLink(client), TcpReceiverLink(conn, world.endpoint.raw)
 
 
-LINKS = {"shm": shm_links, "tcp": tcp_links}
+def pull_links(world):
+    a, b = socket.socketpair()
+    receiver = ShmPullReceiverLink(SocketChannel(b), world.endpoint.raw)
+    return ShmPullSenderLink(SocketChannel(a), world.src_pool.shm_name, world.src_pool.num_blocks), receiver
+
+
+LINKS = {"shm": shm_links, "tcp": tcp_links, "pull": pull_links}
 
 
 def run_transfer(world, src, make_links, plan: FaultPlan | None = None):
