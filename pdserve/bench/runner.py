@@ -18,6 +18,7 @@ from pdserve.bench.client import EndpointConfig, make_transport_for, send_reques
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.transport import Transport
 from pdserve.bench.workload import BenchRequest
+from pdserve.bench.loop import run as run_loop
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ async def run_requests(
 
 def run_requests_sync(requests: Sequence[BenchRequest], endpoint: EndpointConfig, quiet: bool = True, label: str = "") -> RunResult:
     """`run_requests` on a fresh event loop."""
-    return asyncio.run(run_requests(requests, endpoint, quiet=quiet, label=label))
+    return run_loop(run_requests(requests, endpoint, quiet=quiet, label=label))
 
 
 async def _replay(transport, requests, endpoint, bar) -> tuple[tuple[RequestRecord, ...], float]:

@@ -9,7 +9,6 @@ percentiles at a given offered rate, and also the error against the nominal (con
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import httpx
@@ -21,6 +20,7 @@ from pdserve.bench.lengths import fixed
 from pdserve.bench.runner import run_requests
 from pdserve.bench.standin import StandinConfig, StandinProcess
 from pdserve.bench.workload import WorkloadConfig, build_workload
+from pdserve.bench.loop import run as run_loop
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def check_client(config: ClientCheckConfig, quiet: bool = True) -> dict:
     """Run the check against a fresh stand-in process; returns the report dictionary."""
     standin = StandinConfig(first_token_s=config.first_token_s, inter_token_s=config.inter_token_s)
     with StandinProcess(standin) as server:
-        return asyncio.run(_measure(server.url, config, quiet))
+        return run_loop(_measure(server.url, config, quiet))
 
 
 async def _measure(url: str, config: ClientCheckConfig, quiet: bool) -> dict:

@@ -32,6 +32,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from pdserve.bench.loop import run as run_loop
+
 _REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 
 
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         await server.serve_forever()
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+        run_loop(run())
 
 
 if __name__ == "__main__":
