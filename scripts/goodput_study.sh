@@ -7,7 +7,8 @@
 #   2. SLOs: TTFT = 5 x isolated TTFT, TPOT = 2 x isolated TPOT (per workload)
 #   3. for each configuration and workload: `pdserve bench --sweep` (ladder + bisection, seeded
 #      Poisson arrivals) -> goodput (joint and per-phase), JSON and plots in OUT_DIR/<config>.<workload>/
-# Knobs (env): LONG_N, SHORT_N requests per rate point; LONG_RATES, SHORT_RATES ladders; BISECT.
+# Knobs (env): LONG_N, SHORT_N requests per rate point; LONG_RATES, SHORT_RATES ladders; BISECT;
+# EXTRA_SERVE_ARGS for every server (e.g. --no-batch-invariant).
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-float32}; compute=${4:-}
 mkdir -p "$out"
@@ -15,6 +16,8 @@ PD=${PD:-.venv/bin/pdserve}
 PORT=${PORT:-8011}
 engine_args=(--model "$model" --dtype "$dtype" --kv-cache-mb 512)
 [[ -n "$compute" ]] && engine_args+=(--compute-dtype "$compute")
+# shellcheck disable=SC2206
+engine_args+=(${EXTRA_SERVE_ARGS:-})  # e.g. --no-batch-invariant
 
 start_server() {  # name, serve args...
   local name=$1; shift

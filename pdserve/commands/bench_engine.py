@@ -12,6 +12,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="pdserve's activation/matmul dtype (default: --dtype); the peer always runs in --dtype")
+    p.add_argument("--no-batch-invariant", action="store_true", help="fp32: no row padding (see serve --help)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
@@ -24,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.benchmark import BenchSpec, run_bench
 
     batches = tuple(int(b) for b in args.batches.split(","))
-    spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats)
+    spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                      batch_invariant=not args.no_batch_invariant, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats)
     result = run_bench(spec, with_peer=not args.no_peer)
     if args.json:
         print(json.dumps(result))

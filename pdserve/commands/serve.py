@@ -21,6 +21,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None,
                    help="activation/matmul dtype (default: --dtype); float32 over bf16 storage runs prefill "
                         "~5x faster on CPUs without native bf16, at some small-batch decode speed")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="let fp32 products pick MKL's fastest kernel per batch size (faster small-batch decode; "
+                        "a request's tokens may then depend on its batch mates)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -44,7 +47,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
     from pdserve.api.server import ServeConfig
 
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
+        batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
     return ServeConfig(

@@ -27,6 +27,7 @@ class BenchSpec:
     model: str = "small"
     dtype: str = "bfloat16"
     compute_dtype: str | None = None
+    batch_invariant: bool = True
     prompt_len: int = 512
     batches: tuple[int, ...] = (1, 8, 32)
     repeats: int = 3
@@ -125,11 +126,12 @@ def _peer_decode(model, spec: BenchSpec, batch: int, vocab: int) -> float:
 def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
     max_batch = max(spec.batches)
     tokens = max_batch * (spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 16)
-    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, compute_dtype=spec.compute_dtype, enable_prefix_cache=False, max_num_seqs=max_batch,
+    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, compute_dtype=spec.compute_dtype,
+                                 batch_invariant=spec.batch_invariant, enable_prefix_cache=False, max_num_seqs=max_batch,
                                  kv_cache_bytes=0, num_blocks=tokens // 16 + 64, max_num_batched_tokens=spec.prompt_len))
     result = {
         "model": spec.model, "dtype": spec.dtype, "compute_dtype": str(engine.model.dtype).removeprefix("torch."),
-        "native_bf16": cpu_has_native_bf16(),
+        "native_bf16": cpu_has_native_bf16(), "batch_invariant": spec.batch_invariant,
         "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
         "prefill_tok_s": pdserve_prefill_tok_s(engine, spec),
         "decode_tok_s": {str(b): pdserve_decode_tok_s(engine, spec, b) for b in spec.batches},

@@ -10,6 +10,7 @@ class EngineConfig:
     model: str = "tiny"  # "tiny" | "small" | path to a Hugging Face checkpoint directory
     dtype: str = "bfloat16"  # storage: weights and K/V pool; "bfloat16" | "float32"
     compute_dtype: str | None = None  # activations/matmuls; None = dtype (see model/numerics.py)
+    batch_invariant: bool = True  # a request's tokens never depend on its batch mates (numerics.py)
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
     num_blocks: int | None = None  # overrides kv_cache_bytes when set

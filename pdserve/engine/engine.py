@@ -52,7 +52,7 @@ class Engine:
         dtype = TORCH_DTYPES[config.dtype]
         compute = resolve_compute_dtype(config.dtype, config.compute_dtype)
         state = load_state_dict(self.model_dir, self.model_config, dtype)
-        self.model = LlamaModel(self.model_config, state, dtype, compute)
+        self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
         self.tokenizer = load_tokenizer(self.model_dir)
         mc = self.model_config
         self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)

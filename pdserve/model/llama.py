@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
-from pdserve.model.numerics import linear
+from pdserve.model.numerics import linear, row_quantum
 
 
 @dataclass
@@ -66,12 +66,13 @@ class LlamaModel:
     """Weights plus the forward pass. Holds no K/V: the caller passes the pool per step."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, batch_invariant: bool = True):
         """`dtype`: storage (weights are rounded to it, the K/V pool holds it); `compute_dtype`:
-        what activations and matmuls use (defaults to `dtype`)."""
+        what activations and matmuls use (defaults to `dtype`); `batch_invariant`: see numerics."""
         self.config = config
         self.storage_dtype = dtype
         self.dtype = compute_dtype or dtype
+        self.quantum = row_quantum(self.dtype, batch_invariant)
         state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
         self.embed = state["model.embed_tokens.weight"].to(self.dtype)  # [V, d]
         head = state.get("lm_head.weight")
@@ -122,12 +123,12 @@ class LlamaModel:
                 layer_hook(i)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
         x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
-        return linear(x, self.lm_head).float()  # [R, V]
+        return linear(x, self.lm_head, quantum=self.quantum).float()  # [R, V]
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, layer.wqkv, layer.bqkv)  # [T, (H_q + 2 H_kv) * D]
+        qkv = linear(h, layer.wqkv, layer.bqkv, self.quantum)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
         k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
@@ -139,8 +140,8 @@ class LlamaModel:
         else:
             write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
-        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
+        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.quantum)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer.w13).chunk(2, dim=-1)  # [T, d_ff] each
-        return linear(F.silu(gate) * up, layer.w2)
+        gate, up = linear(h, layer.w13, quantum=self.quantum).chunk(2, dim=-1)  # [T, d_ff] each
+        return linear(F.silu(gate) * up, layer.w2, quantum=self.quantum)

@@ -10,10 +10,12 @@ Contract:
   Weights are then bf16-rounded values held in fp32 (exact), products accumulate in fp32, and K/V
   rows are rounded to bf16 on their way into the pool and read back from those rounded values,
   so a sequence sees the same K/V whether it computed them, hit the prefix cache or imported them.
-- `linear` keeps a row's result independent of its batch mates (tested in
-  tests/model/test_numerics.py). PyTorch's CPU bf16 GEMM already is; MKL's fp32 GEMM switches
-  kernels (GEMV at one row, other tails below a dozen rows), so fp32 rows are padded to a multiple
-  of ROW_QUANTUM, with which every row sees the same kernel and summation order.
+- Batch invariance (`EngineConfig.batch_invariant`, on by default): a row's result must not depend
+  on its batch mates (tested in tests/model/test_numerics.py). PyTorch's CPU bf16 GEMM already
+  is; MKL's fp32 GEMM switches kernels (GEMV at one row, other tails below a dozen rows), so fp32
+  rows are padded to a multiple of ROW_QUANTUM, with which every row sees the same kernel and
+  summation order. The price is small-batch fp32 decode: one row costs a 4-row GEMM instead of a
+  GEMV (`--no-batch-invariant` trades exactness across batch compositions for that speed).
 """
 
 from __future__ import annotations
@@ -52,10 +54,15 @@ def resolve_compute_dtype(storage: str, requested: str | None = None) -> torch.d
     return _DTYPES[requested or storage]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out]; fp32 rows are padded to a multiple of ROW_QUANTUM for the product."""
+def row_quantum(compute: torch.dtype, batch_invariant: bool) -> int:
+    """Rows a product is padded to a multiple of: ROW_QUANTUM for batch-invariant fp32, else 1."""
+    return ROW_QUANTUM if batch_invariant and compute == torch.float32 else 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quantum: int = 1) -> torch.Tensor:
+    """x: [T, in] -> [T, out]; rows padded to a multiple of `quantum` for the product."""
     rows = x.shape[0]
-    pad = -rows % ROW_QUANTUM if x.dtype == torch.float32 else 0
+    pad = -rows % quantum
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         return F.linear(x, weight, bias)[:rows]

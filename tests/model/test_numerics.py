@@ -8,7 +8,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.model.numerics import linear, resolve_compute_dtype
+from pdserve.model.numerics import ROW_QUANTUM, linear, resolve_compute_dtype, row_quantum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,19 +18,23 @@ def test_linear_row_does_not_depend_on_batch_size_or_position(dtype, shape):
     gen = torch.Generator().manual_seed(k * n)
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     row = torch.randn(1, k, generator=gen).to(dtype)
-    reference = linear(row, weight)[0]
+    quantum = row_quantum(dtype, batch_invariant=True)
+    reference = linear(row, weight, quantum=quantum)[0]
     for rows in [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16, 31, 33, 64, 100, 257]:
         for pos in sorted({0, rows // 2, rows - 1}):
             batch = torch.randn(rows, k, generator=gen).to(dtype)
             batch[pos] = row[0]
-            assert torch.equal(linear(batch, weight)[pos], reference), (rows, pos)
+            assert torch.equal(linear(batch, weight, quantum=quantum)[pos], reference), (rows, pos)
 
 
 def test_linear_keeps_bias_and_row_count():
     x, w, b = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3)
-    out = linear(x, w, b)
-    assert out.shape == (5, 3)
-    torch.testing.assert_close(out, x @ w.T + b)
+    for quantum in (1, ROW_QUANTUM):
+        out = linear(x, w, b, quantum)
+        assert out.shape == (5, 3)
+        torch.testing.assert_close(out, x @ w.T + b)
+    assert row_quantum(torch.float32, True) == ROW_QUANTUM
+    assert row_quantum(torch.float32, False) == 1 and row_quantum(torch.bfloat16, True) == 1
 
 
 def test_resolve_compute_dtype():
