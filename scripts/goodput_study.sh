@@ -38,7 +38,7 @@ calibrate() {  # workload -> "ttft_ms tpot_ms" (medians of 3 isolated requests)
   local w=$1
   $PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests 3 --rate "${CAL_RATE:-0.05}" --arrival constant \
     --input-len "$(median_len "$w")" --output-len 32 --prompt-format ids --slo-ttft-ms 1e9 --slo-tpot-ms 1e9 \
-    --json "$out/calibrate.$w.json" --quiet
+    --json "$out/calibrate.$w.json" --quiet > "$out/calibrate.$w.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['p50_ttft_ms'], d['p50_tpot_ms'])" "$out/calibrate.$w.json"
 }
 
@@ -62,7 +62,8 @@ sweep() {  # config workload
   # shellcheck disable=SC2046
   $PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests "$n" --sweep --sweep-rates "$rates" \
     --max-bisections "${BISECT:-2}" --arrival poisson $(workload_args "$w") --prompt-format ids \
-    --slo-ttft-ms "$ttft" --slo-tpot-ms "$tpot" --json "$out/$c.$w/report.json" --plot-dir "$out/$c.$w" --quiet
+    --slo-ttft-ms "$ttft" --slo-tpot-ms "$tpot" --json "$out/$c.$w/report.json" --plot-dir "$out/$c.$w" --quiet \
+    > "$out/$c.$w/bench.log"
 }
 
 for config in disagg coloc; do

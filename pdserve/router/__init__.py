@@ -7,7 +7,7 @@ Nothing here does I/O; the process edge feeds `Router` worker messages and reque
     config.py        serving mode, cluster shape (xPyD or N replicas), SLO targets, heartbeat timing
     cost.py          CostModel: queue, prefill, decode-step and transfer seconds (fit later)
     registry.py      membership: registration, load reports, heartbeats, epochs, retirement
-    prefix_index.py  leading prefix-block hits per worker for one request (bitmask index)
+    prefix_index.py  leading prefix-block hits per worker for one request (hash -> row of a bool matrix)
     snapshot.py      the per-decision view policies read (numpy arrays, in-flight holds charged)
     demand.py        tokens and blocks a request needs at P and D given prefix hits
     policies.py      round_robin, jsq, slo, prefix: pure functions snapshot -> Choice | Refusal

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+import numpy as np
+
 from pdserve.engine.kv_abi import KvAbi
 
 Num = TypeVar("Num")  # float or numpy array; the formulas below work on both
@@ -40,6 +42,9 @@ class CostModel:
         if self.same_host_bytes_per_s < self.cross_host_bytes_per_s:
             # the policies' per-host decomposition relies on a same-host path never being slower
             raise ValueError("same-host bandwidth must be at least the cross-host bandwidth")
+        rates = np.array([[self.same_host_bytes_per_s], [self.cross_host_bytes_per_s]])  # [2, 1]
+        rates.flags.writeable = False
+        object.__setattr__(self, "_path_rates", rates)  # derived, not a field: eq, hash and repr ignore it
 
     @classmethod
     def from_abi(cls, abi: KvAbi, **overrides: float) -> CostModel:
@@ -73,6 +78,11 @@ class CostModel:
             moved * (self.transfer_overhead_s + transfer_bytes / self.same_host_bytes_per_s),
             moved * (self.transfer_overhead_s + transfer_bytes / self.cross_host_bytes_per_s),
         )
+
+    def transfer_s_stacked(self, transfer_bytes: np.ndarray) -> np.ndarray:
+        """[2, n]: rows (same-host, cross-host) of `transfer_s_paths` for byte counts that are all
+        positive (the zero test would multiply by 1), both paths in one broadcast pass."""
+        return self.transfer_overhead_s + transfer_bytes / self._path_rates
 
     def blocks_for(self, tokens: Num) -> Num:
         """Blocks needed to hold `tokens` (the last block may be partly filled)."""

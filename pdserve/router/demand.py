@@ -8,6 +8,7 @@ implementation (on ints), so all three agree on tokens and blocks:
     compute tokens at P = prompt - usable_hit * B       (>= 1)
     new blocks at P     = ceil(prompt / B) - usable_hit
     transfer tokens     = prompt - hit_D * B            (0 when D already sees the whole prompt)
+    transfer bytes      = transfer tokens * bytes per token (integers: exact in either grouping)
     decode reservation  = ceil((prompt + expected output) / B) - hit_D
 """
 
@@ -44,6 +45,18 @@ def prefill_blocks(request: RouteRequest, usable_hit: Num, block_size: int) -> N
 
 def transfer_tokens(request: RouteRequest, decode_hit: Num, block_size: int) -> Num:
     return request.prompt_tokens - decode_hit * block_size
+
+
+def transfer_bytes(request: RouteRequest, decode_hit: Num, block_size: int, bytes_per_token: int) -> Num:
+    """`transfer_tokens * bytes_per_token`, regrouped so an array of hits costs two operations."""
+    return request.prompt_tokens * bytes_per_token - decode_hit * (block_size * bytes_per_token)
+
+
+def always_transfers(request: RouteRequest, block_size: int) -> bool:
+    """No visible decode hit covers the whole prompt, so every transfer moves bytes: a leading hit
+    is at most len(block_hashes) blocks and a visible one at most prompt // B blocks."""
+    most_hit = min(len(request.block_hashes), request.prompt_tokens // block_size)
+    return most_hit * block_size < request.prompt_tokens
 
 
 def decode_blocks(request: RouteRequest, decode_hit: Num, block_size: int) -> Num:

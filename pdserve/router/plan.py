@@ -61,7 +61,10 @@ def route_plan(
     holds: tuple[BlockHold | None, BlockHold],
 ) -> RoutePlan:
     bs = cost.block_size_tokens
-    ttft_s, tpot_s = predicted_clocks(snapshot, request, choice, cost)
+    if choice.ttft_s is None:
+        ttft_s, tpot_s = predicted_clocks(snapshot, request, choice, cost)
+    else:  # the cost-aware policy's own sum for this pair: what predicted_clocks would compute
+        ttft_s, tpot_s = choice.ttft_s, cost.decode_step_s(snapshot.decode.active_batch.item(choice.decode_slot) + 1)
     prefill_id = snapshot.prefill.worker_ids[choice.prefill_slot]
     decode_id = snapshot.decode.worker_ids[choice.decode_slot]
     transfer = 0 if snapshot.colocated else int(demand.transfer_tokens(request, choice.decode_hit_blocks, bs))

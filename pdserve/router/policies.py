@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,14 +38,24 @@ from pdserve.router import demand
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import RejectReason, RouteRequest
-from pdserve.router.snapshot import Derived, Snapshot
+from pdserve.router.snapshot import Derived, Pool, Snapshot
 
 _NO_FIT = np.iinfo(np.int64).max
 _count = np.count_nonzero  # on small bool masks: several times cheaper than ndarray.any() / .all()
+_EVERYONE: dict[int, np.ndarray] = {}  # pool size -> a shared read-only all-true mask
+
+
+def _everyone(size: int) -> np.ndarray:
+    """The mask admitting every slot of a pool of `size` (shared, so `_all` knows it by identity)."""
+    mask = _EVERYONE.get(size)
+    if mask is None:
+        mask = _EVERYONE[size] = np.ones(size, dtype=bool)
+        mask.flags.writeable = False
+    return mask
 
 
 def _all(mask: np.ndarray) -> bool:
-    return _count(mask) == len(mask)
+    return mask is _EVERYONE.get(len(mask)) or _count(mask) == len(mask)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,9 @@ class Choice:
     decode_slot: int
     prefill_hit_blocks: int  # usable leading prefix reused at P
     decode_hit_blocks: int  # leading prefix already visible at D (not transferred)
+    # the cost-aware policies' TTFT for the pair, the very sum `plan.predicted_clocks` would compute
+    # (same formulas, same rounding), handed on so the plan need not recompute it; None: recompute
+    ttft_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -117,9 +130,7 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
     p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
-    # a side with no hit anywhere takes the scalar path: 0 gives the same blocks, tokens and clocks
-    # as an all-zero array (integer terms are exact), with far fewer array operations
-    return _cost_aware(snapshot, request, ctx, p_hit if _count(p_hit) else 0, d_hit if _count(d_hit) else 0)
+    return _cost_aware(snapshot, request, ctx, p_hit, d_hit)
 
 
 POLICIES: dict[str, Policy] = {
@@ -130,39 +141,58 @@ POLICIES: dict[str, Policy] = {
 }
 
 
-def prefix_hits(snapshot: Snapshot, request: RouteRequest, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(usable hit blocks per prefill slot, visible hit blocks per decode slot)."""
+def prefix_hits(snapshot: Snapshot, request: RouteRequest, block_size: int) -> tuple[Hits, Hits]:
+    """(usable hit blocks per prefill slot, visible hit blocks per decode slot). A side with no hit
+    anywhere is 0: it gives the same blocks, tokens and clocks as an all-zero array (integer terms
+    are exact) with far fewer array operations."""
     raw_p, raw_d = snapshot.leading_hits(request.block_hashes)
+    if isinstance(raw_p, int):
+        return 0, 0
     # a raw hit never exceeds len(block_hashes): when that is within a cap, the cap is a no-op
     within = len(request.block_hashes)
     p_hit = raw_p
     if within > (request.prompt_tokens - 1) // block_size:
         p_hit = demand.usable_prefill_hit(request, raw_p, block_size)
+    p_hit = p_hit if _count(p_hit) else 0
     if snapshot.colocated:
         return p_hit, p_hit  # one pool: the decode side reuses exactly what prefill reused
-    if within <= request.prompt_tokens // block_size:
-        return p_hit, raw_d
-    return p_hit, demand.visible_decode_hit(request, raw_d, block_size)
+    d_hit = raw_d
+    if within > request.prompt_tokens // block_size:
+        d_hit = demand.visible_decode_hit(request, raw_d, block_size)
+    return p_hit, d_hit if _count(d_hit) else 0
 
 
 def capacity_gates(
     snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p_hit: Hits, d_hit: Hits
 ) -> tuple[np.ndarray, np.ndarray] | Refusal:
     """Masks of prefill and decode slots with headroom for this request, or why there are none.
-    Hits are per-slot arrays, or 0 for policies that assume no reuse."""
+    Hits are per-slot arrays, or 0 for policies that assume no reuse. A hit only lowers a slot's
+    demand, so when the pool's least headroom covers the no-hit demand every slot is admitted
+    without looking at the hits (the common case: capacity is a backstop)."""
     bs = ctx.cost.block_size_tokens
-    if len(snapshot.prefill) == 0 or len(snapshot.decode) == 0:
+    prefill, decode = snapshot.prefill, snapshot.decode
+    if len(prefill) == 0 or len(decode) == 0:
         return Refusal(RejectReason.NO_ROUTE, ctx.retry_after_s, "no live worker for a phase")
     if snapshot.colocated:
-        ok = snapshot.decode.headroom_blocks >= demand.colocated_blocks(request, d_hit, bs)
-        return (ok, ok) if _count(ok) else _full(RejectReason.NO_DECODE_CAPACITY, ctx)
-    d_ok = snapshot.decode.headroom_blocks >= demand.decode_blocks(request, d_hit, bs)
-    if not _count(d_ok):
+        ok = _fits(decode, demand.colocated_blocks, request, d_hit, bs)
+        return (ok, ok) if ok is not None else _full(RejectReason.NO_DECODE_CAPACITY, ctx)
+    d_ok = _fits(decode, demand.decode_blocks, request, d_hit, bs)
+    if d_ok is None:
         return _full(RejectReason.NO_DECODE_CAPACITY, ctx)
-    p_ok = snapshot.prefill.headroom_blocks >= demand.prefill_blocks(request, p_hit, bs)
-    if not _count(p_ok):
+    p_ok = _fits(prefill, demand.prefill_blocks, request, p_hit, bs)
+    if p_ok is None:
         return _full(RejectReason.NO_TRANSFER_BUFFER, ctx)
     return p_ok, d_ok
+
+
+def _fits(pool: Pool, blocks: Callable[..., Hits], request: RouteRequest, hit: Hits, bs: int) -> np.ndarray | None:
+    """The mask of slots with headroom for `blocks(request, hit, bs)` (a demand module function),
+    or None when no slot has any."""
+    most_blocks = blocks(request, 0, bs)  # the demand with no hit: the most any slot can need
+    if pool.least_headroom >= most_blocks:
+        return _everyone(len(pool))
+    ok = pool.headroom_blocks >= (blocks(request, hit, bs) if isinstance(hit, np.ndarray) else most_blocks)
+    return ok if _count(ok) else None
 
 
 def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p_hit: Hits, d_hit: Hits) -> Choice | Refusal:
@@ -172,16 +202,15 @@ def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p
     p_ok, d_ok = gates
     terms = snapshot.derived(ctx.cost)  # load-only cost terms, computed once per load change
     tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
-    tpot_s = terms.tpot_d
-    tpot_ok = tpot_s <= tpot_slo_s
-    if not _all(tpot_ok):
-        d_ok = d_ok & tpot_ok
+    if terms.worst_tpot_s > tpot_slo_s:  # some decode slot misses the TPOT target
+        tpot_s = terms.tpot_d
+        d_ok = d_ok & (tpot_s <= tpot_slo_s)
         if not _count(d_ok):
             best = float(tpot_s[gates[1]].min())
             return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
     p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, p_hit, d_hit, p_ok, d_ok)
     refusal = _ttft_gate(ctx, request, best_ttft_s)
-    return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d))
+    return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d), best_ttft_s)
 
 
 def _fastest_pair(
@@ -218,12 +247,7 @@ def _fastest_pair(
             ttft_s = np.where(d_ok, ttft_s, np.inf)
         w = int(ttft_s.argmin())
         return w, w, float(ttft_s[w])
-    transfer_bytes = demand.transfer_tokens(request, d_hit, bs) * cost.kv_bytes_per_token  # [D] or scalar
-    same_s, cross_s = cost.transfer_s_paths(transfer_bytes)
-    same_x = same_s + admission_s  # [D]
-    cross_x = cross_s + admission_s  # [D]
-    if not d_all:
-        same_x, cross_x = np.where(d_ok, same_x, np.inf), np.where(d_ok, cross_x, np.inf)
+    same_x, cross_x = _decode_x(request, cost, admission_s, d_hit, d_ok, d_all)
     hosts = snapshot.hosts
     same_best = np.minimum.reduceat(same_x[hosts.decode_order], hosts.group_starts)
     if not hosts.all_grouped:
@@ -233,6 +257,23 @@ def _fastest_pair(
     row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]
     d = int(row.argmin())
     return p, d, float(row[d])
+
+
+def _decode_x(
+    request: RouteRequest, cost: CostModel, admission_s: np.ndarray, d_hit: Hits, d_ok: np.ndarray, d_all: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per decode slot, transfer + admission seconds over a same-host and a cross-host path
+    (inf where the slot is not admitted). Shapes [D], [D]."""
+    bs = cost.block_size_tokens
+    transfer_bytes = demand.transfer_bytes(request, d_hit, bs, cost.kv_bytes_per_token)  # [D] or scalar
+    if isinstance(d_hit, np.ndarray) and demand.always_transfers(request, bs):
+        x = cost.transfer_s_stacked(transfer_bytes) + admission_s  # [2, D]: both paths in one pass
+    else:
+        same_s, cross_s = cost.transfer_s_paths(transfer_bytes)
+        x = (same_s + admission_s, cross_s + admission_s)
+    if not d_all:
+        x = np.where(d_ok, x, np.inf)  # [2, D]
+    return x[0], x[1]
 
 
 def _ttft_gate(ctx: PolicyContext, request: RouteRequest, best_ttft_s: float) -> Refusal | None:
@@ -247,8 +288,10 @@ def _full(reason: RejectReason, ctx: PolicyContext) -> Refusal:
     return Refusal(reason, ctx.retry_after_s, "no worker has headroom for this request")
 
 
-def _choice(p: int, d: int, p_hit: int, d_hit: int) -> Choice:
-    return new_frozen(Choice, prefill_slot=p, decode_slot=d, prefill_hit_blocks=p_hit, decode_hit_blocks=d_hit)
+def _choice(p: int, d: int, p_hit: int, d_hit: int, ttft_s: float | None = None) -> Choice:
+    return new_frozen(
+        Choice, prefill_slot=p, decode_slot=d, prefill_hit_blocks=p_hit, decode_hit_blocks=d_hit, ttft_s=ttft_s
+    )
 
 
 def _at(hits: Hits, slot: int) -> int:

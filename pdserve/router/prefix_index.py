@@ -5,70 +5,101 @@ blocks (each block's hash covers its parent's), so a request's reusable prefix a
 longest run of its block hashes, from the first, that the worker holds; a held block after a miss
 is useless because its parent's K/V is absent.
 
-The index inverts the reports once per change: block hash -> bitmask of pool slots holding it.
-A lookup then walks the request's hashes once for the whole pool, narrowing the mask of workers
-still matching, instead of probing every worker's set: O(len(hashes) + pool size) per request.
+The index inverts the reports into a bool matrix: block hash -> row, `held[row, slot]` true when
+the slot holds that block. Row 0 is a sentinel that no slot holds (and that no hash maps to). A
+lookup maps the request's hashes to rows up to the first hash nobody holds, appends the sentinel,
+gathers those rows and takes, per slot, the first row it lacks: that index is the slot's leading
+hit. O(len(hashes)) dictionary probes plus two vector operations over a [hits + 1, slots] block,
+whatever the pool size. `replace_slot` patches one column in place (only the difference of the
+two held sets is touched); rows nobody holds any more are recycled. Memory: one byte per (held
+hash, slot).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+_SENTINEL = 0  # the row no slot holds
 
-@dataclass(frozen=True)
+
 class PrefixIndex:
-    owners: dict[int, int]  # block hash -> bitmask over pool slots
-    num_slots: int
+    __slots__ = ("rows", "held", "num_slots", "_free")
+
+    def __init__(self, num_slots: int, capacity: int = 64):
+        self.rows: dict[int, int] = {}  # block hash -> row of `held` (never the sentinel)
+        self.held = np.zeros((capacity + 1, num_slots), dtype=bool)  # [rows, slots]
+        self.num_slots = num_slots
+        self._free = list(range(capacity, 0, -1))  # unused rows, popped from the end (lowest first)
 
     @classmethod
     def build(cls, held_sets: Sequence[Iterable[int]]) -> PrefixIndex:
-        owners: dict[int, int] = {}
-        for slot, held in enumerate(held_sets):
-            bit = 1 << slot
-            for block_hash in held:
-                owners[block_hash] = owners.get(block_hash, 0) | bit
-        return cls(owners=owners, num_slots=len(held_sets))
+        sets = [frozenset(held) for held in held_sets]
+        index = cls(len(sets), capacity=len(frozenset().union(*sets)))
+        for slot, held in enumerate(sets):
+            index.replace_slot(slot, frozenset(), held)
+        return index
+
+    @property
+    def owners(self) -> dict[int, int]:
+        """Block hash -> bitmask over slots (a canonical view for tests and debugging)."""
+        weights = [1 << slot for slot in range(self.num_slots)]
+        return {h: sum(w for w, bit in zip(weights, self.held[row].tolist()) if bit) for h, row in self.rows.items()}
 
     def replace_slot(self, slot: int, old: frozenset[int], new: frozenset[int]) -> None:
         """Patch one slot's held set in place (only the difference is touched)."""
-        bit, owners = 1 << slot, self.owners
-        for block_hash in old - new:
-            mask = owners.get(block_hash, 0) & ~bit
-            if mask:
-                owners[block_hash] = mask
-            else:
-                owners.pop(block_hash, None)
-        for block_hash in new - old:
-            owners[block_hash] = owners.get(block_hash, 0) | bit
+        rows = self.rows
+        gone = [h for h in old - new if h in rows]
+        if gone:
+            gone_rows = [rows[h] for h in gone]
+            self.held[gone_rows, slot] = False
+            still_held = self.held[gone_rows].any(axis=1).tolist()  # [len(gone)]
+            for block_hash, row, kept in zip(gone, gone_rows, still_held):
+                if not kept:  # nobody holds it any more: recycle the (now all-false) row
+                    del rows[block_hash]
+                    self._free.append(row)
+        added = [self._row_for(h) for h in new - old]
+        if added:
+            self.held[added, slot] = True  # after `_row_for`, which may have grown the matrix
+
+    def _row_for(self, block_hash: int) -> int:
+        row = self.rows.get(block_hash)
+        if row is None:
+            if not self._free:
+                self._grow()
+            row = self.rows[block_hash] = self._free.pop()
+        return row
+
+    def _grow(self) -> None:
+        old = len(self.held)
+        grown = np.zeros((2 * old, self.num_slots), dtype=bool)  # [rows, slots]
+        grown[:old] = self.held
+        self.held = grown
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def leading_rows(self, block_hashes: Sequence[int]) -> list[int]:
+        """Rows of the request's leading hashes that some slot holds (stops at the first that none does)."""
+        get, rows = self.rows.get, []
+        for block_hash in block_hashes:
+            row = get(block_hash)
+            if row is None:
+                break
+            rows.append(row)
+        return rows
+
+    def hits_for_rows(self, rows: list[int]) -> np.ndarray:
+        """Per slot, how many of `rows` (from `leading_rows`, which this extends with the sentinel)
+        it holds before its first miss. Shape [num_slots], int64."""
+        rows.append(_SENTINEL)  # every slot misses by then
+        window = self.held.take(rows, axis=0)  # [len(rows), slots]
+        first_miss = np.ascontiguousarray(window.T).argmin(axis=1)  # [slots]: argmin along contiguous rows
+        return first_miss.astype(np.int64, copy=False)
 
     def leading_hits(self, block_hashes: Sequence[int]) -> np.ndarray:
-        """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots]."""
-        num_slots = self.num_slots
-        hits = [0] * num_slots
-        get = self.owners.get
-        alive = (1 << num_slots) - 1
-        depth = 0
-        for block_hash in block_hashes:
-            still = alive & get(block_hash, 0)
-            if still != alive:
-                if depth:
-                    dropped = alive ^ still  # slots that matched exactly `depth` blocks
-                    while dropped:
-                        low = dropped & -dropped
-                        hits[low.bit_length() - 1] = depth
-                        dropped ^= low
-                if not still:
-                    return np.array(hits, dtype=np.int64)
-                alive = still
-            depth += 1
-        while alive:  # slots holding every block
-            low = alive & -alive
-            hits[low.bit_length() - 1] = depth
-            alive ^= low
-        return np.array(hits, dtype=np.int64)
+        """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots], int64."""
+        rows = self.leading_rows(block_hashes)
+        return self.hits_for_rows(rows) if rows else np.zeros(self.num_slots, dtype=np.int64)
 
 
 def leading_hit_blocks(block_hashes: Sequence[int], held: frozenset[int]) -> int:

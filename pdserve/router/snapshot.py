@@ -42,6 +42,7 @@ class Pool:
     pending_tokens: np.ndarray  # [W] prompt tokens queued for prefill
     active_batch: np.ndarray  # [W] sequences in (or joining) the decode batch
     headroom_blocks: np.ndarray  # [W] free blocks not promised to anyone
+    least_headroom: int  # at most min(headroom_blocks): when a demand is within it, every slot fits
 
     def __len__(self) -> int:
         return len(self.members.worker_ids)
@@ -82,6 +83,7 @@ class Derived(NamedTuple):
     queue_p: np.ndarray  # [P] cost.queue_s(prefill pending tokens)
     admission_d: np.ndarray  # [D] cost.admission_delay_s(decode active batch)
     tpot_d: np.ndarray  # [D] cost.decode_step_s(decode active batch + 1)
+    worst_tpot_s: float  # at least max(tpot_d): when it meets a target, every slot does
 
     @classmethod
     def compute(cls, prefill: Pool, decode: Pool, cost: CostModel) -> Derived:
@@ -90,7 +92,8 @@ class Derived(NamedTuple):
             cost.admission_delay_s(decode.active_batch),
             cost.decode_step_s(decode.active_batch + 1),
         )
-        return cls(*(_readonly(np.asarray(a, dtype=np.float64)) for a in arrays))
+        queue_p, admission_d, tpot_d = (_readonly(np.asarray(a, dtype=np.float64)) for a in arrays)
+        return cls(queue_p, admission_d, tpot_d, _worst(tpot_d))
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,34 @@ class Snapshot:
         self.derived_cache.append((cost, terms))
         return terms
 
-    def leading_hits(self, block_hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Raw leading prefix hits (blocks) per prefill slot and per decode slot."""
-        hits = self.prefix.leading_hits(block_hashes)
+    def leading_hits(self, block_hashes: Sequence[int]) -> tuple[np.ndarray | int, np.ndarray | int]:
+        """Raw leading prefix hits (blocks) per prefill slot and per decode slot, or (0, 0) when no
+        slot holds the first block (0 stands for an all-zero array)."""
+        rows = self.prefix.leading_rows(block_hashes)
+        if not rows:
+            return 0, 0
+        hits = self.prefix.hits_for_rows(rows)  # [P + D], or [P] when colocated
         if self.colocated:
             return hits, hits
         split = len(self.prefill)
         return hits[:split], hits[split:]
+
+
+_new_tuple = tuple.__new__
+
+
+def _worst(tpot_s: np.ndarray) -> float:
+    return float(tpot_s[tpot_s.argmax()]) if len(tpot_s) else -np.inf  # (indexing beats .max() on small arrays)
+
+
+def _least(headroom: np.ndarray) -> int:
+    return int(headroom[headroom.argmin()]) if len(headroom) else 0
+
+
+def _frozen_copy(array: np.ndarray) -> np.ndarray:
+    """A read-only copy, backed by an immutable bytes buffer (cheaper than copying and then
+    clearing the writeable flag, which costs more than the copy on small arrays)."""
+    return np.ndarray(array.shape, array.dtype, array.tobytes())
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -186,7 +210,12 @@ class SnapshotBuilder:
         self._load_rows = tuple(tuple(a) for a in self._loads)  # writable row views, to patch one slot
         self._term_rows = tuple(tuple(a) for a in self._terms)
         self._stale_pools = [True, True]  # which pool's published copies a patch invalidated
-        self._published: list[tuple[np.ndarray, np.ndarray | None]] = [None, None]  # (loads, terms) per pool
+        self._published: list[tuple[Pool, np.ndarray | None, float]] = [None, None]  # (pool, terms, worst tpot)
+        # per pool, bounds on min headroom and max TPOT: tightened by each patch, made exact again
+        # (one reduction) once a pool has had as many patches as slots, so amortised O(1) per patch
+        self._least: list[float] = [np.inf, np.inf]
+        self._worst: list[float] = [-np.inf, -np.inf]
+        self._patches = [0, 0]
         self._charged: dict[str, InFlight] = {}  # the in-flight totals charged on `_loads`
         self._dirty = set(range(len(entries)))
         self._snapshot: Snapshot | None = None
@@ -213,7 +242,7 @@ class SnapshotBuilder:
         if not dirty and self._snapshot is not None:
             return self._snapshot
         cost, reported, worker_of, n = self._cost, self._reported, self._worker_of, self._num_prefill
-        stale = self._stale_pools
+        stale, least, worst, patches = self._stale_pools, self._least, self._worst, self._patches
         for slot in dirty:
             pending, batch, free = reported[slot]
             flight = charged.get(worker_of[slot])
@@ -223,11 +252,16 @@ class SnapshotBuilder:
             stale[pool] = True
             pending_row, batch_row, free_row = self._load_rows[pool]
             pending_row[i], batch_row[i], free_row[i] = pending, batch, free
+            patches[pool] += 1
+            if free < least[pool]:
+                least[pool] = free
             if cost is not None:  # the same formulas as Derived.compute, on one slot's ints
                 queue_row, admission_row, tpot_row = self._term_rows[pool]
                 queue_row[i] = cost.queue_s(pending)
                 admission_row[i] = cost.admission_delay_s(batch)
-                tpot_row[i] = cost.decode_step_s(batch + 1)
+                tpot_row[i] = tpot_s = cost.decode_step_s(batch + 1)
+                if tpot_s > worst[pool]:
+                    worst[pool] = tpot_s
         dirty.clear()
         self._snapshot = snapshot = self._publish()
         return snapshot
@@ -238,13 +272,20 @@ class SnapshotBuilder:
         members = self._pool_members()
         for pool in (0,) if self._colocated else (0, 1):
             if stale[pool] or published[pool] is None:
-                loads = _readonly(self._loads[pool].copy())
-                terms = None if self._cost is None else _readonly(self._terms[pool].copy())
-                published[pool] = (_pool(members[pool], loads[0], loads[1], loads[2]), terms)
+                loads = _frozen_copy(self._loads[pool])
+                terms = None if self._cost is None else _frozen_copy(self._terms[pool])
+                if self._patches[pool] >= len(loads[2]):  # re-tighten the bounds
+                    self._least[pool], self._patches[pool] = _least(loads[2]), 0
+                    self._worst[pool] = -np.inf if terms is None else _worst(terms[2])
+                pool_view = _pool(members[pool], loads[0], loads[1], loads[2], self._least[pool])
+                published[pool] = (pool_view, terms, self._worst[pool])
                 stale[pool] = False
-        prefill, p_terms = published[0]
-        decode, d_terms = published[0] if self._colocated else published[1]
-        cache = [] if p_terms is None else [(self._cost, Derived(p_terms[0], d_terms[1], d_terms[2]))]
+        prefill, p_terms, _ = published[0]
+        decode, d_terms, worst_tpot_s = published[0] if self._colocated else published[1]
+        if p_terms is None:
+            cache = []
+        else:  # Derived(...) without the NamedTuple's Python-level __new__ (hot path)
+            cache = [(self._cost, _new_tuple(Derived, (p_terms[0], d_terms[1], d_terms[2], worst_tpot_s)))]
         snapshot = object.__new__(Snapshot)  # a frozen dataclass, built without its __init__ (hot path)
         snapshot.__dict__.update(
             prefill=prefill, decode=decode, same_host=self._same_host, hosts=self._hosts, prefix=self._prefix,
@@ -261,9 +302,11 @@ class SnapshotBuilder:
         return self._members
 
 
-def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np.ndarray) -> Pool:
+def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np.ndarray, least: int) -> Pool:
     pool = object.__new__(Pool)  # a frozen dataclass, built without its __init__ (hot path)
-    pool.__dict__.update(members=members, pending_tokens=pending, active_batch=batch, headroom_blocks=headroom)
+    pool.__dict__.update(
+        members=members, pending_tokens=pending, active_batch=batch, headroom_blocks=headroom, least_headroom=least
+    )
     return pool
 
 

@@ -2,7 +2,7 @@
 
 It shares only the scalar cost formulas and the per-worker prefix scan with the optimised code, so
 agreement (same pair or same rejection) checks the vectorisation, the per-host decomposition and
-the bitmask prefix index.
+the matrix prefix index.
 """
 
 from __future__ import annotations
