@@ -9,7 +9,7 @@ rate if none passed), and `sweep` lists every measured rate.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pdserve.bench.client import EndpointConfig
 from pdserve.bench.goodput import GoodputResult, SearchPlan, next_rate_any, result
@@ -82,8 +82,14 @@ def sweep(config: BenchConfig, workload: Workload) -> dict[float, RateRun]:
     """Measure every rate the goodput search asks for."""
     runs: dict[float, RateRun] = {}
     while (rate := next_rate_any({r: run.attainment for r, run in runs.items()}, config.sweep)) is not None:
-        runs[rate] = measure_rate(config, workload, rate)
+        runs[rate] = measure_rate(config, fresh_content(config.workload, workload, len(runs)), rate)
     return runs
+
+
+def fresh_content(config: WorkloadConfig, first: Workload, point: int) -> Workload:
+    """The workload for the `point`-th run of a sweep: the first as built, later ones with their
+    own prompt content (same lengths and arrivals), so no run is served from an earlier one's cache."""
+    return first if point == 0 else build_workload(replace(config, content_salt=point))
 
 
 def metadata(config: BenchConfig) -> dict:

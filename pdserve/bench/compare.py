@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pdserve.bench.app import BenchConfig, RateRun, measure_rate, metadata
+from pdserve.bench.app import BenchConfig, RateRun, fresh_content, measure_rate, metadata
 from pdserve.bench.client import EndpointConfig
 from pdserve.bench.goodput import next_rate_any, result
 from pdserve.bench.metrics import summarize
@@ -50,8 +50,9 @@ def _fixed_rate(sides: tuple[BenchConfig, BenchConfig], workload: Workload, repe
     pooled: list[list[RateRun]] = [[], []]
     for round_ in range(max(1, repeats)):
         order = (0, 1) if round_ % 2 == 0 else (1, 0)
+        round_workload = fresh_content(sides[0].workload, workload, round_)  # same content for A and B
         for i in order:
-            pooled[i].append(measure_rate(sides[i], workload, sides[i].rate, label=f"{'AB'[i]} round {round_ + 1}"))
+            pooled[i].append(measure_rate(sides[i], round_workload, sides[i].rate, label=f"{'AB'[i]} round {round_ + 1}"))
     return [_pooled_report(side, runs) for side, runs in zip(sides, pooled)]
 
 
@@ -72,7 +73,8 @@ def _sweeps(sides: tuple[BenchConfig, BenchConfig], workload: Workload) -> list[
             break
         for i, rate in enumerate(wanted):
             if rate is not None:
-                runs[i][rate] = measure_rate(sides[i], workload, rate, label=f"{'AB'[i]} {rate:g} req/s")
+                point = fresh_content(sides[i].workload, workload, len(runs[i]))
+                runs[i][rate] = measure_rate(sides[i], point, rate, label=f"{'AB'[i]} {rate:g} req/s")
     return [_sweep_side_report(side, side_runs) for side, side_runs in zip(sides, runs)]
 
 

@@ -3,7 +3,10 @@
 Contract: `build_workload(config)` is a pure function of its config (the trace file included):
 the same seed gives the same prompts, lengths and unit-rate arrival schedule. Arrival times are
 stored at a mean of 1 request/s; `Workload.at_rate(rate)` rescales the time axis only, so every
-rate of a sweep replays the same requests in the same order.
+rate of a sweep replays the same request lengths in the same order. `content_salt` changes only
+the prompt content (not lengths, not arrivals): a sweep gives each rate point, and `bench compare`
+each round, its own salt, so a server's prefix cache cannot answer a later point from an earlier
+one (a trace's verbatim prompts are replayed as they are).
 
 Multi-turn conversations: with `num_conversations = C > 0`, request j is turn j // C of
 conversation j % C. Its prompt is the shared prefix, then every earlier turn of that conversation
@@ -78,6 +81,7 @@ class WorkloadConfig:
     num_conversations: int = 0
     shared_prefix_len: int = 0
     trace_path: str | None = None
+    content_salt: int = 0  # > 0: other prompt content, same lengths and arrivals (see module doc)
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,10 @@ class Workload:
 
 def build_workload(config: WorkloadConfig) -> Workload:
     """The seeded workload `config` describes."""
-    in_rng, out_rng, arrival_rng, content_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(4)
-    )
+    seeds = np.random.SeedSequence(config.seed).spawn(4)
+    if config.content_salt:  # fresh content; lengths and arrivals keep their own streams
+        seeds[3] = np.random.SeedSequence([config.seed, config.content_salt])
+    in_rng, out_rng, arrival_rng, content_rng = (np.random.default_rng(s) for s in seeds)
     entries = _trace_entries(config)
     n = len(entries) if entries is not None else config.num_requests
     if n <= 0:
