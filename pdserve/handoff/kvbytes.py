@@ -68,16 +68,28 @@ def chunk_views(raw: np.ndarray, layer: int, block_ids: list[int]) -> list[np.nd
     return [raw[layer, kv, start : start + n].reshape(-1) for kv in (0, 1) for start, n in runs]
 
 
+class _Digest:
+    """The chunk checksum, fed piece by piece in the chunk's byte order."""
+
+    def __init__(self) -> None:
+        self._h = _xxhash.xxh3_64() if _xxhash is not None else None
+        self._crc = 0
+
+    def update(self, piece: np.ndarray) -> None:
+        if self._h is not None:
+            self._h.update(piece)
+        else:
+            self._crc = zlib.crc32(piece, self._crc)
+
+    def value(self) -> int:
+        return self._h.intdigest() if self._h is not None else self._crc
+
+
 def checksum_views(views: list[np.ndarray]) -> int:
-    if _xxhash is not None:
-        h = _xxhash.xxh3_64()
-        for v in views:
-            h.update(v)
-        return h.intdigest()
-    crc = 0
+    digest = _Digest()
     for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc
+        digest.update(v)
+    return digest.value()
 
 
 def chunk_checksum(raw: np.ndarray, layer: int, block_ids: list[int]) -> int:
@@ -87,20 +99,16 @@ def chunk_checksum(raw: np.ndarray, layer: int, block_ids: list[int]) -> int:
 def checksum_and_gather(raw: np.ndarray, layer: int, block_ids: list[int], out: np.ndarray) -> int:
     """`chunk_checksum` and `gather_chunk` in one pass: each cache-sized piece of the source is
     hashed and then copied while hot. The checksum is of the source bytes, never of `out`."""
-    h = _xxhash.xxh3_64() if _xxhash is not None else None
-    crc, offset = 0, 0
+    digest, offset = _Digest(), 0
     for view in chunk_views(raw, layer, block_ids):
         for start in range(0, view.size, _PIECE_BYTES):
             piece = view[start : start + _PIECE_BYTES]
-            if h is not None:
-                h.update(piece)
-            else:
-                crc = zlib.crc32(piece, crc)
+            digest.update(piece)
             np.copyto(out[offset : offset + piece.size], piece)
             offset += piece.size
     if offset != out.size:
         raise ValueError(f"chunk holds {offset} B, buffer {out.size} B")
-    return h.intdigest() if h is not None else crc
+    return digest.value()
 
 
 def gather_chunk(raw: np.ndarray, layer: int, block_ids: list[int], out: np.ndarray) -> None:
@@ -126,20 +134,16 @@ def scatter_chunk(data: np.ndarray, raw: np.ndarray, layer: int, block_ids: list
 def scatter_and_checksum(data: np.ndarray, raw: np.ndarray, layer: int, block_ids: list[int]) -> int:
     """`scatter_chunk` and `chunk_checksum` of the destination in one pass: each piece is copied
     into `raw` and then hashed there while hot, so the checksum is of the bytes `raw` now holds."""
-    h = _xxhash.xxh3_64() if _xxhash is not None else None
-    crc, offset = 0, 0
+    digest, offset = _Digest(), 0
     for view in chunk_views(raw, layer, block_ids):
         for start in range(0, view.size, _PIECE_BYTES):
             piece = view[start : start + _PIECE_BYTES]
             np.copyto(piece, data[offset : offset + piece.size])
-            if h is not None:
-                h.update(piece)
-            else:
-                crc = zlib.crc32(piece, crc)
+            digest.update(piece)
             offset += piece.size
     if offset != data.size:
         raise ValueError(f"chunk holds {offset} B, buffer {data.size} B")
-    return h.intdigest() if h is not None else crc
+    return digest.value()
 
 
 def copy_chunk(src_raw: np.ndarray, src_blocks: list[int], dst_raw: np.ndarray, dst_blocks: list[int], layer: int) -> None:
@@ -152,8 +156,7 @@ def copy_and_checksum(src_raw: np.ndarray, src_blocks: list[int], dst_raw: np.nd
                       layer: int) -> int:
     """`copy_chunk` and `chunk_checksum(dst_raw, layer, dst_blocks)` in one pass: each piece is copied
     into the destination and hashed there while hot (K runs then V runs, the chunk's byte order)."""
-    h = _xxhash.xxh3_64() if _xxhash is not None else None
-    crc = 0
+    digest = _Digest()
     runs = paired_runs(list(src_blocks), list(dst_blocks))
     for kv in (0, 1):
         for s, d, n in runs:
@@ -161,8 +164,5 @@ def copy_and_checksum(src_raw: np.ndarray, src_blocks: list[int], dst_raw: np.nd
             for start in range(0, dst.size, _PIECE_BYTES):
                 piece = dst[start : start + _PIECE_BYTES]
                 np.copyto(piece, src[start : start + piece.size])
-                if h is not None:
-                    h.update(piece)
-                else:
-                    crc = zlib.crc32(piece, crc)
-    return h.intdigest() if h is not None else crc
+                digest.update(piece)
+    return digest.value()

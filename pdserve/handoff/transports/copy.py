@@ -19,7 +19,7 @@ block after the destination accepted it or after publication. The cost is a seco
 from __future__ import annotations
 
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from pdserve.handoff.kvbytes import (checksum_and_gather, chunk_nbytes, copy_chu
                                      scatter_and_checksum)
 from pdserve.handoff.transports.base import ChunkPayload, Landing, LinkClosed, ReceiverLink, SenderLink
 from pdserve.handoff.transports.channels import QueueChannel, SocketChannel
+from pdserve.handoff.transports.segment import SegmentReceiverLink, forget_attached
 
 MAX_STAGING_BYTES = 1 << 30
 
@@ -77,15 +78,6 @@ class InProcReceiverLink(ReceiverLink):
 def inproc_links(dst_pool: KvPool) -> tuple[InProcSenderLink, InProcReceiverLink]:
     out, back = QueueChannel(), QueueChannel()
     return InProcSenderLink(out, back), InProcReceiverLink(out, back, pool_bytes(dst_pool))
-
-
-def forget_attached(shm: shared_memory.SharedMemory) -> None:
-    """An attaching process does not own the segment: keep Python's resource tracker from
-    unlinking it (or warning about it) when this process exits; the creator unlinks it."""
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - CPython < 3.13 has no track=False
-    except Exception:  # noqa: BLE001 - best effort: only affects warnings at exit
-        pass
 
 
 class ShmSenderLink(SenderLink):
@@ -152,17 +144,18 @@ class ShmSenderLink(SenderLink):
         self.channel.close()
 
 
-class ShmReceiverLink(ReceiverLink):
+class ShmReceiverLink(SegmentReceiverLink):
     """The destination end: owns the staging segment and copies admitted chunks into its pool."""
 
-    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES):
-        super().__init__()
-        self.channel, self.dst_raw, self.max_staging_bytes = channel, dst_raw, max_staging_bytes
-        self._shm: shared_memory.SharedMemory | None = None
-        self.staging: np.ndarray | None = None
-        self._landed: tuple[ChunkFrame, int] | None = None  # the last chunk this link wrote, hashed
+    HELLO = StagingHello
+    owns_segment = True
 
-    def _open_staging(self, hello: StagingHello) -> None:
+    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES):
+        super().__init__(channel, dst_raw)
+        self.max_staging_bytes = max_staging_bytes
+        self.staging: np.ndarray | None = None
+
+    def _on_hello(self, hello: StagingHello) -> None:
         if self._shm is not None or not 0 < hello.window_bytes <= self.max_staging_bytes:
             raise LinkClosed(f"refused staging of {hello.window_bytes} B")
         self._shm = shared_memory.SharedMemory(name=f"pdstage-{uuid.uuid4().hex[:12]}", create=True,
@@ -170,37 +163,11 @@ class ShmReceiverLink(ReceiverLink):
         self.staging = np.ndarray((hello.window_bytes,), dtype=np.uint8, buffer=self._shm.buf)
         self.channel.send_frame(StagingOffer(self._shm.name, hello.window_bytes))
 
-    def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
-        self._landed = None
-        frame = self.channel.recv_frame(timeout_s)
-        while isinstance(frame, StagingHello):  # the link's own handshake; callers never see it
-            self._open_staging(frame)
-            frame = self.channel.recv_frame(timeout_s)
-        if isinstance(frame, ChunkFrame):
-            self._unstage(frame, landing(frame))
-        return frame
-
-    def _unstage(self, frame: ChunkFrame, blocks: list[int] | None) -> None:
+    def _land(self, frame: ChunkFrame, blocks: list[int] | None) -> int | None:
         if blocks is None or self.staging is None or frame.offset + frame.nbytes > self.staging.size:
-            return  # fenced, duplicate or malformed: the pool is not touched; the checksum decides
+            return None
         staged = self.staging[frame.offset : frame.offset + frame.nbytes]
-        self._landed = (frame, scatter_and_checksum(staged, self.dst_raw, frame.layer, blocks))
-        self.traffic.record(payload_bytes=frame.nbytes, num_frames=1)
+        return scatter_and_checksum(staged, self.dst_raw, frame.layer, blocks)
 
-    def landed_checksum(self, frame: ChunkFrame) -> int | None:
-        landed, self._landed = self._landed, None
-        return landed[1] if landed is not None and landed[0] is frame else None
-
-    def send(self, frame: Frame) -> None:
-        self.channel.send_frame(frame)
-
-    def close(self) -> None:
+    def _drop_views(self) -> None:
         self.staging = None
-        if self._shm is not None:
-            self._shm.close()
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:  # an attached peer's resource tracker (Python < 3.13) got there first
-                pass
-            self._shm = None
-        self.channel.close()

@@ -21,9 +21,9 @@ import numpy as np
 
 from pdserve.handoff.frames import ChunkFrame, Frame, SourcePoolHello
 from pdserve.handoff.kvbytes import copy_and_checksum
-from pdserve.handoff.transports.base import ChunkPayload, Landing, LinkClosed, ReceiverLink, SenderLink
+from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, SenderLink
 from pdserve.handoff.transports.channels import SocketChannel
-from pdserve.handoff.transports.copy import forget_attached
+from pdserve.handoff.transports.segment import SegmentReceiverLink, forget_attached
 
 
 class ShmPullSenderLink(SenderLink):
@@ -49,17 +49,16 @@ class ShmPullSenderLink(SenderLink):
         self.channel.close()
 
 
-class ShmPullReceiverLink(ReceiverLink):
+class ShmPullReceiverLink(SegmentReceiverLink):
     """The destination end: maps the source pool and copies admitted chunks into its own."""
 
-    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray):
-        super().__init__()
-        self.channel, self.dst_raw = channel, dst_raw
-        self._shm: shared_memory.SharedMemory | None = None
-        self.src_raw: np.ndarray | None = None  # read-only uint8 view, shaped like dst_raw but N source blocks
-        self._landed: tuple[ChunkFrame, int] | None = None
+    HELLO = SourcePoolHello
 
-    def _map_source(self, hello: SourcePoolHello) -> None:
+    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray):
+        super().__init__(channel, dst_raw)
+        self.src_raw: np.ndarray | None = None  # read-only uint8 view, shaped like dst_raw but N source blocks
+
+    def _on_hello(self, hello: SourcePoolHello) -> None:
         if self._shm is not None:
             raise LinkClosed("source pool announced twice")
         shape = (self.dst_raw.shape[0], 2, hello.num_blocks) + self.dst_raw.shape[3:]
@@ -75,36 +74,14 @@ class ShmPullReceiverLink(ReceiverLink):
         view.flags.writeable = False
         self.src_raw = view
 
-    def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
-        self._landed = None
-        frame = self.channel.recv_frame(timeout_s)
-        while isinstance(frame, SourcePoolHello):  # the link's own handshake; callers never see it
-            self._map_source(frame)
-            frame = self.channel.recv_frame(timeout_s)
-        if isinstance(frame, ChunkFrame):
-            self._pull(frame, landing(frame))
-        return frame
-
-    def _pull(self, frame: ChunkFrame, blocks: list[int] | None) -> None:
+    def _land(self, frame: ChunkFrame, blocks: list[int] | None) -> int | None:
         src = self.src_raw
         if blocks is None or src is None or not _well_formed(frame, blocks, src.shape):
-            return  # fenced, duplicate or malformed: the pool is not touched; the checksum decides
-        self._landed = (frame, copy_and_checksum(src, list(frame.src_blocks), self.dst_raw, blocks, frame.layer))
-        self.traffic.record(payload_bytes=frame.nbytes, num_frames=1)
+            return None
+        return copy_and_checksum(src, list(frame.src_blocks), self.dst_raw, blocks, frame.layer)
 
-    def landed_checksum(self, frame: ChunkFrame) -> int | None:
-        landed, self._landed = self._landed, None
-        return landed[1] if landed is not None and landed[0] is frame else None
-
-    def send(self, frame: Frame) -> None:
-        self.channel.send_frame(frame)
-
-    def close(self) -> None:
+    def _drop_views(self) -> None:
         self.src_raw = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        self.channel.close()
 
 
 def _well_formed(frame: ChunkFrame, blocks: list[int], src_shape: tuple[int, ...]) -> bool:
