@@ -44,8 +44,9 @@ def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
             break
         payload = _payload(src, spec.chunk_id)
         frame = src.begin_send(spec.chunk_id, stage=lambda offset: link.stage(offset, payload))
+        sent_s = src.trace.clock()
         link.send_chunk(frame, payload)
-        src.mark_sent(frame)
+        src.mark_sent(frame, sent_s)
         sent += 1
     return sent
 
@@ -53,8 +54,9 @@ def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
 def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str]) -> None:
     for chunk_id in chunk_ids:
         frame = src.resend_frame(chunk_id, resend=src.log.num_resends + 1)
+        sent_s = src.trace.clock()
         link.send_chunk(frame, _payload(src, chunk_id))
-        src.mark_sent(frame)
+        src.mark_sent(frame, sent_s)
 
 
 def _absorb(src: SourceTransfer, link: SenderLink, timeout_s: float) -> bool:

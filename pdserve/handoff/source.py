@@ -119,11 +119,16 @@ class SourceTransfer:
         return ChunkFrame(self.manifest.transfer_id, self.manifest.fence, chunk_id, spec.layer, spec.nbytes, checksum,
                           offset=offset)
 
-    def mark_sent(self, frame: ChunkFrame) -> None:
+    def mark_sent(self, frame: ChunkFrame, sent_s: float | None = None) -> None:
+        """After the transport's send; `sent_s` (the trace clock) is when that send started, which
+        a fast receiver may already have answered."""
         if frame.resend == 0:
             self.table.move(frame.chunk_id, ChunkState.SENT)
-        self.log.send_s[frame.chunk_id] = self.trace.clock()
-        self._emit("chunk_send", layer=frame.layer, chunk=frame.chunk_id, bytes=frame.nbytes)
+        sent_s = self.trace.clock() if sent_s is None else sent_s
+        self.log.send_s[frame.chunk_id] = sent_s
+        spec = self._specs[frame.chunk_id]
+        self._emit("chunk_send", ts=sent_s, layer=frame.layer, chunk=frame.chunk_id, bytes=frame.nbytes,
+                   tokens=spec.token_start + spec.token_count)
 
     def resend_frame(self, chunk_id: str, resend: int) -> ChunkFrame:
         """The same chunk again under the same transfer id (same bytes, same checksum)."""

@@ -32,6 +32,7 @@ class TraceEvent(msgspec.Struct, frozen=True, omit_defaults=False):
     bytes: int | None = None
     reason: str | None = None
     worker: str | None = None
+    tokens: int | None = None  # layer_ready: prompt tokens final so far (None: the whole layer); chunk_send: the chunk's token end
 
 
 class TraceSink:
@@ -43,10 +44,12 @@ class TraceSink:
         self._encoder = msgspec.json.Encoder()
         self._lock = threading.Lock()
 
-    def emit(self, event: str, request: str, transfer: str, generation: int, attempt: int, **fields) -> TraceEvent:
+    def emit(self, event: str, request: str, transfer: str, generation: int, attempt: int, ts: float | None = None,
+             **fields) -> TraceEvent:
+        """`ts` (this sink's clock) when the event happened earlier than now, e.g. a send's start."""
         if event not in EVENTS:
             raise ValueError(f"unknown trace event {event!r}")
-        record = TraceEvent(self.clock(), event, request, transfer, generation, attempt, **fields)
+        record = TraceEvent(self.clock() if ts is None else ts, event, request, transfer, generation, attempt, **fields)
         with self._lock:
             if self._keep:
                 self.events.append(record)

@@ -1,14 +1,14 @@
 """Transfer-trace contract over the runtime's JSON-lines traces.
 
 One line per event: {"ts", "event", "request", "transfer", "generation", "attempt", "layer",
-"chunk", "bytes", "reason", "worker"} (ts in seconds). Events are grouped into transactions by
+"chunk", "bytes", "reason", "worker", "tokens"} (ts in seconds; "tokens" optional). Events are grouped into transactions by
 `transfer`; request-level events written without a transfer id (prefill_start, decode_ready,
 ...) join every transaction of the same request and generation.
 
 A transaction is rejected (status "invalid") unless: all its events carry one request and one
 generation; it publishes at most once; and, when it publishes, a validate event and a
 chunk_visible event for every expected layer precede the publication, no chunk was sent before
-its layer was ready, no ack precedes publication, and no abort accompanies it.
+its layer was ready (or, with a `tokens` watermark on layer_ready, before its tokens were), no ack precedes publication, and no abort accompanies it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class TraceEvent:
     nbytes: int | None = None
     reason: str | None = None
     worker: str | None = None
+    tokens: int | None = None  # layer_ready: prompt tokens final so far (None: whole layer); chunk_send: chunk's token end
 
 
 def parse_event(record: dict, line_no: int = 0) -> TraceEvent:
@@ -65,6 +66,7 @@ def parse_event(record: dict, line_no: int = 0) -> TraceEvent:
             nbytes=None if record.get("bytes") is None else int(record["bytes"]),
             reason=record.get("reason"),
             worker=record.get("worker"),
+            tokens=None if record.get("tokens") is None else int(record["tokens"]),
         )
     except (TypeError, ValueError) as exc:
         raise TraceFormatError(f"line {line_no}: {exc}") from exc
@@ -154,13 +156,23 @@ def contract_violation(events: Sequence[TraceEvent], expected_layers: set[int] |
     publishes = [ev for ev in events if ev.event == "publish"]
     if len(publishes) > 1:
         return f"published {len(publishes)} times"
-    ready = {ev.layer: ev.ts_s for ev in events if ev.event == "layer_ready"}
     for ev in events:
-        if ev.event == "chunk_send" and ev.layer in ready and ev.ts_s < ready[ev.layer]:
+        if ev.event == "chunk_send" and _sent_early(ev, events):
             return f"chunk {ev.chunk} sent at {ev.ts_s:.9g}s before layer {ev.layer} was ready"
     if not publishes:
         return None
     return _publication_violation(events, publishes[0].ts_s, expected_layers)
+
+
+def _sent_early(send: TraceEvent, events: Sequence[TraceEvent]) -> bool:
+    """Was `send` earlier than the first layer_ready covering it? A layer_ready without `tokens`
+    covers the whole layer; one with `tokens` covers chunks ending there or earlier (chunked
+    prefill streams a layer's early chunks). A layer never announced is not judged here."""
+    marks = [ev for ev in events if ev.event == "layer_ready" and ev.layer == send.layer]
+    covering = [ev.ts_s for ev in marks if ev.tokens is None or (send.tokens is not None and send.tokens <= ev.tokens)]
+    if not marks:
+        return False
+    return not covering or send.ts_s < min(covering)
 
 
 def _publication_violation(events: Sequence[TraceEvent], publish_s: float, expected: set[int] | None) -> str | None:

@@ -72,11 +72,11 @@ class PrefillSide:
                 self.started[p.request_id].set_src_blocks(transfer_blocks(self.engine.kv_blocks(p.request_id), msg.plan))
             if p.completes:
                 gate.mark_ready(layer)
-                plan = msg.plan
-                self.worker.trace.emit("layer_ready", p.request_id, plan.transfer_id, plan.generation, plan.attempt,
-                                       layer=layer, worker=self.worker.id)
             else:
                 gate.mark_progress(layer, p.computed_tokens)
+            plan = msg.plan
+            self.worker.trace.emit("layer_ready", p.request_id, plan.transfer_id, plan.generation, plan.attempt,
+                                   layer=layer, worker=self.worker.id, tokens=None if p.completes else p.computed_tokens)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

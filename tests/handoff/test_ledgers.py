@@ -91,5 +91,5 @@ def test_trace_sink_writes_schema(tmp_path):
     sink.close()
     line = json.loads(path.read_text().splitlines()[0])
     assert set(line) == {"ts", "event", "request", "transfer", "generation", "attempt", "layer", "chunk", "bytes",
-                         "reason", "worker"}
+                         "reason", "worker", "tokens"}
     assert read_trace(str(path))[0].chunk == "L2:0+4"

@@ -94,3 +94,34 @@ def test_format_errors_name_the_line():
         parse_jsonl([line(0, "reserve", "r", "x", 1), "{not json"])
     with pytest.raises(TraceFormatError, match="missing keys"):
         parse_jsonl(['{"ts": 0, "event": "reserve"}'])
+
+
+def _with_tokens(text: list[str], event: str, layer: int, tokens: int, ts: float | None = None) -> list[str]:
+    """Add a `tokens` watermark (and optionally a timestamp) to the first `event` line of `layer`."""
+    out, done = [], False
+    for t in text:
+        record = json.loads(t)
+        if not done and record["event"] == event and record["layer"] == layer:
+            record["tokens"], done = tokens, True
+            if ts is not None:
+                record["ts"] = ts
+        out.append(json.dumps(record))
+    return out
+
+
+def test_watermarked_layer_ready_covers_only_chunks_ending_within_it():
+    """Chunked prefill: an early layer_ready with a token watermark lets chunks up to it stream
+    before the layer completes; a chunk past the watermark sent before completion is a violation."""
+    base = published_run("req-a", "xa", 1, 0.0, layers=2)
+    early = [line(0.0005, "layer_ready", "req-a", None, 1, layer=0, worker="P0")]
+    early = _with_tokens(early, "layer_ready", 0, 512)
+    within = _with_tokens(base, "chunk_send", 0, 512, ts=0.0008)  # before the layer completes at 0.002
+    (report,) = analyze_trace(parse_jsonl(early + within))
+    assert report.ok, report.reason
+    beyond = _with_tokens(base, "chunk_send", 0, 1024, ts=0.0008)
+    (report,) = analyze_trace(parse_jsonl(early + beyond))
+    assert report.status == "invalid" and "before layer 0 was ready" in report.reason
+    untagged = _with_tokens(base, "chunk_visible", 0, 0)  # a send without tokens needs the whole layer
+    untagged = [t.replace('"ts": 0.002, "event": "chunk_send"', '"ts": 0.0008, "event": "chunk_send"') for t in untagged]
+    (report,) = analyze_trace(parse_jsonl(early + untagged))
+    assert report.status == "invalid"
