@@ -3,12 +3,16 @@
 Contract: each request is sent at its scheduled `arrival_s` after the run starts, whether or not
 earlier ones have finished (open loop), over one shared connection pool with no connection limit.
 Every request yields exactly one record, in request order. The progress bar goes to stderr and is
-off when `quiet` or when stderr is not a terminal.
+off when `quiet` or when stderr is not a terminal. During a replay the objects that exist before it
+(the workload, prompts, imported modules) are moved out of the garbage collector's view
+(`gc.freeze`), so a full collection does not pause the loop mid-run and delay timestamps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -42,7 +46,8 @@ async def run_requests(
     transport = transport or make_transport_for(endpoint)
     bar = _progress_bar(len(requests), quiet, label)
     try:
-        records, wall_s = await _replay(transport, requests, endpoint, bar)
+        with _frozen_heap():
+            records, wall_s = await _replay(transport, requests, endpoint, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -71,6 +76,17 @@ async def _replay(transport, requests, endpoint, bar) -> tuple[tuple[RequestReco
         tasks[i] = task
     records = await asyncio.gather(*tasks)
     return tuple(records), time.perf_counter() - start_s
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """Collect once, then keep everything that exists now out of later collections."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _progress_bar(total: int, quiet: bool, label: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pdserve.commands.simulate import add_slo_args, add_workload_args
 
@@ -45,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="bench sweep ladder for every configuration (default: 0.25/0.5/1/1.5 x each prediction)")
     v.add_argument("--validate-requests", type=int, help="requests per bench run (default --num-requests)")
     v.add_argument("--validate-max-bisections", type=int, default=1, help="bench bisections after the ladder (default 1)")
+    v.add_argument("--validate-tolerance", type=float, default=None, metavar="T",
+                   help="instead of a sweep, check |predicted - measured| <= T x measured with two bench runs per "
+                        "configuration (at pred/(1+T) and pred/(1-T)); e.g. 0.15")
+    v.add_argument("--validate-calibrate", action="store_true",
+                   help="re-time the --latency-model profile against each running server (isolated requests at the "
+                        "workload's median lengths) and re-make the prediction just before its benchmark")
+    v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
     v.add_argument("--validate-max-workers", type=int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
     p.set_defaults(func=run_plan)
@@ -96,24 +104,30 @@ def run_plan(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     import os
 
+    from pdserve.sim.planner import sample_goodput
     from pdserve.sim.validate import LocalConfig, validate
 
     meta = _profile_meta(args.latency_model)
     model = args.serve_model or meta.get("model") or "small"
     dtype = args.serve_dtype or meta.get("dtype") or "float32"
-    serve = ["--dtype", dtype, "--max-num-seqs", str(args.max_seqs)]
+    # the simulator routes round-robin, so the server does too
+    serve = ["--dtype", dtype, "--max-num-seqs", str(args.max_seqs), "--policy", "round_robin", *_engine_args_of(meta)]
+    num_requests = args.validate_requests or args.num_requests
     configs = []
     for name, plan_ in _ranked(result):
         simulated = (summary.get(name) or {}).get("simulated_goodput_rps")
-        if name == "colocated":
-            chunk = ["--max-num-batched-tokens", str(plan_.score.chunk_tokens)] if plan_.score.chunk_tokens else []
+        sample = sample_goodput(result.inputs, plan_, num_requests).rate
+        if name == "colocated":  # the plan's chunk budget; disaggregated: the profile's prefill chunking
+            chunk = _budget_args(plan_.score.chunk_tokens)
             configs.append(LocalConfig(name, "colocated", replicas=plan_.replicas, predicted_goodput_rps=plan_.goodput_rps,
-                                       simulated_goodput_rps=simulated, extra_serve_args=(*serve, *chunk)))
+                                       simulated_goodput_rps=simulated, sample_goodput_rps=sample,
+                                       extra_serve_args=(*serve, *chunk)))
         else:
+            chunk = _budget_args(meta.get("chunk_tokens"))
             configs.append(LocalConfig(name, "disaggregated", prefill=plan_.n_prefill, decode=plan_.n_decode,
                                        predicted_goodput_rps=plan_.goodput_rps, simulated_goodput_rps=simulated,
-                                       extra_serve_args=tuple(serve)))
-    bench = ["--num-requests", str(args.validate_requests or args.num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
+                                       sample_goodput_rps=sample, extra_serve_args=(*serve, *chunk)))
+    bench = ["--num-requests", str(num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
              "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed),
              "--max-bisections", str(args.validate_max_bisections), "--prompt-format", "ids"]
     if args.arrival:
@@ -131,13 +145,61 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     limit = args.validate_max_workers or os.cpu_count() or 1
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     runnable = [c for c in configs if c.workers <= limit]
-    rows = validate(runnable, model, bench, rates, progress)
+    calibrator = _calibrator(result, num_requests) if args.validate_calibrate else None
+    rows = validate(runnable, model, bench, rates, progress, tolerance=args.validate_tolerance, calibrator=calibrator,
+                    keep_dir=Path(args.validate_dir) if args.validate_dir else None)
     for c in configs:
         if c.workers > limit:
             rows.append({"name": c.name, "mode": c.mode, "layout": c.layout, "workers": c.workers,
                          "predicted_goodput_rps": c.predicted_goodput_rps, "simulated_goodput_rps": c.simulated_goodput_rps,
                          "error": f"skipped: needs {c.workers} worker processes, limit {limit} (--validate-max-workers)"})
     return rows
+
+
+def _calibrator(result, num_requests: int):
+    """Calibrate the fixed profiled model on the live server (bursts as large as the deployment's
+    worker count, against the simulator's clocks for the same burst), then re-simulate the
+    benchmark's sample with the scaled model."""
+    import dataclasses
+    import statistics
+
+    from pdserve.sim import calibrate
+    from pdserve.sim.planner import burst_clocks, sample_goodput
+    from pdserve.sim.profiled import ProfiledLatency
+    from pdserve.sim.requests import build_requests
+
+    inputs = result.inputs
+    if not isinstance(inputs.fixed_model, ProfiledLatency):
+        raise SystemExit("pdserve plan: --validate-calibrate needs --latency-model with a `pdserve profile` fit")
+    plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
+    sample = build_requests(dataclasses.replace(inputs.workload, num_requests=num_requests))
+    prompt = int(statistics.median(sample.prompt_tokens))
+    output = int(statistics.median(sample.output_tokens))
+
+    def run(config, url: str) -> tuple[dict, float]:
+        plan_ = plans[config.name]
+        burst = config.workers
+        predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
+        cal = calibrate.burst_requests(url, predicted, prompt, output, burst)
+        model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor, cal.decode_factor)
+        calibrated = dataclasses.replace(inputs, fixed_model=model)
+        return {**cal.to_dict(), "burst": burst}, sample_goodput(calibrated, plan_, num_requests).rate
+
+    return run
+
+
+def _budget_args(tokens) -> list[str]:
+    return ["--max-num-batched-tokens", str(int(tokens))] if tokens else []
+
+
+def _engine_args_of(meta: dict) -> list[str]:
+    """Serve flags that make the server's engine match the profiled one (numerics, chunking)."""
+    extra = ["--kv-cache-mb", str(int(meta["kv_cache_mb"]))] if meta.get("kv_cache_mb") else []
+    if meta.get("compute_dtype"):
+        extra += ["--compute-dtype", str(meta["compute_dtype"])]
+    if meta.get("batch_invariant") is False:
+        extra.append("--no-batch-invariant")
+    return extra
 
 
 def _profile_meta(path: str | None) -> dict:

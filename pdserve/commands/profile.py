@@ -20,7 +20,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, help="timings per point (median after one warm-up)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="engine dtype; profile with the dtype you will serve with")
+    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="activation/matmul dtype (as `pdserve serve --compute-dtype`)")
+    p.add_argument("--no-batch-invariant", action="store_true", help="as `pdserve serve --no-batch-invariant`")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prefill in chunks of N tokens, as a server with this step budget does (default: one step)")
+    p.add_argument("--kv-cache-mb", type=int, default=256,
+                   help="K/V pool per serving worker the capacity is computed for (as `pdserve serve --kv-cache-mb`)")
+    p.add_argument("--prompt-lens", type=_ints, help="prefill points, e.g. 128,512,1024,2048")
+    p.add_argument("--batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
+    p.add_argument("--contexts", type=_ints, help="decode context lengths, e.g. 128,1024")
     p.set_defaults(func=run_profile_command)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def run_profile_command(args: argparse.Namespace) -> int:
@@ -30,8 +50,11 @@ def run_profile_command(args: argparse.Namespace) -> int:
 
     plan = ProfilePlan.quick(args.model or "tiny", args.threads, dtype=args.dtype) if args.quick else ProfilePlan(
         model=args.model or "small", threads=args.threads, dtype=args.dtype)
-    if args.repeats:
-        plan = dataclasses.replace(plan, repeats=args.repeats)
+    overrides = {"repeats": args.repeats, "prompt_lens": args.prompt_lens, "batches": args.batches,
+                 "contexts": args.contexts, "chunk_tokens": args.max_num_batched_tokens,
+                 "compute_dtype": args.compute_dtype, "kv_cache_mb": args.kv_cache_mb}
+    plan = dataclasses.replace(plan, batch_invariant=not args.no_batch_invariant,
+                               **{k: v for k, v in overrides.items() if v is not None})
     model = run_profile(plan)
     Path(args.out).write_text(json.dumps(model.to_dict(), indent=2) + "\n")
     print(json.dumps({"out": args.out, "prefill_coef": model.prefill_coef, "decode_coef": model.decode_coef}))

@@ -67,6 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--transfer", choices=("request", "layer"), default="request", help="K/V transfer overlap")
     sim.add_argument("--layers", type=int, default=1, help="layers for layer-wise transfer")
     sim.add_argument("--rate", type=float, help="offered rate req/s (default: a trace's own rate)")
+    sim.add_argument("--sweep", action="store_true",
+                     help="find goodput instead (the benchmark's sweep + bisection on simulated runs): "
+                          "request_goodput (joint) and request_goodput_phase")
+    sim.add_argument("--sweep-rates", metavar="R1,R2,...", help="sweep ladder (default: 1/64 .. 64 req/s, x2 steps)")
+    sim.add_argument("--sweep-rel-tol", type=float, default=0.01, help="bisection stops within this of the bracket top")
     add_workload_args(sim, 1000)
     add_slo_args(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON line")
@@ -102,6 +107,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         model = load_latency_model(args.latency_model)
         requests = build_requests(workload_config(args), prefix_cache=args.prefix_cache)
+        if args.sweep:
+            _emit(_sweep(args, requests, model), args.json)
+            return 0
         started = time.perf_counter()
         result = simulate(requests, args.rate, sim_config(args), model)
         wall_s = time.perf_counter() - started
@@ -113,6 +121,35 @@ def run_simulate(args: argparse.Namespace) -> int:
                   offered_rate=args.rate, sim_wall_s=wall_s)
     _emit(report, args.json)
     return 0
+
+
+def _sweep(args: argparse.Namespace, requests, model) -> dict:
+    """Goodput of the simulated deployment under both definitions, with every measured point."""
+    from pdserve.bench.goodput import geometric_ladder
+    from pdserve.bench.metrics import Slo
+    from pdserve.sim.goodput import goodput_rps
+    from pdserve.sim.simulator import simulate
+
+    if args.rate is not None:
+        raise ValueError("--rate and --sweep are exclusive")
+    if args.sweep_rates:
+        ladder = tuple(sorted({float(r) for r in args.sweep_rates.split(",") if r.strip()}))
+    else:
+        ladder = geometric_ladder(1 / 64, 64.0)
+    slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment)
+    config = sim_config(args)
+    started = time.perf_counter()
+    report: dict = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment": args.attainment,
+                    "num_requests": len(requests.prompt_tokens)}
+    for definition, key in (("joint", "request_goodput"), ("phase", "request_goodput_phase")):
+        found = goodput_rps(lambda rate: simulate(requests, rate, config, model).records, slo, ladder, definition,
+                            rel_tol=args.sweep_rel_tol)
+        report[key] = found.rate
+        report[f"{key}_saturated"] = found.saturated
+        report.setdefault("points", {}).update(
+            {f"{rate:.6g}": {"ttft": a.ttft, "tpot": a.tpot, "joint": a.joint} for rate, a in sorted(found.points.items())})
+    report["sim_wall_s"] = time.perf_counter() - started
+    return report
 
 
 def run_bench_sim(args: argparse.Namespace) -> int:

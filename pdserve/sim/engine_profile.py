@@ -1,7 +1,7 @@
 """Measure our own engine on this machine and fit a profiled latency model (`pdserve profile`).
 
 Contract: prefill time is measured per prompt length (one fresh request, prefix cache off,
-the whole prompt in one step), decode step time per (batch, context) point (the batch first
+the whole prompt in one step, or in `chunk_tokens` chunks like a server with that step budget), decode step time per (batch, context) point (the batch first
 prefilled, then `DECODE_STEPS` steps timed); each point is the median of `repeats` timings
 after one warm-up. The fit is `profiled.fit_profile`; the JSON records the engine config, the
 thread count and every raw point; K/V capacity is that of a serving engine with the default
@@ -14,7 +14,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pdserve.ledger.kv import kv_bytes_per_token
 from pdserve.sim.profiled import ProfiledLatency, fit_profile
 
 DECODE_STEPS = 4
@@ -31,6 +30,10 @@ class ProfilePlan:
     repeats: int = 3
     threads: int | None = None
     dtype: str = "bfloat16"  # match the server's `--dtype` (float32 is much faster on CPUs without bf16)
+    compute_dtype: str | None = None  # match the server's `--compute-dtype`
+    batch_invariant: bool = True  # match the server's `--no-batch-invariant`
+    chunk_tokens: int | None = None  # prefill in chunks of this many tokens, as a server with this budget does
+    kv_cache_mb: int = 256  # the K/V pool a server would give each worker (`pdserve serve --kv-cache-mb`)
 
     @classmethod
     def quick(cls, model: str = "tiny", threads: int | None = None, dtype: str = "bfloat16") -> ProfilePlan:
@@ -44,9 +47,10 @@ def _engine(plan: ProfilePlan):
 
     longest = max(max(plan.prompt_lens), max(plan.contexts) + DECODE_STEPS * (plan.repeats + 2) + 4)
     blocks = max(plan.batches) * (longest // 16 + 2) + 64
-    config = EngineConfig(model=plan.model, dtype=plan.dtype, enable_prefix_cache=False, num_blocks=blocks,
-                          max_num_seqs=max(plan.batches), max_num_batched_tokens=longest * max(plan.batches),
-                          num_threads=plan.threads)
+    budget = plan.chunk_tokens or longest * max(plan.batches)
+    config = EngineConfig(model=plan.model, dtype=plan.dtype, compute_dtype=plan.compute_dtype,
+                          batch_invariant=plan.batch_invariant, enable_prefix_cache=False, num_blocks=blocks,
+                          max_num_seqs=max(plan.batches), max_num_batched_tokens=budget, num_threads=plan.threads)
     return Engine(config)
 
 
@@ -102,11 +106,11 @@ def run_profile(plan: ProfilePlan) -> ProfiledLatency:
             ctx, seconds = decode_point_s(engine, b, c, plan.repeats)
             decode.append((b, ctx, seconds))
     engine.assert_no_leaks()
-    from pdserve.engine.config import EngineConfig
-
-    mc, cfg = engine.model_config, engine.config
-    per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, 2)
-    meta = {"model": plan.model, "dtype": cfg.dtype, "threads": torch.get_num_threads(), "block_size": cfg.block_size}
-    # Capacity is that of a serving engine with the default K/V budget, not of this small pool.
+    cfg = engine.config
+    per_token = engine.abi.bytes_per_token  # the pool's own dtype
+    meta = {"kv_cache_mb": plan.kv_cache_mb, "model": plan.model, "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype,
+            "batch_invariant": cfg.batch_invariant, "chunk_tokens": plan.chunk_tokens,
+            "threads": torch.get_num_threads(), "block_size": cfg.block_size}
+    # Capacity is that of a serving engine with `kv_cache_mb` of K/V pool, not of this small pool.
     return fit_profile(prefill, decode, meta=meta, kv_bytes_per_token=per_token,
-                       kv_capacity_tokens=EngineConfig().kv_cache_bytes // per_token)
+                       kv_capacity_tokens=(plan.kv_cache_mb << 20) // per_token)

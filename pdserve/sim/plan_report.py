@@ -96,11 +96,42 @@ def validation_lines(rows: list[dict]) -> list[str]:
                      f"{_num(r.get('measured_goodput_rps')):>14}{_num(r.get('measured_goodput_phase_rps')):>11}{sat}")
         sweep = ", ".join(f"{p['rate']:g}:{_num(p.get('attainment_joint'))}" for p in r.get("sweep", []))
         lines.append(f"{'':<16}joint attainment by rate: {sweep}")
+        if r.get("sample_goodput_rps") is not None:
+            lines.append(f"{'':<16}simulated on the benchmark's own requests: {_num(r['sample_goodput_rps'])} rps")
+        if "calibration" in r:
+            c = r["calibration"]
+            lines.append(f"{'':<16}calibrated on the live server (prefill x{c['prefill_factor']:.3f}, decode "
+                         f"x{c['decode_factor']:.3f}): {_num(r['calibrated_goodput_rps'])} rps")
+        if "within_tolerance" in r:
+            lo, hi = r["bracket_rps"]
+            verdict = "within" if r["within_tolerance"] else "NOT within"
+            lines.append(f"{'':<16}bracket {lo:.3g}..{hi:.3g} rps: measured goodput {r['measured_vs_prediction']}"
+                         f" -> prediction {verdict} {r.get('tolerance', 0):.0%} of the measurement")
     ok = [r for r in rows if r.get("measured_goodput_rps") is not None]
+    if any("within_tolerance" in r for r in rows):
+        lines.append(f"measured better: {bracket_ranking(rows) or 'undecided (measured intervals overlap)'}")
+        return lines
     if len(ok) >= 2:
         best = max(ok, key=lambda r: r["measured_goodput_rps"])
         lines.append(f"measured better: {best['name']}")
     return lines
+
+
+def measured_interval(row: dict) -> tuple[float, float] | None:
+    """[low, high) req/s that a bracket check places the measured goodput in."""
+    lo, hi = row["bracket_rps"]
+    return {"below": (0.0, lo), "within": (lo, hi), "above": (hi, float("inf"))}.get(row["measured_vs_prediction"])
+
+
+def bracket_ranking(rows: list[dict]) -> str | None:
+    """The configuration whose measured interval lies wholly above every other's, if one does."""
+    intervals = {r["name"]: measured_interval(r) for r in rows if "within_tolerance" in r}
+    if len(intervals) < 2 or None in intervals.values():
+        return None
+    for name, (lo, _) in intervals.items():
+        if all(lo >= other_hi for other, (_, other_hi) in intervals.items() if other != name):
+            return name
+    return None
 
 
 def _num(value) -> str:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from statistics import fmean
+from statistics import fmean, median
 from typing import Callable
 
+from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo
+from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
 from pdserve.ledger.margin import MarginTerms, net_margin_s
 from pdserve.sim.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
@@ -172,6 +175,30 @@ def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSear
         found[name] = goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition)
         progress(f"end-to-end {name}: {found[name].rate:.3g} rps (ledger {plan_.goodput_rps:.3g})")
     return found
+
+
+def sample_goodput(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_requests: int) -> GoodputSearch:
+    """Simulated goodput of a planned deployment on exactly the first `num_requests` requests of
+    the workload (same seed, so the same lengths and unit arrivals a benchmark of that size
+    replays): the figure a short measurement of the live system is held to."""
+    config, pm, dm = deployment(inputs, plan_)
+    workload = inputs.workload
+    if workload.trace_path is None:
+        workload = dataclasses.replace(workload, num_requests=num_requests)
+    requests = build_requests(workload)
+    run = lambda rate: simulate(requests, rate, config, pm, dm).records  # noqa: E731
+    return goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition, rel_tol=0.01)
+
+
+def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_tokens: int, output_tokens: int,
+                 burst: int, rate: float) -> tuple[float, float]:
+    """Median simulated (TTFT s, TPOT s) of `burst` equal requests arriving at `rate` on the
+    planned deployment (what a calibration burst through the live server is compared with)."""
+    workload = WorkloadConfig(num_requests=burst, input_len=fixed(prompt_tokens), output_len=fixed(output_tokens),
+                              arrival=ArrivalSpec("constant"), prompt_style=PromptStyle(format="ids"))
+    config, pm, dm = deployment(inputs, plan_)
+    records = simulate(build_requests(workload), rate, config, pm, dm).records
+    return median(r.ttft_s for r in records), median(r.tpot_s for r in records)
 
 
 def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> MarginTerms:

@@ -5,6 +5,13 @@ decode_step_s = a_d + b_d * batch + c_d * context_tokens, with every coefficient
 least-squares fit that drops terms which would come out negative and refits). A colocated
 iteration costs the prefill form over chunk + decode rows plus the decode context term. The JSON
 form keeps the raw points next to the coefficients so a fit can be audited.
+
+Decode cost is often not affine in the batch on a CPU: a one-row step is a matrix-vector product,
+while a few rows run a small-M GEMM that can cost several times more (this machine's MKL takes
+~8x longer for 4 rows than for 1). When the profile measured at least two batch sizes, the fit
+also keeps one base per measured size next to a shared context coefficient
+(decode_step_s = base(batch) + c * context), interpolated linearly between measured sizes and
+extended past the largest with the affine fit's per-sequence slope.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ class ProfiledLatency(LatencyModel):
     kv_bytes_per_token: int = 0
     kv_capacity_tokens: int | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    # ((batch, base s), ...) in increasing batch, and the context coefficient that goes with them
+    decode_batch_base: tuple[tuple[int, float], ...] = ()
+    decode_context_s: float = 0.0
 
     def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
         a, b, c = self.prefill_coef
@@ -35,6 +45,8 @@ class ProfiledLatency(LatencyModel):
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
             return 0.0
+        if self.decode_batch_base:
+            return _interpolate(self.decode_batch_base, batch, self.decode_coef[1]) + self.decode_context_s * context_tokens
         a, b, c = self.decode_coef
         return a + b * batch + c * context_tokens
 
@@ -50,6 +62,8 @@ class ProfiledLatency(LatencyModel):
             "decode_coef": list(self.decode_coef),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": self.kv_capacity_tokens,
+            "decode_batch_base": [list(x) for x in self.decode_batch_base],
+            "decode_context_s": self.decode_context_s,
             "meta": self.meta,
         }
 
@@ -62,6 +76,8 @@ class ProfiledLatency(LatencyModel):
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
             kv_capacity_tokens=None if cap is None else int(cap),
             meta=dict(d.get("meta", {})),
+            decode_batch_base=tuple((int(b), float(t)) for b, t in d.get("decode_batch_base", ())),
+            decode_context_s=float(d.get("decode_context_s", 0.0)),
         )
 
 
@@ -91,9 +107,38 @@ def fit_profile(
     meta = dict(extra.pop("meta", {}))
     meta["prefill_points"] = [list(x) for x in prefill_points]
     meta["decode_points"] = [list(x) for x in decode_points]
+    bases, context_s = per_batch_fit(decode_points)
     return ProfiledLatency(
         prefill_coef=nonnegative_fit(p, np.array([t for _, t in prefill_points])),
         decode_coef=nonnegative_fit(d, np.array([t for *_, t in decode_points])),
         meta=meta,
+        decode_batch_base=bases,
+        decode_context_s=context_s,
         **extra,
     )
+
+
+def per_batch_fit(decode_points: Sequence[tuple[int, int, float]]) -> tuple[tuple[tuple[int, float], ...], float]:
+    """(((batch, base s), ...), context s per token): one intercept per measured batch size and a
+    shared context slope, all >= 0; ((), 0.0) when fewer than two batch sizes were measured."""
+    sizes = sorted({b for b, _, _ in decode_points})
+    if len(sizes) < 2:
+        return (), 0.0
+    column = {b: i for i, b in enumerate(sizes)}
+    features = np.zeros((len(decode_points), len(sizes) + 1))
+    for row, (b, c, _) in enumerate(decode_points):
+        features[row, column[b]] = 1.0
+        features[row, -1] = c
+    coef = nonnegative_fit(features, np.array([t for *_, t in decode_points]))
+    return tuple(zip(sizes, coef[:-1])), coef[-1]
+
+
+def _interpolate(points: Sequence[tuple[int, float]], batch: int, slope_past_end: float) -> float:
+    """Piecewise-linear in batch through `points`; flat below the first, `slope_past_end` after the last."""
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if batch <= b1:
+            return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+    last_b, last_t = points[-1]
+    return last_t + slope_past_end * (batch - last_b)

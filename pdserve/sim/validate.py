@@ -8,7 +8,10 @@ SIGINT, then SIGTERM, then SIGKILL), and report predicted vs measured goodput. O
 runtime is supported (replicas, not TP/PP, are what `pdserve serve` varies here).
 
 The bench ladder is either given (`rates`) or centred on each configuration's prediction
-(`ladder_around`), so a short sweep still brackets the predicted goodput.
+(`ladder_around`), so a short sweep still brackets the predicted goodput. With a tolerance T
+(`bracket`) the ladder is exactly the two rates pred / (1 + T) and pred / (1 - T) and no bisection:
+the prediction is within T of the measured goodput when the first rate passes and the second
+fails, which two bench runs decide (the lower one first; a failure there ends the check).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pdserve.ports import free_local_port
+
+BeforeBench = Callable[[str], "list[float] | None"]  # server url -> the ladder to use (None: the default)
+Calibrator = Callable[["LocalConfig", str], "tuple[dict, float]"]  # -> (details, re-made prediction rps)
 
 LADDER_FACTORS = (0.25, 0.5, 1.0, 1.5)
 
@@ -40,7 +47,14 @@ class LocalConfig:
     decode: int = 1
     predicted_goodput_rps: float = 0.0
     simulated_goodput_rps: float | None = None
+    sample_goodput_rps: float | None = None  # simulated on exactly the requests the bench replays
     extra_serve_args: tuple[str, ...] = field(default=())  # e.g. --dtype, --max-num-batched-tokens
+
+    @property
+    def checked_rps(self) -> float:
+        """The prediction a measurement is held to: the deployment simulated on the very requests
+        the bench replays when known, else its steady-state simulation, else the planner's estimate."""
+        return self.sample_goodput_rps or self.simulated_goodput_rps or self.predicted_goodput_rps
 
     @property
     def workers(self) -> int:
@@ -69,6 +83,29 @@ def ladder_around(predicted_rps: float, factors: tuple[float, ...] = LADDER_FACT
     """A short sweep ladder bracketing a predicted goodput (a default one if there is none)."""
     base = predicted_rps if predicted_rps and predicted_rps > 0 else 1.0
     return sorted({float(f"{base * f:.3g}") for f in factors})
+
+
+def bracket(predicted_rps: float, tolerance: float) -> list[float]:
+    """The two rates whose pass/fail decides |predicted - measured| <= tolerance * measured."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    if not predicted_rps or predicted_rps <= 0:
+        raise ValueError("no positive predicted goodput to bracket")
+    return [float(f"{predicted_rps / (1 + tolerance):.4g}"), float(f"{predicted_rps / (1 - tolerance):.4g}")]
+
+
+def bracket_verdict(rates: list[float], report: dict) -> dict:
+    """Where the measured goodput lies relative to a bracket, from the bench's sweep points."""
+    lo, hi = rates
+    target = report.get("slo_attainment", 0.9)
+    passed = {p["rate"]: p.get("attainment_joint") is not None and p["attainment_joint"] >= target
+              for p in report.get("sweep", [])}
+    if passed.get(lo) is False:
+        return {"bracket_rps": rates, "within_tolerance": False, "measured_vs_prediction": "below"}
+    if passed.get(hi) is True:
+        return {"bracket_rps": rates, "within_tolerance": False, "measured_vs_prediction": "above"}
+    inside = passed.get(lo) is True and passed.get(hi) is False
+    return {"bracket_rps": rates, "within_tolerance": inside, "measured_vs_prediction": "within" if inside else "unknown"}
 
 
 def _tail(log: Path, n: int = 2000) -> str:
@@ -127,19 +164,26 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 
 
 def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[float] | None = None,
-            startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
-    """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report."""
+            startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0, keep_dir: Path | None = None,
+            before_bench: BeforeBench | None = None) -> dict:
+    """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report.
+    `before_bench(url)` runs once the server is ready and may name the ladder to use instead;
+    with `keep_dir` the server log, bench log and bench JSON are kept there."""
     port = free_local_port()
     command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port)]
-    ladder = rates or ladder_around(config.predicted_goodput_rps)
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:
-        log, report, bench_log = Path(tmp) / "serve.log", Path(tmp) / "bench.json", Path(tmp) / "bench.log"
+        out_dir = Path(tmp) if keep_dir is None else keep_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log, report, bench_log = out_dir / "serve.log", out_dir / "bench.json", out_dir / "bench.log"
         with log.open("w") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         try:
-            wait_ready(f"http://127.0.0.1:{port}/health", proc, startup_timeout_s, log, command)
-            bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", f"http://127.0.0.1:{port}",
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(f"{url}/health", proc, startup_timeout_s, log, command)
+            chosen = before_bench(url) if before_bench is not None else None
+            ladder = chosen or rates or ladder_around(config.predicted_goodput_rps)
+            bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url,
                      "--sweep", "--sweep-rates", ",".join(f"{r:g}" for r in ladder), "--json", str(report), "--quiet",
                      *bench_args]
             with bench_log.open("w") as out:
@@ -148,25 +192,46 @@ def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[
             if done.returncode != 0 or not report.exists():
                 raise BenchFailed(f"bench exited with {done.returncode}: {' '.join(bench)}\n{_tail(bench_log)}"
                                   f"\n--- server log ---\n{_tail(log)}")
-            return json.loads(report.read_text())
+            return {**json.loads(report.read_text()), "validate_ladder": ladder}
         finally:
             stop_group(proc)
 
 
 def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rates: list[float] | None = None,
-             progress=lambda _msg: None) -> list[dict]:
-    """Predicted vs measured goodput for each configuration (errors reported per row)."""
+             progress=lambda _msg: None, tolerance: float | None = None, calibrator: Calibrator | None = None,
+             keep_dir: Path | None = None) -> list[dict]:
+    """Predicted vs measured goodput for each configuration (errors reported per row). With a
+    `tolerance`, each configuration is checked on its `bracket` instead of a sweep. With a
+    `calibrator(config, url) -> (details, prediction)`, the prediction is re-made against the
+    running server just before its benchmark and the bracket (or ladder) centred on it."""
     rows = []
+    if tolerance is not None:
+        bench_args = [*bench_args, "--max-bisections", "0"]  # the last one given wins
     for config in configs:
         row = {"name": config.name, "mode": config.mode, "layout": config.layout, "workers": config.workers,
                "predicted_goodput_rps": config.predicted_goodput_rps,
-               "simulated_goodput_rps": config.simulated_goodput_rps}
-        progress(f"validate {config.name} ({config.layout}): serving {model}, predicted {config.predicted_goodput_rps:.3g} rps")
+               "simulated_goodput_rps": config.simulated_goodput_rps,
+               "sample_goodput_rps": config.sample_goodput_rps}
+        progress(f"validate {config.name} ({config.layout}): serving {model}, predicted {config.checked_rps:.3g} rps")
         started = time.monotonic()
+
+        def before_bench(url: str, config: LocalConfig = config, row: dict = row) -> list[float] | None:
+            checked = config.checked_rps
+            if calibrator is not None:
+                details, checked = calibrator(config, url)
+                row["calibration"], row["calibrated_goodput_rps"] = details, checked
+                progress(f"validate {config.name}: calibrated prediction {checked:.3g} rps")
+            if tolerance is not None:
+                return bracket(checked, tolerance)
+            return None if calibrator is None or rates else ladder_around(checked)
+
         try:
-            report = measure(config, model, bench_args, rates)
+            report = measure(config, model, bench_args, rates, before_bench=before_bench,
+                             keep_dir=None if keep_dir is None else keep_dir / config.name)
             row.update(_measured(report))
-        except (ServerDidNotStart, BenchFailed, subprocess.SubprocessError, OSError, ValueError) as exc:
+            if tolerance is not None:
+                row.update(bracket_verdict(report["validate_ladder"], report), tolerance=tolerance)
+        except (ServerDidNotStart, BenchFailed, RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
             row["error"] = str(exc)
         row["wall_s"] = round(time.monotonic() - started, 1)
         progress(f"validate {config.name}: measured {row.get('measured_goodput_rps')} rps"

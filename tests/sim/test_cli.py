@@ -39,6 +39,28 @@ def test_simulate_colocated_from_a_trace(tmp_path, capsys):
     assert _json_line(capsys)["completed"] == 40
 
 
+def test_simulate_sweep_finds_a_goodput_the_simulator_confirms(tmp_path, capsys):
+    model = tmp_path / "m.json"
+    model.write_text('{"kind": "constant", "prefill_ms": 20, "decode_step_ms": 5}')
+    common = ["simulate", "--latency-model", str(model), "--mode", "disaggregated", "--num-requests", "400",
+              "--input-len", "64", "--output-len", "8", "--seed", "3", "--slo-ttft-ms", "100", "--slo-tpot-ms", "50",
+              "--json"]
+    assert main([*common, "--sweep", "--sweep-rates", "4,8,16,32,64"]) == 0
+    sweep = _json_line(capsys)
+    goodput = sweep["request_goodput"]
+    # one 20 ms prefill at a time: the TTFT objective fails well below the 50 req/s service rate
+    assert 4 <= goodput < 50 and not sweep["request_goodput_saturated"]
+    assert sweep["request_goodput_phase"] >= goodput  # the phase definition is never stricter
+    points = {float(r): p["joint"] for r, p in sweep["points"].items()}
+    failing = min(r for r, joint in points.items() if joint < 0.9)
+    # bisection between the ladder's 32 and 64 ends within 1% or after 6 halvings (0.5 req/s)
+    assert points[goodput] >= 0.9 and goodput < failing <= goodput + max(0.01 * failing, 32 / 2**6) + 1e-9
+    assert main([*common, "--rate", str(goodput)]) == 0  # the single-rate run agrees with the sweep's point
+    assert _json_line(capsys)["attainment_joint"] == points[goodput]
+    with pytest.raises(SystemExit):
+        main([*common, "--sweep", "--rate", "5"])
+
+
 def test_plan_json_shape(capsys):
     argv = ["plan", "--model", "llama-13b-class", "--hardware", "a100-80g", "--gpus", "4", "--input-len", "512",
             "--output-len", "64", "--num-requests", "150", "--slo-ttft-ms", "500", "--slo-tpot-ms", "80",

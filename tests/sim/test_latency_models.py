@@ -88,6 +88,24 @@ def test_profile_fit_recovers_known_coefficients():
     assert again.prefill_s(300) == pytest.approx(fit.prefill_s(300))
 
 
+def test_profile_keeps_a_decode_base_per_measured_batch():
+    """A step whose cost jumps between 1 and 4 rows (GEMV vs small GEMM) is not affine in the
+    batch; the per-batch bases recover it exactly and interpolate between measured sizes."""
+    bases, per_token = {1: 0.045, 4: 0.150, 16: 0.200}, 2e-6
+    decode = [(b, c, bases[b] + per_token * c) for b in bases for c in (100 * b, 900 * b)]
+    fit = fit_profile([(16, 0.01), (64, 0.03), (128, 0.06)], decode)
+    assert [b for b, _ in fit.decode_batch_base] == [1, 4, 16]
+    assert np.allclose([t for _, t in fit.decode_batch_base], [0.045, 0.150, 0.200], rtol=1e-9)
+    assert fit.decode_context_s == pytest.approx(per_token, rel=1e-9)
+    for b, c, t in decode:
+        assert fit.decode_step_s(b, c) == pytest.approx(t, rel=1e-9)
+    assert fit.decode_step_s(2, 0) == pytest.approx(0.045 + (0.150 - 0.045) / 3)  # between 1 and 4
+    slope = fit.decode_coef[1]  # past the largest measured batch: the affine fit's per-sequence slope
+    assert fit.decode_step_s(20, 0) == pytest.approx(0.200 + 4 * slope)
+    again = latency_from_dict(json.loads(json.dumps(fit.to_dict())))
+    assert again.decode_step_s(3, 500) == fit.decode_step_s(3, 500)
+
+
 def test_fit_never_returns_negative_coefficients():
     decode = [(1, 100, 0.010), (2, 200, 0.009), (4, 400, 0.0095), (8, 800, 0.0098)]
     fit = fit_profile([(16, 0.01), (64, 0.03), (128, 0.06)], decode)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from pdserve.sim import validate as v
 
 
@@ -20,6 +22,45 @@ def _group_commands(pgid: int) -> list[str]:
 def test_ladder_brackets_the_prediction():
     assert v.ladder_around(8.0) == [2.0, 4.0, 8.0, 12.0]
     assert v.ladder_around(0.0) == [0.25, 0.5, 1.0, 1.5]
+
+
+def test_bracket_decides_a_relative_error_against_the_measurement():
+    lo, hi = v.bracket(1.0, 0.15)
+    assert (lo, hi) == (0.8696, 1.176)  # pred/(1+T), pred/(1-T) to 4 digits
+    # a measured goodput m in [lo, hi) has |pred - m| <= 0.15 m at both ends
+    assert abs(1.0 - lo) <= 0.15 * lo + 1e-4 and abs(1.0 - hi) <= 0.15 * hi + 1e-3
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError):
+            v.bracket(1.0, bad)
+    with pytest.raises(ValueError):
+        v.bracket(0.0, 0.15)
+
+
+def _report(points: dict[float, float]) -> dict:
+    return {"slo_attainment": 0.9, "sweep": [{"rate": r, "attainment_joint": a} for r, a in points.items()]}
+
+
+def test_bracket_verdicts_from_the_bench_sweep():
+    rates = [0.87, 1.18]
+    assert v.bracket_verdict(rates, _report({0.87: 0.95, 1.18: 0.5}))["measured_vs_prediction"] == "within"
+    assert v.bracket_verdict(rates, _report({0.87: 0.95, 1.18: 0.5}))["within_tolerance"] is True
+    assert v.bracket_verdict(rates, _report({0.87: 0.85}))["measured_vs_prediction"] == "below"  # sweep stops
+    above = v.bracket_verdict(rates, _report({0.87: 1.0, 1.18: 0.9}))  # exactly p passes
+    assert above["measured_vs_prediction"] == "above" and above["within_tolerance"] is False
+    assert v.bracket_verdict(rates, _report({}))["measured_vs_prediction"] == "unknown"
+
+
+def test_bracket_ranking_needs_disjoint_intervals():
+    from pdserve.sim.plan_report import bracket_ranking
+
+    def row(name, lo, hi, where):
+        return {"name": name, "bracket_rps": [lo, hi], "within_tolerance": where == "within",
+                "measured_vs_prediction": where}
+
+    assert bracket_ranking([row("colocated", 0.1, 0.14, "within"), row("disaggregated", 0.2, 0.3, "within")]) == "disaggregated"
+    assert bracket_ranking([row("colocated", 0.1, 0.14, "above"), row("disaggregated", 0.2, 0.3, "within")]) is None
+    assert bracket_ranking([row("colocated", 0.1, 0.14, "within"), row("disaggregated", 0.2, 0.3, "below")]) is None
+    assert bracket_ranking([row("colocated", 0.3, 0.4, "above"), row("disaggregated", 0.2, 0.3, "within")]) == "colocated"
 
 
 def test_goodput_keys_of_the_bench_report():
@@ -53,3 +94,75 @@ def test_validate_runs_the_tiny_model_and_stops_every_process(monkeypatch):
     # the server's own process group held the worker, and nothing of it survives the stop
     assert any("pdserve.workers.main" in c for c in seen["before"]), seen["before"]
     assert seen["after"] == []
+
+
+def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
+    """The calibrator runs isolated requests through the live server before the benchmark; the
+    bracket is centred on the prediction it returns; logs and the bench report are kept."""
+    from pdserve.sim.calibrate import burst_requests, isolated_requests
+    from pdserve.sim.profiled import ProfiledLatency
+
+    profile = ProfiledLatency((0.005, 1e-4, 0.0), (0.004, 1e-4, 0.0))
+    seen = {}
+
+    def calibrator(config, url):
+        seen["isolated"] = isolated_requests(url, profile, 16, 4, num_requests=2)
+        seen["calibration"] = cal = burst_requests(url, (0.01, 0.005), 16, 4, burst=2, repeats=1)
+        return cal.to_dict(), 1.0
+
+    config = v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=50.0,
+                           extra_serve_args=("--dtype", "float32"))
+    bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", "--slo-ttft-ms", "5000",
+             "--slo-tpot-ms", "2000", "--prompt-format", "ids", "--seed", "0"]
+    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path)[0]
+    assert "error" not in row, row.get("error")
+    cal = seen["calibration"]
+    assert cal.measured_ttft_s > 0 and cal.measured_tpot_s > 0 and cal.predicted_ttft_s == 0.01
+    assert cal.decode_factor == cal.measured_tpot_s / 0.005
+    alone = seen["isolated"]
+    assert alone.predicted_ttft_s == profile.prefill_s(16) and alone.measured_ttft_s > 0
+    assert row["calibration"]["prefill_factor"] == cal.measured_ttft_s / cal.predicted_ttft_s
+    assert row["calibrated_goodput_rps"] == 1.0 and row["bracket_rps"] == [0.8696, 1.176]
+    assert [p["rate"] for p in row["sweep"]] == [0.8696, 1.176]  # the bracket, not the 50 rps estimate
+    assert row["measured_vs_prediction"] == "above"  # loose SLOs: both rates pass
+    assert {"serve.log", "bench.log", "bench.json"} <= {p.name for p in (tmp_path / "colocated").iterdir()}
+
+
+def test_scaled_profile_multiplies_each_phase():
+    from pdserve.sim.calibrate import predicted_isolated, scaled
+    from pdserve.sim.profiled import ProfiledLatency
+
+    base = ProfiledLatency((0.1, 1e-3, 1e-6), (0.05, 0.01, 1e-6), decode_batch_base=((1, 0.05), (4, 0.2)),
+                           decode_context_s=1e-6)
+    twice = scaled(base, 2.0, 0.5)
+    assert twice.prefill_s(300) == pytest.approx(2 * base.prefill_s(300))
+    for batch in (1, 2, 4, 9):
+        assert twice.decode_step_s(batch, 1000) == pytest.approx(0.5 * base.decode_step_s(batch, 1000))
+    assert predicted_isolated(base, 100, 10) == (base.prefill_s(100), base.decode_step_s(1, 105))
+    with pytest.raises(ValueError):
+        scaled(base, 0.0, 1.0)
+
+
+def test_burst_clocks_and_sample_goodput_of_a_constant_model():
+    """One prefill at a time: the second request of a 2-burst waits for the first; colocated
+    replicas take one request each. The sample prediction is the simulator's own goodput search."""
+    from pdserve.bench.lengths import fixed
+    from pdserve.bench.metrics import Slo
+    from pdserve.bench.workload import WorkloadConfig
+    from pdserve.sim.geometry import load_model_spec
+    from pdserve.sim.hardware import load_hardware
+    from pdserve.sim.latency import ConstantLatency
+    from pdserve.sim.planner import PlanInputs, burst_clocks, plan, sample_goodput
+
+    inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
+                        workload=WorkloadConfig(num_requests=200, input_len=fixed(64), output_len=fixed(8)),
+                        slo=Slo(0.2, 0.05), chunk_budgets=(512,), max_seqs=16,
+                        fixed_model=ConstantLatency(prefill_ms=20, decode_step_ms=5))
+    result = plan(inputs)
+    ttft, tpot = burst_clocks(inputs, result.disaggregated, 64, 8, 2, 1000.0)
+    assert ttft == pytest.approx((0.020 + 0.039) / 2)  # 20 ms, then 40 ms from t=0 minus the 1 ms gap
+    assert tpot == pytest.approx(0.005)
+    ttft, tpot = burst_clocks(inputs, result.colocated, 64, 8, 2, 1000.0)
+    assert ttft == pytest.approx(0.020) and tpot == pytest.approx(0.005)
+    found = sample_goodput(inputs, result.disaggregated, 50)
+    assert found.rate > 0 and not found.saturated
