@@ -112,8 +112,9 @@ def emit_compare(args: argparse.Namespace, report: dict) -> None:
         write_json(args.json_path, report)
 
 
-def print_summary(report: dict, stream=sys.stdout) -> None:
-    """The headline metrics, one per line."""
+def print_summary(report: dict, stream=None) -> None:
+    """The headline metrics, one per line (to `stream`, by default the current sys.stdout)."""
+    stream = sys.stdout if stream is None else stream
     for key in SHOWN:
         if key in report:
             print(f"{key:<26}{_fmt(report[key]):>14}", file=stream)

@@ -50,8 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="instead of a sweep, check |predicted - measured| <= T x measured with two bench runs per "
                         "configuration (at pred/(1+T) and pred/(1-T)); e.g. 0.15")
     v.add_argument("--validate-calibrate", action="store_true",
-                   help="re-time the --latency-model profile against each running server (isolated requests at the "
-                        "workload's median lengths) and re-make the prediction just before its benchmark")
+                   help="re-time the --latency-model profile against each running server (bursts of one request "
+                        "per worker at the workload's median lengths, against the simulator's clocks for the same "
+                        "burst) and re-make the prediction just before its benchmark")
     v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
     v.add_argument("--validate-max-workers", type=int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
@@ -181,6 +182,7 @@ def _calibrator(result, num_requests: int):
         burst = config.workers
         predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
         cal = calibrate.burst_requests(url, predicted, prompt, output, burst)
+        calibrate.check_plausible(cal)
         model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor, cal.decode_factor)
         calibrated = dataclasses.replace(inputs, fixed_model=model)
         return {**cal.to_dict(), "burst": burst}, sample_goodput(calibrated, plan_, num_requests).rate

@@ -34,7 +34,7 @@ from pdserve.sim.profiled import ProfiledLatency
 
 @dataclass(frozen=True)
 class Calibration:
-    """Isolated-request clocks through the server vs the model's prediction for them."""
+    """Median clocks of calibration requests through the server vs the prediction for the same requests."""
 
     prompt_tokens: int
     output_tokens: int
@@ -60,6 +60,19 @@ def predicted_isolated(model: LatencyModel, prompt_tokens: int, output_tokens: i
     return model.prefill_s(prompt_tokens), model.decode_step_s(1, prompt_tokens + output_tokens // 2)
 
 
+PLAUSIBLE_FACTORS = (0.25, 4.0)  # outside: the calibration measured something else than the profile
+
+
+def check_plausible(cal: Calibration) -> None:
+    """Refuse factors no drift explains (a prompt answered from the prefix cache, a stalled server)."""
+    lo, hi = PLAUSIBLE_FACTORS
+    for name, factor in (("prefill", cal.prefill_factor), ("decode", cal.decode_factor)):
+        if not lo <= factor <= hi:
+            raise RuntimeError(f"calibration {name} factor {factor:.3g} is outside [{lo}, {hi}]: measured "
+                               f"{cal.measured_ttft_s:.3g} s TTFT / {cal.measured_tpot_s:.3g} s TPOT against predicted "
+                               f"{cal.predicted_ttft_s:.3g} s / {cal.predicted_tpot_s:.3g} s")
+
+
 def scaled(model: ProfiledLatency, prefill_factor: float, decode_factor: float) -> ProfiledLatency:
     """The profile with every prefill term x prefill_factor and every decode term x decode_factor."""
     if prefill_factor <= 0 or decode_factor <= 0:
@@ -78,7 +91,7 @@ def isolated_requests(url: str, model: LatencyModel, prompt_tokens: int, output_
     """Replay `num_requests` non-overlapping requests through the server at `url` and compare."""
     ttft_s, tpot_s = predicted_isolated(model, prompt_tokens, output_tokens)
     gap_s = 2.0 * (ttft_s + output_tokens * tpot_s) + 1.0  # far apart: each request runs alone
-    measured = _bench(url, prompt_tokens, output_tokens, num_requests, 1.0 / gap_s, timeout_s)
+    measured = _bench(url, prompt_tokens, output_tokens, num_requests, 1.0 / gap_s, timeout_s, CALIBRATION_SEED)
     return Calibration(prompt_tokens, output_tokens, measured["p50_ttft_ms"] / 1e3, measured["p50_tpot_ms"] / 1e3,
                        ttft_s, tpot_s)
 
@@ -92,24 +105,26 @@ def burst_requests(url: str, predicted: tuple[float, float], prompt_tokens: int,
     the router, API process and client take from busy workers, which an isolated request (with an
     idle core to spare) does not see."""
     ttfts, tpots = [], []
-    for _ in range(repeats):
-        measured = _bench(url, prompt_tokens, output_tokens, burst, BURST_RATE, timeout_s)
+    for k in range(repeats):  # a seed per burst: a repeated prompt would be answered from the prefix cache
+        measured = _bench(url, prompt_tokens, output_tokens, burst, BURST_RATE, timeout_s, CALIBRATION_SEED + 1 + k)
         ttfts.append(measured["p50_ttft_ms"] / 1e3)
         tpots.append(measured["p50_tpot_ms"] / 1e3)
     return Calibration(prompt_tokens, output_tokens, statistics.median(ttfts), statistics.median(tpots), *predicted)
 
 
 BURST_RATE = 1000.0  # req/s: the requests of one burst arrive 1 ms apart
+CALIBRATION_SEED = 7_919_000  # prompt content of its own, never a benchmark's (prefix-cache hits)
 
 
-def _bench(url: str, prompt_tokens: int, output_tokens: int, num_requests: int, rate: float, timeout_s: float) -> dict:
+def _bench(url: str, prompt_tokens: int, output_tokens: int, num_requests: int, rate: float, timeout_s: float,
+           seed: int) -> dict:
     """`pdserve bench` at constant arrivals with objectives nobody misses; its JSON report."""
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         report = Path(tmp) / "calibrate.json"
         command = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url, "--num-requests", str(num_requests),
                    "--rate", f"{rate:.6g}", "--arrival", "constant", "--input-len", str(prompt_tokens),
                    "--output-len", str(output_tokens), "--prompt-format", "ids", "--slo-ttft-ms", "1e9",
-                   "--slo-tpot-ms", "1e9", "--json", str(report), "--quiet"]
+                   "--slo-tpot-ms", "1e9", "--seed", str(seed), "--json", str(report), "--quiet"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not report.exists():
             raise RuntimeError(f"calibration bench exited with {done.returncode}: {' '.join(command)}\n"

@@ -143,6 +143,14 @@ def test_scaled_profile_multiplies_each_phase():
         scaled(base, 0.0, 1.0)
 
 
+def test_implausible_calibration_is_refused():
+    from pdserve.sim.calibrate import Calibration, check_plausible
+
+    check_plausible(Calibration(1000, 100, 11.0, 0.09, 10.7, 0.065))
+    with pytest.raises(RuntimeError, match="prefill factor"):  # e.g. a prompt answered from the prefix cache
+        check_plausible(Calibration(1000, 100, 0.8, 0.09, 16.1, 0.065))
+
+
 def test_burst_clocks_and_sample_goodput_of_a_constant_model():
     """One prefill at a time: the second request of a 2-burst waits for the first; colocated
     replicas take one request each. The sample prediction is the simulator's own goodput search."""
