@@ -1,11 +1,13 @@
 """Measure our own engine on this machine and fit a profiled latency model (`pdserve profile`).
 
 Contract: prefill time is measured per prompt length (one fresh request, prefix cache off,
-the whole prompt in one step, or in `chunk_tokens` chunks like a server with that step budget), decode step time per (batch, context) point (the batch first
-prefilled, then `DECODE_STEPS` steps timed); each point is the median of `repeats` timings
-after one warm-up. The fit is `profiled.fit_profile`; the JSON records the engine config, the
-thread count and every raw point; K/V capacity is that of a serving engine with the default
-K/V budget. Timing mirrors `pdserve.engine.benchmark`.
+the whole prompt in one step, or in `chunk_tokens` chunks like a server with that step budget),
+decode step time per (batch, context) point (the batch first prefilled, then `DECODE_STEPS`
+steps timed); each point is the median of `repeats` timings after one warm-up. The engine takes
+the server's numerics flags (dtype, compute dtype, batch invariance). The fit is
+`profiled.fit_profile`; the JSON records the engine config, the thread count and every raw
+point; K/V capacity is that of a serving worker with `kv_cache_mb` of pool in the engine's own
+K/V dtype. Timing mirrors `pdserve.engine.benchmark`.
 """
 
 from __future__ import annotations

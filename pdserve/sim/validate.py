@@ -8,7 +8,7 @@ SIGINT, then SIGTERM, then SIGKILL), and report predicted vs measured goodput. O
 runtime is supported (replicas, not TP/PP, are what `pdserve serve` varies here).
 
 The bench ladder is either given (`rates`) or centred on each configuration's prediction
-(`ladder_around`), so a short sweep still brackets the predicted goodput. With a tolerance T
+(`ladder_around`, around `checked_rps`), so a short sweep still brackets the predicted goodput. With a tolerance T
 (`bracket`) the ladder is exactly the two rates pred / (1 + T) and pred / (1 - T) and no bisection:
 the prediction is within T of the measured goodput when the first rate passes and the second
 fails, which two bench runs decide (the lower one first; a failure there ends the check).
@@ -182,7 +182,7 @@ def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[
             url = f"http://127.0.0.1:{port}"
             wait_ready(f"{url}/health", proc, startup_timeout_s, log, command)
             chosen = before_bench(url) if before_bench is not None else None
-            ladder = chosen or rates or ladder_around(config.predicted_goodput_rps)
+            ladder = chosen or rates or ladder_around(config.checked_rps)
             bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url,
                      "--sweep", "--sweep-rates", ",".join(f"{r:g}" for r in ladder), "--json", str(report), "--quiet",
                      *bench_args]
