@@ -165,15 +165,14 @@ def _calibrator(result, num_requests: int):
     import statistics
 
     from pdserve.sim import calibrate
-    from pdserve.sim.planner import burst_clocks, sample_goodput
+    from pdserve.sim.planner import bench_sample, burst_clocks, sample_goodput
     from pdserve.sim.profiled import ProfiledLatency
-    from pdserve.sim.requests import build_requests
 
     inputs = result.inputs
     if not isinstance(inputs.fixed_model, ProfiledLatency):
         raise SystemExit("pdserve plan: --validate-calibrate needs --latency-model with a `pdserve profile` fit")
     plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
-    sample = build_requests(dataclasses.replace(inputs.workload, num_requests=num_requests))
+    sample = bench_sample(inputs, num_requests)
     prompt = int(statistics.median(sample.prompt_tokens))
     output = int(statistics.median(sample.output_tokens))
 

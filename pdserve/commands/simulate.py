@@ -141,9 +141,15 @@ def _sweep(args: argparse.Namespace, requests, model) -> dict:
     started = time.perf_counter()
     report: dict = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment": args.attainment,
                     "num_requests": len(requests.prompt_tokens)}
+    simulated: dict[float, list] = {}  # rate -> records, shared by both definitions' searches
+
+    def run(rate: float) -> list:
+        if rate not in simulated:
+            simulated[rate] = simulate(requests, rate, config, model).records
+        return simulated[rate]
+
     for definition, key in (("joint", "request_goodput"), ("phase", "request_goodput_phase")):
-        found = goodput_rps(lambda rate: simulate(requests, rate, config, model).records, slo, ladder, definition,
-                            rel_tol=args.sweep_rel_tol)
+        found = goodput_rps(run, slo, ladder, definition, rel_tol=args.sweep_rel_tol)
         report[key] = found.rate
         report[f"{key}_saturated"] = found.saturated
         report.setdefault("points", {}).update(

@@ -83,7 +83,3 @@ class CostModel:
         """[2, n]: rows (same-host, cross-host) of `transfer_s_paths` for byte counts that are all
         positive (the zero test would multiply by 1), both paths in one broadcast pass."""
         return self.transfer_overhead_s + transfer_bytes / self._path_rates
-
-    def blocks_for(self, tokens: Num) -> Num:
-        """Blocks needed to hold `tokens` (the last block may be partly filled)."""
-        return -(-tokens // self.block_size_tokens)

@@ -9,12 +9,11 @@ Contract: `burst_requests` replays a few bursts of as many requests as the deplo
 processes (arriving 1 ms apart, one burst after the other) through the server that is about to be
 benchmarked, with `pdserve bench`; `Calibration` compares their median TTFT and TPOT with the
 medians the simulator gives for the same burst on the same deployment (`planner.burst_clocks`)
-and yields one factor per phase. `isolated_requests` is the single-request variant (requests
-spaced so they never overlap, compared with the model's prefill and one-sequence decode step).
-`scaled` returns the profiled model with its prefill terms (and the colocated mixed step, which is
-costed from them) times the prefill factor and its decode terms times the decode factor. The
-factors are reported next to the calibrated prediction, so a reader can see how far the profile
-had drifted.
+and yields one factor per phase; `check_plausible` refuses factors no drift explains. `scaled`
+returns the profiled model with its prefill terms (and the colocated mixed step, which is costed
+from them) times the prefill factor and its decode terms times the decode factor. The factors
+are reported next to the calibrated prediction, so a reader can see how far the profile had
+drifted.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.sim.latency import LatencyModel
 from pdserve.sim.profiled import ProfiledLatency
 
 
@@ -55,11 +53,6 @@ class Calibration:
         return {**dataclasses.asdict(self), "prefill_factor": self.prefill_factor, "decode_factor": self.decode_factor}
 
 
-def predicted_isolated(model: LatencyModel, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
-    """(TTFT s, TPOT s) of one request alone: its prefill, and a one-sequence step at mid-output context."""
-    return model.prefill_s(prompt_tokens), model.decode_step_s(1, prompt_tokens + output_tokens // 2)
-
-
 PLAUSIBLE_FACTORS = (0.25, 4.0)  # outside: the calibration measured something else than the profile
 
 
@@ -84,16 +77,6 @@ def scaled(model: ProfiledLatency, prefill_factor: float, decode_factor: float) 
         decode_batch_base=tuple((b, t * decode_factor) for b, t in model.decode_batch_base),
         decode_context_s=model.decode_context_s * decode_factor,
     )
-
-
-def isolated_requests(url: str, model: LatencyModel, prompt_tokens: int, output_tokens: int, num_requests: int = 3,
-                      timeout_s: float = 900.0) -> Calibration:
-    """Replay `num_requests` non-overlapping requests through the server at `url` and compare."""
-    ttft_s, tpot_s = predicted_isolated(model, prompt_tokens, output_tokens)
-    gap_s = 2.0 * (ttft_s + output_tokens * tpot_s) + 1.0  # far apart: each request runs alone
-    measured = _bench(url, prompt_tokens, output_tokens, num_requests, 1.0 / gap_s, timeout_s, CALIBRATION_SEED)
-    return Calibration(prompt_tokens, output_tokens, measured["p50_ttft_ms"] / 1e3, measured["p50_tpot_ms"] / 1e3,
-                       ttft_s, tpot_s)
 
 
 def burst_requests(url: str, predicted: tuple[float, float], prompt_tokens: int, output_tokens: int, burst: int,

@@ -177,15 +177,21 @@ def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSear
     return found
 
 
+def bench_sample(inputs: PlanInputs, num_requests: int) -> SimRequests:
+    """The first `num_requests` requests of the workload (a trace as it is): what a benchmark of
+    that size with the same seed replays."""
+    workload = inputs.workload
+    if workload.trace_path is None:
+        workload = dataclasses.replace(workload, num_requests=num_requests)
+    return build_requests(workload)
+
+
 def sample_goodput(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_requests: int) -> GoodputSearch:
     """Simulated goodput of a planned deployment on exactly the first `num_requests` requests of
     the workload (same seed, so the same lengths and unit arrivals a benchmark of that size
     replays): the figure a short measurement of the live system is held to."""
     config, pm, dm = deployment(inputs, plan_)
-    workload = inputs.workload
-    if workload.trace_path is None:
-        workload = dataclasses.replace(workload, num_requests=num_requests)
-    requests = build_requests(workload)
+    requests = bench_sample(inputs, num_requests)
     run = lambda rate: simulate(requests, rate, config, pm, dm).records  # noqa: E731
     return goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition, rel_tol=0.01)
 

@@ -11,7 +11,6 @@ from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, RouteRequest
 from pdserve.router.plan import predicted_clocks
 from pdserve.router.policies import Choice, PolicyContext, prefix_aware, slo_aware
-from pdserve.router.prefix_index import PrefixIndex, leading_hit_blocks
 from pdserve.router.snapshot import make_snapshot
 from pdserve.router.synthetic import chain
 
@@ -79,22 +78,3 @@ def test_colocated_policies_match_reference(pool, request, use_prefix):
     policy = prefix_aware if use_prefix else slo_aware
     want = reference_cost_aware(snapshot, request, ctx, use_prefix)
     assert same(policy(snapshot, request, ctx), want, snapshot, request)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(held_sets(), max_size=70), st.lists(st.sampled_from(ALL_HASHES), max_size=10))
-def test_prefix_index_matches_per_worker_scan(held, block_hashes):
-    hits = PrefixIndex.build(held).leading_hits(block_hashes)
-    assert list(hits) == [leading_hit_blocks(block_hashes, h) for h in held]
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(held_sets(), min_size=1, max_size=8), st.data())
-def test_prefix_index_patch_equals_rebuild(held, data):
-    index = PrefixIndex.build(held)
-    for _ in range(data.draw(st.integers(1, 5))):
-        slot = data.draw(st.integers(0, len(held) - 1))
-        new = data.draw(held_sets())
-        index.replace_slot(slot, held[slot], new)
-        held[slot] = new
-    assert index.owners == PrefixIndex.build(held).owners

@@ -50,6 +50,13 @@ def assert_consistent(index: PrefixIndex, held: list[frozenset[int]]) -> None:
     assert index.owners == PrefixIndex.build(held).owners
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(held_sets(), max_size=70), requests())
+def test_built_index_matches_per_worker_scan(held, block_hashes):
+    """Pools from empty to 70 slots, straight from `build` (no patches)."""
+    assert_matches_scan(PrefixIndex.build(held), held, block_hashes)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(held_sets(), min_size=1, max_size=9), st.data())
 def test_patched_index_matches_per_worker_scan(held, data):

@@ -97,16 +97,13 @@ def test_validate_runs_the_tiny_model_and_stops_every_process(monkeypatch):
 
 
 def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
-    """The calibrator runs isolated requests through the live server before the benchmark; the
-    bracket is centred on the prediction it returns; logs and the bench report are kept."""
-    from pdserve.sim.calibrate import burst_requests, isolated_requests
-    from pdserve.sim.profiled import ProfiledLatency
+    """The calibrator runs a burst through the live server before the benchmark; the bracket is
+    centred on the prediction it returns; logs and the bench report are kept."""
+    from pdserve.sim.calibrate import burst_requests
 
-    profile = ProfiledLatency((0.005, 1e-4, 0.0), (0.004, 1e-4, 0.0))
     seen = {}
 
     def calibrator(config, url):
-        seen["isolated"] = isolated_requests(url, profile, 16, 4, num_requests=2)
         seen["calibration"] = cal = burst_requests(url, (0.01, 0.005), 16, 4, burst=2, repeats=1)
         return cal.to_dict(), 1.0
 
@@ -119,8 +116,6 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
     cal = seen["calibration"]
     assert cal.measured_ttft_s > 0 and cal.measured_tpot_s > 0 and cal.predicted_ttft_s == 0.01
     assert cal.decode_factor == cal.measured_tpot_s / 0.005
-    alone = seen["isolated"]
-    assert alone.predicted_ttft_s == profile.prefill_s(16) and alone.measured_ttft_s > 0
     assert row["calibration"]["prefill_factor"] == cal.measured_ttft_s / cal.predicted_ttft_s
     assert row["calibrated_goodput_rps"] == 1.0 and row["bracket_rps"] == [0.8696, 1.176]
     assert [p["rate"] for p in row["sweep"]] == [0.8696, 1.176]  # the bracket, not the 50 rps estimate
@@ -129,7 +124,7 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
 
 
 def test_scaled_profile_multiplies_each_phase():
-    from pdserve.sim.calibrate import predicted_isolated, scaled
+    from pdserve.sim.calibrate import scaled
     from pdserve.sim.profiled import ProfiledLatency
 
     base = ProfiledLatency((0.1, 1e-3, 1e-6), (0.05, 0.01, 1e-6), decode_batch_base=((1, 0.05), (4, 0.2)),
@@ -138,7 +133,6 @@ def test_scaled_profile_multiplies_each_phase():
     assert twice.prefill_s(300) == pytest.approx(2 * base.prefill_s(300))
     for batch in (1, 2, 4, 9):
         assert twice.decode_step_s(batch, 1000) == pytest.approx(0.5 * base.decode_step_s(batch, 1000))
-    assert predicted_isolated(base, 100, 10) == (base.prefill_s(100), base.decode_step_s(1, 105))
     with pytest.raises(ValueError):
         scaled(base, 0.0, 1.0)
 
