@@ -1,10 +1,12 @@
 """Is the client the bottleneck? Its own TTFT measurement error against the stand-in.
 
-The stand-in records, per request id, the TTFT it actually delivered (request fully read ->
-first token written). The client measures TTFT from just before handing the request to httpx to
-reading the first data line. Their difference is everything the benchmark adds: request
-serialisation, connection handling, the loopback network and event-loop lag. We report its
-percentiles at a given offered rate, and also the error against the nominal (configured) delay.
+The stand-in records, per request id, the TTFT it actually delivered (kernel arrival of the
+request -> first token handed to the kernel). The client measures TTFT from just before it takes
+a connection for the request to the arrival stamp of the first data line (`stampedsock`: the
+kernel's stamp, so the client's event-loop lag after arrival is not in it). Their difference is
+what the benchmark adds: connection handling, request serialisation, the send and the loopback
+network. We report its percentiles at a given offered rate, and also the error against the
+nominal (configured) delay, which adds the stand-in's own timer lag.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import httpx
 import numpy as np
 
 from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.bench import stampedsock
 from pdserve.bench.client import EndpointConfig
 from pdserve.bench.lengths import fixed
 from pdserve.bench.runner import run_requests
@@ -73,6 +76,7 @@ def _report(config: ClientCheckConfig, result, server_ttft_s: dict[str, float]) 
         "max_send_lag_ms": result.max_send_lag_s * 1e3,
         "first_token_ms": config.first_token_s * 1e3,
         "percentile_method": "numpy linear interpolation",
+        "receive_stamps": "kernel (SO_TIMESTAMPNS)" if stampedsock.SO_TIMESTAMPNS is not None else "read time",
     }
     for name, values in (("ttft_error", error_ms), ("ttft_error_vs_nominal", nominal_ms)):
         for q in (50, 90, 99):

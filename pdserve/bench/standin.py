@@ -18,7 +18,9 @@ Behaviour, per generation request (POST /v1/completions or /v1/chat/completions)
   request is rejected with HTTP 429.
 
 GET /v1/models lists `model`; GET /standin/stats returns, per ``x-request-id`` header seen, the
-server-side TTFT it actually achieved (request read -> first token written), in seconds.
+server-side TTFT it actually achieved, in seconds: from the kernel's arrival stamp of the request
+head (`stampedsock`; the stand-in's own scheduling lag is part of its TTFT, as in a real server)
+to the first token handed to the kernel. Timers count from that arrival stamp too.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import asyncio
 import contextlib
 import gc
 import json
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from pdserve.bench.loop import run as run_loop
+from pdserve.bench.stampedsock import StampedStream
 
 _REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 
@@ -78,26 +82,90 @@ def prompt_tokens(body: dict, config: StandinConfig) -> int:
     return len(str(prompt).encode()) + config.bos_tokens
 
 
-async def serve(config: StandinConfig, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
-    """Start serving on (host, port); port 0 picks a free one (see `server.sockets`)."""
-    state = _State()
+class _Connection:
+    """One accepted socket: buffered reads that remember the kernel arrival time of the last one."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self.buffer = bytearray()
+        self.stamp_s = 0.0
+        self.gone = False
+        self._waiter: asyncio.Future | None = None
+        self.writer = StampedStream(sock, self._data, self._lost)
+
+    async def readuntil(self, separator: bytes) -> bytes:
+        while (end := self.buffer.find(separator)) < 0:
+            await self._more()
+        return self._take(end + len(separator))
+
+    async def readexactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            await self._more()
+        return self._take(size)
+
+    def _take(self, size: int) -> bytes:
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    async def _more(self) -> None:
+        if self.gone:
+            raise ConnectionError("client went away")
+        self._waiter = asyncio.get_running_loop().create_future()
         try:
-            while await _serve_one(reader, writer, config, state):
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _data(self, stamp_s: float, data: bytes) -> None:
+        self.buffer += data
+        self.stamp_s = stamp_s
+        self._wake()
+
+    def _lost(self) -> None:
+        self.gone = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class StandinServer:
+    """The listening socket and its accept loop; `port` is the bound port."""
+
+    def __init__(self, config: StandinConfig, host: str, port: int) -> None:
+        self.config = config
+        self.state = _State()
+        self._listener = socket.create_server((host, port), backlog=1024)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._handlers: set[asyncio.Task] = set()
+
+    async def serve_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                sock, _ = await loop.sock_accept(self._listener)
+                task = asyncio.create_task(self._handle(_Connection(sock)))
+                self._handlers.add(task)
+                task.add_done_callback(self._handlers.discard)
+        finally:
+            self._listener.close()
+
+    async def _handle(self, conn: _Connection) -> None:
+        try:
+            while await _serve_one(conn, conn.writer, self.config, self.state):
                 pass
-        except (_Cut, ConnectionError, asyncio.IncompleteReadError):
+        except (_Cut, ConnectionError):
             pass
         finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port, backlog=1024)
+            conn.writer.close()
 
 
-async def _serve_one(reader, writer, config: StandinConfig, state: _State) -> bool:
-    """Handle one request on a keep-alive connection; False when the client has gone."""
+async def _serve_one(reader: _Connection, writer: StampedStream, config: StandinConfig, state: _State) -> bool:
+    """Handle one request on a keep-alive connection."""
     head = await reader.readuntil(b"\r\n\r\n")
-    received_s = time.perf_counter()
+    received_s = reader.stamp_s  # when the head's last bytes reached the kernel
     method, path, headers = _parse_head(head)
     body = await reader.readexactly(int(headers.get("content-length", "0")))
     if method == "GET" and path == "/v1/models":
@@ -254,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         config = StandinConfig(**json.loads(args.config_json))
 
     async def run() -> None:
-        server = await serve(config, port=args.port)
-        port = server.sockets[0].getsockname()[1]
+        server = StandinServer(config, "127.0.0.1", args.port)
+        port = server.port
         gc.collect()
         gc.freeze()  # start-up objects stay out of later collections: no long pauses mid-stream
         print(f"stand-in serving on http://127.0.0.1:{port}", flush=True)

@@ -1,0 +1,84 @@
+"""Kernel-stamped TCP reads and the raw client's connection pool."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+
+import pytest
+
+from pdserve.bench import stampedsock
+from pdserve.bench.rawhttp import RawHttpClient
+from pdserve.bench.standin import StandinConfig, StandinProcess
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    listener.close()
+    return client, server
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_TIMESTAMPNS is Linux's")
+def test_stamp_is_the_arrival_not_the_read():
+    client, server = _pair()
+    with client, server:
+        assert stampedsock.enable_stamps(server)
+        time.sleep(0.05)  # the kernel switches stamping on from a work queue, shortly after
+        before_s = time.perf_counter()
+        client.sendall(b"x" * 100)
+        after_s = time.perf_counter()
+        time.sleep(0.05)  # read 50 ms after arrival: a read-time stamp would be 50 ms late
+        data, stamp_s = stampedsock.recv_stamped(server)
+        assert data == b"x" * 100
+        assert before_s - 1e-4 <= stamp_s <= after_s + 1e-3
+
+
+def test_stream_writes_past_the_socket_buffer_and_reports_loss():
+    async def scenario() -> None:
+        client, server = _pair()
+        received = bytearray()
+        lost = []
+        payload = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than the kernel buffers hold
+        with server:
+            stream = stampedsock.StampedStream(client, lambda _t, d: received.extend(d), lambda: lost.append(1))
+            stream.write(payload)
+            server.setblocking(False)
+            reader = asyncio.get_running_loop()
+            got = bytearray()
+            while len(got) < len(payload):
+                got += await reader.sock_recv(server, 1 << 20)
+            await stream.drain()
+            assert bytes(got) == payload
+            server.sendall(b"reply")
+            await asyncio.sleep(0.05)
+            assert bytes(received) == b"reply" and not lost
+        await asyncio.sleep(0.05)  # the peer closed
+        assert lost == [1] and stream.closed
+        stream.close()  # idempotent
+        with pytest.raises(ConnectionError):
+            stream.write(b"late")
+
+    asyncio.run(scenario())
+
+
+def test_raw_client_keeps_spare_connections_and_closes_them():
+    async def scenario(url: str) -> None:
+        client = RawHttpClient(url, spare=2)
+        body = {"model": "standin", "prompt": "hi", "max_tokens": 3, "stream": True}
+        for _ in range(3):
+            async with client.post_lines("/v1/completions", body) as response:
+                lines = [line async for _, line in response.lines if line.startswith("data:")]
+            assert response.status == 200 and lines[-1] == "data: [DONE]"
+        await asyncio.sleep(0.05)
+        assert len(client._idle) == 3  # the one that served plus two spares
+        assert all(not conn.closed for conn in client._idle)
+        idle = list(client._idle)
+        await client.aclose()
+        assert not client._idle and all(conn.closed for conn in idle)
+
+    with StandinProcess(StandinConfig()) as server:
+        asyncio.run(scenario(server.url))
