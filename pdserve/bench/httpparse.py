@@ -25,6 +25,11 @@ class ResponseParser:
         self._partial_line = b""
 
     @property
+    def started(self) -> bool:
+        """Whether any byte of the response has arrived."""
+        return self._state != _HEAD or bool(self._buffer)
+
+    @property
     def head_done(self) -> bool:
         return self._state != _HEAD
 

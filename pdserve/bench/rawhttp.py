@@ -8,7 +8,9 @@ line carries the kernel's arrival time of the bytes that completed it, not the m
 round to reading them; over TLS (asyncio's transport) a line is stamped when its bytes are read.
 
 Contract: `post_lines` yields a `RawResponse` whose `lines` yields ``(time_s, text_line)``. A
-connection goes back to the pool only after its body ended cleanly. A connection that closes
+connection goes back to the pool only after its body ended cleanly. A request whose reused
+connection closes before any response byte (the server's keep-alive timeout racing the send) is
+sent once more on a new connection. A connection that closes
 mid-response raises `ConnectionError`; callers bound time with `asyncio.timeout`.
 """
 
@@ -141,11 +143,22 @@ class RawHttpClient:
     @asynccontextmanager
     async def post_lines(self, path: str, body: dict, headers: dict[str, str] | None = None):
         """POST `body` as JSON to `path`; yields a RawResponse whose lines stream the body."""
-        conn = await self._connection()
+        request = self._request_bytes(path, body, headers or {})
+        conn, reused = await self._connection()
         reusable = False
         try:
-            conn.send(self._request_bytes(path, body, headers or {}))
-            await conn.wait_head()
+            try:
+                conn.send(request)
+                await conn.wait_head()
+            except ConnectionError:
+                if not reused or conn.parser.started:
+                    raise
+                # the server closed this idle connection as we sent (a keep-alive timeout): it saw
+                # no request, so send it once more on a new connection
+                conn.close()
+                conn = await self._open()
+                conn.send(request)
+                await conn.wait_head()
             parser = conn.parser
             yield RawResponse(parser.status, parser.headers, conn.lines())
             reusable = parser.complete and parser.headers.get("connection", "").lower() != "close"
@@ -161,13 +174,14 @@ class RawHttpClient:
             conn.close()
         self._idle.clear()
 
-    async def _connection(self) -> _Connection:
+    async def _connection(self) -> tuple[_Connection, bool]:
+        """A connection for one request and whether it was reused from the pool."""
         conn = None
         while self._idle and conn is None:
             conn = self._idle.pop()
             conn = None if conn.closed else conn
         self._top_up()
-        return conn if conn is not None else await self._open()
+        return (conn, True) if conn is not None else (await self._open(), False)
 
     def _top_up(self) -> None:
         while len(self._idle) + len(self._opening) < self._spare:

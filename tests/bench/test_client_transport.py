@@ -1,4 +1,4 @@
-"""Kernel-stamped TCP reads and the raw client's connection pool."""
+"""The benchmark client's transport: kernel-stamped TCP reads and the raw HTTP client's connection pool."""
 
 from __future__ import annotations
 
@@ -82,3 +82,42 @@ def test_raw_client_keeps_spare_connections_and_closes_them():
 
     with StandinProcess(StandinConfig()) as server:
         asyncio.run(scenario(server.url))
+
+
+def test_raw_client_resends_once_when_an_idle_connection_was_closed_under_it():
+    """A server that drops a kept-alive connection when its second request arrives (as a
+    keep-alive timeout racing the send does): the client sends again on a new connection."""
+    response = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 22\r\n\r\ndata: x\n\ndata: [DONE]\n"
+    accepted = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                if served:
+                    break  # close without answering
+                writer.write(response)
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RawHttpClient(f"http://127.0.0.1:{port}", spare=0)
+        for _ in range(3):
+            async with client.post_lines("/v1/completions", {"prompt": "x"}) as reply:
+                lines = [line async for _, line in reply.lines if line]
+            assert reply.status == 200 and lines == ["data: x", "data: [DONE]"]
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(scenario())
+    assert len(accepted) == 3  # the 2nd and 3rd requests each found their reused connection dropped
