@@ -10,8 +10,8 @@ round to reading them; over TLS (asyncio's transport) a line is stamped when its
 Contract: `post_lines` yields a `RawResponse` whose `lines` yields ``(time_s, text_line)``. A
 connection goes back to the pool only after its body ended cleanly. A request whose reused
 connection closes before any response byte (the server's keep-alive timeout racing the send) is
-sent once more on a new connection. A connection that closes
-mid-response raises `ConnectionError`; callers bound time with `asyncio.timeout`.
+sent once more on a new connection. A connection that closes mid-response raises
+`ConnectionError`; callers bound time with `asyncio.timeout`.
 """
 
 from __future__ import annotations
