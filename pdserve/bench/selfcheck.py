@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench import stampedsock
+from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.client import EndpointConfig
 from pdserve.bench.lengths import fixed
 from pdserve.bench.runner import run_requests
