@@ -26,9 +26,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pdserve.bench import stampedsock
 from pdserve.bench.httpparse import ResponseParser
-from pdserve.bench.stampedsock import StampedStream
+from pdserve.bench.stampedsock import StampedStream, connect
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ class RawHttpClient:
             context = ssl.create_default_context()
             conn.writer, _ = await loop.create_connection(lambda: _TlsProtocol(conn), self._host, self._port, ssl=context)
         else:
-            conn.writer = await stampedsock.connect(self._host, self._port, conn.feed, conn.lost)
+            conn.writer = await connect(self._host, self._port, conn.feed, conn.lost)
         return conn
 
     def _release(self, conn: _Connection, reusable: bool) -> None:

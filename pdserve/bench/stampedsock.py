@@ -134,13 +134,13 @@ class StampedStream:
             self._on_data(stamp_s, data)
 
     def _writable(self) -> None:
-        sent = self._send(bytes(self._out))
+        sent = self._send(self._out)  # the buffer itself: no copy of what is still queued
         del self._out[:sent]
         if not self._out and not self.closed:
             self._loop.remove_writer(self._fd)
             self._wake_drain()
 
-    def _send(self, data: bytes) -> int:
+    def _send(self, data: bytes | bytearray) -> int:
         try:
             return self._sock.send(data)
         except (BlockingIOError, InterruptedError):
