@@ -4,7 +4,9 @@ Two measurements per policy and cluster size, on seeded random loads and prefix 
     policy  the policy function alone over a ready snapshot
     route   `Router.route` end to end: snapshot refresh after a load report, policy, holds, plan
 Each is timed twice: wall clock, and this thread's CPU time (which excludes time the OS gave to
-other processes, so it is the stabler number on a shared machine).
+other processes, so it is the stabler number on a shared machine). The whole measurement is
+repeated `--runs` times (fresh cluster, same seed); a row reports the median over runs of each
+run's p50 and p99, and the per-run p99s, because a shared machine's speed drifts between runs.
 Target: route p99 <= 200 us at 64 prefill x 64 decode workers.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 SIZES = ((8, 8), (64, 64))
@@ -24,19 +27,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--decisions", type=int, default=2000, help="timed decisions per policy and size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=5, help="repeat the whole measurement; rows report medians")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [row for size in SIZES for row in bench_size(*size, args.decisions, args.seed)]
+    from pdserve.router import kernels
+
+    if args.runs < 1 or args.decisions < 1:
+        raise SystemExit("bench-router: --runs and --decisions must be at least 1")
+    kernels.warm_up()
+    runs = [[row for size in SIZES for row in bench_size(*size, args.decisions, args.seed)] for _ in range(args.runs)]
+    rows = [_median_row(same) for same in zip(*runs)]
     if args.json:
-        print(json.dumps({"target_p99_us": TARGET_P99_US, "results": rows}, indent=2))
+        report = {"target_p99_us": TARGET_P99_US, "runs": args.runs, "compiled_kernels": kernels.enabled, "results": rows}
+        print(json.dumps(report, indent=2))
     else:
-        print(f"{'cluster':>7} {'policy':>12} {'what':>6} {'p50_us':>8} {'p99_us':>8} {'cpu_p50_us':>10} {'cpu_p99_us':>10}")
+        print(f"median of {args.runs} runs; compiled kernels: {kernels.enabled}")
+        print(f"{'cluster':>7} {'policy':>12} {'what':>6} {'p50_us':>8} {'p99_us':>8} {'cpu_p50_us':>10} {'cpu_p99_us':>10}  p99 per run")
         for r in rows:
             times = f"{r['p50_us']:8.1f} {r['p99_us']:8.1f} {r['cpu_p50_us']:10.1f} {r['cpu_p99_us']:10.1f}"
-            print(f"{r['cluster']:>7} {r['policy']:>12} {r['what']:>6} {times}")
+            per_run = " ".join(f"{v:.0f}" for v in r["p99_us_per_run"])
+            print(f"{r['cluster']:>7} {r['policy']:>12} {r['what']:>6} {times}  {per_run}")
     return 0
+
+
+def _median_row(same_row_per_run: tuple[dict, ...]) -> dict:
+    """One row: medians over runs of every timing, plus each run's p99."""
+    first = same_row_per_run[0]
+    row = {k: v for k, v in first.items() if not k.endswith("_us")}
+    for key in (k for k in first if k.endswith("_us")):
+        row[key] = statistics.median(r[key] for r in same_row_per_run)
+    row["p99_us_per_run"] = [r["p99_us"] for r in same_row_per_run]
+    return row
 
 
 def bench_size(num_prefill: int, num_decode: int, decisions: int, seed: int) -> list[dict]:

@@ -9,6 +9,7 @@ Nothing here does I/O; the process edge feeds `Router` worker messages and reque
     registry.py      membership: registration, load reports, heartbeats, epochs, retirement
     prefix_index.py  leading prefix-block hits per worker for one request (hash -> row of a bool matrix)
     snapshot.py      the per-decision view policies read (numpy arrays, in-flight holds charged)
+    kernels.py       numba-compiled prefix lookup and pair search (numpy fallback)
     demand.py        tokens and blocks a request needs at P and D given prefix hits
     policies.py      round_robin, jsq, slo, prefix: pure functions snapshot -> Choice | Refusal
     plan.py          Choice -> block holds + RoutePlan with predicted TTFT/TPOT

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.router import demand
+from pdserve.router import demand, kernels
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import RejectReason, RouteRequest
@@ -43,6 +43,7 @@ from pdserve.router.snapshot import Derived, Pool, Snapshot
 _NO_FIT = np.iinfo(np.int64).max
 _count = np.count_nonzero  # on small bool masks: several times cheaper than ndarray.any() / .all()
 _EVERYONE: dict[int, np.ndarray] = {}  # pool size -> a shared read-only all-true mask
+_NOBODY: dict[int, np.ndarray] = {}  # pool size -> a shared read-only all-zero hit vector
 
 
 def _everyone(size: int) -> np.ndarray:
@@ -52,6 +53,14 @@ def _everyone(size: int) -> np.ndarray:
         mask = _EVERYONE[size] = np.ones(size, dtype=bool)
         mask.flags.writeable = False
     return mask
+
+
+def _no_hits(size: int) -> np.ndarray:
+    hits = _NOBODY.get(size)
+    if hits is None:
+        hits = _NOBODY[size] = np.zeros(size, dtype=np.int64)
+        hits.flags.writeable = False
+    return hits
 
 
 def _all(mask: np.ndarray) -> bool:
@@ -236,6 +245,8 @@ def _fastest_pair(
     only when some slot is actually excluded (the common case admits every slot).
     """
     bs = cost.block_size_tokens
+    if kernels.enabled:
+        return _fastest_pair_compiled(snapshot, request, cost, terms, p_hit, d_hit, p_ok, d_ok)
     per_p = terms.queue_p + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))  # [P]
     if not _all(p_ok):
         per_p = np.where(p_ok, per_p, np.inf)
@@ -257,6 +268,27 @@ def _fastest_pair(
     row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]
     d = int(row.argmin())
     return p, d, float(row[d])
+
+
+def _fastest_pair_compiled(
+    snapshot: Snapshot,
+    request: RouteRequest,
+    cost: CostModel,
+    terms: Derived,
+    p_hit: Hits,
+    d_hit: Hits,
+    p_ok: np.ndarray,
+    d_ok: np.ndarray,
+) -> tuple[int, int, float]:
+    """`_fastest_pair` in one compiled call (kernels.fastest_pair: the reference's double loop)."""
+    queue_p, admission_d = terms.queue_p, terms.admission_d
+    p_hits = p_hit if isinstance(p_hit, np.ndarray) else _no_hits(len(queue_p))
+    d_hits = d_hit if isinstance(d_hit, np.ndarray) else _no_hits(len(admission_d))
+    p, d, ttft_s = kernels.fastest_pair(
+        queue_p, p_hits, p_ok, admission_d, d_hits, d_ok, snapshot.same_host, snapshot.colocated,
+        request.prompt_tokens, cost.block_size_tokens, cost.kv_bytes_per_token, cost.kernel_coefficients,
+    )  # fmt: skip
+    return p, d, ttft_s
 
 
 def _decode_x(

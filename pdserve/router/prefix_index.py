@@ -17,9 +17,12 @@ hash, slot).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 import numpy as np
+
+from pdserve.router import kernels
 
 _SENTINEL = 0  # the row no slot holds
 
@@ -96,10 +99,38 @@ class PrefixIndex:
         first_miss = np.ascontiguousarray(window.T).argmin(axis=1)  # [slots]: argmin along contiguous rows
         return first_miss.astype(np.int64, copy=False)
 
+    def lookup(self, block_hashes: Sequence[int]) -> np.ndarray | None:
+        """Per slot, how many leading blocks of `block_hashes` it holds (shape [num_slots], int64),
+        or None when no slot holds the first block. With the compiled kernels the hashes are
+        probed in C (`map`) in chunks, a miss reading as the sentinel row, which no slot holds,
+        so the kernel's count stops there; otherwise the numpy path above."""
+        if not kernels.enabled:
+            rows = self.leading_rows(block_hashes)
+            return self.hits_for_rows(rows) if rows else None
+        rows = _probe(self.rows.get, block_hashes)
+        return None if rows[0] == _SENTINEL else kernels.leading_counts(rows, self.held)
+
     def leading_hits(self, block_hashes: Sequence[int]) -> np.ndarray:
         """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots], int64."""
-        rows = self.leading_rows(block_hashes)
-        return self.hits_for_rows(rows) if rows else np.zeros(self.num_slots, dtype=np.int64)
+        hits = self.lookup(block_hashes) if block_hashes else None
+        return np.zeros(self.num_slots, dtype=np.int64) if hits is None else hits
+
+
+_PROBE_CHUNK = 128  # hashes probed per C-level pass; a long prompt stops after the chunk that misses
+
+
+def _probe(get: Callable[..., int], block_hashes: Sequence[int]) -> np.ndarray:
+    """Rows of `block_hashes` (the sentinel where nobody holds one), at least up to the first miss.
+    Shape [<= len(block_hashes)], int64."""
+    if len(block_hashes) <= _PROBE_CHUNK:
+        return np.fromiter(map(get, block_hashes, repeat(_SENTINEL)), np.int64, len(block_hashes))
+    rows: list[int] = []
+    for start in range(0, len(block_hashes), _PROBE_CHUNK):
+        chunk = list(map(get, block_hashes[start : start + _PROBE_CHUNK], repeat(_SENTINEL)))
+        rows += chunk
+        if _SENTINEL in chunk:
+            break
+    return np.array(rows, dtype=np.int64)
 
 
 def leading_hit_blocks(block_hashes: Sequence[int], held: frozenset[int]) -> int:

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pdserve.router import kernels
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
@@ -70,6 +71,7 @@ class Router:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; expected one of {sorted(POLICIES)}")
         self.config = config
+        kernels.warm_up()  # compile (or load) the policies' kernels now, not on the first request
         identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()

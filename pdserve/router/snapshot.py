@@ -121,10 +121,9 @@ class Snapshot:
     def leading_hits(self, block_hashes: Sequence[int]) -> tuple[np.ndarray | int, np.ndarray | int]:
         """Raw leading prefix hits (blocks) per prefill slot and per decode slot, or (0, 0) when no
         slot holds the first block (0 stands for an all-zero array)."""
-        rows = self.prefix.leading_rows(block_hashes)
-        if not rows:
+        hits = self.prefix.lookup(block_hashes) if block_hashes else None  # [P + D], or [P] when colocated
+        if hits is None:
             return 0, 0
-        hits = self.prefix.hits_for_rows(rows)  # [P + D], or [P] when colocated
         if self.colocated:
             return hits, hits
         split = len(self.prefill)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_fixtures import entry
@@ -13,6 +14,8 @@ from pdserve.router.plan import predicted_clocks
 from pdserve.router.policies import Choice, PolicyContext, prefix_aware, slo_aware
 from pdserve.router.snapshot import make_snapshot
 from pdserve.router.synthetic import chain
+
+pytestmark = pytest.mark.usefixtures("kernel_path")  # each test: compiled kernels, then numpy
 
 CHAINS = [chain(c, 7, 8) for c in range(3)]  # three 8-block prefix chains
 ALL_HASHES = sorted({h for c in CHAINS for h in c})

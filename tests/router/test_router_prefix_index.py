@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_reference import reference_cost_aware
@@ -13,6 +14,8 @@ from pdserve.router.plan import predicted_clocks
 from pdserve.router.policies import POLICIES, Choice, PolicyContext
 from pdserve.router.prefix_index import PrefixIndex, leading_hit_blocks
 from pdserve.router.synthetic import chain, random_load, random_router
+
+pytestmark = pytest.mark.usefixtures("kernel_path")  # each test: compiled kernels, then numpy
 
 CHAINS = [chain(c, 11, 8) for c in range(3)]
 FOREIGN = [chain(100 + c, 11, 4) for c in range(2)]  # hashes some requests carry and no worker may hold
@@ -114,3 +117,14 @@ def test_router_snapshots_match_reference_under_prefix_reports():
             result = router.route(request)
             if hasattr(result, "decode_hold"):
                 router.complete(request.request_id)
+
+
+@pytest.mark.parametrize("held_blocks", [0, 1, 127, 128, 129, 256, 300, 301])
+def test_long_prompts_probe_in_chunks(held_blocks):
+    """Prompts longer than one probe chunk (128 blocks): the hit stops at the first miss wherever
+    it falls, including exactly at a chunk boundary and past the end of the request."""
+    long_chain = chain(500, 11, 301)
+    held = [frozenset(long_chain[:held_blocks]), frozenset(long_chain[:129]), frozenset()]
+    index = PrefixIndex.build(held)
+    for request in (long_chain, long_chain[:200], long_chain[:128] + FOREIGN[0]):
+        assert_matches_scan(index, held, request)

@@ -133,7 +133,10 @@ def test_cost_model_from_kv_abi():
 def test_bench_router_command_smoke(capsys):
     from pdserve.cli import main
 
-    assert main(["bench-router", "--json", "--decisions", "20"]) == 0
+    assert main(["bench-router", "--json", "--decisions", "20", "--runs", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     clusters = {(r["cluster"], r["policy"], r["what"]) for r in report["results"]}
     assert ("64x64", "prefix", "route") in clusters and ("8x8", "slo", "policy") in clusters
+    assert report["runs"] == 3 and report["compiled_kernels"] is True
+    for row in report["results"]:
+        assert len(row["p99_us_per_run"]) == 3 and row["p99_us"] == sorted(row["p99_us_per_run"])[1]
