@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
+from pdserve.model import skinny
 from pdserve.model.numerics import linear, row_quantum
 
 
@@ -73,6 +74,9 @@ class LlamaModel:
         self.storage_dtype = dtype
         self.dtype = compute_dtype or dtype
         self.quantum = row_quantum(self.dtype, batch_invariant)
+        self.skinny = skinny.eligible(self.dtype, batch_invariant)  # small-row fp32 products (numerics.py)
+        if self.skinny:
+            skinny.warm_up()
         state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
         self.embed = state["model.embed_tokens.weight"].to(self.dtype)  # [V, d]
         head = state.get("lm_head.weight")
@@ -123,12 +127,12 @@ class LlamaModel:
                 layer_hook(i)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
         x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
-        return linear(x, self.lm_head, quantum=self.quantum).float()  # [R, V]
+        return linear(x, self.lm_head, quantum=self.quantum, skinny_rows=self.skinny).float()  # [R, V]
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, layer.wqkv, layer.bqkv, self.quantum)  # [T, (H_q + 2 H_kv) * D]
+        qkv = linear(h, layer.wqkv, layer.bqkv, self.quantum, self.skinny)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
         k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
@@ -140,8 +144,8 @@ class LlamaModel:
         else:
             write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
-        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.quantum)
+        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.quantum, self.skinny)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer.w13, quantum=self.quantum).chunk(2, dim=-1)  # [T, d_ff] each
-        return linear(F.silu(gate) * up, layer.w2, quantum=self.quantum)
+        gate, up = linear(h, layer.w13, quantum=self.quantum, skinny_rows=self.skinny).chunk(2, dim=-1)  # [T, d_ff] each
+        return linear(F.silu(gate) * up, layer.w2, quantum=self.quantum, skinny_rows=self.skinny)

@@ -16,6 +16,8 @@ Contract:
   rows are padded to a multiple of ROW_QUANTUM, with which every row sees the same kernel and
   summation order. The price is small-batch fp32 decode: one row costs a 4-row GEMM instead of a
   GEMV (`--no-batch-invariant` trades exactness across batch compositions for that speed).
+- Without batch invariance, fp32 on one thread, products of 2-8 rows go through skinny.py's
+  kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import skinny
 
 ROW_QUANTUM = 4
 COMPUTE_CHOICES = ("float32", "bfloat16")
@@ -59,8 +63,13 @@ def row_quantum(compute: torch.dtype, batch_invariant: bool) -> int:
     return ROW_QUANTUM if batch_invariant and compute == torch.float32 else 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quantum: int = 1) -> torch.Tensor:
-    """x: [T, in] -> [T, out]; rows padded to a multiple of `quantum` for the product."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quantum: int = 1, skinny_rows: bool = False
+) -> torch.Tensor:
+    """x: [T, in] -> [T, out]; rows padded to a multiple of `quantum` for the product; with
+    `skinny_rows` (see skinny.eligible) 2-8 rows go through the skinny kernel."""
+    if skinny_rows and skinny.applies(x):
+        return skinny.skinny_linear(x, weight, bias)
     rows = x.shape[0]
     pad = -rows % quantum
     if pad:
