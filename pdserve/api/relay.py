@@ -4,8 +4,10 @@ Contract: both paths start from the first event, already read by `RequestStream.
 - `collect` reads to the terminal event; an ErrorEvent raises `ApiError` (status from its code).
 - `sse_events` yields the OpenAI stream (see responses.py) and then `data: [DONE]`. An ErrorEvent
   after the stream began becomes one `data: {"error": {...}}` event before `[DONE]`, so a client
-  can always tell a failed stream from a finished one; so does a backend iterator that raises. Token events without text are sent only
-  when the client asked for token ids.
+  can always tell a failed stream from a finished one; so does a backend iterator that raises.
+  Every token event is sent, also when its text is empty (a token whose text the detokenizer holds
+  back, e.g. part of a UTF-8 character, or a special token), as vLLM does: a client sees one event
+  per decode step, so its TTFT and inter-token times are the generation's, not the text's.
 - `EventStreamResponse` closes the `RequestStream` when the response ends for any reason (normal
   end, client disconnect, cancellation, error), so an abandoned request is always aborted.
 """
@@ -58,7 +60,7 @@ async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: Respons
             yield sse(chunk)
         event = first
         while isinstance(event, TokenEvent):
-            if event.text or fmt.return_token_ids:
+            if event.text or event.token_ids:
                 yield sse(fmt.delta(event.text, event.token_ids))
             event = await _next_or_error(stream)
         for chunk in _ending(event, fmt):

@@ -4,11 +4,12 @@ Contract: `send_request` never raises for a server-side or transport problem: ev
 becomes a `RequestRecord`. Timing starts just before the request is handed to the transport (see
 `transport.py`); each token time is the moment the transport received its line, before any JSON
 parsing. A request succeeds only with HTTP 200, a stream that ends with ``data: [DONE]`` and at
-least one text-carrying chunk. Otherwise `error` is ``rejected:<status>`` (429, 503),
+least one token chunk. Otherwise `error` is ``rejected:<status>`` (429, 503),
 ``http:<status>`` (other statuses), ``timeout``, ``connect_error``, ``cut_off`` (connection closed
 or stream ended without [DONE]), ``stream_error`` (an error chunk) or ``no_output``. Output tokens
 are the server's usage count when sent (we ask for it with ``stream_options.include_usage``),
-else the number of text-carrying chunks.
+else the number of token chunks (see sse.py: a chunk with text, or with an empty text field and
+no finish reason, e.g. a token whose text the server holds back).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class StreamTimer:
         self.end_s = now_s
         if event.error:
             self.error = event.error
-        if event.text:
+        if event.token:
             self.token_times_s.append(now_s)
         if event.usage_tokens is not None:
             self.usage_tokens = int(event.usage_tokens)

@@ -5,6 +5,12 @@ Contract: `parse_sse_line` is pure. Lines that are not ``data:`` lines (blank se
 text it carries (completions ``choices[0].text`` or chat ``choices[0].delta.content``), the
 ``usage.completion_tokens`` when present, and an error message when the chunk is an error object.
 Malformed JSON is reported as an error event, not raised.
+
+`token` says whether a chunk stands for generated output, which is what TTFT and ITL time: any
+chunk with text, and also a chunk whose text field is present but empty while it carries no
+finish reason and no chat role. Servers send those for tokens whose text is held back (a partial
+UTF-8 character, a special token); vLLM's own benchmark counts them too. A closing chunk with a
+finish reason and no text, a chat opening (role) chunk and a usage-only chunk are not tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ class StreamEvent:
 
     done: bool = False
     text: str = ""
+    token: bool = False  # the chunk stands for generated output (see the module contract)
     usage_tokens: int | None = None
     error: str = ""
 
@@ -49,13 +56,19 @@ def _chunk_event(chunk: dict) -> StreamEvent:
         return StreamEvent(error="stream_error")
     usage = chunk.get("usage") or {}
     tokens = usage.get("completion_tokens")
-    return StreamEvent(text=_choice_text(chunk.get("choices") or []), usage_tokens=tokens)
+    text, token = _choice_text(chunk.get("choices") or [])
+    return StreamEvent(text=text, token=token, usage_tokens=tokens)
 
 
-def _choice_text(choices: list) -> str:
-    if not choices:
-        return ""
+def _choice_text(choices: list) -> tuple[str, bool]:
+    """(text, stands for a token) of the first choice."""
+    if not choices or not isinstance(choices[0], dict):
+        return "", False
     choice = choices[0]
     if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
+        body, has_field = choice, True
+    else:
+        body = choice.get("delta") or {}
+        has_field = "content" in body and "role" not in body
+    text = body.get("text" if "text" in choice else "content") or ""
+    return text, bool(text) or (has_field and choice.get("finish_reason") is None)

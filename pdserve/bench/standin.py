@@ -234,8 +234,10 @@ async def _stream(writer, body: dict, request_id: str, received_s: float, cut: b
 
 
 async def _sleep_until(deadline_s: float) -> None:
-    delay_s = deadline_s - time.perf_counter()
-    if delay_s > 0:
+    """Sleep until perf_counter reaches `deadline_s`, never less: uvloop rounds timers to whole
+    milliseconds from a cached loop time, so one sleep can wake up to ~0.5 ms early; sleep again
+    for what is left (a sub-millisecond rest is a few zero-delay yields)."""
+    while (delay_s := deadline_s - time.perf_counter()) > 0:
         await asyncio.sleep(delay_s)
 
 
