@@ -19,8 +19,9 @@ class RequestRecord:
     """One request's outcome.
 
     `ttft_s` is None when no token arrived. `itls_s` are the gaps between successive streamed
-    chunks that carried text (one gap fewer than the chunks). `output_tokens` is the server's
-    usage count when it reported one, else the number of text-carrying chunks. `error` is empty on
+    token chunks (sse.py: text, or a held-back token's empty text; one gap fewer than the
+    chunks). `output_tokens` is the server's usage count when it reported one, else the number
+    of token chunks. `error` is empty on
     success, else a short reason such as ``"rejected:429"``, ``"http:500"``, ``"cut_off"``.
     """
 

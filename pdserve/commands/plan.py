@@ -49,10 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--validate-tolerance", type=float, default=None, metavar="T",
                    help="instead of a sweep, check |predicted - measured| <= T x measured with two bench runs per "
                         "configuration (at pred/(1+T) and pred/(1-T)); e.g. 0.15")
-    v.add_argument("--validate-calibrate", action="store_true",
-                   help="re-time the --latency-model profile against each running server (bursts of one request "
-                        "per worker at the workload's median lengths, against the simulator's clocks for the same "
-                        "burst) and re-make the prediction just before its benchmark")
+    v.add_argument("--validate-calibrate", nargs="?", const="burst", choices=("burst", "load"), default=None,
+                   help="re-time the --latency-model profile against each running server and re-make the "
+                        "prediction just before its benchmark: 'burst' (the default): bursts of one request per "
+                        "worker at the workload's median lengths against the simulator's clocks for the same "
+                        "burst; 'load': a Poisson replay of the workload on another seed at half the prediction, "
+                        "compared request by request with the simulator's clocks for the same arrivals")
     v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
     v.add_argument("--validate-max-workers", type=int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
@@ -128,25 +130,15 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
             configs.append(LocalConfig(name, "disaggregated", prefill=plan_.n_prefill, decode=plan_.n_decode,
                                        predicted_goodput_rps=plan_.goodput_rps, simulated_goodput_rps=simulated,
                                        sample_goodput_rps=sample, extra_serve_args=(*serve, *chunk)))
+    workload = _workload_args(args)
     bench = ["--num-requests", str(num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
              "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed),
-             "--max-bisections", str(args.validate_max_bisections), "--prompt-format", "ids"]
-    if args.arrival:
-        bench += ["--arrival", args.arrival, "--burstiness", str(args.burstiness)]
-    if args.trace:
-        bench += ["--trace", args.trace]
-    else:
-        bench += ["--input-dist", args.input_dist] if args.input_dist else ["--input-len", str(args.input_len)]
-        bench += ["--output-dist", args.output_dist] if args.output_dist else ["--output-len", str(args.output_len)]
-    if args.shared_prefix_len:
-        bench += ["--shared-prefix-len", str(args.shared_prefix_len)]
-    if args.num_conversations:
-        bench += ["--num-conversations", str(args.num_conversations)]
+             "--max-bisections", str(args.validate_max_bisections), "--prompt-format", "ids", *workload]
     rates = [float(r) for r in args.validate_rates.split(",") if r.strip()] if args.validate_rates else None
     limit = args.validate_max_workers or os.cpu_count() or 1
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     runnable = [c for c in configs if c.workers <= limit]
-    calibrator = _calibrator(result, num_requests) if args.validate_calibrate else None
+    calibrator = _calibrator(result, num_requests, args.validate_calibrate, workload) if args.validate_calibrate else None
     rows = validate(runnable, model, bench, rates, progress, tolerance=args.validate_tolerance, calibrator=calibrator,
                     keep_dir=Path(args.validate_dir) if args.validate_dir else None)
     for c in configs:
@@ -157,15 +149,29 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     return rows
 
 
-def _calibrator(result, num_requests: int):
-    """Calibrate the fixed profiled model on the live server (bursts as large as the deployment's
-    worker count, against the simulator's clocks for the same burst), then re-simulate the
-    benchmark's sample with the scaled model."""
+def _workload_args(args) -> list[str]:
+    """The bench flags that give the plan's workload (lengths, arrivals, prefixes), seed aside."""
+    workload = ["--arrival", args.arrival, "--burstiness", str(args.burstiness)] if args.arrival else []
+    if args.trace:
+        workload += ["--trace", args.trace]
+    else:
+        workload += ["--input-dist", args.input_dist] if args.input_dist else ["--input-len", str(args.input_len)]
+        workload += ["--output-dist", args.output_dist] if args.output_dist else ["--output-len", str(args.output_len)]
+    if args.shared_prefix_len:
+        workload += ["--shared-prefix-len", str(args.shared_prefix_len)]
+    if args.num_conversations:
+        workload += ["--num-conversations", str(args.num_conversations)]
+    return workload
+
+
+def _calibrator(result, num_requests: int, method: str, workload_args: list[str]):
+    """Calibrate the fixed profiled model on the live server (calibrate.py: 'burst' or 'load'),
+    then re-simulate the benchmark's sample with the scaled model."""
     import dataclasses
     import statistics
 
     from pdserve.sim import calibrate
-    from pdserve.sim.planner import bench_sample, burst_clocks, sample_goodput
+    from pdserve.sim.planner import bench_sample, burst_clocks, load_clocks, sample_goodput
     from pdserve.sim.profiled import ProfiledLatency
 
     inputs = result.inputs
@@ -176,15 +182,23 @@ def _calibrator(result, num_requests: int):
     prompt = int(statistics.median(sample.prompt_tokens))
     output = int(statistics.median(sample.output_tokens))
 
-    def run(config, url: str) -> tuple[dict, float]:
+    def measure(config, url: str) -> tuple[object, dict]:
         plan_ = plans[config.name]
+        if method == "load":
+            count, rate = calibrate.load_plan(config.checked_rps, config.workers)
+            seed = calibrate.CALIBRATION_SEED
+            simulated = load_clocks(inputs, plan_, count, rate, seed)
+            return calibrate.load_requests(url, workload_args, count, rate, simulated, seed), {}
         burst = config.workers
         predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
-        cal = calibrate.burst_requests(url, predicted, prompt, output, burst)
+        return calibrate.burst_requests(url, predicted, prompt, output, burst), {"method": "burst", "burst": burst}
+
+    def run(config, url: str) -> tuple[dict, float]:
+        cal, extra = measure(config, url)
         calibrate.check_plausible(cal)
         model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor, cal.decode_factor)
         calibrated = dataclasses.replace(inputs, fixed_model=model)
-        return {**cal.to_dict(), "burst": burst}, sample_goodput(calibrated, plan_, num_requests).rate
+        return {**cal.to_dict(), **extra}, sample_goodput(calibrated, plans[config.name], num_requests).rate
 
     return run
 

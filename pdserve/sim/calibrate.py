@@ -5,7 +5,17 @@ shares its cores with the router/API process and the benchmark client; goodput n
 moves 2-2.5x as much as the step time does. A profile taken earlier, with the engine alone, is
 therefore not what a measurement minutes later sees. Calibration measures what it does see.
 
-Contract: `burst_requests` replays a few bursts of as many requests as the deployment has worker
+Two methods, both through the server that is about to be benchmarked:
+
+Contract (load): `load_requests` replays a short Poisson workload of the plan's own length
+distribution on another seed (other lengths, arrivals and prompt content, so no prefix-cache
+hits) at about half the deployment's predicted goodput, and compares each request's TTFT and
+TPOT with the simulator's clocks for the very same requests and arrivals on the same deployment;
+the factors are the median per-request ratios. Requests overlap, batch and queue as they will in
+the benchmark, so the factors carry the CPU the router/API process and the client take under
+load, and a request-by-request comparison cancels the workload's own variance.
+
+Contract (burst): `burst_requests` replays a few bursts of as many requests as the deployment has worker
 processes (arriving 1 ms apart, one burst after the other) through the server that is about to be
 benchmarked, with `pdserve bench`; `Calibration` compares their median TTFT and TPOT with the
 medians the simulator gives for the same burst on the same deployment (`planner.burst_clocks`)
@@ -27,6 +37,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench.records import RequestRecord
 from pdserve.sim.profiled import ProfiledLatency
 
 
@@ -53,10 +64,31 @@ class Calibration:
         return {**dataclasses.asdict(self), "prefill_factor": self.prefill_factor, "decode_factor": self.decode_factor}
 
 
+@dataclass(frozen=True)
+class LoadCalibration:
+    """Per-request clocks of a Poisson replay through the server against the simulator's clocks
+    for the same requests and arrivals; each factor is the median of the per-request ratios."""
+
+    requests: int
+    rate_rps: float
+    seed: int
+    prefill_factor: float  # median measured / simulated TTFT
+    decode_factor: float  # median measured / simulated TPOT (requests with more than one token)
+    measured_ttft_s: float  # medians, for the report
+    measured_tpot_s: float
+    predicted_ttft_s: float
+    predicted_tpot_s: float
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "method": "load"}
+
+
+BURST_RATE = 1000.0  # req/s: the requests of one burst arrive 1 ms apart
+CALIBRATION_SEED = 7_919_000  # prompt content of its own, never a benchmark's (prefix-cache hits)
 PLAUSIBLE_FACTORS = (0.25, 4.0)  # outside: the calibration measured something else than the profile
 
 
-def check_plausible(cal: Calibration) -> None:
+def check_plausible(cal: Calibration | LoadCalibration) -> None:
     """Refuse factors no drift explains (a prompt answered from the prefix cache, a stalled server)."""
     lo, hi = PLAUSIBLE_FACTORS
     for name, factor in (("prefill", cal.prefill_factor), ("decode", cal.decode_factor)):
@@ -89,25 +121,65 @@ def burst_requests(url: str, predicted: tuple[float, float], prompt_tokens: int,
     idle core to spare) does not see."""
     ttfts, tpots = [], []
     for k in range(repeats):  # a seed per burst: a repeated prompt would be answered from the prefix cache
-        measured = _bench(url, prompt_tokens, output_tokens, burst, BURST_RATE, timeout_s, CALIBRATION_SEED + 1 + k)
+        lengths = ["--input-len", str(prompt_tokens), "--output-len", str(output_tokens), "--arrival", "constant"]
+        measured = _bench(url, lengths, burst, BURST_RATE, timeout_s, CALIBRATION_SEED + 1 + k)
         ttfts.append(measured["p50_ttft_ms"] / 1e3)
         tpots.append(measured["p50_tpot_ms"] / 1e3)
     return Calibration(prompt_tokens, output_tokens, statistics.median(ttfts), statistics.median(tpots), *predicted)
 
 
-BURST_RATE = 1000.0  # req/s: the requests of one burst arrive 1 ms apart
-CALIBRATION_SEED = 7_919_000  # prompt content of its own, never a benchmark's (prefix-cache hits)
+LOAD_FRACTION = 0.5  # of the uncalibrated prediction: overlap and batching as under load, no saturation
+LOAD_MAX_SPAN_S = 300.0  # arrivals span at most this long (a faster rate for slow deployments)
+LOAD_MAX_REQUESTS = 12
 
 
-def _bench(url: str, prompt_tokens: int, output_tokens: int, num_requests: int, rate: float, timeout_s: float,
-           seed: int) -> dict:
-    """`pdserve bench` at constant arrivals with objectives nobody misses; its JSON report."""
+def load_plan(predicted_rps: float, workers: int) -> tuple[int, float]:
+    """(requests, rate) of a load calibration: LOAD_FRACTION of the prediction, 2 per worker to
+    LOAD_MAX_REQUESTS requests, arrivals spanning at most LOAD_MAX_SPAN_S."""
+    if predicted_rps <= 0:
+        raise ValueError("a load calibration needs a positive predicted goodput")
+    rate = LOAD_FRACTION * predicted_rps
+    count = max(2 * workers, min(LOAD_MAX_REQUESTS, round(rate * LOAD_MAX_SPAN_S)))
+    return count, max(rate, count / LOAD_MAX_SPAN_S)
+
+
+def load_requests(url: str, workload_args: list[str], num_requests: int, rate: float,
+                  simulated: list[RequestRecord], seed: int = CALIBRATION_SEED, timeout_s: float = 1800.0) -> LoadCalibration:
+    """Replay `num_requests` of the workload (`workload_args`: the bench's length/arrival flags)
+    with `seed` at `rate` through the server; compare request by request with `simulated`, the
+    simulator's records for the same workload, seed and rate (paired by request id)."""
+    measured = _bench(url, workload_args, num_requests, rate, timeout_s, seed, records=True)
+    by_id = {r.request_id: r for r in simulated}
+    ttft, tpot, clocks = [], [], ([], [], [], [])
+    for row in measured["records"]:
+        sim = by_id.get(row["request_id"])
+        if sim is None or not row["success"] or not sim.success or not row["ttft_s"] or not sim.ttft_s:
+            continue
+        ttft.append(row["ttft_s"] / sim.ttft_s)
+        clocks[0].append(row["ttft_s"])
+        clocks[2].append(sim.ttft_s)
+        if row.get("tpot_s") and sim.tpot_s:
+            tpot.append(row["tpot_s"] / sim.tpot_s)
+            clocks[1].append(row["tpot_s"])
+            clocks[3].append(sim.tpot_s)
+    if not ttft or not tpot:
+        raise RuntimeError(f"load calibration: no request to compare ({measured.get('completed')} completed)")
+    med = statistics.median
+    return LoadCalibration(num_requests, rate, seed, med(ttft), med(tpot), *(med(c) for c in clocks))
+
+
+
+
+def _bench(url: str, workload_args: list[str], num_requests: int, rate: float, timeout_s: float, seed: int,
+           records: bool = False) -> dict:
+    """`pdserve bench` of `workload_args` (lengths, arrivals) with objectives nobody misses; its
+    JSON report (with per-request records when asked)."""
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         report = Path(tmp) / "calibrate.json"
         command = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url, "--num-requests", str(num_requests),
-                   "--rate", f"{rate:.6g}", "--arrival", "constant", "--input-len", str(prompt_tokens),
-                   "--output-len", str(output_tokens), "--prompt-format", "ids", "--slo-ttft-ms", "1e9",
+                   "--rate", f"{rate:.6g}", *workload_args, "--prompt-format", "ids", "--slo-ttft-ms", "1e9",
                    "--slo-tpot-ms", "1e9", "--seed", str(seed), "--json", str(report), "--quiet"]
+        command += ["--include-records"] if records else []
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not report.exists():
             raise RuntimeError(f"calibration bench exited with {done.returncode}: {' '.join(command)}\n"

@@ -196,6 +196,18 @@ def sample_goodput(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_re
     return goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition, rel_tol=0.01)
 
 
+def load_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_requests: int, rate: float,
+                seed: int) -> list:
+    """Simulated records of `num_requests` of the workload on `seed` at `rate` on the planned
+    deployment (what a load calibration through the live server is compared with, request by
+    request)."""
+    workload = dataclasses.replace(inputs.workload, seed=seed)
+    if workload.trace_path is None:
+        workload = dataclasses.replace(workload, num_requests=num_requests)
+    config, pm, dm = deployment(inputs, plan_)
+    return simulate(build_requests(workload), rate, config, pm, dm).records
+
+
 def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_tokens: int, output_tokens: int,
                  burst: int, rate: float) -> tuple[float, float]:
     """Median simulated (TTFT s, TPOT s) of `burst` equal requests arriving at `rate` on the

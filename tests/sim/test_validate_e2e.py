@@ -168,3 +168,50 @@ def test_burst_clocks_and_sample_goodput_of_a_constant_model():
     assert ttft == pytest.approx(0.020) and tpot == pytest.approx(0.005)
     found = sample_goodput(inputs, result.disaggregated, 50)
     assert found.rate > 0 and not found.saturated
+
+
+def test_load_plan_rate_and_size():
+    from pdserve.sim.calibrate import LOAD_MAX_REQUESTS, load_plan
+
+    assert load_plan(1.0, 2) == (LOAD_MAX_REQUESTS, 0.5)  # half the prediction, 12 requests
+    count, rate = load_plan(0.02, 2)  # a slow deployment: 4 requests within the span cap
+    assert count == 4 and rate == pytest.approx(4 / 300)
+    with pytest.raises(ValueError):
+        load_plan(0.0, 2)
+
+
+def test_load_calibration_compares_request_by_request_with_the_simulator():
+    """A stand-in server twice as slow as the 'simulated' clocks: both factors come out ~2, from
+    per-request ratios paired by request id."""
+    from pdserve.bench.records import RequestRecord
+    from pdserve.bench.standin import StandinConfig, StandinProcess
+    from pdserve.sim.calibrate import check_plausible, load_requests
+
+    server = StandinConfig(first_token_s=0.04, prefill_s_per_token=0.0, inter_token_s=0.02)
+    n, out = 6, 5
+    simulated = [RequestRecord(i, 0.0, True, 0.02, 0.02 + (out - 1) * 0.01, (), out, 16) for i in range(n)]
+    with StandinProcess(server) as s:
+        cal = load_requests(s.url, ["--input-len", "16", "--output-len", str(out)], n, 20.0, simulated, seed=3)
+    check_plausible(cal)
+    assert 1.95 < cal.prefill_factor < 2.3 and 1.95 < cal.decode_factor < 2.3
+    assert cal.predicted_ttft_s == 0.02 and cal.predicted_tpot_s == pytest.approx(0.01)
+    assert cal.to_dict()["method"] == "load" and cal.requests == n
+
+
+def test_load_clocks_replay_the_workload_on_the_calibration_seed():
+    from pdserve.bench.lengths import fixed
+    from pdserve.bench.metrics import Slo
+    from pdserve.bench.workload import WorkloadConfig
+    from pdserve.sim.geometry import load_model_spec
+    from pdserve.sim.hardware import load_hardware
+    from pdserve.sim.latency import ConstantLatency
+    from pdserve.sim.planner import PlanInputs, load_clocks, plan
+
+    inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
+                        workload=WorkloadConfig(num_requests=200, input_len=fixed(64), output_len=fixed(8)),
+                        slo=Slo(0.2, 0.05), chunk_budgets=(512,), max_seqs=16,
+                        fixed_model=ConstantLatency(prefill_ms=20, decode_step_ms=5))
+    result = plan(inputs)
+    records = load_clocks(inputs, result.disaggregated, 5, 0.5, seed=11)
+    assert [r.request_id for r in records] == list(range(5))
+    assert all(r.success and r.ttft_s == pytest.approx(0.020) and r.tpot_s == pytest.approx(0.005) for r in records)
