@@ -187,8 +187,13 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
         if method == "load":
             count, rate = calibrate.load_plan(config.checked_rps, config.workers)
             seed = calibrate.CALIBRATION_SEED
-            simulated = load_clocks(inputs, plan_, count, rate, seed)
-            return calibrate.load_requests(url, workload_args, count, rate, simulated, seed), {}
+            measured = calibrate.load_replay(url, workload_args, count, rate, seed)
+
+            def simulate_scaled(prefill: float, decode: float) -> list:
+                model = calibrate.scaled(inputs.fixed_model, prefill, decode)
+                return load_clocks(dataclasses.replace(inputs, fixed_model=model), plan_, count, rate, seed)
+
+            return calibrate.fit_load(measured, simulate_scaled, seed, rate), {}
         burst = config.workers
         predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
         return calibrate.burst_requests(url, predicted, prompt, output, burst), {"method": "burst", "burst": burst}

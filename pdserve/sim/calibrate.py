@@ -7,11 +7,13 @@ therefore not what a measurement minutes later sees. Calibration measures what i
 
 Two methods, both through the server that is about to be benchmarked:
 
-Contract (load): `load_requests` replays a short Poisson workload of the plan's own length
+Contract (load): `load_replay` replays a short Poisson workload of the plan's own length
 distribution on another seed (other lengths, arrivals and prompt content, so no prefix-cache
 hits) at about half the deployment's predicted goodput, and compares each request's TTFT and
 TPOT with the simulator's clocks for the very same requests and arrivals on the same deployment;
-the factors are the median per-request ratios. Requests overlap, batch and queue as they will in
+`fit_load` finds the factors with which the scaled simulation matches the
+measured clocks request by request (median ratio 1, by bisection; re-simulated, so queueing
+scales as it does on the server). Requests overlap, batch and queue as they will in
 the benchmark, so the factors carry the CPU the router/API process and the client take under
 load, and a request-by-request comparison cancels the workload's own variance.
 
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,16 +71,17 @@ class Calibration:
 @dataclass(frozen=True)
 class LoadCalibration:
     """Per-request clocks of a Poisson replay through the server against the simulator's clocks
-    for the same requests and arrivals; each factor is the median of the per-request ratios."""
+    for the same requests and arrivals: the factors that make the scaled simulation match (the
+    median per-request ratio crosses 1, see `fit_load`)."""
 
     requests: int
     rate_rps: float
     seed: int
-    prefill_factor: float  # median measured / simulated TTFT
-    decode_factor: float  # median measured / simulated TPOT (requests with more than one token)
+    prefill_factor: float
+    decode_factor: float
     measured_ttft_s: float  # medians, for the report
     measured_tpot_s: float
-    predicted_ttft_s: float
+    predicted_ttft_s: float  # medians of the simulation with the fitted factors
     predicted_tpot_s: float
 
     def to_dict(self) -> dict:
@@ -143,15 +148,19 @@ def load_plan(predicted_rps: float, workers: int) -> tuple[int, float]:
     return count, max(rate, count / LOAD_MAX_SPAN_S)
 
 
-def load_requests(url: str, workload_args: list[str], num_requests: int, rate: float,
-                  simulated: list[RequestRecord], seed: int = CALIBRATION_SEED, timeout_s: float = 1800.0) -> LoadCalibration:
+def load_replay(url: str, workload_args: list[str], num_requests: int, rate: float, seed: int = CALIBRATION_SEED,
+                timeout_s: float = 1800.0) -> list[dict]:
     """Replay `num_requests` of the workload (`workload_args`: the bench's length/arrival flags)
-    with `seed` at `rate` through the server; compare request by request with `simulated`, the
-    simulator's records for the same workload, seed and rate (paired by request id)."""
-    measured = _bench(url, workload_args, num_requests, rate, timeout_s, seed, records=True)
+    with `seed` at `rate` through the server; the benchmark's per-request records."""
+    return _bench(url, workload_args, num_requests, rate, timeout_s, seed, records=True)["records"]
+
+
+def ratios(measured: list[dict], simulated: list[RequestRecord]) -> tuple[float, float, tuple[float, ...]]:
+    """(median measured/simulated TTFT, median measured/simulated TPOT, (median measured TTFT,
+    TPOT, simulated TTFT, TPOT)) over the requests that succeeded in both, paired by request id."""
     by_id = {r.request_id: r for r in simulated}
     ttft, tpot, clocks = [], [], ([], [], [], [])
-    for row in measured["records"]:
+    for row in measured:
         sim = by_id.get(row["request_id"])
         if sim is None or not row["success"] or not sim.success or not row["ttft_s"] or not sim.ttft_s:
             continue
@@ -163,11 +172,46 @@ def load_requests(url: str, workload_args: list[str], num_requests: int, rate: f
             clocks[1].append(row["tpot_s"])
             clocks[3].append(sim.tpot_s)
     if not ttft or not tpot:
-        raise RuntimeError(f"load calibration: no request to compare ({measured.get('completed')} completed)")
+        raise RuntimeError(f"load calibration: no request to compare ({len(measured)} records)")
     med = statistics.median
-    return LoadCalibration(num_requests, rate, seed, med(ttft), med(tpot), *(med(c) for c in clocks))
+    return med(ttft), med(tpot), tuple(med(c) for c in clocks)
 
 
+LOAD_FIT_ROUNDS = 3  # alternate prefill and decode; each affects the other's clock a little
+LOAD_FIT_STEPS = 24  # bisection steps per factor, in log space over PLAUSIBLE_FACTORS
+
+
+def fit_load(measured: list[dict], simulate_scaled: Callable[[float, float], list[RequestRecord]], seed: int,
+             rate: float) -> LoadCalibration:
+    """The factors with which the simulator's clocks for the replayed requests match the measured
+    ones request by request: each factor is where the median measured/simulated ratio of its
+    clock crosses 1, found by bisection (the ratio falls as the factor grows), re-simulating with
+    the scaled profile at every step. Re-simulating matters under load: a 20% slower prefill can
+    double a queued request's TTFT, so one ratio of TTFTs would overstate the factor. A factor
+    outside PLAUSIBLE_FACTORS stops at the bound (check_plausible then refuses it)."""
+    factors = [1.0, 1.0]  # prefill, decode
+    for _ in range(LOAD_FIT_ROUNDS):
+        for which in (0, 1):
+            def ratio(f: float, which=which) -> float:
+                trial = list(factors)
+                trial[which] = f
+                return ratios(measured, simulate_scaled(*trial))[which]
+            factors[which] = _crossing(ratio)
+    _, _, clocks = ratios(measured, simulate_scaled(*factors))
+    return LoadCalibration(len(measured), rate, seed, factors[0], factors[1], *clocks)
+
+
+def _crossing(ratio: Callable[[float], float]) -> float:
+    """The factor where a non-increasing `ratio(factor)` crosses 1, within PLAUSIBLE_FACTORS."""
+    lo, hi = (math.log(f) for f in PLAUSIBLE_FACTORS)
+    if ratio(math.exp(lo)) <= 1.0:
+        return math.exp(lo)
+    if ratio(math.exp(hi)) >= 1.0:
+        return math.exp(hi)
+    for _ in range(LOAD_FIT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(math.exp(mid)) > 1.0 else (lo, mid)
+    return math.exp((lo + hi) / 2)
 
 
 def _bench(url: str, workload_args: list[str], num_requests: int, rate: float, timeout_s: float, seed: int,
