@@ -3,8 +3,7 @@
 The policies' numpy path costs one interpreter round trip per array operation (0.5-2 us each,
 30-40 of them per prefix-aware decision at 64 x 64 workers); these kernels do the same arithmetic
 in one compiled call. Without numba, `AVAILABLE` (and `enabled`) is False and the policies and the
-prefix index keep their numpy path;
-the tests run both against the plain double-loop reference.
+prefix index keep their numpy path; the tests run both against the plain double-loop reference.
 
 Contracts (the floating-point operations are the reference's, in the reference's order, with no
 fastmath, so results agree bit for bit with `plan.predicted_clocks`):

@@ -104,6 +104,8 @@ class PrefixIndex:
         or None when no slot holds the first block. With the compiled kernels the hashes are
         probed in C (`map`) in chunks, a miss reading as the sentinel row, which no slot holds,
         so the kernel's count stops there; otherwise the numpy path above."""
+        if not block_hashes:
+            return None
         if not kernels.enabled:
             rows = self.leading_rows(block_hashes)
             return self.hits_for_rows(rows) if rows else None
