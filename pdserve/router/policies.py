@@ -245,8 +245,13 @@ def _fastest_pair(
     only when some slot is actually excluded (the common case admits every slot).
     """
     bs = cost.block_size_tokens
-    if kernels.enabled:
-        return _fastest_pair_compiled(snapshot, request, cost, terms, p_hit, d_hit, p_ok, d_ok)
+    if kernels.enabled:  # the same pair in one compiled call: the reference's double loop
+        p_hits = p_hit if isinstance(p_hit, np.ndarray) else _no_hits(len(terms.queue_p))
+        d_hits = d_hit if isinstance(d_hit, np.ndarray) else _no_hits(len(terms.admission_d))
+        return kernels.fastest_pair(
+            terms.queue_p, p_hits, p_ok, terms.admission_d, d_hits, d_ok, snapshot.same_host, snapshot.colocated,
+            request.prompt_tokens, bs, cost.kv_bytes_per_token, cost.kernel_coefficients,
+        )  # fmt: skip
     per_p = terms.queue_p + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))  # [P]
     if not _all(p_ok):
         per_p = np.where(p_ok, per_p, np.inf)
@@ -268,27 +273,6 @@ def _fastest_pair(
     row = per_p[p] + np.where(snapshot.same_host[p], same_x, cross_x)  # [D]
     d = int(row.argmin())
     return p, d, float(row[d])
-
-
-def _fastest_pair_compiled(
-    snapshot: Snapshot,
-    request: RouteRequest,
-    cost: CostModel,
-    terms: Derived,
-    p_hit: Hits,
-    d_hit: Hits,
-    p_ok: np.ndarray,
-    d_ok: np.ndarray,
-) -> tuple[int, int, float]:
-    """`_fastest_pair` in one compiled call (kernels.fastest_pair: the reference's double loop)."""
-    queue_p, admission_d = terms.queue_p, terms.admission_d
-    p_hits = p_hit if isinstance(p_hit, np.ndarray) else _no_hits(len(queue_p))
-    d_hits = d_hit if isinstance(d_hit, np.ndarray) else _no_hits(len(admission_d))
-    p, d, ttft_s = kernels.fastest_pair(
-        queue_p, p_hits, p_ok, admission_d, d_hits, d_ok, snapshot.same_host, snapshot.colocated,
-        request.prompt_tokens, cost.block_size_tokens, cost.kv_bytes_per_token, cost.kernel_coefficients,
-    )  # fmt: skip
-    return p, d, ttft_s
 
 
 def _decode_x(
