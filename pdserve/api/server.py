@@ -3,7 +3,8 @@
 Contract: `ServeConfig` is the one frozen description of a deployment (the CLI reads its
 defaults from here). `cluster(config)` is an async context manager that starts the workers
 (local processes, or Ray actors with `ray=True`), waits until all registered, yields the
-`ClusterBackend`, and on exit shuts every worker down. `serve(config)` runs uvicorn on top.
+`ClusterBackend` (with the start-up heap frozen, see heap.py), and on exit shuts every worker
+down. `serve(config)` runs uvicorn on top.
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
 """
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
+from pdserve.heap import frozen_heap
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
@@ -83,7 +85,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address))
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
-        yield backend, launcher
+        with frozen_heap():  # the router, app and tokenizer leave the collector's scans
+            yield backend, launcher
     finally:
         await backend.close()
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)

@@ -11,8 +11,6 @@ off when `quiet` or when stderr is not a terminal. During a replay the objects t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.transport import Transport
 from pdserve.bench.workload import BenchRequest
 from pdserve.bench.loop import run as run_loop
+from pdserve.heap import frozen_heap
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ async def run_requests(
     transport = transport or make_transport_for(endpoint)
     bar = _progress_bar(len(requests), quiet, label)
     try:
-        with _frozen_heap():
+        with frozen_heap():
             records, wall_s = await _replay(transport, requests, endpoint, bar)
     finally:
         if bar is not None:
@@ -76,17 +75,6 @@ async def _replay(transport, requests, endpoint, bar) -> tuple[tuple[RequestReco
         tasks[i] = task
     records = await asyncio.gather(*tasks)
     return tuple(records), time.perf_counter() - start_s
-
-
-@contextlib.contextmanager
-def _frozen_heap():
-    """Collect once, then keep everything that exists now out of later collections."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _progress_bar(total: int, quiet: bool, label: str):

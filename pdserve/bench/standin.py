@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdserve.bench.loop import run as run_loop
 from pdserve.bench.stampedsock import StampedStream
+from pdserve.heap import frozen_heap
 
 _REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 
@@ -326,10 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         server = StandinServer(config, "127.0.0.1", args.port)
         port = server.port
-        gc.collect()
-        gc.freeze()  # start-up objects stay out of later collections: no long pauses mid-stream
         print(f"stand-in serving on http://127.0.0.1:{port}", flush=True)
-        await server.serve_forever()
+        with frozen_heap():  # start-up objects stay out of later collections: no long pauses mid-stream
+            await server.serve_forever()
 
     with contextlib.suppress(KeyboardInterrupt):
         run_loop(run())

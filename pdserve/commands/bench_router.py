@@ -7,6 +7,8 @@ Each is timed twice: wall clock, and this thread's CPU time (which excludes time
 other processes, so it is the stabler number on a shared machine). The whole measurement is
 repeated `--runs` times (fresh cluster, same seed); a row reports the median over runs of each
 run's p50 and p99, and the per-run p99s, because a shared machine's speed drifts between runs.
+The timed loops run with the start-up heap frozen (`pdserve.heap.frozen_heap`), as the serving
+process does once its workers have registered.
 Target: route p99 <= 200 us at 64 prefill x 64 decode workers.
 """
 
@@ -77,6 +79,7 @@ def bench_size(num_prefill: int, num_decode: int, decisions: int, seed: int) -> 
 
 def _measure(num_prefill: int, num_decode: int, policy: str, mode: str, decisions: int, seed: int) -> dict:
     from pdserve.router.policies import POLICIES, PolicyContext
+    from pdserve.heap import frozen_heap
     from pdserve.router.synthetic import random_load, random_router
 
     router, workload = random_router(seed, num_prefill, num_decode, policy, colocated=mode == "colocated")
@@ -84,17 +87,19 @@ def _measure(num_prefill: int, num_decode: int, policy: str, mode: str, decision
     requests = [workload.request(rng, f"r{i}") for i in range(decisions)]
     snapshot, ctx = router.snapshot(), PolicyContext(router.config.cost, 5.0, 0.05)
     policy_ns: tuple[list[int], list[int]] = ([], [])
-    for request in requests:
-        with _timed(policy_ns):
-            POLICIES[policy](snapshot, request, ctx)
+    with frozen_heap():
+        for request in requests:
+            with _timed(policy_ns):
+                POLICIES[policy](snapshot, request, ctx)
     worker_ids = snapshot.prefill.worker_ids + (() if snapshot.colocated else snapshot.decode.worker_ids)
     route_ns: tuple[list[int], list[int]] = ([], [])
-    for request in requests:
-        router.report_load(rng.choice(worker_ids), 1, random_load(rng, 20_000, None))
-        with _timed(route_ns):
-            result = router.route(request)
-        if hasattr(result, "decode_hold"):
-            router.complete(request.request_id)
+    with frozen_heap():
+        for request in requests:
+            router.report_load(rng.choice(worker_ids), 1, random_load(rng, 20_000, None))
+            with _timed(route_ns):
+                result = router.route(request)
+            if hasattr(result, "decode_hold"):
+                router.complete(request.request_id)
     router.assert_no_leaks()
     return {"policy": policy_ns, "route": route_ns}
 

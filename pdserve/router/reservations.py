@@ -53,10 +53,13 @@ class InFlight(NamedTuple):
     seqs: int = 0
 
     def plus(self, hold: HoldRequest, sign: int) -> InFlight:
-        return InFlight(self.blocks + sign * hold.blocks, self.tokens + sign * hold.tokens, self.seqs + sign * hold.seqs)
+        blocks, tokens, seqs = self
+        # tuple.__new__ skips the NamedTuple's Python-level __new__ (the same object, half the cost)
+        return _new_tuple(InFlight, (blocks + sign * hold.blocks, tokens + sign * hold.tokens, seqs + sign * hold.seqs))
 
 
 _NONE = InFlight()
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -186,10 +189,14 @@ class ReservationLedger:
         return self._routes[request_id]
 
     def _grant(self, hold: HoldRequest) -> int:
-        seq = self._next_seq.get(hold.worker_id, 0) + 1
-        self._next_seq[hold.worker_id] = seq
-        self._unapplied.setdefault(hold.worker_id, {})[seq] = hold
-        self._in_flight[hold.worker_id] = self._in_flight.get(hold.worker_id, _NONE).plus(hold, +1)
+        worker_id = hold.worker_id
+        seq = self._next_seq.get(worker_id, 0) + 1
+        self._next_seq[worker_id] = seq
+        pending = self._unapplied.get(worker_id)
+        if pending is None:
+            pending = self._unapplied[worker_id] = {}
+        pending[seq] = hold
+        self._in_flight[worker_id] = self._in_flight.get(worker_id, _NONE).plus(hold, +1)
         self.num_granted += 1
         return seq
 

@@ -4,11 +4,12 @@ Loads are "effective": each worker's latest report plus the holds the router gra
 report does not reflect yet (see reservations.py), so back-to-back routes between two reports see
 each other. Slots are ordered by worker id; ties in every policy break toward the lower slot.
 
-A snapshot is a per-decision view. Its arrays are read-only copies, but its `PrefixIndex` is
-shared with the builder, which patches it in place when a worker reports a new prefix set (a full
-copy per report would cost more than the decision), so do not keep a snapshot across router
-calls. `SnapshotBuilder` rebuilds everything only when membership changes; a load report patches
-one slot; each `build` copies the reported arrays and charges in-flight holds on the copies.
+A snapshot is a per-decision view, valid until the next router call. Its arrays are read-only
+views of the builder's live buffers, and its `PrefixIndex` is the builder's own: the builder
+patches both in place (a copy per load report would cost as much as the decision itself), so do
+not keep a snapshot across router calls. `SnapshotBuilder` rebuilds everything only when
+membership changes; a load report or a changed in-flight total patches one slot, and `build`
+applies the pending patches (reported load + in-flight holds) before it hands the view out.
 """
 
 from __future__ import annotations
@@ -141,12 +142,6 @@ def _least(headroom: np.ndarray) -> int:
     return int(headroom[headroom.argmin()]) if len(headroom) else 0
 
 
-def _frozen_copy(array: np.ndarray) -> np.ndarray:
-    """A read-only copy, backed by an immutable bytes buffer (cheaper than copying and then
-    clearing the writeable flag, which costs more than the copy on small arrays)."""
-    return np.ndarray(array.shape, array.dtype, array.tobytes())
-
-
 def _readonly(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
@@ -208,8 +203,11 @@ class SnapshotBuilder:
         self._terms = (np.zeros((3, num_prefill)), np.zeros((3, num_decode)))
         self._load_rows = tuple(tuple(a) for a in self._loads)  # writable row views, to patch one slot
         self._term_rows = tuple(tuple(a) for a in self._terms)
-        self._stale_pools = [True, True]  # which pool's published copies a patch invalidated
-        self._published: list[tuple[Pool, np.ndarray | None, float]] = [None, None]  # (pool, terms, worst tpot)
+        # what snapshots get: read-only views of the same buffers, made once per membership
+        self._load_views = tuple(tuple(_readonly(a.view())) for a in self._loads)
+        self._term_views = tuple(tuple(_readonly(a.view())) for a in self._terms)
+        self._stale_pools = [True, True]  # which pool a patch touched since the last publish
+        self._published: list[tuple[Pool, float] | None] = [None, None]  # (pool, worst tpot bound)
         # per pool, bounds on min headroom and max TPOT: tightened by each patch, made exact again
         # (one reduction) once a pool has had as many patches as slots, so amortised O(1) per patch
         self._least: list[float] = [np.inf, np.inf]
@@ -266,24 +264,30 @@ class SnapshotBuilder:
         return snapshot
 
     def _publish(self) -> Snapshot:
-        """Read-only copies of the pools a patch touched; an untouched pool is reused as is."""
+        """A new snapshot over the live views. A pool object is rebuilt only when its members or
+        its least-headroom bound changed; the bounds are re-tightened (one reduction) once a pool
+        has had as many patches as slots."""
         published, stale = self._published, self._stale_pools
         members = self._pool_members()
         for pool in (0,) if self._colocated else (0, 1):
-            if stale[pool] or published[pool] is None:
-                loads = _frozen_copy(self._loads[pool])
-                terms = None if self._cost is None else _frozen_copy(self._terms[pool])
-                if self._patches[pool] >= len(loads[2]):  # re-tighten the bounds
-                    self._least[pool], self._patches[pool] = _least(loads[2]), 0
-                    self._worst[pool] = -np.inf if terms is None else _worst(terms[2])
-                pool_view = _pool(members[pool], loads[0], loads[1], loads[2], self._least[pool])
-                published[pool] = (pool_view, terms, self._worst[pool])
-                stale[pool] = False
-        prefill, p_terms, _ = published[0]
-        decode, d_terms, worst_tpot_s = published[0] if self._colocated else published[1]
-        if p_terms is None:
+            if not stale[pool] and published[pool] is not None:
+                continue
+            pending, batch, headroom = self._load_views[pool]
+            if self._patches[pool] >= len(headroom):
+                self._least[pool], self._patches[pool] = _least(headroom), 0
+                self._worst[pool] = -np.inf if self._cost is None else _worst(self._term_views[pool][2])
+            old = published[pool]
+            if old is None or old[0].members is not members[pool] or old[0].least_headroom != self._least[pool]:
+                published[pool] = (_pool(members[pool], pending, batch, headroom, self._least[pool]), self._worst[pool])
+            else:
+                published[pool] = (old[0], self._worst[pool])
+            stale[pool] = False
+        prefill = published[0][0]
+        decode, worst_tpot_s = published[0] if self._colocated else published[1]
+        if self._cost is None:
             cache = []
         else:  # Derived(...) without the NamedTuple's Python-level __new__ (hot path)
+            p_terms, d_terms = self._term_views[0], self._term_views[0 if self._colocated else 1]
             cache = [(self._cost, _new_tuple(Derived, (p_terms[0], d_terms[1], d_terms[2], worst_tpot_s)))]
         snapshot = object.__new__(Snapshot)  # a frozen dataclass, built without its __init__ (hot path)
         snapshot.__dict__.update(

@@ -87,3 +87,19 @@ def test_transfer_paths_match_transfer_s():
         assert cost.transfer_s_paths(n) == (cost.transfer_s(n, 1), cost.transfer_s(n, 0))
     stacked = cost.transfer_s_stacked(nbytes[1:])  # positive byte counts only
     assert stacked.tobytes() == np.stack([same[1:], cross[1:]]).tobytes()
+
+
+def test_snapshot_arrays_are_read_only_views_patched_in_place():
+    """A snapshot is valid until the next router call: its arrays are read-only views of the
+    builder's buffers (no copy per publish), and the next build patches them."""
+    router, _ = random_router(0, 3, 3, "slo")
+    first = router.snapshot()
+    view = first.decode.active_batch
+    with pytest.raises(ValueError):
+        view[0] = 7
+    router.report_load(first.decode.worker_ids[0], 1, random_load(random.Random(9), 20_000, None))
+    second = router.snapshot()
+    assert second is not first
+    assert np.shares_memory(second.decode.active_batch, view)
+    assert view[0] == second.decode.active_batch[0]
+    assert_same(second, fresh(router), router.config.cost)
