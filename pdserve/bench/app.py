@@ -89,7 +89,7 @@ def sweep(config: BenchConfig, workload: Workload) -> dict[float, RateRun]:
 def fresh_content(config: WorkloadConfig, first: Workload, point: int) -> Workload:
     """The workload for the `point`-th run of a sweep: the first as built, later ones with their
     own prompt content (same lengths and arrivals), so no run is served from an earlier one's cache."""
-    return first if point == 0 else build_workload(replace(config, content_salt=point))
+    return first if point == 0 else build_workload(replace(config, content_salt=config.content_salt + point))
 
 
 def metadata(config: BenchConfig) -> dict:

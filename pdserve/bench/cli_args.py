@@ -65,6 +65,9 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         raise SystemExit("pdserve bench: give --input-len, --input-dist or --trace")
     if args.trace is None and args.output_len is None and args.output_dist is None:
         raise SystemExit("pdserve bench: give --output-len or --output-dist")
+    salt = getattr(args, "content_salt", 0)  # bench only: simulate and plan never read prompt content
+    if salt < 0:
+        raise SystemExit("pdserve bench: --content-salt must be >= 0")
     return WorkloadConfig(
         num_requests=args.num_requests,
         input_len=_length(args.input_len, args.input_dist),
@@ -75,6 +78,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         num_conversations=args.num_conversations,
         shared_prefix_len=args.shared_prefix_len,
         trace_path=args.trace,
+        content_salt=salt,
     )
 
 

@@ -112,6 +112,8 @@ def _add_workload_args(group) -> None:
     group.add_argument("--prompt-format", choices=("text", "ids"), default="text")
     group.add_argument("--tokenizer-bytes-per-token", type=float, default=1.0)
     group.add_argument("--bos-tokens", type=int, default=1, help="tokens the server adds to a text prompt")
+    group.add_argument("--content-salt", type=int, default=0, metavar="K",
+                       help="other prompt content, same lengths and arrivals (a sweep's later points add their index)")
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "worker at the workload's median lengths against the simulator's clocks for the same "
                         "burst; 'load': a Poisson replay of the workload on another seed at half the prediction, "
                         "compared request by request with the simulator's clocks for the same arrivals")
+    v.add_argument("--validate-recalibrate", action="store_true",
+                   help="with --validate-tolerance and --validate-calibrate: calibrate again before each of the two "
+                        "bench runs and hold each to the prediction made just before it (the machine drifts)")
     v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
     v.add_argument("--validate-max-workers", type=int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
@@ -139,8 +142,11 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     runnable = [c for c in configs if c.workers <= limit]
     calibrator = _calibrator(result, num_requests, args.validate_calibrate, workload) if args.validate_calibrate else None
+    if args.validate_recalibrate and (args.validate_tolerance is None or calibrator is None):
+        raise SystemExit("pdserve plan: --validate-recalibrate needs --validate-tolerance and --validate-calibrate")
     rows = validate(runnable, model, bench, rates, progress, tolerance=args.validate_tolerance, calibrator=calibrator,
-                    keep_dir=Path(args.validate_dir) if args.validate_dir else None)
+                    keep_dir=Path(args.validate_dir) if args.validate_dir else None,
+                    recalibrate=args.validate_recalibrate)
     for c in configs:
         if c.workers > limit:
             rows.append({"name": c.name, "mode": c.mode, "layout": c.layout, "workers": c.workers,
@@ -182,12 +188,12 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
     prompt = int(statistics.median(sample.prompt_tokens))
     output = int(statistics.median(sample.output_tokens))
 
-    def measure(config, url: str) -> tuple[object, dict]:
+    def measure(config, url: str, salt: int) -> tuple[object, dict]:
         plan_ = plans[config.name]
         if method == "load":
             count, rate = calibrate.load_plan(config.checked_rps, config.workers)
             seed = calibrate.CALIBRATION_SEED
-            measured = calibrate.load_replay(url, workload_args, count, rate, seed)
+            measured = calibrate.load_replay(url, workload_args, count, rate, seed, content_salt=salt)
 
             def simulate_scaled(prefill: float, decode: float) -> list:
                 model = calibrate.scaled(inputs.fixed_model, prefill, decode)
@@ -196,10 +202,12 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
             return calibrate.fit_load(measured, simulate_scaled, seed, rate), {}
         burst = config.workers
         predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
-        return calibrate.burst_requests(url, predicted, prompt, output, burst), {"method": "burst", "burst": burst}
+        cal = calibrate.burst_requests(url, predicted, prompt, output, burst, content_salt=salt)
+        return cal, {"method": "burst", "burst": burst}
 
-    def run(config, url: str) -> tuple[dict, float]:
-        cal, extra = measure(config, url)
+    def run(config, url: str, round_: int) -> tuple[dict, float]:
+        """Round k of calibrating this server (prompt content salt k: no prefix-cache hits)."""
+        cal, extra = measure(config, url, round_)
         calibrate.check_plausible(cal)
         model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor, cal.decode_factor)
         calibrated = dataclasses.replace(inputs, fixed_model=model)

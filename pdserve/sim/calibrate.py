@@ -117,17 +117,18 @@ def scaled(model: ProfiledLatency, prefill_factor: float, decode_factor: float) 
 
 
 def burst_requests(url: str, predicted: tuple[float, float], prompt_tokens: int, output_tokens: int, burst: int,
-                   repeats: int = 3, timeout_s: float = 900.0) -> Calibration:
+                   repeats: int = 3, timeout_s: float = 900.0, content_salt: int = 0) -> Calibration:
     """Replay `repeats` bursts of `burst` requests (1 ms apart, one burst after the other) through
     the server and compare the median clocks with `predicted` = (TTFT s, TPOT s), the medians the
     simulator gives for one such burst on the deployment. A burst as large as the deployment's
     worker count keeps every worker busy at once, as load does, so the factors include the CPU
     the router, API process and client take from busy workers, which an isolated request (with an
-    idle core to spare) does not see."""
+    idle core to spare) does not see. A later calibration of the same server passes its own
+    `content_salt`, so its prompts are not answered from this one's prefix cache."""
     ttfts, tpots = [], []
     for k in range(repeats):  # a seed per burst: a repeated prompt would be answered from the prefix cache
         lengths = ["--input-len", str(prompt_tokens), "--output-len", str(output_tokens), "--arrival", "constant"]
-        measured = _bench(url, lengths, burst, BURST_RATE, timeout_s, CALIBRATION_SEED + 1 + k)
+        measured = _bench(url, lengths, burst, BURST_RATE, timeout_s, CALIBRATION_SEED + 1 + k, content_salt=content_salt)
         ttfts.append(measured["p50_ttft_ms"] / 1e3)
         tpots.append(measured["p50_tpot_ms"] / 1e3)
     return Calibration(prompt_tokens, output_tokens, statistics.median(ttfts), statistics.median(tpots), *predicted)
@@ -149,10 +150,12 @@ def load_plan(predicted_rps: float, workers: int) -> tuple[int, float]:
 
 
 def load_replay(url: str, workload_args: list[str], num_requests: int, rate: float, seed: int = CALIBRATION_SEED,
-                timeout_s: float = 1800.0) -> list[dict]:
+                timeout_s: float = 1800.0, content_salt: int = 0) -> list[dict]:
     """Replay `num_requests` of the workload (`workload_args`: the bench's length/arrival flags)
-    with `seed` at `rate` through the server; the benchmark's per-request records."""
-    return _bench(url, workload_args, num_requests, rate, timeout_s, seed, records=True)["records"]
+    with `seed` at `rate` through the server; the benchmark's per-request records. `content_salt`
+    changes the prompts only (lengths and arrivals, hence the simulator's clocks, stay the same)."""
+    return _bench(url, workload_args, num_requests, rate, timeout_s, seed, records=True,
+                  content_salt=content_salt)["records"]
 
 
 def ratios(measured: list[dict], simulated: list[RequestRecord]) -> tuple[float, float, tuple[float, ...]]:
@@ -215,7 +218,7 @@ def _crossing(ratio: Callable[[float], float]) -> float:
 
 
 def _bench(url: str, workload_args: list[str], num_requests: int, rate: float, timeout_s: float, seed: int,
-           records: bool = False) -> dict:
+           records: bool = False, content_salt: int = 0) -> dict:
     """`pdserve bench` of `workload_args` (lengths, arrivals) with objectives nobody misses; its
     JSON report (with per-request records when asked)."""
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
@@ -224,6 +227,7 @@ def _bench(url: str, workload_args: list[str], num_requests: int, rate: float, t
                    "--rate", f"{rate:.6g}", *workload_args, "--prompt-format", "ids", "--slo-ttft-ms", "1e9",
                    "--slo-tpot-ms", "1e9", "--seed", str(seed), "--json", str(report), "--quiet"]
         command += ["--include-records"] if records else []
+        command += ["--content-salt", str(content_salt)] if content_salt else []
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not report.exists():
             raise RuntimeError(f"calibration bench exited with {done.returncode}: {' '.join(command)}\n"

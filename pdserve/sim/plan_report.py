@@ -94,18 +94,23 @@ def validation_lines(rows: list[dict]) -> list[str]:
         sat = " (saturated: >=)" if r.get("measured_saturated") else ""
         lines.append(f"{r['name']:<16}{r['layout']:<20}{r['predicted_goodput_rps']:>14.3g}{_num(r.get('simulated_goodput_rps')):>10}"
                      f"{_num(r.get('measured_goodput_rps')):>14}{_num(r.get('measured_goodput_phase_rps')):>11}{sat}")
-        sweep = ", ".join(f"{p['rate']:g}:{_num(p.get('attainment_joint'))}" for p in r.get("sweep", []))
+        sweep = ", ".join(f"{p['rate']:g}:{_num(p.get('attainment_joint'))}" for p in r.get("sweep", r.get("points", [])))
         lines.append(f"{'':<16}joint attainment by rate: {sweep}")
+        for p in r.get("points", []):  # --validate-recalibrate: each point's own calibration
+            c = p["calibration"]
+            lines.append(f"{'':<16}point {p['point']}: calibrated (prefill x{c.get('prefill_factor', 0):.3f}, decode "
+                         f"x{c.get('decode_factor', 0):.3f}) {_num(p['calibrated_goodput_rps'])} rps -> bench at "
+                         f"{p['rate']:g}: {'pass' if p['passed'] else 'fail'}")
         if r.get("sample_goodput_rps") is not None:
             lines.append(f"{'':<16}simulated on the benchmark's own requests: {_num(r['sample_goodput_rps'])} rps")
-        if "calibration" in r:
+        if "calibration" in r and "points" not in r:
             c = r["calibration"]
             lines.append(f"{'':<16}calibrated on the live server (prefill x{c['prefill_factor']:.3f}, decode "
                          f"x{c['decode_factor']:.3f}): {_num(r['calibrated_goodput_rps'])} rps")
         if "within_tolerance" in r:
             lo, hi = r["bracket_rps"]
             verdict = "within" if r["within_tolerance"] else "NOT within"
-            lines.append(f"{'':<16}bracket {lo:.3g}..{hi:.3g} rps: measured goodput {r['measured_vs_prediction']}"
+            lines.append(f"{'':<16}bracket {lo:.3g}..{_num(hi)} rps: measured goodput {r['measured_vs_prediction']}"
                          f" -> prediction {verdict} {r.get('tolerance', 0):.0%} of the measurement")
     ok = [r for r in rows if r.get("measured_goodput_rps") is not None]
     if any("within_tolerance" in r for r in rows):

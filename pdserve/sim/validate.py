@@ -16,6 +16,7 @@ fails, which two bench runs decide (the lower one first; a failure there ends th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,12 +27,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from pdserve.ports import free_local_port
 
 BeforeBench = Callable[[str], "list[float] | None"]  # server url -> the ladder to use (None: the default)
-Calibrator = Callable[["LocalConfig", str], "tuple[dict, float]"]  # -> (details, re-made prediction rps)
+Calibrator = Callable[["LocalConfig", str, int], "tuple[dict, float]"]  # (config, url, round) -> (details, rps)
 
 LADDER_FACTORS = (0.25, 0.5, 1.0, 1.5)
 
@@ -163,47 +164,66 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
         proc.wait(timeout=5)
 
 
-def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[float] | None = None,
-            startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0, keep_dir: Path | None = None,
-            before_bench: BeforeBench | None = None) -> dict:
-    """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report.
-    `before_bench(url)` runs once the server is ready and may name the ladder to use instead;
-    with `keep_dir` the server log, bench log and bench JSON are kept there."""
+@contextlib.contextmanager
+def serving(config: LocalConfig, model: str, startup_timeout_s: float = 300.0,
+            keep_dir: Path | None = None) -> Iterator[tuple[str, Path, Path]]:
+    """Start `pdserve serve` for `config` on a free port and yield (url, output dir, server log)
+    once it is healthy; the whole process group is stopped on exit."""
     port = free_local_port()
     command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port)]
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:
         out_dir = Path(tmp) if keep_dir is None else keep_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        log, report, bench_log = out_dir / "serve.log", out_dir / "bench.json", out_dir / "bench.log"
+        log = out_dir / "serve.log"
         with log.open("w") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(f"{url}/health", proc, startup_timeout_s, log, command)
-            chosen = before_bench(url) if before_bench is not None else None
-            ladder = chosen or rates or ladder_around(config.checked_rps)
-            bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url,
-                     "--sweep", "--sweep-rates", ",".join(f"{r:g}" for r in ladder), "--json", str(report), "--quiet",
-                     *bench_args]
-            with bench_log.open("w") as out:
-                done = subprocess.run(bench, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      timeout=bench_timeout_s)
-            if done.returncode != 0 or not report.exists():
-                raise BenchFailed(f"bench exited with {done.returncode}: {' '.join(bench)}\n{_tail(bench_log)}"
-                                  f"\n--- server log ---\n{_tail(log)}")
-            return {**json.loads(report.read_text()), "validate_ladder": ladder}
+            yield url, out_dir, log
         finally:
             stop_group(proc)
 
 
+def bench_ladder(url: str, ladder: list[float], bench_args: list[str], out_dir: Path, server_log: Path,
+                 timeout_s: float = 1800.0, tag: str = "") -> dict:
+    """`pdserve bench --sweep` over `ladder` against a running server; its JSON report plus
+    `validate_ladder`. The report and log are written to `out_dir` as bench{tag}.json/.log."""
+    report, bench_log = out_dir / f"bench{tag}.json", out_dir / f"bench{tag}.log"
+    bench = [sys.executable, "-m", "pdserve.cli", "bench", "--endpoint", url,
+             "--sweep", "--sweep-rates", ",".join(f"{r:g}" for r in ladder), "--json", str(report), "--quiet",
+             *bench_args]
+    with bench_log.open("w") as out:
+        done = subprocess.run(bench, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout_s)
+    if done.returncode != 0 or not report.exists():
+        raise BenchFailed(f"bench exited with {done.returncode}: {' '.join(bench)}\n{_tail(bench_log)}"
+                          f"\n--- server log ---\n{_tail(server_log)}")
+    return {**json.loads(report.read_text()), "validate_ladder": ladder}
+
+
+def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[float] | None = None,
+            startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0, keep_dir: Path | None = None,
+            before_bench: BeforeBench | None = None) -> dict:
+    """Start, benchmark (goodput sweep) and stop one configuration; returns the bench report.
+    `before_bench(url)` runs once the server is ready and may name the ladder to use instead;
+    with `keep_dir` the server log, bench log and bench JSON are kept there."""
+    with serving(config, model, startup_timeout_s, keep_dir) as (url, out_dir, log):
+        chosen = before_bench(url) if before_bench is not None else None
+        ladder = chosen or rates or ladder_around(config.checked_rps)
+        return bench_ladder(url, ladder, bench_args, out_dir, log, bench_timeout_s)
+
+
 def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rates: list[float] | None = None,
              progress=lambda _msg: None, tolerance: float | None = None, calibrator: Calibrator | None = None,
-             keep_dir: Path | None = None) -> list[dict]:
+             keep_dir: Path | None = None, recalibrate: bool = False) -> list[dict]:
     """Predicted vs measured goodput for each configuration (errors reported per row). With a
     `tolerance`, each configuration is checked on its `bracket` instead of a sweep. With a
-    `calibrator(config, url) -> (details, prediction)`, the prediction is re-made against the
-    running server just before its benchmark and the bracket (or ladder) centred on it."""
+    `calibrator(config, url, round) -> (details, prediction)`, the prediction is re-made against
+    the running server just before its benchmark and the bracket (or ladder) centred on it; with
+    `recalibrate` as well, before each of the bracket's two points (validate_points.py)."""
+    if recalibrate and (tolerance is None or calibrator is None):
+        raise ValueError("recalibrating before each point needs a tolerance and a calibrator")
     rows = []
     if tolerance is not None:
         bench_args = [*bench_args, "--max-bisections", "0"]  # the last one given wins
@@ -218,18 +238,26 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
         def before_bench(url: str, config: LocalConfig = config, row: dict = row) -> list[float] | None:
             checked = config.checked_rps
             if calibrator is not None:
-                details, checked = calibrator(config, url)
+                details, checked = calibrator(config, url, 0)
                 row["calibration"], row["calibrated_goodput_rps"] = details, checked
                 progress(f"validate {config.name}: calibrated prediction {checked:.3g} rps")
             if tolerance is not None:
                 return bracket(checked, tolerance)
             return None if calibrator is None or rates else ladder_around(checked)
 
+        kept = None if keep_dir is None else keep_dir / config.name
         try:
-            report = measure(config, model, bench_args, rates, before_bench=before_bench,
-                             keep_dir=None if keep_dir is None else keep_dir / config.name)
-            row.update(_measured(report))
-            if tolerance is not None:
+            if recalibrate:
+                from pdserve.sim.validate_points import check_points, points_verdict
+
+                points = check_points(config, model, bench_args, calibrator, tolerance, progress, kept)
+                row.update(points_verdict(points), tolerance=tolerance)
+                row["calibrated_goodput_rps"] = points[0]["calibrated_goodput_rps"]
+                row["calibration"] = points[0]["calibration"]
+            else:
+                report = measure(config, model, bench_args, rates, before_bench=before_bench, keep_dir=kept)
+                row.update(_measured(report))
+            if tolerance is not None and not recalibrate:
                 row.update(bracket_verdict(report["validate_ladder"], report), tolerance=tolerance)
         except (ServerDidNotStart, BenchFailed, RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
             row["error"] = str(exc)

@@ -7,6 +7,7 @@ process group (router and worker) is gone afterwards.
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -103,7 +104,7 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
 
     seen = {}
 
-    def calibrator(config, url):
+    def calibrator(config, url, round_):
         seen["calibration"] = cal = burst_requests(url, (0.01, 0.005), 16, 4, burst=2, repeats=1)
         return cal.to_dict(), 1.0
 
@@ -231,3 +232,29 @@ def test_load_clocks_replay_the_workload_on_the_calibration_seed():
     records = load_clocks(inputs, result.disaggregated, 5, 0.5, seed=11)
     assert [r.request_id for r in records] == list(range(5))
     assert all(r.success and r.ttft_s == pytest.approx(0.020) and r.tpot_s == pytest.approx(0.005) for r in records)
+
+
+def test_validate_recalibrates_before_each_point_on_a_live_server(tmp_path):
+    """--validate-recalibrate: one server, a calibration burst (with its own prompt salt) before each
+    bench point, each point at the rate its own prediction gives, the point's content salted."""
+    from pdserve.sim.calibrate import burst_requests
+
+    seen = []
+
+    def calibrator(config, url, round_):
+        seen.append(burst_requests(url, (0.01, 0.005), 16, 4, burst=1, repeats=1, content_salt=round_))
+        return {"round": round_}, [1.0, 2.0][round_]
+
+    config = v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=50.0,
+                           extra_serve_args=("--dtype", "float32"))
+    bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", "--slo-ttft-ms", "5000",
+             "--slo-tpot-ms", "2000", "--prompt-format", "ids", "--seed", "0"]
+    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
+                     recalibrate=True)[0]
+    assert "error" not in row, row.get("error")
+    assert len(seen) == 2 and all(c.measured_ttft_s > 0 for c in seen)
+    assert row["bracket_rps"] == [0.8696, 2.353]  # 1.0 / 1.15, then 2.0 / 0.85
+    assert [p["passed"] for p in row["points"]] == [True, True] and row["measured_vs_prediction"] == "above"
+    kept = tmp_path / "colocated"
+    salts = [json.loads((kept / f"bench-{k}.json").read_text())["workload"]["content_salt"] for k in (0, 1)]
+    assert salts == [0, 1]

@@ -1,0 +1,115 @@
+"""The bracket check that calibrates again before each point (validate_points.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from pdserve.sim import validate_points as vp
+from pdserve.sim.plan_report import bracket_ranking, measured_interval
+from pdserve.sim.validate import LocalConfig, validate
+
+
+def _point(k: int, rate: float, passed: bool) -> dict:
+    return {"point": k, "rate": rate, "passed": passed, "calibrated_goodput_rps": rate}
+
+
+def test_points_verdict_reads_the_two_points():
+    within = vp.points_verdict([_point(0, 0.87, True), _point(1, 1.3, False)])
+    assert within["measured_vs_prediction"] == "within" and within["within_tolerance"] is True
+    assert within["bracket_rps"] == [0.87, 1.3] and within["measured_goodput_rps"] == 0.87
+    above = vp.points_verdict([_point(0, 0.87, True), _point(1, 1.3, True)])
+    assert above["measured_vs_prediction"] == "above" and above["measured_goodput_rps"] == 1.3
+    below = vp.points_verdict([_point(0, 0.87, False)])
+    assert below["measured_vs_prediction"] == "below" and below["bracket_rps"] == [0.87, None]
+    assert below["measured_goodput_rps"] is None
+    assert measured_interval({**below, "name": "x"}) == (0.0, 0.87)
+    assert vp.points_verdict([])["measured_vs_prediction"] == "unknown"
+
+
+def test_ranking_reads_point_rows_like_sweep_rows():
+    rows = [{"name": "colocated", **vp.points_verdict([_point(0, 0.1, False)])},
+            {"name": "disaggregated", **vp.points_verdict([_point(0, 0.2, True), _point(1, 0.3, False)])}]
+    assert bracket_ranking(rows) == "disaggregated"
+
+
+class _FakeServer:
+    """Stands in for `serving` and `bench_ladder`: attainment falls linearly with the rate."""
+
+    def __init__(self, capacity_rps: float):
+        self.capacity_rps = capacity_rps
+        self.benched: list[tuple[list[float], list[str]]] = []
+
+    @contextlib.contextmanager
+    def serving(self, config, model, startup_timeout_s, keep_dir):
+        yield "http://fake", None, None
+
+    def bench_ladder(self, url, ladder, bench_args, out_dir, log, timeout_s, tag=""):
+        self.benched.append((ladder, bench_args))
+        rate = ladder[0]
+        attainment = 1.0 if rate <= self.capacity_rps else 0.5
+        return {"slo_attainment": 0.9, "sweep": [{"rate": rate, "attainment_joint": attainment}]}
+
+
+def _with_fake(monkeypatch, capacity_rps: float) -> _FakeServer:
+    fake = _FakeServer(capacity_rps)
+    monkeypatch.setattr(vp, "serving", fake.serving)
+    monkeypatch.setattr(vp, "bench_ladder", fake.bench_ladder)
+    return fake
+
+
+def test_each_point_is_held_to_the_prediction_made_just_before_it(monkeypatch):
+    fake = _with_fake(monkeypatch, capacity_rps=1.5)
+    rounds = []
+
+    def calibrator(config, url, round_):
+        rounds.append(round_)
+        return {"round": round_}, [1.0, 1.4][round_]  # the machine got faster between the points
+
+    config = LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=9.0)
+    points = vp.check_points(config, "tiny", ["--seed", "0"], calibrator, 0.15)
+    assert rounds == [0, 1]
+    assert [p["rate"] for p in points] == [0.8696, 1.647]  # 1.0 / 1.15, then 1.4 / 0.85
+    assert [p["calibration"] for p in points] == [{"round": 0}, {"round": 1}]
+    assert [args[-2:] for _, args in fake.benched] == [["--content-salt", "0"], ["--content-salt", "1"]]
+    assert vp.points_verdict(points)["measured_vs_prediction"] == "within"
+
+
+def test_a_failing_lower_point_ends_the_check(monkeypatch):
+    fake = _with_fake(monkeypatch, capacity_rps=0.5)
+    rounds = []
+
+    def calibrator(config, url, round_):
+        rounds.append(round_)
+        return {}, 1.0
+
+    config = LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=1.0)
+    rows = validate([config], "tiny", ["--seed", "0"], tolerance=0.15, calibrator=calibrator, recalibrate=True)
+    assert rounds == [0] and len(fake.benched) == 1
+    row = rows[0]
+    assert "error" not in row, row.get("error")
+    assert row["measured_vs_prediction"] == "below" and row["within_tolerance"] is False
+    assert row["calibrated_goodput_rps"] == 1.0 and len(row["points"]) == 1
+    json.dumps(row)  # the plan's JSON line carries it
+
+
+def test_recalibrate_needs_a_tolerance_and_a_calibrator():
+    import pytest
+
+    config = LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=1.0)
+    with pytest.raises(ValueError):
+        validate([config], "tiny", [], tolerance=0.15, recalibrate=True)
+    with pytest.raises(ValueError):
+        validate([config], "tiny", [], calibrator=lambda c, u, r: ({}, 1.0), recalibrate=True)
+
+
+def test_the_plan_table_shows_each_point():
+    from pdserve.sim.plan_report import validation_lines
+
+    cal = {"prefill_factor": 1.1, "decode_factor": 0.9}
+    points = [{**_point(0, 0.87, True), "calibration": cal}]
+    row = {"name": "colocated", "layout": "2 x colocated", "predicted_goodput_rps": 1.0, "tolerance": 0.15,
+           **vp.points_verdict(points)}
+    text = "\n".join(validation_lines([row]))
+    assert "point 0: calibrated (prefill x1.100, decode x0.900) 0.87 rps -> bench at 0.87: pass" in text
+    assert "bracket 0.87..- rps" in text
