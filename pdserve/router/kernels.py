@@ -18,6 +18,12 @@ fastmath, so results agree bit for bit with `plan.predicted_clocks`):
                                  the lower prefill slot, then the lower decode slot; colocated
                                  pools pair (w, w) with ttft = per_p[w] + admission[w]. Returns
                                  (-1, -1, inf) when no pair is admitted.
+    prefix_pair(rows, held, split, p_cap, d_cap, ...)
+                                 the prefix-aware decision in one call: leading_counts over every
+                                 slot (prefill slots before `split`, decode slots from it; a
+                                 colocated pool is all prefill), capped at p_cap / d_cap (demand.py's
+                                 usable and visible hits), then fastest_pair; returns its (p, d, ttft)
+                                 and the chosen slots' hits
 
 Compilation is lazy and cached on disk (`cache=True`); `warm_up()` compiles the variants the
 router uses so that the first routed request does not pay for it.
@@ -97,13 +103,27 @@ def _fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, col
     return best_p, best_d, best
 
 
+def _prefix_pair(rows, held, split, p_cap, d_cap, queue_p, p_ok, admission_d, d_ok, same_host, colocated, prompt,
+                 block, bpt, coeff):
+    counts = leading_counts(rows, held)  # [P + D], or [W] for a colocated pool (split = W)
+    p_hit = np.minimum(counts[:split], p_cap)  # [P]
+    d_hit = p_hit if colocated else np.minimum(counts[split:], d_cap)  # [D]
+    p, d, ttft = fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt, block,
+                              bpt, coeff)
+    if p < 0:
+        return p, d, ttft, 0, 0
+    return p, d, ttft, p_hit[p], d_hit[d]
+
+
 if AVAILABLE:
     _transfer_plus_admission = numba.njit(cache=True, inline="always")(_transfer_plus_admission)
     leading_counts = numba.njit(cache=True)(_leading_counts)
     fastest_pair = numba.njit(cache=True)(_fastest_pair)
+    prefix_pair = numba.njit(cache=True)(_prefix_pair)
 else:
     leading_counts = _leading_counts
     fastest_pair = _fastest_pair
+    prefix_pair = _prefix_pair
 
 
 _warm = False
@@ -120,9 +140,15 @@ def warm_up() -> None:
     leading_counts(np.array([1, 2], dtype=np.int64), held)
     coeff = np.ones(5)
     floats, ints, mask = _readonly(np.zeros(2)), np.zeros(2, dtype=np.int64), np.ones(2, dtype=bool)
+    same_host = _readonly(np.eye(2, dtype=bool))
     for hit in (ints, _readonly(ints.copy())):
         for ok in (mask, _readonly(mask.copy())):
-            fastest_pair(floats, hit, ok, floats, hit, ok, _readonly(np.eye(2, dtype=bool)), False, 17, 16, 8, coeff)
+            fastest_pair(floats, hit, ok, floats, hit, ok, same_host, False, 17, 16, 8, coeff)
+    rows, everyone = np.array([1], dtype=np.int64), _readonly(mask.copy())
+    for colocated in (False, True):
+        for d_ok in (everyone, mask):  # the shared all-admitted mask, or one the TPOT gate narrowed
+            prefix_pair(rows, np.zeros((3, 4), dtype=bool), 2, 1, 1, floats, everyone, floats, d_ok, same_host,
+                        colocated, 17, 16, 8, coeff)
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

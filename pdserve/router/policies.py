@@ -138,8 +138,37 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    if kernels.enabled and request.block_hashes:
+        fused = _prefix_fused(snapshot, request, ctx)
+        if fused is not None:
+            return fused
     p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
     return _cost_aware(snapshot, request, ctx, p_hit, d_hit)
+
+
+def _prefix_fused(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal | None:
+    """The prefix-aware decision with the lookup, the hit caps and the pair search in one compiled
+    call (kernels.prefix_pair), when the capacity gates cannot depend on the hits: every slot of
+    both pools fits the request even with no hit (a hit only lowers demand). None: take the
+    general path (nobody holds the first block, or capacity is tight somewhere)."""
+    rows = snapshot.prefix.probe(request.block_hashes)
+    if rows is None:
+        return None
+    gates = capacity_gates(snapshot, request, ctx, 0, 0)
+    if isinstance(gates, Refusal) or not (_all(gates[0]) and _all(gates[1])):
+        return None
+    terms = snapshot.derived(ctx.cost)
+    d_ok = _tpot_admitted(terms, request, ctx, gates[1])
+    if isinstance(d_ok, Refusal):
+        return d_ok
+    cost, bs, prompt = ctx.cost, ctx.cost.block_size_tokens, request.prompt_tokens
+    p, d, ttft_s, p_hit, d_hit = kernels.prefix_pair(
+        rows, snapshot.prefix.held, len(snapshot.prefill), (prompt - 1) // bs, prompt // bs, terms.queue_p, gates[0],
+        terms.admission_d, d_ok, snapshot.same_host, snapshot.colocated, prompt, bs, cost.kv_bytes_per_token,
+        cost.kernel_coefficients,
+    )  # fmt: skip
+    refusal = _ttft_gate(ctx, request, ttft_s)
+    return refusal or _choice(p, p if snapshot.colocated else d, int(p_hit), int(d_hit), ttft_s)
 
 
 POLICIES: dict[str, Policy] = {
@@ -208,18 +237,27 @@ def _cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p
     gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
     if isinstance(gates, Refusal):
         return gates
-    p_ok, d_ok = gates
+    p_ok = gates[0]
     terms = snapshot.derived(ctx.cost)  # load-only cost terms, computed once per load change
-    tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
-    if terms.worst_tpot_s > tpot_slo_s:  # some decode slot misses the TPOT target
-        tpot_s = terms.tpot_d
-        d_ok = d_ok & (tpot_s <= tpot_slo_s)
-        if not _count(d_ok):
-            best = float(tpot_s[gates[1]].min())
-            return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
+    d_ok = _tpot_admitted(terms, request, ctx, gates[1])
+    if isinstance(d_ok, Refusal):
+        return d_ok
     p, d, best_ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, p_hit, d_hit, p_ok, d_ok)
     refusal = _ttft_gate(ctx, request, best_ttft_s)
     return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d), best_ttft_s)
+
+
+def _tpot_admitted(terms: Derived, request: RouteRequest, ctx: PolicyContext, d_ok: np.ndarray) -> np.ndarray | Refusal:
+    """The decode slots with capacity that also meet the TPOT target, or a refusal if none does."""
+    tpot_slo_s = ctx.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
+    if terms.worst_tpot_s <= tpot_slo_s:  # every decode slot meets the TPOT target
+        return d_ok
+    tpot_s = terms.tpot_d
+    admitted = d_ok & (tpot_s <= tpot_slo_s)
+    if not _count(admitted):
+        best = float(tpot_s[d_ok].min())
+        return Refusal(RejectReason.TPOT_SLO, ctx.retry_after_s, f"best TPOT {best:.4f}s > {tpot_slo_s}s")
+    return admitted
 
 
 def _fastest_pair(

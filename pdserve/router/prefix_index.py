@@ -109,8 +109,14 @@ class PrefixIndex:
         if not kernels.enabled:
             rows = self.leading_rows(block_hashes)
             return self.hits_for_rows(rows) if rows else None
+        rows = self.probe(block_hashes)
+        return None if rows is None else kernels.leading_counts(rows, self.held)
+
+    def probe(self, block_hashes: Sequence[int]) -> np.ndarray | None:
+        """The rows the compiled kernels read for a non-empty request (the sentinel where nobody
+        holds a hash; at least up to the first such), or None when no slot holds the first block."""
         rows = _probe(self.rows.get, block_hashes)
-        return None if rows[0] == _SENTINEL else kernels.leading_counts(rows, self.held)
+        return None if rows[0] == _SENTINEL else rows
 
     def leading_hits(self, block_hashes: Sequence[int]) -> np.ndarray:
         """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots], int64."""

@@ -123,9 +123,14 @@ def validation_lines(rows: list[dict]) -> list[str]:
 
 
 def measured_interval(row: dict) -> tuple[float, float] | None:
-    """[low, high) req/s that a bracket check places the measured goodput in."""
+    """[low, high) req/s that a bracket check places the measured goodput in. With a calibration
+    before each point (--validate-recalibrate) the upper rate can come out below the lower one
+    when the machine slowed between them (each point still agrees with its own prediction); the
+    interval is then their hull, so a ranking never leans on the drift."""
     lo, hi = row["bracket_rps"]
-    return {"below": (0.0, lo), "within": (lo, hi), "above": (hi, float("inf"))}.get(row["measured_vs_prediction"])
+    if row["measured_vs_prediction"] == "within":
+        return min(lo, hi), max(lo, hi)
+    return {"below": (0.0, lo), "above": (hi, float("inf"))}.get(row["measured_vs_prediction"])
 
 
 def bracket_ranking(rows: list[dict]) -> str | None:

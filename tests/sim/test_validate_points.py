@@ -113,3 +113,13 @@ def test_the_plan_table_shows_each_point():
     text = "\n".join(validation_lines([row]))
     assert "point 0: calibrated (prefill x1.100, decode x0.900) 0.87 rps -> bench at 0.87: pass" in text
     assert "bracket 0.87..- rps" in text
+
+
+def test_a_machine_that_slowed_between_the_points_gives_the_hull():
+    """Point 0 passed at 0.085 (its prediction 0.098); the machine slowed, point 1's prediction
+    0.064 put its rate at 0.075, which failed: each point agrees with its own prediction."""
+    row = {"name": "disaggregated", **vp.points_verdict([_point(0, 0.0853, True), _point(1, 0.075, False)])}
+    assert row["measured_vs_prediction"] == "within"
+    assert measured_interval(row) == (0.075, 0.0853)
+    other = {"name": "colocated", **vp.points_verdict([_point(0, 0.0139, True), _point(1, 0.0188, False)])}
+    assert bracket_ranking([row, other]) == "disaggregated"
