@@ -209,9 +209,14 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
         """Round k of calibrating this server (prompt content salt k: no prefix-cache hits)."""
         cal, extra = measure(config, url, round_)
         calibrate.check_plausible(cal)
-        model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor, cal.decode_factor)
-        calibrated = dataclasses.replace(inputs, fixed_model=model)
-        return {**cal.to_dict(), **extra}, sample_goodput(calibrated, plans[config.name], num_requests).rate
+
+        def goodput_at(scale: float) -> float:
+            model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor * scale, cal.decode_factor * scale)
+            return sample_goodput(dataclasses.replace(inputs, fixed_model=model), plans[config.name], num_requests).rate
+
+        predicted = goodput_at(1.0)
+        elasticity = calibrate.goodput_elasticity(lambda scale: predicted if scale == 1.0 else goodput_at(scale))
+        return {**cal.to_dict(), **extra, "goodput_elasticity": elasticity}, predicted
 
     return run
 

@@ -236,3 +236,18 @@ def _bench(url: str, workload_args: list[str], num_requests: int, rate: float, t
     if measured.get("completed") != num_requests:
         raise RuntimeError(f"calibration: {measured.get('completed')} of {num_requests} requests completed")
     return measured
+
+
+ELASTICITY_STEP = 1.10  # both phases 10% slower: well above the goodput search's 1% resolution
+
+
+def goodput_elasticity(goodput_at: Callable[[float], float], step: float = ELASTICITY_STEP) -> float | None:
+    """How many times as much as the engine's speed the goodput moves: d ln(goodput) / d ln(time
+    per step), estimated by slowing both phases by `step` (`goodput_at(scale)` is the simulated
+    goodput with every calibrated factor times `scale`). Near saturation it is 2-4, so a +-T
+    check needs the machine's speed steady to about T / elasticity. None when a goodput is 0."""
+    base, slower = goodput_at(1.0), goodput_at(step)
+    if base <= 0 or slower <= 0:
+        return None
+    return math.log(base / slower) / math.log(step)
+

@@ -112,6 +112,11 @@ def validation_lines(rows: list[dict]) -> list[str]:
             verdict = "within" if r["within_tolerance"] else "NOT within"
             lines.append(f"{'':<16}bracket {lo:.3g}..{_num(hi)} rps: measured goodput {r['measured_vs_prediction']}"
                          f" -> prediction {verdict} {r.get('tolerance', 0):.0%} of the measurement")
+        if "stability_needed" in r:
+            drift = (f"; the calibrations drifted {r['machine_drift']:.1%} between the points: "
+                     f"{'conclusive' if r['conclusive'] else 'NOT conclusive'}") if "machine_drift" in r else ""
+            lines.append(f"{'':<16}a {r.get('tolerance', 0):.0%} check needs the machine's speed steady to "
+                         f"{r['stability_needed']:.1%}{drift}")
     ok = [r for r in rows if r.get("measured_goodput_rps") is not None]
     if any("within_tolerance" in r for r in rows):
         lines.append(f"measured better: {bracket_ranking(rows) or 'undecided (measured intervals overlap)'}")

@@ -248,10 +248,11 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
         kept = None if keep_dir is None else keep_dir / config.name
         try:
             if recalibrate:
-                from pdserve.sim.validate_points import check_points, points_verdict
+                from pdserve.sim.validate_points import check_points, points_verdict, stability
 
                 points = check_points(config, model, bench_args, calibrator, tolerance, progress, kept)
                 row.update(points_verdict(points), tolerance=tolerance)
+                row.update(stability(points, tolerance))
                 row["calibrated_goodput_rps"] = points[0]["calibrated_goodput_rps"]
                 row["calibration"] = points[0]["calibration"]
             else:

@@ -18,6 +18,7 @@ the prediction whatever the upper point does). `points_verdict` then reads the p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,3 +74,27 @@ def points_verdict(points: list[dict]) -> dict:
     measured = max((p["rate"] for p in points if p["passed"]), default=None)
     return {"bracket_rps": rates, "within_tolerance": where == "within", "measured_vs_prediction": where,
             "measured_goodput_rps": measured, "points": points}
+
+
+def stability(points: list[dict], tolerance: float) -> dict:
+    """Whether the machine held still enough for a +-`tolerance` check to mean anything.
+
+    `stability_needed`: the speed change that moves the goodput by `tolerance` (tolerance over the
+    first calibration's `goodput_elasticity`). `machine_drift`: how far the calibration factors
+    moved between the two points (the larger of the prefill and decode changes). The verdict is
+    `conclusive` only when the drift stayed within what the check needs; otherwise a miss (or a
+    hit) says more about the machine than about the simulator."""
+    out: dict = {}
+    elasticity = points[0]["calibration"].get("goodput_elasticity") if points else None
+    if elasticity and elasticity > 0:
+        out["stability_needed"] = tolerance / elasticity
+    if len(points) == 2:
+        first, second = points[0]["calibration"], points[1]["calibration"]
+        moves = [abs(math.log(second[k] / first[k])) for k in ("prefill_factor", "decode_factor")
+                 if first.get(k) and second.get(k)]
+        if moves:
+            out["machine_drift"] = math.exp(max(moves)) - 1
+    if "stability_needed" in out and "machine_drift" in out:
+        out["conclusive"] = out["machine_drift"] <= out["stability_needed"]
+    return out
+

@@ -258,3 +258,49 @@ def test_validate_recalibrates_before_each_point_on_a_live_server(tmp_path):
     kept = tmp_path / "colocated"
     salts = [json.loads((kept / f"bench-{k}.json").read_text())["workload"]["content_salt"] for k in (0, 1)]
     assert salts == [0, 1]
+
+
+def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monkeypatch):
+    """`plan --validate-calibrate load` wiring: the replay is stood in by the simulator's own clocks
+    with the profile 1.3x slower in prefill and 1.1x in decode; the calibrator must find those
+    factors, predict the sample goodput of the scaled profile, and report a positive elasticity.
+    Each round salts the replay's prompts with its index."""
+    import dataclasses
+
+    from pdserve.bench.lengths import parse_length_spec
+    from pdserve.bench.metrics import Slo
+    from pdserve.bench.workload import WorkloadConfig
+    from pdserve.commands.plan import _calibrator
+    from pdserve.sim import calibrate
+    from pdserve.sim.geometry import load_model_spec
+    from pdserve.sim.hardware import load_hardware
+    from pdserve.sim.planner import PlanInputs, load_clocks, plan, sample_goodput
+    from pdserve.sim.profiled import ProfiledLatency
+
+    profile = ProfiledLatency((0.05, 1e-3, 1e-7), (0.03, 0.004, 0.0), decode_batch_base=((1, 0.03), (4, 0.045)))
+    inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
+                        workload=WorkloadConfig(num_requests=60, input_len=parse_length_spec("uniform:64,256"),
+                                                           output_len=parse_length_spec("uniform:8,16")),
+                        slo=Slo(1.5, 0.08), chunk_budgets=(512,), max_seqs=16, fixed_model=profile)
+    result = plan(inputs)
+    slow = dataclasses.replace(inputs, fixed_model=calibrate.scaled(profile, 1.3, 1.1))
+    salts = []
+
+    def replay(url, workload_args, count, rate, seed, content_salt=0):
+        salts.append(content_salt)
+        records = load_clocks(slow, result.disaggregated, count, rate, seed)
+        return [{"request_id": r.request_id, "success": r.success, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s}
+                for r in records]
+
+    monkeypatch.setattr(calibrate, "load_replay", replay)
+    run = _calibrator(result, 12, "load", ["--input-dist", "uniform:64,256", "--output-dist", "uniform:8,16"])
+    config = v.LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=result.disaggregated.goodput_rps,
+                           sample_goodput_rps=sample_goodput(inputs, result.disaggregated, 12).rate)
+    details, predicted = run(config, "http://unused", 1)
+    assert salts == [1]
+    assert details["prefill_factor"] == pytest.approx(1.3, rel=0.03)
+    assert details["decode_factor"] == pytest.approx(1.1, rel=0.03)
+    scaled = dataclasses.replace(inputs, fixed_model=calibrate.scaled(profile, details["prefill_factor"],
+                                                                      details["decode_factor"]))
+    assert predicted == sample_goodput(scaled, result.disaggregated, 12).rate
+    assert details["goodput_elasticity"] is not None and details["goodput_elasticity"] > 0

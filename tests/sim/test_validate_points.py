@@ -123,3 +123,38 @@ def test_a_machine_that_slowed_between_the_points_gives_the_hull():
     assert measured_interval(row) == (0.075, 0.0853)
     other = {"name": "colocated", **vp.points_verdict([_point(0, 0.0139, True), _point(1, 0.0188, False)])}
     assert bracket_ranking([row, other]) == "disaggregated"
+
+
+def test_goodput_elasticity_of_a_power_law():
+    from pdserve.sim.calibrate import goodput_elasticity
+
+    assert abs(goodput_elasticity(lambda scale: 0.2 * scale ** -3.0) - 3.0) < 1e-9
+    assert goodput_elasticity(lambda scale: 0.0 if scale > 1 else 0.2) is None
+
+
+def test_stability_says_whether_the_machine_held_still():
+    def cal(prefill, decode):
+        return {"prefill_factor": prefill, "decode_factor": decode, "goodput_elasticity": 3.0}
+
+    steady = [{**_point(0, 0.1, True), "calibration": cal(1.0, 1.0)},
+              {**_point(1, 0.12, False), "calibration": cal(1.02, 0.99)}]
+    out = vp.stability(steady, 0.15)
+    assert abs(out["stability_needed"] - 0.05) < 1e-12
+    assert abs(out["machine_drift"] - 0.02) < 1e-12 and out["conclusive"] is True
+    drifted = [steady[0], {**steady[1], "calibration": cal(1.10, 1.0)}]
+    assert vp.stability(drifted, 0.15)["conclusive"] is False
+    one = vp.stability(steady[:1], 0.15)
+    assert "machine_drift" not in one and "conclusive" not in one and "stability_needed" in one
+    assert vp.stability([], 0.15) == {}
+
+
+def test_the_plan_table_says_when_a_check_is_not_conclusive():
+    from pdserve.sim.plan_report import validation_lines
+
+    c0 = {"prefill_factor": 1.0, "decode_factor": 1.0, "goodput_elasticity": 3.0}
+    c1 = {"prefill_factor": 1.2, "decode_factor": 1.0, "goodput_elasticity": 3.0}
+    points = [{**_point(0, 0.1, True), "calibration": c0}, {**_point(1, 0.12, False), "calibration": c1}]
+    row = {"name": "disaggregated", "layout": "1P1D", "predicted_goodput_rps": 0.1, "tolerance": 0.15,
+           **vp.points_verdict(points), **vp.stability(points, 0.15)}
+    text = "\n".join(validation_lines([row]))
+    assert "needs the machine's speed steady to 5.0%; the calibrations drifted 20.0% between the points: NOT conclusive" in text
