@@ -23,7 +23,10 @@ per host and one argmin over P (see `_fastest_pair`), not a Python double loop; 
 double-loop reference in the tests must pick the identical pair. `slo` assumes no prefix reuse;
 `prefix` reads the workers' prefix indexes, so the longest hit still loses to a shorter queue or a
 cheaper transfer path when that is faster (Mooncake).
-Ties break toward the lower prefill slot, then the lower decode slot.
+Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
+a prefix-aware decision whose capacity gates admit every slot without any hit runs the lookup,
+the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
+path does (tests/router/test_router_fused.py and the double-loop reference).
 """
 
 from __future__ import annotations
