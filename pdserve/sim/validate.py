@@ -260,6 +260,10 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
                 row.update(_measured(report))
             if tolerance is not None and not recalibrate:
                 row.update(bracket_verdict(report["validate_ladder"], report), tolerance=tolerance)
+                if "calibration" in row:  # one calibration: how steady the check needs the machine
+                    from pdserve.sim.validate_points import stability
+
+                    row.update(stability([{"calibration": row["calibration"]}], tolerance))
         except (ServerDidNotStart, BenchFailed, RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
             row["error"] = str(exc)
         row["wall_s"] = round(time.monotonic() - started, 1)

@@ -106,7 +106,7 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
 
     def calibrator(config, url, round_):
         seen["calibration"] = cal = burst_requests(url, (0.01, 0.005), 16, 4, burst=2, repeats=1)
-        return cal.to_dict(), 1.0
+        return {**cal.to_dict(), "goodput_elasticity": 3.0}, 1.0
 
     config = v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=50.0,
                            extra_serve_args=("--dtype", "float32"))
@@ -121,6 +121,7 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
     assert row["calibrated_goodput_rps"] == 1.0 and row["bracket_rps"] == [0.8696, 1.176]
     assert [p["rate"] for p in row["sweep"]] == [0.8696, 1.176]  # the bracket, not the 50 rps estimate
     assert row["measured_vs_prediction"] == "above"  # loose SLOs: both rates pass
+    assert row["stability_needed"] == pytest.approx(0.05) and "machine_drift" not in row  # 0.15 / 3
     assert {"serve.log", "bench.log", "bench.json"} <= {p.name for p in (tmp_path / "colocated").iterdir()}
 
 
