@@ -248,22 +248,15 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
         kept = None if keep_dir is None else keep_dir / config.name
         try:
             if recalibrate:
-                from pdserve.sim.validate_points import check_points, points_verdict, stability
+                from pdserve.sim.validate_points import recalibrated_row  # (it imports this module)
 
-                points = check_points(config, model, bench_args, calibrator, tolerance, progress, kept)
-                row.update(points_verdict(points), tolerance=tolerance)
-                row.update(stability(points, tolerance))
-                row["calibrated_goodput_rps"] = points[0]["calibrated_goodput_rps"]
-                row["calibration"] = points[0]["calibration"]
+                row.update(recalibrated_row(config, model, bench_args, calibrator, tolerance, progress, kept))
             else:
                 report = measure(config, model, bench_args, rates, before_bench=before_bench, keep_dir=kept)
                 row.update(_measured(report))
-            if tolerance is not None and not recalibrate:
-                row.update(bracket_verdict(report["validate_ladder"], report), tolerance=tolerance)
-                if "calibration" in row:  # one calibration: how steady the check needs the machine
-                    from pdserve.sim.validate_points import stability
-
-                    row.update(stability([{"calibration": row["calibration"]}], tolerance))
+                if tolerance is not None:
+                    row.update(bracket_verdict(report["validate_ladder"], report), tolerance=tolerance)
+                    row.update(_stability_of(row, tolerance))
         except (ServerDidNotStart, BenchFailed, RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
             row["error"] = str(exc)
         row["wall_s"] = round(time.monotonic() - started, 1)
@@ -271,6 +264,15 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
                  + (f" (error: {row['error'].splitlines()[0]})" if "error" in row else ""))
         rows.append(row)
     return rows
+
+
+def _stability_of(row: dict, tolerance: float) -> dict:
+    """For a single calibration: how steady the machine must be for the check (validate_points)."""
+    if "calibration" not in row:
+        return {}
+    from pdserve.sim.validate_points import stability
+
+    return stability([{"calibration": row["calibration"]}], tolerance)
 
 
 def _measured(report: dict) -> dict:

@@ -47,6 +47,14 @@ def check_points(config: LocalConfig, model: str, bench_args: list[str], calibra
     return points
 
 
+def recalibrated_row(config: LocalConfig, model: str, bench_args: list[str], calibrator: PointCalibrator,
+                     tolerance: float, progress: Callable[[str], None], keep_dir: Path | None) -> dict:
+    """A validation row's measured fields: the points, their verdict and the machine's stability."""
+    points = check_points(config, model, bench_args, calibrator, tolerance, progress, keep_dir)
+    return {**points_verdict(points), "tolerance": tolerance, **stability(points, tolerance),
+            "calibrated_goodput_rps": points[0]["calibrated_goodput_rps"], "calibration": points[0]["calibration"]}
+
+
 def _point(report: dict, rate: float) -> dict:
     target = report.get("slo_attainment", 0.9)
     row = next((p for p in report.get("sweep", []) if p.get("rate") == rate), {})
