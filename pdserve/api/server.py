@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
-from pdserve.heap import frozen_heap
 from pdserve.engine.kv_abi import KvAbi
+from pdserve.heap import frozen_heap
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash

@@ -78,8 +78,8 @@ def bench_size(num_prefill: int, num_decode: int, decisions: int, seed: int) -> 
 
 
 def _measure(num_prefill: int, num_decode: int, policy: str, mode: str, decisions: int, seed: int) -> dict:
-    from pdserve.router.policies import POLICIES, PolicyContext
     from pdserve.heap import frozen_heap
+    from pdserve.router.policies import POLICIES, PolicyContext
     from pdserve.router.synthetic import random_load, random_router
 
     router, workload = random_router(seed, num_prefill, num_decode, policy, colocated=mode == "colocated")
