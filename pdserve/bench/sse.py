@@ -65,10 +65,9 @@ def _choice_text(choices: list) -> tuple[str, bool]:
     if not choices or not isinstance(choices[0], dict):
         return "", False
     choice = choices[0]
-    if "text" in choice:
-        body, has_field = choice, True
-    else:
-        body = choice.get("delta") or {}
-        has_field = "content" in body and "role" not in body
-    text = body.get("text" if "text" in choice else "content") or ""
+    if "text" in choice:  # completions
+        text, has_field = choice["text"] or "", True
+    else:  # chat: the opening chunk carries the role, not a token
+        delta = choice.get("delta") or {}
+        text, has_field = delta.get("content") or "", "content" in delta and "role" not in delta
     return text, bool(text) or (has_field and choice.get("finish_reason") is None)

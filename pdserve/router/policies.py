@@ -142,21 +142,23 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
     if kernels.enabled and request.block_hashes:
-        fused = _prefix_fused(snapshot, request, ctx)
+        rows = snapshot.prefix.probe(request.block_hashes)
+        if rows is None:  # nobody holds the first block: no hit anywhere (what prefix_hits gives)
+            return _cost_aware(snapshot, request, ctx, 0, 0)
+        fused = _prefix_fused(snapshot, request, ctx, rows)
         if fused is not None:
             return fused
     p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
     return _cost_aware(snapshot, request, ctx, p_hit, d_hit)
 
 
-def _prefix_fused(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal | None:
-    """The prefix-aware decision with the lookup, the hit caps and the pair search in one compiled
-    call (kernels.prefix_pair), when the capacity gates cannot depend on the hits: every slot of
-    both pools fits the request even with no hit (a hit only lowers demand). None: take the
-    general path (nobody holds the first block, or capacity is tight somewhere)."""
-    rows = snapshot.prefix.probe(request.block_hashes)
-    if rows is None:
-        return None
+def _prefix_fused(
+    snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, rows: np.ndarray
+) -> Choice | Refusal | None:
+    """The prefix-aware decision with the lookup of the probed `rows`, the hit caps and the pair
+    search in one compiled call (kernels.prefix_pair), when the capacity gates cannot depend on
+    the hits: every slot of both pools fits the request even with no hit (a hit only lowers
+    demand). None: capacity is tight somewhere; take the general path."""
     gates = capacity_gates(snapshot, request, ctx, 0, 0)
     if isinstance(gates, Refusal) or not (_all(gates[0]) and _all(gates[1])):
         return None
