@@ -56,8 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "burst; 'load': a Poisson replay of the workload on another seed at half the prediction, "
                         "compared request by request with the simulator's clocks for the same arrivals")
     v.add_argument("--validate-recalibrate", action="store_true",
-                   help="with --validate-tolerance and --validate-calibrate: calibrate again before each of the two "
-                        "bench runs and hold each to the prediction made just before it (the machine drifts)")
+                   help="with --validate-tolerance and --validate-calibrate: one server per configuration, a "
+                        "calibration before each bench run, and each run held to the prediction for its own window "
+                        "(the calibration carried over by the engine's step log: the machine drifts)")
+    v.add_argument("--validate-max-points", type=int, default=4, metavar="N",
+                   help="with --validate-recalibrate: bench points per configuration at most (default 4); each "
+                        "point is held to the prediction for its own window, from the engine's step logs")
     v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
     v.add_argument("--validate-max-workers", type=int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
@@ -144,9 +148,12 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     calibrator = _calibrator(result, num_requests, args.validate_calibrate, workload) if args.validate_calibrate else None
     if args.validate_recalibrate and (args.validate_tolerance is None or calibrator is None):
         raise SystemExit("pdserve plan: --validate-recalibrate needs --validate-tolerance and --validate-calibrate")
+    if args.validate_max_points < 1:
+        raise SystemExit("pdserve plan: --validate-max-points must be at least 1")
+    live = _live_model(result, num_requests) if args.validate_recalibrate else None
     rows = validate(runnable, model, bench, rates, progress, tolerance=args.validate_tolerance, calibrator=calibrator,
                     keep_dir=Path(args.validate_dir) if args.validate_dir else None,
-                    recalibrate=args.validate_recalibrate)
+                    recalibrate=args.validate_recalibrate, live=live, max_points=args.validate_max_points)
     for c in configs:
         if c.workers > limit:
             rows.append({"name": c.name, "mode": c.mode, "layout": c.layout, "workers": c.workers,
@@ -219,6 +226,25 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
         return {**cal.to_dict(), **extra, "goodput_elasticity": elasticity}, predicted
 
     return run
+
+
+def _live_model(result, num_requests: int):
+    """The profile the engine's step logs are read against, and the sample goodput it predicts for
+    a configuration with given calibration factors (validate_windows.py)."""
+    import dataclasses
+
+    from pdserve.sim import calibrate
+    from pdserve.sim.planner import sample_goodput
+    from pdserve.sim.validate_windows import LiveModel
+
+    inputs = result.inputs
+    plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
+
+    def predict(config, prefill: float, decode: float) -> float:
+        model = calibrate.scaled(inputs.fixed_model, prefill, decode)
+        return sample_goodput(dataclasses.replace(inputs, fixed_model=model), plans[config.name], num_requests).rate
+
+    return LiveModel(inputs.fixed_model, predict)
 
 
 def _budget_args(tokens) -> list[str]:

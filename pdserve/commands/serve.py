@@ -37,7 +37,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto", help="K/V handoff transport")
     p.add_argument("--layerwise-threshold", type=int, default=256,
                    help="prompts with at least this many tokens stream K/V layer by layer")
-    p.add_argument("--trace-dir", default=None, help="write per-request and per-worker JSONL traces here")
+    p.add_argument("--trace-dir", default=None, help="write per-request and per-worker JSONL traces here (and each worker's engine step log)")
     p.add_argument("--ray", action="store_true", help="place workers as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (with --ray)")
     p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -29,6 +30,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams, Sequence, SeqMode, SeqStatus
+from pdserve.engine.step_log import StepLog, step_record
 from pdserve.engine.stops import StopChecker
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
@@ -75,6 +77,7 @@ class Engine:
         self.prefilled: dict[str, Sequence] = {}
         self.imports: dict[str, ImportReservation] = {}
         self._arrivals = itertools.count()
+        self.step_log: StepLog | None = None  # when set, every step that ran is recorded (step_log.py)
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -140,16 +143,28 @@ class Engine:
         tokens whose K/V are final once the step is done and whether that completes the prompt.
         With `lock`, bookkeeping runs under it and the model forward runs outside it, so
         other threads (handoff links) can touch the block manager during the forward."""
+        started = time.perf_counter()
         with lock or nullcontext():
             plan = self.scheduler.schedule()
             if plan.empty:
                 return []
             progress = tuple(PrefillProgress(s.request_id, s.num_computed + rows, s.num_computed + rows == s.num_tokens)
                              for s, rows in plan.prefill)
+            shape = self._shape(plan) if self.step_log is not None else None
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, progress))
         batch, logits = self.runner.run(plan, hook)
         with lock or nullcontext():
-            return self._apply(plan, batch, logits)
+            outputs = self._apply(plan, batch, logits)
+        if shape is not None:
+            self.step_log.record(step_record(started, *shape))
+        return outputs
+
+    @staticmethod
+    def _shape(plan) -> tuple[list[int], list[int], int, int]:
+        """(prompt rows per prefilling request, their cached tokens, decode rows, visible context
+        summed over the decode rows), before the step runs."""
+        return ([rows for _, rows in plan.prefill], [s.num_computed for s, _ in plan.prefill],
+                len(plan.decode), sum(s.num_computed + 1 for s in plan.decode))
 
     def _apply(self, plan, batch, logits) -> list[RequestOutput]:
         for seq, rows in plan.prefill:

@@ -8,6 +8,8 @@ each kind with the attainment target and each curve's goodput marked.
 
 from __future__ import annotations
 
+import math
+
 from pdserve.sim.phase_search import Score
 from pdserve.sim.planner import PlanResult
 from pdserve.sim.plans import ColocatedPlan, DisaggPlan
@@ -100,14 +102,22 @@ def validation_lines(rows: list[dict]) -> list[str]:
             c = p["calibration"]
             lines.append(f"{'':<16}point {p['point']}: calibrated (prefill x{c.get('prefill_factor', 0):.3f}, decode "
                          f"x{c.get('decode_factor', 0):.3f}) {_num(p['calibrated_goodput_rps'])} rps -> bench at "
-                         f"{p['rate']:g}: {'pass' if p['passed'] else 'fail'}")
+                         f"{p['rate']:g}: {'pass' if p['passed'] else 'fail'}" + _window_text(p))
         if r.get("sample_goodput_rps") is not None:
             lines.append(f"{'':<16}simulated on the benchmark's own requests: {_num(r['sample_goodput_rps'])} rps")
         if "calibration" in r and "points" not in r:
             c = r["calibration"]
             lines.append(f"{'':<16}calibrated on the live server (prefill x{c['prefill_factor']:.3f}, decode "
                          f"x{c['decode_factor']:.3f}): {_num(r['calibrated_goodput_rps'])} rps")
-        if "within_tolerance" in r:
+        if r.get("method") == "windows":
+            lo, hi = r["error_bounds"]
+            verdict = "within" if r["within_tolerance"] else "NOT within"
+            lines.append(f"{'':<16}predicted/measured in each bench's own window: ({lo:.3g}, {_num(hi)}]: "
+                         f"{r['measured_vs_prediction']} -> prediction {verdict} {r['tolerance']:.0%}")
+            if r.get("reference_interval_rps"):
+                a, b = r["reference_interval_rps"]
+                lines.append(f"{'':<16}measured goodput at the profile's machine speed: {a:.3g}..{_num(b)} rps")
+        elif "within_tolerance" in r:
             lo, hi = r["bracket_rps"]
             verdict = "within" if r["within_tolerance"] else "NOT within"
             lines.append(f"{'':<16}bracket {lo:.3g}..{_num(hi)} rps: measured goodput {r['measured_vs_prediction']}"
@@ -127,11 +137,23 @@ def validation_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _window_text(p: dict) -> str:
+    if "window_goodput_rps" not in p:
+        return ""
+    dp, dd = p["drift"]
+    return (f"; engine speed since the calibration x{dp:.3f} prefill, x{dd:.3f} decode -> window prediction "
+            f"{p['window_goodput_rps']:.3g} rps, predicted/measured {'<=' if p['passed'] else '>'} {p['error_bound']:.3g}")
+
+
 def measured_interval(row: dict) -> tuple[float, float] | None:
     """[low, high) req/s that a bracket check places the measured goodput in. With a calibration
     before each point (--validate-recalibrate) the upper rate can come out below the lower one
     when the machine slowed between them (each point still agrees with its own prediction); the
-    interval is then their hull, so a ranking never leans on the drift."""
+    interval is then their hull, so a ranking never leans on the drift. A window check
+    (validate_windows.py) gives its interval at the profile's machine speed instead."""
+    if row.get("method") == "windows":
+        ref = row.get("reference_interval_rps")
+        return None if ref is None else (ref[0], math.inf if ref[1] is None else ref[1])
     lo, hi = row["bracket_rps"]
     if row["measured_vs_prediction"] == "within":
         return min(lo, hi), max(lo, hi)

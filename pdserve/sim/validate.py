@@ -166,14 +166,16 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def serving(config: LocalConfig, model: str, startup_timeout_s: float = 300.0,
-            keep_dir: Path | None = None) -> Iterator[tuple[str, Path, Path]]:
+            keep_dir: Path | None = None, trace: bool = False) -> Iterator[tuple[str, Path, Path]]:
     """Start `pdserve serve` for `config` on a free port and yield (url, output dir, server log)
-    once it is healthy; the whole process group is stopped on exit."""
+    once it is healthy; the whole process group is stopped on exit. With `trace`, the server
+    writes its traces and engine step logs to <output dir>/trace."""
     port = free_local_port()
-    command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port)]
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:
         out_dir = Path(tmp) if keep_dir is None else keep_dir
         out_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pdserve.cli", *config.serve_args(model, port),
+                   *(["--trace-dir", str(out_dir / "trace")] if trace else [])]
         log = out_dir / "serve.log"
         with log.open("w") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -216,12 +218,14 @@ def measure(config: LocalConfig, model: str, bench_args: list[str], rates: list[
 
 def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rates: list[float] | None = None,
              progress=lambda _msg: None, tolerance: float | None = None, calibrator: Calibrator | None = None,
-             keep_dir: Path | None = None, recalibrate: bool = False) -> list[dict]:
+             keep_dir: Path | None = None, recalibrate: bool = False, live=None, max_points: int = 4) -> list[dict]:
     """Predicted vs measured goodput for each configuration (errors reported per row). With a
     `tolerance`, each configuration is checked on its `bracket` instead of a sweep. With a
     `calibrator(config, url, round) -> (details, prediction)`, the prediction is re-made against
     the running server just before its benchmark and the bracket (or ladder) centred on it; with
-    `recalibrate` as well, before each of the bracket's two points (validate_points.py)."""
+    `recalibrate` as well, before each of the bracket's two points (validate_points.py); with a
+    `live` model (validate_windows.LiveModel) too, each point is held to the prediction for its
+    own window, read from the engine's step logs (validate_windows.py, up to `max_points`)."""
     if recalibrate and (tolerance is None or calibrator is None):
         raise ValueError("recalibrating before each point needs a tolerance and a calibrator")
     rows = []
@@ -247,7 +251,12 @@ def validate(configs: list[LocalConfig], model: str, bench_args: list[str], rate
 
         kept = None if keep_dir is None else keep_dir / config.name
         try:
-            if recalibrate:
+            if recalibrate and live is not None:
+                from pdserve.sim.validate_windows import check_windows  # (it imports this module)
+
+                row.update(check_windows(config, model, bench_args, calibrator, live, tolerance, max_points,
+                                         progress, kept))
+            elif recalibrate:
                 from pdserve.sim.validate_points import recalibrated_row  # (it imports this module)
 
                 row.update(recalibrated_row(config, model, bench_args, calibrator, tolerance, progress, kept))

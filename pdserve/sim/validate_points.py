@@ -40,7 +40,7 @@ def check_points(config: LocalConfig, model: str, bench_args: list[str], calibra
             progress(f"validate {config.name}: point {k}: calibrated prediction {predicted:.3g} rps, bench at {rate:g}")
             report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
                                   bench_timeout_s, tag=f"-{k}")
-            point = _point(report, rate)
+            point = bench_point(report, rate)
             points.append({"point": k, "calibration": details, "calibrated_goodput_rps": predicted, **point})
             if k == 0 and not point["passed"]:
                 break
@@ -55,7 +55,7 @@ def recalibrated_row(config: LocalConfig, model: str, bench_args: list[str], cal
             "calibrated_goodput_rps": points[0]["calibrated_goodput_rps"], "calibration": points[0]["calibration"]}
 
 
-def _point(report: dict, rate: float) -> dict:
+def bench_point(report: dict, rate: float) -> dict:
     target = report.get("slo_attainment", 0.9)
     row = next((p for p in report.get("sweep", []) if p.get("rate") == rate), {})
     joint = row.get("attainment_joint")

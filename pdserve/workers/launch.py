@@ -41,9 +41,10 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
         per = launch.threads_per_worker
         affinity = tuple(cpus[(index * per + k) % len(cpus)] for k in range(per)) if launch.pin_cpus else ()
         trace = os.path.join(launch.trace_dir, f"{worker_id}.jsonl") if launch.trace_dir else None
+        steps = os.path.join(launch.trace_dir, f"{worker_id}.steps.jsonl") if launch.trace_dir else None
         configs.append(WorkerConfig(
             worker_id=worker_id, role=role, router_address=router_address, host_id=host,
-            engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace,
+            engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s,
             exit_with_parent=True,
         ))

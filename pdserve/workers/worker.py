@@ -23,6 +23,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.step_log import StepLog
 from pdserve.handoff.trace import TraceSink
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
@@ -43,6 +44,7 @@ class WorkerConfig:
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_s: float = 0.25
     trace_path: str | None = None
+    step_log_path: str | None = None  # engine step log (engine/step_log.py), one line per step
     layerwise_threshold_tokens: int = 256
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
 
@@ -61,6 +63,7 @@ class Worker:
         self.lock = threading.RLock()
         self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop
         self.trace = TraceSink(path=config.trace_path, keep=False)
+        self.engine.step_log = StepLog(config.step_log_path) if config.step_log_path else None
         self.prefill = PrefillSide(self) if config.role in ("prefill", "colocated") else None
         self.decode = DecodeSide(self) if config.role in ("decode", "colocated") else None
         self.ctx = zmq.Context.instance()
@@ -213,6 +216,8 @@ class Worker:
             self.decode.close()
         self.sock.close()
         self.trace.close()
+        if self.engine.step_log is not None:
+            self.engine.step_log.close()
         self.engine.pool.close(unlink=True)
 
 

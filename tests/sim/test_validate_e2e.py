@@ -305,3 +305,35 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
                                                                       details["decode_factor"]))
     assert predicted == sample_goodput(scaled, result.disaggregated, 12).rate
     assert details["goodput_elasticity"] is not None and details["goodput_elasticity"] > 0
+
+
+def test_window_check_reads_the_live_servers_step_logs(tmp_path):
+    """--validate-recalibrate with a live model: the server writes its engine step logs, and each
+    point's calibration and bench windows are read from them (steps of both phases counted), the
+    drift and window prediction computed from them, and the bounds and verdict reported."""
+    from pdserve.sim.calibrate import burst_requests
+    from pdserve.sim.profiled import ProfiledLatency
+    from pdserve.sim.validate_windows import LiveModel
+
+    def calibrator(config, url, round_):
+        burst_requests(url, (0.01, 0.005), 16, 4, burst=1, repeats=1, content_salt=round_)
+        return {"prefill_factor": 1.0, "decode_factor": 1.0}, 40.0
+
+    live = LiveModel(ProfiledLatency((0.002, 1e-5, 0.0), (0.002, 1e-4, 0.0)), lambda config, p, d: 40.0 / (p * d))
+    config = v.LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=40.0,
+                           extra_serve_args=("--dtype", "float32"))
+    bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", "--slo-ttft-ms", "5000",
+             "--slo-tpot-ms", "2000", "--prompt-format", "ids", "--seed", "0"]
+    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
+                     recalibrate=True, live=live, max_points=2)[0]
+    assert "error" not in row, row.get("error")
+    assert row["method"] == "windows" and 1 <= len(row["points"]) <= 2
+    first = row["points"][0]
+    assert first["calibration_steps"]["prefill_steps"] >= 1 and first["calibration_steps"]["decode_steps"] >= 3
+    assert first["bench_steps"]["prefill_steps"] >= 1 and first["bench_steps"]["decode_steps"] >= 3
+    dp, dd = first["drift"]
+    assert first["window_goodput_rps"] == pytest.approx(40.0 / (dp * dd))
+    assert first["error_bound"] == pytest.approx(first["window_goodput_rps"] / first["rate"])
+    assert sorted(p.name for p in (tmp_path / "disaggregated" / "trace").glob("*.steps.jsonl")) == \
+        ["decode-0.steps.jsonl", "prefill-0.steps.jsonl"]
+    json.dumps(row)

@@ -1,0 +1,82 @@
+"""How fast the served engine ran in a time window, measured by its own steps against a profile.
+
+Contract: `step_speed(profile, records)` compares every engine step of a window (the workers'
+step logs, engine/step_log.py) with the time the profiled latency model gives the same step
+shape, and returns one factor per phase (measured / modelled; 1.0 = the profile's speed, 1.2 =
+20% slower). A step's modelled time splits into a prefill-form part P (the prompt rows, and in a
+colocated step the decode rows the profile costs with the prefill form) and a decode-form part
+D (a decode step; the context term of a colocated step), so `calibrate.scaled(profile, p, d)`
+costs it p * P + d * D. The factors are robust medians, alternated a few rounds:
+p = median over steps with P > 0 of (seconds - d * D) / P, d = median over decode-only steps of
+seconds / D (over every step with D > 0 when there is no decode-only step). A phase without a
+step in the window gets None.
+
+Why: step times are the engine's own clock. Unlike request latencies they do not contain
+queueing, so a factor fitted to them measures the machine, not the simulator being checked
+(validate_windows.py uses them to carry a calibration across the minutes to its benchmark).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.step_log import StepRecord
+from pdserve.sim.latency import causal_pairs
+from pdserve.sim.profiled import ProfiledLatency
+
+ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class StepSpeed:
+    """Per-phase speed factors of one window (None: no step of that phase) and the step counts."""
+
+    prefill_factor: float | None
+    decode_factor: float | None
+    prefill_steps: int
+    decode_steps: int
+
+    def to_dict(self) -> dict:
+        return {"prefill_factor": self.prefill_factor, "decode_factor": self.decode_factor,
+                "prefill_steps": self.prefill_steps, "decode_steps": self.decode_steps}
+
+
+def modelled_parts(profile: ProfiledLatency, step: StepRecord) -> tuple[float, float]:
+    """(P, D): the prefill-form and decode-form seconds the profile gives this step's shape."""
+    if step.new and step.batch:  # colocated iteration: the mixed-step form
+        pairs = sum(causal_pairs(n, k) for n, k in zip(step.new, step.cached))
+        total = profile.mixed_step_s(sum(step.new), pairs, 0, 0.0, step.batch, step.context)
+        decode = profile.decode_coef[2] * step.context
+        return total - decode, decode
+    if step.new:
+        return profile.prefill_batch_s(step.new, step.cached), 0.0
+    return 0.0, profile.decode_step_s(step.batch, step.context)
+
+
+def step_speed(profile: ProfiledLatency, records: Sequence[StepRecord]) -> StepSpeed:
+    """The window's per-phase factors against `profile` (see the module contract)."""
+    parts = [(r.seconds, *modelled_parts(profile, r)) for r in records]
+    prefill = [(s, p, d) for s, p, d in parts if p > 0]
+    decode_only = [s / d for s, p, d in parts if p == 0 and d > 0]
+    with_decode = [(s, p, d) for s, p, d in parts if d > 0]
+    pf = df = None
+    for _ in range(ROUNDS):  # alternate: each phase's factor shifts the other's residual a little
+        if decode_only:
+            df = statistics.median(decode_only)
+        elif with_decode:
+            df = statistics.median((s - (pf or 1.0) * p) / d for s, p, d in with_decode)
+        if prefill:
+            pf = statistics.median((s - (df or 0.0) * d) / p for s, p, d in prefill)
+    if df is not None and df <= 0:
+        df = None  # the decode term is too small against the prefill form to separate
+    return StepSpeed(pf, df, len(prefill), len(with_decode))
+
+
+def drift(window: StepSpeed, reference: StepSpeed) -> tuple[float, float]:
+    """(prefill, decode) speed of `window` over `reference`; 1.0 for a phase either lacks."""
+    def ratio(a: float | None, b: float | None) -> float:
+        return a / b if a and b else 1.0
+
+    return ratio(window.prefill_factor, reference.prefill_factor), ratio(window.decode_factor, reference.decode_factor)

@@ -1,0 +1,161 @@
+"""The validation check that holds each benchmark to a prediction for the machine it ran on.
+
+Why: on a shared CPU the machine's speed moves 5-20% within minutes and goodput moves 2-5x as
+much, so a prediction made before a benchmark is a prediction for a machine that may be gone by
+the time the benchmark runs. The engine's step log (engine/step_log.py) says how fast it ran
+while the benchmark ran; `step_clock.step_speed` turns that into per-phase factors without any
+queueing in them, so scaling the calibrated model by the change of those factors between the
+calibration and the benchmark predicts for the benchmark's own window without fitting anything
+to the latencies being checked.
+
+Contract: `check_windows` starts one server for `config` with its step logs on, then per point
+k (at most `max_points`): calibrates (`calibrator(config, url, k)`, salt k), benches one rate,
+and reads the engine's steps during the calibration and during the bench. The window prediction
+is `live.predict(config, p_cal * drift_p, d_cal * drift_d)` with drift = bench-window speed over
+calibration-window speed. A point bounds the error ratio e = predicted / measured goodput
+*in its own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
+measured < r, so e > pred_w / r. `ErrorBounds` intersects the points' bounds; the prediction is
+within T when 1 - T <= lower and upper <= 1 + T. Rates are chosen to close the open side: a
+pass is sought at pred / (1 + T/2) (then pred / (1 + T), then pred / (1 + 2T) while they fail),
+a fail at pred / (1 - T/2) (then pred / (1 - T), then pred / (1 - 2T)). The check stops as soon
+as it is conclusive (within, or outside T either way) or the open side has used its attempts.
+
+Ranking: the bounds turn into an interval of the measured goodput at the profile's own machine
+speed, `[ref / upper, ref / lower]`, with ref the prediction with the calibration's factors over
+the calibration window's step speed (the deployment's own overheads kept, the machine's drift
+divided out), so two configurations measured minutes apart are compared on one machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.engine.step_log import read_steps
+from pdserve.sim.profiled import ProfiledLatency
+from pdserve.sim.step_clock import StepSpeed, drift, step_speed
+from pdserve.sim.validate import LocalConfig, bench_ladder, serving
+from pdserve.sim.validate_points import PointCalibrator, bench_point
+
+AIMS = (0.5, 1.0, 2.0)  # fractions of T: the first, second and third attempt at each side
+
+
+@dataclass(frozen=True)
+class LiveModel:
+    """The profile the step logs are read against, and the goodput it predicts with given factors."""
+
+    profile: ProfiledLatency
+    predict: Callable[[LocalConfig, float, float], float]  # (config, prefill x, decode x) -> rps
+
+
+@dataclass
+class ErrorBounds:
+    """lower < e <= upper for e = predicted / measured goodput, from the points seen so far."""
+
+    lower: float = 0.0
+    upper: float = math.inf
+    attempts: dict = field(default_factory=lambda: {"pass": 0, "fail": 0})
+
+    def add(self, passed: bool, ratio: float) -> None:
+        if passed:
+            self.upper = min(self.upper, ratio)
+        else:
+            self.lower = max(self.lower, ratio)
+
+    def verdict(self, tolerance: float) -> str:
+        if self.lower > self.upper:
+            return "inconsistent"  # the points disagree more than the windows explain
+        if self.lower >= 1 + tolerance:
+            return "below"  # e > lower: the measured goodput is below the prediction by more than T
+        if self.upper < 1 - tolerance:
+            return "above"
+        if self.lower >= 1 - tolerance and self.upper <= 1 + tolerance:
+            return "within"
+        return "unknown"
+
+    def next_side(self, tolerance: float) -> str | None:
+        """"pass" or "fail": the open side to seek next (the pass side first); None when both are
+        closed or the open one has used its attempts (no further point can make it within)."""
+        for side, open_ in (("pass", self.upper > 1 + tolerance), ("fail", self.lower < 1 - tolerance)):
+            if open_:
+                return side if self.attempts[side] < len(AIMS) else None
+        return None
+
+
+def next_rate(predicted: float, side: str, attempt: int, tolerance: float) -> float:
+    """The rate that seeks a pass (below the prediction) or a fail (above it)."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    aim = AIMS[attempt] * tolerance if side == "pass" else min(AIMS[attempt] * tolerance, 0.75)
+    return float(f"{predicted / (1 + aim) if side == 'pass' else predicted / (1 - aim):.4g}")
+
+
+def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibrator: PointCalibrator,
+                  live: LiveModel, tolerance: float, max_points: int = 4,
+                  progress: Callable[[str], None] = lambda _m: None, keep_dir: Path | None = None,
+                  startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
+    """The points, their bounds and the verdict (see the module contract)."""
+    bounds, points, reference = ErrorBounds(), [], None
+    with serving(config, model, startup_timeout_s, keep_dir, trace=True) as (url, out_dir, log):
+        logs = lambda: sorted((out_dir / "trace").glob("*.steps.jsonl"))  # noqa: E731
+        for k in range(max_points):
+            side = bounds.next_side(tolerance)
+            if side is None or bounds.verdict(tolerance) != "unknown":
+                break
+            t0 = time.time()
+            details, predicted = calibrator(config, url, k)
+            cal_speed = step_speed(live.profile, read_steps(logs(), t0, time.time()))
+            rate = next_rate(predicted, side, bounds.attempts[side], tolerance)
+            bounds.attempts[side] += 1
+            progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")
+            t1 = time.time()
+            report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
+                                  bench_timeout_s, tag=f"-{k}")
+            bench_speed = step_speed(live.profile, read_steps(logs(), t1, time.time()))
+            point = _window_point(config, live, details, predicted, cal_speed, bench_speed, bench_point(report, rate))
+            bounds.add(point["passed"], point["error_bound"])
+            reference = reference or _reference(config, live, details, cal_speed)
+            points.append({"point": k, **point})
+            progress(f"validate {config.name}: point {k}: {'pass' if point['passed'] else 'fail'}, window prediction "
+                     f"{point['window_goodput_rps']:.3g} rps, error bounds ({bounds.lower:.3g}, {bounds.upper:.3g}]")
+    return window_row(points, bounds, tolerance, reference)
+
+
+def _window_point(config, live: LiveModel, details: dict, predicted: float, cal: StepSpeed, bench: StepSpeed,
+                  point: dict) -> dict:
+    dp, dd = drift(bench, cal)
+    window = live.predict(config, details["prefill_factor"] * dp, details["decode_factor"] * dd)
+    return {**point, "calibration": details, "calibrated_goodput_rps": predicted, "calibration_steps": cal.to_dict(),
+            "bench_steps": bench.to_dict(), "drift": [dp, dd], "window_goodput_rps": window,
+            "error_bound": window / point["rate"]}
+
+
+def _reference(config, live: LiveModel, details: dict, cal: StepSpeed) -> float | None:
+    """The prediction at the profile's machine speed (the calibration's step speed divided out)."""
+    if not cal.prefill_factor and not cal.decode_factor:
+        return None
+    return live.predict(config, details["prefill_factor"] / (cal.prefill_factor or 1.0),
+                        details["decode_factor"] / (cal.decode_factor or 1.0))
+
+
+def window_row(points: list[dict], bounds: ErrorBounds, tolerance: float, reference: float | None) -> dict:
+    """A validation row's measured fields from the window points."""
+    where = bounds.verdict(tolerance)
+    passed = [p["rate"] for p in points if p["passed"]]
+    failed = [p["rate"] for p in points if not p["passed"]]
+    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 (JSON has no infinity)
+    row = {"method": "windows", "points": points, "tolerance": tolerance,
+           "error_bounds": [bounds.lower, finite(bounds.upper)],
+           "measured_vs_prediction": where, "within_tolerance": where == "within",
+           "measured_goodput_rps": max(passed, default=None),
+           "bracket_rps": [max(passed, default=None), min(failed, default=None)]}
+    if points:
+        row.update(calibration=points[0]["calibration"], calibrated_goodput_rps=points[0]["calibrated_goodput_rps"])
+    if reference:
+        row["reference_goodput_rps"] = reference
+        row["reference_interval_rps"] = [reference / bounds.upper if bounds.upper < math.inf else 0.0,
+                                         reference / bounds.lower if bounds.lower > 0 else None]
+    return row

@@ -1,0 +1,140 @@
+"""The window check: each bench point held to the prediction for its own window (validate_windows.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim import validate_windows as vw
+from pdserve.sim.plan_report import bracket_ranking, measured_interval, validation_lines
+from pdserve.sim.profiled import ProfiledLatency
+from pdserve.sim.step_clock import StepSpeed
+from pdserve.sim.validate import LocalConfig
+
+T = 0.15
+G0 = 2.0  # goodput at the profile's machine speed (speed factor 1)
+
+
+def test_bounds_and_their_verdicts():
+    b = vw.ErrorBounds()
+    assert b.verdict(T) == "unknown" and b.next_side(T) == "pass"
+    b.add(True, 1.10)
+    assert (b.lower, b.upper) == (0.0, 1.10) and b.next_side(T) == "fail"
+    b.add(False, 0.90)
+    assert b.verdict(T) == "within" and b.next_side(T) is None
+    assert vw.ErrorBounds(lower=1.2).verdict(T) == "below"
+    assert vw.ErrorBounds(lower=1.15).verdict(T) == "below"  # e > 1.15
+    assert vw.ErrorBounds(upper=0.8).verdict(T) == "above"
+    assert vw.ErrorBounds(lower=1.0, upper=0.9).verdict(T) == "inconsistent"
+    assert vw.ErrorBounds(lower=0.5, upper=1.1).verdict(T) == "unknown"
+    spent = vw.ErrorBounds(attempts={"pass": len(vw.AIMS), "fail": 0})
+    assert spent.next_side(T) is None  # the pass side is open and out of attempts: nothing can make it within
+
+
+def test_rates_seek_a_pass_below_and_a_fail_above_the_prediction():
+    assert [vw.next_rate(1.0, "pass", k, T) for k in range(3)] == [0.9302, 0.8696, 0.7692]
+    assert [vw.next_rate(1.0, "fail", k, T) for k in range(3)] == [1.081, 1.176, 1.429]
+    assert vw.next_rate(1.0, "fail", 2, 0.5) == 4.0  # the fail side's aim stops at 0.75
+    with pytest.raises(ValueError):
+        vw.next_rate(1.0, "pass", 0, 1.0)
+
+
+class _Machine:
+    """A fake server whose speed factor changes between windows, and a simulator that is off by
+    `error` (predicted / measured goodput at any one speed)."""
+
+    def __init__(self, cal_speeds, bench_speeds, error):
+        self.cal_speeds, self.bench_speeds, self.error = list(cal_speeds), list(bench_speeds), error
+        self.windows = []  # StepSpeeds handed out, in order
+        self.benched = []
+
+    @contextlib.contextmanager
+    def serving(self, config, model, startup_timeout_s, keep_dir, trace=False):
+        assert trace  # the step logs are on
+        yield "http://fake", Path("/nonexistent-pdserve-test"), None
+
+    def calibrator(self, config, url, k):
+        speed = self.cal_speeds[k]
+        self.windows.append(StepSpeed(speed, 1.0, 5, 50))  # the prefill phase drifts, decode does not
+        return {"prefill_factor": speed, "decode_factor": 1.0, "round": k}, G0 / speed
+
+    def bench_ladder(self, url, ladder, bench_args, out_dir, log, timeout_s, tag=""):
+        k = len(self.benched)
+        speed = self.bench_speeds[k]
+        self.windows.append(StepSpeed(speed, 1.0, 5, 50))
+        self.benched.append((ladder[0], bench_args[-1]))
+        measured = G0 / speed / self.error
+        return {"slo_attainment": 0.9, "sweep": [{"rate": ladder[0], "attainment_joint": 1.0 if ladder[0] <= measured else 0.5}]}
+
+
+def _run(monkeypatch, machine: _Machine, max_points: int = 4) -> dict:
+    monkeypatch.setattr(vw, "serving", machine.serving)
+    monkeypatch.setattr(vw, "bench_ladder", machine.bench_ladder)
+    monkeypatch.setattr(vw, "read_steps", lambda logs, start, stop: [])
+    monkeypatch.setattr(vw, "step_speed", lambda profile, records: machine.windows[-1])
+    live = vw.LiveModel(ProfiledLatency((0.1, 0.0, 0.0), (0.05, 0.0, 0.0)), lambda config, p, d: G0 / (p * d))
+    config = LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=G0)
+    return vw.check_windows(config, "tiny", ["--seed", "0"], machine.calibrator, live, T, max_points)
+
+
+def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window(monkeypatch):
+    """Point 0's calibration saw speed 1.0 but its bench ran at 1.1: the bench fails at the rate
+    meant to pass, yet its window prediction (G0/1.1) says the simulator is only 5% high. Point 1
+    passes at the next lower rate: the error lies in (0.977, 1.104], within 15%."""
+    machine = _Machine(cal_speeds=[1.0, 1.2], bench_speeds=[1.1, 1.25], error=1.05)
+    row = _run(monkeypatch, machine)
+    assert [rate for rate, _ in machine.benched] == [1.86, 1.449]  # 2.0 / 1.075, then 2.0 / 1.2 / 1.15
+    assert [salt for _, salt in machine.benched] == ["0", "1"]
+    assert [p["passed"] for p in row["points"]] == [False, True]
+    assert row["points"][0]["drift"] == [pytest.approx(1.1), 1.0]
+    assert row["points"][0]["window_goodput_rps"] == pytest.approx(G0 / 1.1)
+    lower, upper = row["error_bounds"]
+    assert lower == pytest.approx((G0 / 1.1) / 1.86) and upper == pytest.approx((G0 / 1.25) / 1.449)
+    assert row["measured_vs_prediction"] == "within" and row["within_tolerance"] is True
+    # at the profile's speed the measured goodput is G0 / 1.05 = 1.905 rps, inside the interval
+    ref_lo, ref_hi = row["reference_interval_rps"]
+    assert row["reference_goodput_rps"] == pytest.approx(G0) and ref_lo <= G0 / 1.05 <= ref_hi
+    json.dumps(row)
+
+
+def test_a_simulator_far_too_optimistic_is_found_out(monkeypatch):
+    machine = _Machine(cal_speeds=[1.0] * 4, bench_speeds=[1.0] * 4, error=1.6)
+    row = _run(monkeypatch, machine)
+    # both pass attempts fail; the second bounds e from below by 2 / 1.739 > 1.15: conclusive
+    assert [p["passed"] for p in row["points"]] == [False, False]
+    assert row["measured_vs_prediction"] == "below" and row["error_bounds"][0] >= 1.15
+    assert row["error_bounds"][1] is None and row["reference_interval_rps"][0] == 0.0
+    assert row["measured_goodput_rps"] is None
+
+
+def test_a_simulator_far_too_pessimistic_is_found_out(monkeypatch):
+    machine = _Machine(cal_speeds=[1.0] * 4, bench_speeds=[1.0] * 4, error=0.6)
+    row = _run(monkeypatch, machine)
+    # a pass, then both fail attempts pass too; the last bounds e by 2 / 2.353 < 0.85
+    assert [p["passed"] for p in row["points"]] == [True, True, True]
+    assert row["measured_vs_prediction"] == "above" and row["error_bounds"][1] < 0.85
+
+
+def test_the_points_stop_at_max_points(monkeypatch):
+    machine = _Machine(cal_speeds=[1.0] * 4, bench_speeds=[1.0] * 4, error=1.6)
+    row = _run(monkeypatch, machine, max_points=1)
+    assert len(row["points"]) == 1 and row["measured_vs_prediction"] == "unknown"
+
+
+def test_ranking_and_table_read_the_window_rows(monkeypatch):
+    disagg = {"name": "disaggregated", "layout": "1P1D", "predicted_goodput_rps": G0,
+              **_run(monkeypatch, _Machine([1.0, 1.2], [1.1, 1.25], 1.05))}
+    colo = {"name": "colocated", "layout": "1 x colocated", "predicted_goodput_rps": G0,
+            **vw.window_row([], vw.ErrorBounds(lower=1.0, upper=1.1), T, reference=1.0)}
+    assert measured_interval(colo) == (pytest.approx(1.0 / 1.1), 1.0)
+    assert measured_interval({**colo, "reference_interval_rps": None}) is None
+    assert bracket_ranking([disagg, colo]) == "disaggregated"
+    text = "\n".join(validation_lines([disagg, colo]))
+    assert "engine speed since the calibration x1.100 prefill, x1.000 decode -> window prediction 1.82 rps" in text
+    assert "predicted/measured in each bench's own window: (0.978, 1.1]: within -> prediction within 15%" in text
+    assert "measured better: disaggregated" in text
+    assert math.isinf(measured_interval({**colo, "reference_interval_rps": [0.5, None]})[1])
