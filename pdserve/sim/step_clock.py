@@ -6,10 +6,12 @@ shape, and returns one factor per phase (measured / modelled; 1.0 = the profile'
 20% slower). A step's modelled time splits into a prefill-form part P (the prompt rows, and in a
 colocated step the decode rows the profile costs with the prefill form) and a decode-form part
 D (a decode step; the context term of a colocated step), so `calibrate.scaled(profile, p, d)`
-costs it p * P + d * D. The factors are robust medians, alternated a few rounds:
-p = median over steps with P > 0 of (seconds - d * D) / P, d = median over decode-only steps of
-seconds / D (over every step with D > 0 when there is no decode-only step). A phase without a
-step in the window gets None.
+costs it p * P + d * D. The factors are ratios of sums, alternated a few rounds:
+p = sum(seconds - d * D) / sum(P) over the steps with P > 0, d = sum(seconds) / sum(D) over the
+decode-only steps (over every step with D > 0 when there is none). A phase without a step in the
+window gets None. Sums, not medians: a step's time varies +-15% on a shared machine, and what a
+window's requests waited for is the time its steps took in all, a stalled step included; the
+ratio of sums is the profile scaled to that total.
 
 Why: step times are the engine's own clock. Unlike request latencies they do not contain
 queueing, so a factor fitted to them measures the machine, not the simulator being checked
@@ -18,7 +20,6 @@ queueing, so a factor fitted to them measures the machine, not the simulator bei
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,16 +60,16 @@ def step_speed(profile: ProfiledLatency, records: Sequence[StepRecord]) -> StepS
     """The window's per-phase factors against `profile` (see the module contract)."""
     parts = [(r.seconds, *modelled_parts(profile, r)) for r in records]
     prefill = [(s, p, d) for s, p, d in parts if p > 0]
-    decode_only = [s / d for s, p, d in parts if p == 0 and d > 0]
+    decode_only = [(s, d) for s, p, d in parts if p == 0 and d > 0]
     with_decode = [(s, p, d) for s, p, d in parts if d > 0]
     pf = df = None
     for _ in range(ROUNDS):  # alternate: each phase's factor shifts the other's residual a little
         if decode_only:
-            df = statistics.median(decode_only)
+            df = sum(s for s, _ in decode_only) / sum(d for _, d in decode_only)
         elif with_decode:
-            df = statistics.median((s - (pf or 1.0) * p) / d for s, p, d in with_decode)
+            df = sum(s - (pf or 1.0) * p for s, p, _ in with_decode) / sum(d for _, _, d in with_decode)
         if prefill:
-            pf = statistics.median((s - (df or 0.0) * d) / p for s, p, d in prefill)
+            pf = sum(s - (df or 0.0) * d for s, _, d in prefill) / sum(p for _, p, _ in prefill)
     if df is not None and df <= 0:
         df = None  # the decode term is too small against the prefill form to separate
     return StepSpeed(pf, df, len(prefill), len(with_decode))

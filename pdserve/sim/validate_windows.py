@@ -15,10 +15,13 @@ is `live.predict(config, p_cal * drift_p, d_cal * drift_d)` with drift = bench-w
 calibration-window speed. A point bounds the error ratio e = predicted / measured goodput
 *in its own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
 measured < r, so e > pred_w / r. `ErrorBounds` intersects the points' bounds; the prediction is
-within T when 1 - T <= lower and upper <= 1 + T. Rates are chosen to close the open side: a
-pass is sought at pred / (1 + T/2) (then pred / (1 + T), then pred / (1 + 2T) while they fail),
-a fail at pred / (1 - T/2) (then pred / (1 - T), then pred / (1 - 2T)). The check stops as soon
-as it is conclusive (within, or outside T either way) or the open side has used its attempts.
+within T when 1 - T <= lower and upper <= 1 + T. Rates are chosen to close the open side (the
+pass side first) around the calibrated prediction: a pass is sought at pred / (1 + T/2), a fail
+at pred / (1 - T/2); after each miss on a side (a sought pass that failed) its aim widens to
+0.8 T (short of the edge, so a few % of drift can still close it), then 2 T (which can only
+prove the prediction outside T). A point whose outcome was right but whose bound came out loose
+(its window ran faster or slower than its calibration) is retried at the same aim. The check stops as soon as it is conclusive
+(within, or outside T either way), at `max_points`, or when the open side missed at every aim.
 
 Ranking: the bounds turn into an interval of the measured goodput at the profile's own machine
 speed, `[ref / upper, ref / lower]`, with ref the prediction with the calibration's factors over
@@ -40,7 +43,7 @@ from pdserve.sim.step_clock import StepSpeed, drift, step_speed
 from pdserve.sim.validate import LocalConfig, bench_ladder, serving
 from pdserve.sim.validate_points import PointCalibrator, bench_point
 
-AIMS = (0.5, 1.0, 2.0)  # fractions of T: the first, second and third attempt at each side
+AIMS = (0.5, 0.8, 2.0)  # fractions of T: the aim at a side before its first, second and third miss
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,20 @@ class LiveModel:
 
 @dataclass
 class ErrorBounds:
-    """lower < e <= upper for e = predicted / measured goodput, from the points seen so far."""
+    """lower < e <= upper for e = predicted / measured goodput, from the points seen so far, and
+    per side how often seeking it got the other outcome (a sought pass that failed)."""
 
     lower: float = 0.0
     upper: float = math.inf
-    attempts: dict = field(default_factory=lambda: {"pass": 0, "fail": 0})
+    missed: dict = field(default_factory=lambda: {"pass": 0, "fail": 0})
 
-    def add(self, passed: bool, ratio: float) -> None:
+    def add(self, passed: bool, ratio: float, sought: str | None = None) -> None:
         if passed:
             self.upper = min(self.upper, ratio)
         else:
             self.lower = max(self.lower, ratio)
+        if sought is not None and (sought == "pass") != passed:
+            self.missed[sought] += 1
 
     def verdict(self, tolerance: float) -> str:
         if self.lower > self.upper:
@@ -78,10 +84,10 @@ class ErrorBounds:
 
     def next_side(self, tolerance: float) -> str | None:
         """"pass" or "fail": the open side to seek next (the pass side first); None when both are
-        closed or the open one has used its attempts (no further point can make it within)."""
+        closed or the open one missed at every aim (no further point can make it within)."""
         for side, open_ in (("pass", self.upper > 1 + tolerance), ("fail", self.lower < 1 - tolerance)):
             if open_:
-                return side if self.attempts[side] < len(AIMS) else None
+                return side if self.missed[side] < len(AIMS) else None
         return None
 
 
@@ -108,17 +114,16 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
             t0 = time.time()
             details, predicted = calibrator(config, url, k)
             cal_speed = step_speed(live.profile, read_steps(logs(), t0, time.time()))
-            rate = next_rate(predicted, side, bounds.attempts[side], tolerance)
-            bounds.attempts[side] += 1
+            rate = next_rate(predicted, side, bounds.missed[side], tolerance)
             progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")
             t1 = time.time()
             report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
                                   bench_timeout_s, tag=f"-{k}")
             bench_speed = step_speed(live.profile, read_steps(logs(), t1, time.time()))
             point = _window_point(config, live, details, predicted, cal_speed, bench_speed, bench_point(report, rate))
-            bounds.add(point["passed"], point["error_bound"])
+            bounds.add(point["passed"], point["error_bound"], side)
             reference = reference or _reference(config, live, details, cal_speed)
-            points.append({"point": k, **point})
+            points.append({"point": k, "sought": side, **point})
             progress(f"validate {config.name}: point {k}: {'pass' if point['passed'] else 'fail'}, window prediction "
                      f"{point['window_goodput_rps']:.3g} rps, error bounds ({bounds.lower:.3g}, {bounds.upper:.3g}]")
     return window_row(points, bounds, tolerance, reference)

@@ -51,7 +51,10 @@ def test_a_phase_without_steps_has_no_factor_and_no_drift():
     assert drift(only_decode, StepSpeed(1.2, 1.0, 3, 4)) == (1.0, pytest.approx(1.1))
 
 
-def test_the_median_ignores_a_stalled_step():
+def test_a_stalled_step_counts_for_the_time_it_took():
+    """The window's speed is its steps' total time over the profile's: a 0.5 s stall is time the
+    window's requests waited, so it slows the decode factor by 0.5 s over the decode steps' total."""
     steps = [_ran(s, 1.0, 1.0) for s in DISAGG]
-    steps[3] = StepRecord(0.0, 5.0, *DISAGG[3])  # one decode step stalled for 5 s
-    assert step_speed(PROFILE, steps).decode_factor == pytest.approx(1.0)
+    decode_total = sum(modelled_parts(PROFILE, s)[1] for s in steps)
+    steps[3] = StepRecord(0.0, steps[3].seconds + 0.5, *DISAGG[3])
+    assert step_speed(PROFILE, steps).decode_factor == pytest.approx(1.0 + 0.5 / decode_total)

@@ -31,13 +31,17 @@ def test_bounds_and_their_verdicts():
     assert vw.ErrorBounds(upper=0.8).verdict(T) == "above"
     assert vw.ErrorBounds(lower=1.0, upper=0.9).verdict(T) == "inconsistent"
     assert vw.ErrorBounds(lower=0.5, upper=1.1).verdict(T) == "unknown"
-    spent = vw.ErrorBounds(attempts={"pass": len(vw.AIMS), "fail": 0})
-    assert spent.next_side(T) is None  # the pass side is open and out of attempts: nothing can make it within
+    spent = vw.ErrorBounds()
+    for _ in vw.AIMS:
+        spent.add(False, 1.0, sought="pass")  # a sought pass that failed: a miss
+    spent.add(True, 1.5, sought="pass")  # a sought pass that passed is no miss
+    assert spent.missed == {"pass": len(vw.AIMS), "fail": 0}
+    assert spent.next_side(T) is None  # the pass side is open and missed at every aim: nothing can make it within
 
 
 def test_rates_seek_a_pass_below_and_a_fail_above_the_prediction():
-    assert [vw.next_rate(1.0, "pass", k, T) for k in range(3)] == [0.9302, 0.8696, 0.7692]
-    assert [vw.next_rate(1.0, "fail", k, T) for k in range(3)] == [1.081, 1.176, 1.429]
+    assert [vw.next_rate(1.0, "pass", k, T) for k in range(3)] == [0.9302, 0.8929, 0.7692]
+    assert [vw.next_rate(1.0, "fail", k, T) for k in range(3)] == [1.081, 1.136, 1.429]
     assert vw.next_rate(1.0, "fail", 2, 0.5) == 4.0  # the fail side's aim stops at 0.75
     with pytest.raises(ValueError):
         vw.next_rate(1.0, "pass", 0, 1.0)
@@ -84,16 +88,17 @@ def _run(monkeypatch, machine: _Machine, max_points: int = 4) -> dict:
 def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window(monkeypatch):
     """Point 0's calibration saw speed 1.0 but its bench ran at 1.1: the bench fails at the rate
     meant to pass, yet its window prediction (G0/1.1) says the simulator is only 5% high. Point 1
-    passes at the next lower rate: the error lies in (0.977, 1.104], within 15%."""
+    seeks its pass at the wider aim (0.8 T) below its own calibration and passes: the error lies
+    in (0.977, 1.075], within 15%."""
     machine = _Machine(cal_speeds=[1.0, 1.2], bench_speeds=[1.1, 1.25], error=1.05)
     row = _run(monkeypatch, machine)
-    assert [rate for rate, _ in machine.benched] == [1.86, 1.449]  # 2.0 / 1.075, then 2.0 / 1.2 / 1.15
+    assert [rate for rate, _ in machine.benched] == [1.86, 1.488]  # 2.0 / 1.075, then 2.0 / 1.2 / 1.12
     assert [salt for _, salt in machine.benched] == ["0", "1"]
     assert [p["passed"] for p in row["points"]] == [False, True]
     assert row["points"][0]["drift"] == [pytest.approx(1.1), 1.0]
     assert row["points"][0]["window_goodput_rps"] == pytest.approx(G0 / 1.1)
     lower, upper = row["error_bounds"]
-    assert lower == pytest.approx((G0 / 1.1) / 1.86) and upper == pytest.approx((G0 / 1.25) / 1.449)
+    assert lower == pytest.approx((G0 / 1.1) / 1.86) and upper == pytest.approx((G0 / 1.25) / 1.488)
     assert row["measured_vs_prediction"] == "within" and row["within_tolerance"] is True
     # at the profile's speed the measured goodput is G0 / 1.05 = 1.905 rps, inside the interval
     ref_lo, ref_hi = row["reference_interval_rps"]
@@ -104,8 +109,8 @@ def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window
 def test_a_simulator_far_too_optimistic_is_found_out(monkeypatch):
     machine = _Machine(cal_speeds=[1.0] * 4, bench_speeds=[1.0] * 4, error=1.6)
     row = _run(monkeypatch, machine)
-    # both pass attempts fail; the second bounds e from below by 2 / 1.739 > 1.15: conclusive
-    assert [p["passed"] for p in row["points"]] == [False, False]
+    # every sought pass fails; the third, at 2 / 1.3, bounds e from below by 1.3 > 1.15: conclusive
+    assert [p["passed"] for p in row["points"]] == [False, False, False]
     assert row["measured_vs_prediction"] == "below" and row["error_bounds"][0] >= 1.15
     assert row["error_bounds"][1] is None and row["reference_interval_rps"][0] == 0.0
     assert row["measured_goodput_rps"] is None
@@ -114,8 +119,9 @@ def test_a_simulator_far_too_optimistic_is_found_out(monkeypatch):
 def test_a_simulator_far_too_pessimistic_is_found_out(monkeypatch):
     machine = _Machine(cal_speeds=[1.0] * 4, bench_speeds=[1.0] * 4, error=0.6)
     row = _run(monkeypatch, machine)
-    # a pass, then both fail attempts pass too; the last bounds e by 2 / 2.353 < 0.85
-    assert [p["passed"] for p in row["points"]] == [True, True, True]
+    # a pass, then every sought fail passes too; the last, at 2 / 0.7, bounds e by 0.7 < 0.85
+    assert [p["passed"] for p in row["points"]] == [True, True, True, True]
+    assert [p["sought"] for p in row["points"]] == ["pass", "fail", "fail", "fail"]
     assert row["measured_vs_prediction"] == "above" and row["error_bounds"][1] < 0.85
 
 
@@ -135,6 +141,6 @@ def test_ranking_and_table_read_the_window_rows(monkeypatch):
     assert bracket_ranking([disagg, colo]) == "disaggregated"
     text = "\n".join(validation_lines([disagg, colo]))
     assert "engine speed since the calibration x1.100 prefill, x1.000 decode -> window prediction 1.82 rps" in text
-    assert "predicted/measured in each bench's own window: (0.978, 1.1]: within -> prediction within 15%" in text
+    assert "predicted/measured in each bench's own window: (0.978, 1.08]: within -> prediction within 15%" in text
     assert "measured better: disaggregated" in text
     assert math.isinf(measured_interval({**colo, "reference_interval_rps": [0.5, None]})[1])
