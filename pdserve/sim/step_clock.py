@@ -13,6 +13,10 @@ window gets None. Sums, not medians: a step's time varies +-15% on a shared mach
 window's requests waited for is the time its steps took in all, a stalled step included; the
 ratio of sums is the profile scaled to that total.
 
+`drift(profile, window, reference)` says how much slower one window ran than another, per phase,
+comparing like with like: steps are grouped by shape class and only classes both windows ran
+are compared (see its docstring).
+
 Why: step times are the engine's own clock. Unlike request latencies they do not contain
 queueing, so a factor fitted to them measures the machine, not the simulator being checked
 (validate_windows.py uses them to carry a calibration across the minutes to its benchmark).
@@ -75,9 +79,40 @@ def step_speed(profile: ProfiledLatency, records: Sequence[StepRecord]) -> StepS
     return StepSpeed(pf, df, len(prefill), len(with_decode))
 
 
-def drift(window: StepSpeed, reference: StepSpeed) -> tuple[float, float]:
-    """(prefill, decode) speed of `window` over `reference`; 1.0 for a phase either lacks."""
-    def ratio(a: float | None, b: float | None) -> float:
-        return a / b if a and b else 1.0
+def step_class(step: StepRecord) -> tuple:
+    """Steps of one class have shapes the profile costs alike: a phase, the decode rows, and for
+    prompt rows the number of requests and the chunk's position (which 512-token span it starts in)."""
+    if not step.new:
+        return ("decode", step.batch)
+    return ("prefill", len(step.new), min(step.cached) // CHUNK_SPAN, step.batch)
 
-    return ratio(window.prefill_factor, reference.prefill_factor), ratio(window.decode_factor, reference.decode_factor)
+
+CHUNK_SPAN = 512
+
+
+def drift(profile: ProfiledLatency, window: Sequence[StepRecord], reference: Sequence[StepRecord]) -> tuple[float, float]:
+    """(prefill, decode): how much slower `window` ran than `reference`, on matched shapes.
+
+    Per step class (`step_class`) the speed is its total time over its modelled total; a class's
+    drift is the window's speed over the reference's, and a phase's drift is the mean of its
+    classes' drifts weighted by the window's modelled time in each (classes in only one of the two
+    windows are left out; a phase with no class in both gets 1.0). Matching shapes keeps the
+    profile's own shape errors out of the drift: a window with more 3-row decode steps than its
+    reference is not "faster" because the profile happens to overcost 3-row steps; that error
+    stays with the prediction being checked."""
+    def speeds(records: Sequence[StepRecord]) -> dict[tuple, tuple[float, float]]:
+        out: dict[tuple, list[float]] = {}
+        for r in records:
+            p, d = modelled_parts(profile, r)
+            acc = out.setdefault(step_class(r), [0.0, 0.0])
+            acc[0] += r.seconds
+            acc[1] += p + d
+        return {c: (t / m, m) for c, (t, m) in out.items() if m > 0}
+
+    ours, theirs = speeds(window), speeds(reference)
+    result = []
+    for phase in ("prefill", "decode"):
+        common = [(ours[c][0] / theirs[c][0], ours[c][1]) for c in ours if c[0] == phase and c in theirs]
+        weight = sum(w for _, w in common)
+        result.append(sum(q * w for q, w in common) / weight if weight > 0 else 1.0)
+    return result[0], result[1]

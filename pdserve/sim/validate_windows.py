@@ -10,18 +10,21 @@ to the latencies being checked.
 
 Contract: `check_windows` starts one server for `config` with its step logs on, then per point
 k (at most `max_points`): calibrates (`calibrator(config, url, k)`, salt k), benches one rate,
-and reads the engine's steps during the calibration and during the bench. The window prediction
-is `live.predict(config, p_cal * drift_p, d_cal * drift_d)` with drift = bench-window speed over
-calibration-window speed. A point bounds the error ratio e = predicted / measured goodput
-*in its own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
+and reads the engine's steps during the calibration and during the bench. The window
+prediction is `live.predict(config, p_cal * drift_p, d_cal * drift_d)`, drift being how much
+slower the bench window ran than the calibration window on matched step shapes
+(`step_clock.drift`). A point bounds the error ratio e = predicted / measured goodput *in its
+own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
 measured < r, so e > pred_w / r. `ErrorBounds` intersects the points' bounds; the prediction is
-within T when 1 - T <= lower and upper <= 1 + T. Rates are chosen to close the open side (the
-pass side first) around the calibrated prediction: a pass is sought at pred / (1 + T/2), a fail
-at pred / (1 - T/2); after each miss on a side (a sought pass that failed) its aim widens to
-0.8 T (short of the edge, so a few % of drift can still close it), then 2 T (which can only
-prove the prediction outside T). A point whose outcome was right but whose bound came out loose
-(its window ran faster or slower than its calibration) is retried at the same aim. The check stops as soon as it is conclusive
-(within, or outside T either way), at `max_points`, or when the open side missed at every aim.
+within T when 1 - T <= lower and upper <= 1 + T.
+
+Rates close the open side (the pass side first) around the calibrated prediction: a pass is
+sought at pred / (1 + T/2), a fail at pred / (1 - T/2); after each miss on a side (a sought pass
+that failed) its aim widens to 0.8 T (short of the edge, so a few % of drift can still close it),
+then 2 T (which can only prove the prediction outside T). A right outcome with a loose bound (its
+window ran faster or slower than its calibration) is retried at the same aim. The check stops
+when conclusive (within, or outside T either way), at `max_points`, or when the open side missed
+at every aim.
 
 Ranking: the bounds turn into an interval of the measured goodput at the profile's own machine
 speed, `[ref / upper, ref / lower]`, with ref the prediction with the calibration's factors over
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.engine.step_log import read_steps
+from pdserve.engine.step_log import StepRecord, read_steps
 from pdserve.sim.profiled import ProfiledLatency
 from pdserve.sim.step_clock import StepSpeed, drift, step_speed
 from pdserve.sim.validate import LocalConfig, bench_ladder, serving
@@ -91,11 +94,11 @@ class ErrorBounds:
         return None
 
 
-def next_rate(predicted: float, side: str, attempt: int, tolerance: float) -> float:
+def next_rate(predicted: float, side: str, misses: int, tolerance: float) -> float:
     """The rate that seeks a pass (below the prediction) or a fail (above it)."""
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
-    aim = AIMS[attempt] * tolerance if side == "pass" else min(AIMS[attempt] * tolerance, 0.75)
+    aim = AIMS[misses] * tolerance if side == "pass" else min(AIMS[misses] * tolerance, 0.75)
     return float(f"{predicted / (1 + aim) if side == 'pass' else predicted / (1 - aim):.4g}")
 
 
@@ -113,29 +116,32 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
                 break
             t0 = time.time()
             details, predicted = calibrator(config, url, k)
-            cal_speed = step_speed(live.profile, read_steps(logs(), t0, time.time()))
+            cal_steps = read_steps(logs(), t0, time.time())
             rate = next_rate(predicted, side, bounds.missed[side], tolerance)
             progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")
             t1 = time.time()
             report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
                                   bench_timeout_s, tag=f"-{k}")
-            bench_speed = step_speed(live.profile, read_steps(logs(), t1, time.time()))
-            point = _window_point(config, live, details, predicted, cal_speed, bench_speed, bench_point(report, rate))
+            bench_steps = read_steps(logs(), t1, time.time())
+            point = _window_point(config, live, details, predicted, cal_steps, bench_steps, bench_point(report, rate))
             bounds.add(point["passed"], point["error_bound"], side)
-            reference = reference or _reference(config, live, details, cal_speed)
+            reference = reference or _reference(config, live, details, step_speed(live.profile, cal_steps))
             points.append({"point": k, "sought": side, **point})
             progress(f"validate {config.name}: point {k}: {'pass' if point['passed'] else 'fail'}, window prediction "
                      f"{point['window_goodput_rps']:.3g} rps, error bounds ({bounds.lower:.3g}, {bounds.upper:.3g}]")
     return window_row(points, bounds, tolerance, reference)
 
 
-def _window_point(config, live: LiveModel, details: dict, predicted: float, cal: StepSpeed, bench: StepSpeed,
-                  point: dict) -> dict:
-    dp, dd = drift(bench, cal)
+def _window_point(config, live: LiveModel, details: dict, predicted: float, cal_steps: list[StepRecord],
+                  bench_steps: list[StepRecord], point: dict) -> dict:
+    dp, dd = drift(live.profile, bench_steps, cal_steps)
+    cal, bench = step_speed(live.profile, cal_steps), step_speed(live.profile, bench_steps)
     window = live.predict(config, details["prefill_factor"] * dp, details["decode_factor"] * dd)
+    # for comparison only: the bench window's step speed alone, without the request-level calibration
+    steps_only = live.predict(config, bench.prefill_factor or 1.0, bench.decode_factor or 1.0)
     return {**point, "calibration": details, "calibrated_goodput_rps": predicted, "calibration_steps": cal.to_dict(),
             "bench_steps": bench.to_dict(), "drift": [dp, dd], "window_goodput_rps": window,
-            "error_bound": window / point["rate"]}
+            "error_bound": window / point["rate"], "steps_only_goodput_rps": steps_only}
 
 
 def _reference(config, live: LiveModel, details: dict, cal: StepSpeed) -> float | None:

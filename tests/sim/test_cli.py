@@ -108,3 +108,20 @@ def test_profile_quick_writes_a_usable_model(tmp_path, capsys, monkeypatch):
     model = load_latency_model(out)
     assert model.prefill_s(64) > 0 and model.decode_step_s(4, 256) > 0
     assert json.loads(out.read_text())["meta"]["threads"] == 1
+
+
+def test_plan_validate_refuses_bad_recalibration_flags(tmp_path, capsys):
+    """Flag errors come before any server starts: a recalibration without a tolerance, and a
+    window check allowed no bench point."""
+    from pdserve.sim.profiled import ProfiledLatency
+
+    profile = tmp_path / "prof.json"
+    profile.write_text(json.dumps(ProfiledLatency((0.01, 1e-4, 0.0), (0.005, 1e-4, 0.0)).to_dict()))
+    argv = ["plan", "--model", "tiny", "--latency-model", str(profile), "--gpus", "2", "--input-len", "64",
+            "--output-len", "8", "--num-requests", "40", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50",
+            "--chunk-budgets", "512", "--max-seqs", "8", "--quiet", "--validate", "--validate-calibrate", "load",
+            "--validate-recalibrate"]
+    with pytest.raises(SystemExit, match="needs --validate-tolerance"):
+        main(argv)
+    with pytest.raises(SystemExit, match="at least 1"):
+        main([*argv, "--validate-tolerance", "0.15", "--validate-max-points", "0"])

@@ -48,7 +48,27 @@ def test_a_phase_without_steps_has_no_factor_and_no_drift():
     only_decode = step_speed(PROFILE, [_ran(s, 1.0, 1.1) for s in DISAGG if not s[0]])
     assert only_decode.prefill_factor is None and only_decode.decode_factor == pytest.approx(1.1)
     assert step_speed(PROFILE, []) == StepSpeed(None, None, 0, 0)
-    assert drift(only_decode, StepSpeed(1.2, 1.0, 3, 4)) == (1.0, pytest.approx(1.1))
+    decode_steps = [_ran(s, 1.0, 1.1) for s in DISAGG if not s[0]]
+    assert drift(PROFILE, decode_steps, decode_steps) == (1.0, 1.0)  # no prefill class in both: 1.0
+
+
+def test_drift_compares_matched_shapes_only():
+    """The engine runs 3-row decode steps at 0.8x what the profile says (a shape error of the
+    profile) and the machine is 1.2x slower in prefill and 1.1x in decode in the second window,
+    which ran mostly 3-row steps. Step speed against the profile mixes the shape error into the
+    window's factor; matched-shape drift finds the machine's 1.2 and 1.1 exactly. A class only one
+    window ran (8 rows) is left out."""
+    def engine(shape, prefill, decode):
+        step = _ran(shape, prefill, decode)
+        return StepRecord(0.0, step.seconds * (0.8 if shape[2] == 3 else 1.0), *shape)
+
+    one, three, eight = ((), (), 1, 100), ((), (), 3, 300), ((), (), 8, 900)
+    prompts = [((64,), (0,), 0, 0), ((512,), (512,), 0, 0)]
+    reference = [engine(s, 1.0, 1.0) for s in [one] * 8 + [three] * 2 + prompts]
+    window = [engine(s, 1.2, 1.1) for s in [one] * 2 + [three] * 8 + [eight] + prompts * 2]
+    assert drift(PROFILE, window, reference) == (pytest.approx(1.2), pytest.approx(1.1))
+    mixed = step_speed(PROFILE, window).decode_factor / step_speed(PROFILE, reference).decode_factor
+    assert abs(mixed - 1.1) > 0.02  # what comparing unmatched totals would have said
 
 
 def test_a_stalled_step_counts_for_the_time_it_took():

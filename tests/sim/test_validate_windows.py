@@ -78,8 +78,11 @@ class _Machine:
 def _run(monkeypatch, machine: _Machine, max_points: int = 4) -> dict:
     monkeypatch.setattr(vw, "serving", machine.serving)
     monkeypatch.setattr(vw, "bench_ladder", machine.bench_ladder)
-    monkeypatch.setattr(vw, "read_steps", lambda logs, start, stop: [])
-    monkeypatch.setattr(vw, "step_speed", lambda profile, records: machine.windows[-1])
+    # the step records of a window stand in as its StepSpeed; drift divides two windows' speeds
+    monkeypatch.setattr(vw, "read_steps", lambda logs, start, stop: [machine.windows[-1]])
+    monkeypatch.setattr(vw, "step_speed", lambda profile, records: records[0])
+    monkeypatch.setattr(vw, "drift", lambda profile, window, reference: (
+        window[0].prefill_factor / reference[0].prefill_factor, window[0].decode_factor / reference[0].decode_factor))
     live = vw.LiveModel(ProfiledLatency((0.1, 0.0, 0.0), (0.05, 0.0, 0.0)), lambda config, p, d: G0 / (p * d))
     config = LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=G0)
     return vw.check_windows(config, "tiny", ["--seed", "0"], machine.calibrator, live, T, max_points)
@@ -97,6 +100,7 @@ def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window
     assert [p["passed"] for p in row["points"]] == [False, True]
     assert row["points"][0]["drift"] == [pytest.approx(1.1), 1.0]
     assert row["points"][0]["window_goodput_rps"] == pytest.approx(G0 / 1.1)
+    assert row["points"][0]["steps_only_goodput_rps"] == pytest.approx(G0 / 1.1)  # the bench window's speed alone
     lower, upper = row["error_bounds"]
     assert lower == pytest.approx((G0 / 1.1) / 1.86) and upper == pytest.approx((G0 / 1.25) / 1.488)
     assert row["measured_vs_prediction"] == "within" and row["within_tolerance"] is True
