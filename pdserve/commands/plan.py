@@ -184,13 +184,14 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
     import statistics
 
     from pdserve.sim import calibrate
-    from pdserve.sim.planner import bench_sample, burst_clocks, load_clocks, sample_goodput
+    from pdserve.sim.planner import bench_sample, burst_clocks, load_clocks
     from pdserve.sim.profiled import ProfiledLatency
 
     inputs = result.inputs
     if not isinstance(inputs.fixed_model, ProfiledLatency):
         raise SystemExit("pdserve plan: --validate-calibrate needs --latency-model with a `pdserve profile` fit")
     plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
+    predict = _scaled_goodput(result, num_requests)
     sample = bench_sample(inputs, num_requests)
     prompt = int(statistics.median(sample.prompt_tokens))
     output = int(statistics.median(sample.output_tokens))
@@ -218,8 +219,7 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
         calibrate.check_plausible(cal)
 
         def goodput_at(scale: float) -> float:
-            model = calibrate.scaled(inputs.fixed_model, cal.prefill_factor * scale, cal.decode_factor * scale)
-            return sample_goodput(dataclasses.replace(inputs, fixed_model=model), plans[config.name], num_requests).rate
+            return predict(config, cal.prefill_factor * scale, cal.decode_factor * scale)
 
         predicted = goodput_at(1.0)
         elasticity = calibrate.goodput_elasticity(lambda scale: predicted if scale == 1.0 else goodput_at(scale))
@@ -228,14 +228,13 @@ def _calibrator(result, num_requests: int, method: str, workload_args: list[str]
     return run
 
 
-def _live_model(result, num_requests: int):
-    """The profile the engine's step logs are read against, and the sample goodput it predicts for
-    a configuration with given calibration factors (validate_windows.py)."""
+def _scaled_goodput(result, num_requests: int):
+    """predict(config, prefill x, decode x): the sample goodput of the configuration's plan with the
+    profile scaled by the two factors (what a calibration and the window check predict with)."""
     import dataclasses
 
     from pdserve.sim import calibrate
     from pdserve.sim.planner import sample_goodput
-    from pdserve.sim.validate_windows import LiveModel
 
     inputs = result.inputs
     plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
@@ -244,7 +243,15 @@ def _live_model(result, num_requests: int):
         model = calibrate.scaled(inputs.fixed_model, prefill, decode)
         return sample_goodput(dataclasses.replace(inputs, fixed_model=model), plans[config.name], num_requests).rate
 
-    return LiveModel(inputs.fixed_model, predict)
+    return predict
+
+
+def _live_model(result, num_requests: int):
+    """The profile the engine's step logs are read against, and the sample goodput it predicts for
+    a configuration with given calibration factors (validate_windows.py)."""
+    from pdserve.sim.validate_windows import LiveModel
+
+    return LiveModel(result.inputs.fixed_model, _scaled_goodput(result, num_requests))
 
 
 def _budget_args(tokens) -> list[str]:

@@ -117,25 +117,28 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
             t0 = time.time()
             details, predicted = calibrator(config, url, k)
             cal_steps = read_steps(logs(), t0, time.time())
+            cal_speed = step_speed(live.profile, cal_steps)
             rate = next_rate(predicted, side, bounds.missed[side], tolerance)
             progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")
             t1 = time.time()
             report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
                                   bench_timeout_s, tag=f"-{k}")
             bench_steps = read_steps(logs(), t1, time.time())
-            point = _window_point(config, live, details, predicted, cal_steps, bench_steps, bench_point(report, rate))
+            point = _window_point(config, live, details, predicted, (cal_steps, cal_speed), bench_steps,
+                                  bench_point(report, rate))
             bounds.add(point["passed"], point["error_bound"], side)
-            reference = reference or _reference(config, live, details, step_speed(live.profile, cal_steps))
+            reference = reference or _reference(config, live, details, cal_speed)
             points.append({"point": k, "sought": side, **point})
             progress(f"validate {config.name}: point {k}: {'pass' if point['passed'] else 'fail'}, window prediction "
                      f"{point['window_goodput_rps']:.3g} rps, error bounds ({bounds.lower:.3g}, {bounds.upper:.3g}]")
     return window_row(points, bounds, tolerance, reference)
 
 
-def _window_point(config, live: LiveModel, details: dict, predicted: float, cal_steps: list[StepRecord],
-                  bench_steps: list[StepRecord], point: dict) -> dict:
+def _window_point(config, live: LiveModel, details: dict, predicted: float,
+                  calibration: tuple[list[StepRecord], StepSpeed], bench_steps: list[StepRecord], point: dict) -> dict:
+    cal_steps, cal = calibration
     dp, dd = drift(live.profile, bench_steps, cal_steps)
-    cal, bench = step_speed(live.profile, cal_steps), step_speed(live.profile, bench_steps)
+    bench = step_speed(live.profile, bench_steps)
     window = live.predict(config, details["prefill_factor"] * dp, details["decode_factor"] * dd)
     # for comparison only: the bench window's step speed alone, without the request-level calibration
     steps_only = live.predict(config, bench.prefill_factor or 1.0, bench.decode_factor or 1.0)
