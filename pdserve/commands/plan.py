@@ -114,6 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     import os
 
+    from pdserve.sim.plan_calibrator import live_model, plan_calibrator
     from pdserve.sim.planner import sample_goodput
     from pdserve.sim.validate import LocalConfig, validate
 
@@ -145,12 +146,12 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     limit = args.validate_max_workers or os.cpu_count() or 1
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     runnable = [c for c in configs if c.workers <= limit]
-    calibrator = _calibrator(result, num_requests, args.validate_calibrate, workload) if args.validate_calibrate else None
+    calibrator = plan_calibrator(result, num_requests, args.validate_calibrate, workload) if args.validate_calibrate else None
     if args.validate_recalibrate and (args.validate_tolerance is None or calibrator is None):
         raise SystemExit("pdserve plan: --validate-recalibrate needs --validate-tolerance and --validate-calibrate")
     if args.validate_max_points < 1:
         raise SystemExit("pdserve plan: --validate-max-points must be at least 1")
-    live = _live_model(result, num_requests) if args.validate_recalibrate else None
+    live = live_model(result, num_requests) if args.validate_recalibrate else None
     rows = validate(runnable, model, bench, rates, progress, tolerance=args.validate_tolerance, calibrator=calibrator,
                     keep_dir=Path(args.validate_dir) if args.validate_dir else None,
                     recalibrate=args.validate_recalibrate, live=live, max_points=args.validate_max_points)
@@ -175,83 +176,6 @@ def _workload_args(args) -> list[str]:
     if args.num_conversations:
         workload += ["--num-conversations", str(args.num_conversations)]
     return workload
-
-
-def _calibrator(result, num_requests: int, method: str, workload_args: list[str]):
-    """Calibrate the fixed profiled model on the live server (calibrate.py: 'burst' or 'load'),
-    then re-simulate the benchmark's sample with the scaled model."""
-    import dataclasses
-    import statistics
-
-    from pdserve.sim import calibrate
-    from pdserve.sim.planner import bench_sample, burst_clocks, load_clocks
-    from pdserve.sim.profiled import ProfiledLatency
-
-    inputs = result.inputs
-    if not isinstance(inputs.fixed_model, ProfiledLatency):
-        raise SystemExit("pdserve plan: --validate-calibrate needs --latency-model with a `pdserve profile` fit")
-    plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
-    predict = _scaled_goodput(result, num_requests)
-    sample = bench_sample(inputs, num_requests)
-    prompt = int(statistics.median(sample.prompt_tokens))
-    output = int(statistics.median(sample.output_tokens))
-
-    def measure(config, url: str, salt: int) -> tuple[object, dict]:
-        plan_ = plans[config.name]
-        if method == "load":
-            count, rate = calibrate.load_plan(config.checked_rps, config.workers)
-            seed = calibrate.CALIBRATION_SEED
-            measured = calibrate.load_replay(url, workload_args, count, rate, seed, content_salt=salt)
-
-            def simulate_scaled(prefill: float, decode: float) -> list:
-                model = calibrate.scaled(inputs.fixed_model, prefill, decode)
-                return load_clocks(dataclasses.replace(inputs, fixed_model=model), plan_, count, rate, seed)
-
-            return calibrate.fit_load(measured, simulate_scaled, seed, rate), {}
-        burst = config.workers
-        predicted = burst_clocks(inputs, plan_, prompt, output, burst, calibrate.BURST_RATE)
-        cal = calibrate.burst_requests(url, predicted, prompt, output, burst, content_salt=salt)
-        return cal, {"method": "burst", "burst": burst}
-
-    def run(config, url: str, round_: int) -> tuple[dict, float]:
-        """Round k of calibrating this server (prompt content salt k: no prefix-cache hits)."""
-        cal, extra = measure(config, url, round_)
-        calibrate.check_plausible(cal)
-
-        def goodput_at(scale: float) -> float:
-            return predict(config, cal.prefill_factor * scale, cal.decode_factor * scale)
-
-        predicted = goodput_at(1.0)
-        elasticity = calibrate.goodput_elasticity(lambda scale: predicted if scale == 1.0 else goodput_at(scale))
-        return {**cal.to_dict(), **extra, "goodput_elasticity": elasticity}, predicted
-
-    return run
-
-
-def _scaled_goodput(result, num_requests: int):
-    """predict(config, prefill x, decode x): the sample goodput of the configuration's plan with the
-    profile scaled by the two factors (what a calibration and the window check predict with)."""
-    import dataclasses
-
-    from pdserve.sim import calibrate
-    from pdserve.sim.planner import sample_goodput
-
-    inputs = result.inputs
-    plans = {"colocated": result.colocated, "disaggregated": result.disaggregated}
-
-    def predict(config, prefill: float, decode: float) -> float:
-        model = calibrate.scaled(inputs.fixed_model, prefill, decode)
-        return sample_goodput(dataclasses.replace(inputs, fixed_model=model), plans[config.name], num_requests).rate
-
-    return predict
-
-
-def _live_model(result, num_requests: int):
-    """The profile the engine's step logs are read against, and the sample goodput it predicts for
-    a configuration with given calibration factors (validate_windows.py)."""
-    from pdserve.sim.validate_windows import LiveModel
-
-    return LiveModel(result.inputs.fixed_model, _scaled_goodput(result, num_requests))
 
 
 def _budget_args(tokens) -> list[str]:

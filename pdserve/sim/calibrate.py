@@ -139,13 +139,16 @@ LOAD_MAX_SPAN_S = 300.0  # arrivals span at most this long (a faster rate for sl
 LOAD_MAX_REQUESTS = 12
 
 
-def load_plan(predicted_rps: float, workers: int) -> tuple[int, float]:
-    """(requests, rate) of a load calibration: LOAD_FRACTION of the prediction, 2 per worker to
-    LOAD_MAX_REQUESTS requests, arrivals spanning at most LOAD_MAX_SPAN_S."""
+def load_plan(predicted_rps: float, workers: int, fraction: float = LOAD_FRACTION,
+              most: int = LOAD_MAX_REQUESTS) -> tuple[int, float]:
+    """(requests, rate) of a load calibration: `fraction` of the prediction, 2 per worker to
+    `most` requests, arrivals spanning at most LOAD_MAX_SPAN_S."""
     if predicted_rps <= 0:
         raise ValueError("a load calibration needs a positive predicted goodput")
-    rate = LOAD_FRACTION * predicted_rps
-    count = max(2 * workers, min(LOAD_MAX_REQUESTS, round(rate * LOAD_MAX_SPAN_S)))
+    if not 0 < fraction <= 1 or most < 1:
+        raise ValueError(f"a load calibration needs a fraction in (0, 1] and >= 1 request, got {fraction}, {most}")
+    rate = fraction * predicted_rps
+    count = max(2 * workers, min(most, round(rate * LOAD_MAX_SPAN_S)))
     return count, max(rate, count / LOAD_MAX_SPAN_S)
 
 

@@ -1,8 +1,11 @@
 """One colocated instance: chunked prefill mixed into continuous decode under a token budget.
 
-Contract (Sarathi-style): each iteration runs one decode row for every running sequence plus
-prefill rows from the FCFS pending queue up to `chunk_tokens - batch size`; a prompt may span
-several iterations. A request's first token appears at the end of the iteration that finishes
+Contract (Sarathi-style, as engine/scheduler.py): each iteration runs one decode row for every
+running sequence plus prefill rows from the FCFS pending queue up to `chunk_tokens - batch
+size`. Prompts are cut at multiples of `chunk_tokens` (counting prefix-cached tokens), as the
+engine cuts them: the iteration's first chunk runs whole even past the budget left by decode
+rows; a later one runs only if it fits whole (a started prompt that does not fit waits, and no
+new prompt starts behind the first one that cannot). A prompt may span several iterations. A request's first token appears at the end of the iteration that finishes
 its prompt, and it joins the decode batch for the next iteration. Starting a prompt reserves its
 K/V (prompt tokens) in the pool; a prompt starts only if the pool keeps room for one more step
 and the instance has fewer than `max_seqs` sequences. When decode growth overflows the pool the
@@ -83,20 +86,26 @@ class _Instance:
 
     def _mixed_iteration(self) -> bool:
         """Run one iteration with prefill rows; False when no prefill row can run now."""
-        budget = self.limits.chunk_tokens - self.batch.size
+        chunk = self.limits.chunk_tokens
+        budget = chunk - self.batch.size
         rows = pairs = kv = 0
         fraction = 0.0
+        first = True
         started = sum(1 for e in self.pending if e[4])
         for entry in self.pending:
-            if budget <= 0:
+            if budget <= 0 and not first:
                 break
+            visible = entry[2] + (self.cached[entry[0]] if entry[3] == 0 else 0)
+            take = min(entry[1] - entry[2], chunk - visible % chunk)  # up to the next chunk boundary
+            if take > budget and not first:
+                if entry[4]:
+                    continue  # a started prompt waits for a step with room for its whole chunk
+                break  # FCFS: nothing starts ahead of the first prompt that cannot
             if not entry[4]:
                 if not self._reserve(entry, started):
                     break
                 started += 1
-            visible = entry[2] + (self.cached[entry[0]] if entry[3] == 0 else 0)
-            take = min(entry[1] - entry[2], budget)
-            rows, budget = rows + take, budget - take
+            rows, budget, first = rows + take, budget - take, False
             pairs += take * visible + take * (take + 1) // 2
             kv += visible + 2 * take
             fraction += take / entry[1]
@@ -124,8 +133,12 @@ class _Instance:
         return True
 
     def _promote_finished_prompts(self) -> None:
-        while self.pending and self.pending[0][2] >= self.pending[0][1]:
-            idx, _, _, generated, reserved = self.pending.popleft()
+        """Prompts whose last row ran this iteration emit their first token and start decoding."""
+        done = [e for e in self.pending if e[2] >= e[1]]
+        if not done:
+            return
+        self.pending = deque(e for e in self.pending if e[2] < e[1])
+        for idx, _, _, generated, reserved in done:
             self.reserved -= reserved
             if generated == 0:
                 self.result.first_token_s[idx] = self.t

@@ -2,8 +2,13 @@
 
 Contract: prefill time is measured per prompt length (one fresh request, prefix cache off,
 the whole prompt in one step, or in `chunk_tokens` chunks like a server with that step budget),
-decode step time per (batch, context) point (the batch first prefilled, then `DECODE_STEPS`
-steps timed); each point is the median of `repeats` timings after one warm-up. The engine takes
+decode step time per (batch, context) point; a prefill point is the median of `repeats` timings
+after one warm-up. A decode point's batch is admitted with its context already in K/V (the
+handoff's import path, no prefill), and the points are timed in `DECODE_WARMUP_ROUNDS + repeats`
+passes over all of them, a point's time being the median of its passes after the warm-up ones
+(`decode_points_s`). Timing one point after another let a slow spell of a few seconds set a
+whole point: a profile taken that way had a 3-row step cheaper than a 2-row one and 16 rows at
+1,043 tokens each cheaper than at 137. The engine takes
 the server's numerics flags (dtype, compute dtype, batch invariance). The fit is
 `profiled.fit_profile`; the JSON records the engine config, the thread count and every raw
 point; K/V capacity is that of a serving worker with `kv_cache_mb` of pool in the engine's own
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pdserve.sim.profiled import ProfiledLatency, fit_profile
 
 DECODE_STEPS = 4
+DECODE_WARMUP_ROUNDS = 1
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ def _engine(plan: ProfilePlan):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
 
-    longest = max(max(plan.prompt_lens), max(plan.contexts) + DECODE_STEPS * (plan.repeats + 2) + 4)
+    longest = max(max(plan.prompt_lens), max(plan.contexts) + DECODE_STEPS + 4)
     blocks = max(plan.batches) * (longest // 16 + 2) + 64
     budget = plan.chunk_tokens or longest * max(plan.batches)
     config = EngineConfig(model=plan.model, dtype=plan.dtype, compute_dtype=plan.compute_dtype,
@@ -73,25 +79,40 @@ def prefill_point_s(engine, prompt_len: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def decode_point_s(engine, batch: int, context: int, repeats: int) -> tuple[int, float]:
-    """(mean visible context summed over the batch, seconds per decode step)."""
+def _import_batch(engine, batch: int, context: int, tag: str) -> None:
+    """Admit `batch` sequences whose `context` prompt tokens are already in K/V, as a decode
+    worker admits a handoff: the timing of a decode step does not depend on the K/V values, so
+    the pool's blocks are taken as they are instead of prefilling `batch * context` tokens."""
     from pdserve.engine.sequence import SamplingParams
 
-    params = SamplingParams(max_tokens=DECODE_STEPS * (repeats + 1) + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 3, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{context}-{i}", _prompt(context, i), params)
-    while any(not s.is_decoding for s in engine.seqs.values()):
-        engine.step()
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            engine.step()
-        times.append((time.perf_counter() - started) / DECODE_STEPS)
-    for rid in list(engine.seqs):
-        engine.abort(rid)
-    mid_context = context + 1 + DECODE_STEPS * (repeats + 1) // 2
-    return batch * mid_context, statistics.median(times[1:])
+        rid, prompt = f"d{tag}-{i}", _prompt(context, i)
+        engine.reserve_import(rid, prompt, params)
+        engine.commit_import(rid, prompt, prompt[-1], params, seed=i)
+
+
+def decode_points_s(engine, points: list[tuple[int, int]], repeats: int) -> list[tuple[int, int, float]]:
+    """(batch, visible context summed, seconds per decode step) per (batch, context) point.
+
+    The points are measured in passes, each pass timing every point once (one untimed step on
+    the fresh batch, then `DECODE_STEPS` timed), and a point's time is the median over the
+    passes after `DECODE_WARMUP_ROUNDS`: on a shared machine a slow spell then lands on one
+    pass of many points, not on every timing of one point."""
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for round_ in range(DECODE_WARMUP_ROUNDS + repeats):
+        for batch, context in points:
+            _import_batch(engine, batch, context, f"{batch}-{context}-{round_}")
+            engine.step()  # the first step of a new batch shape runs slow
+            started = time.perf_counter()
+            for _ in range(DECODE_STEPS):
+                engine.step()
+            times[(batch, context)].append((time.perf_counter() - started) / DECODE_STEPS)
+            for rid in list(engine.seqs):
+                engine.abort(rid)
+    # timed step k (1..DECODE_STEPS) of a sequence attends over context + 1 + k tokens
+    mid = lambda c: round(c + 1 + (DECODE_STEPS + 1) / 2)  # noqa: E731
+    return [(b, b * mid(c), statistics.median(times[(b, c)][DECODE_WARMUP_ROUNDS:])) for b, c in points]
 
 
 def run_profile(plan: ProfilePlan) -> ProfiledLatency:
@@ -102,11 +123,7 @@ def run_profile(plan: ProfilePlan) -> ProfiledLatency:
         torch.set_num_threads(plan.threads)
     engine = _engine(plan)
     prefill = [(n, prefill_point_s(engine, n, plan.repeats)) for n in plan.prompt_lens]
-    decode = []
-    for b in plan.batches:
-        for c in plan.contexts:
-            ctx, seconds = decode_point_s(engine, b, c, plan.repeats)
-            decode.append((b, ctx, seconds))
+    decode = decode_points_s(engine, [(b, c) for b in plan.batches for c in plan.contexts], plan.repeats)
     engine.assert_no_leaks()
     cfg = engine.config
     per_token = engine.abi.bytes_per_token  # the pool's own dtype

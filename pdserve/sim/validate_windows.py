@@ -9,11 +9,14 @@ calibration and the benchmark predicts for the benchmark's own window without fi
 to the latencies being checked.
 
 Contract: `check_windows` starts one server for `config` with its step logs on, then per point
-k (at most `max_points`): calibrates (`calibrator(config, url, k)`, salt k), benches one rate,
-and reads the engine's steps during the calibration and during the bench. The window
-prediction is `live.predict(config, p_cal * drift_p, d_cal * drift_d)`, drift being how much
-slower the bench window ran than the calibration window on matched step shapes
-(`step_clock.drift`). A point bounds the error ratio e = predicted / measured goodput *in its
+k (at most `max_points`): runs a calibration load (`calibrator.measure`, salt k, at WINDOW_LOAD:
+near the bench's own load, so its window serves the decode batch sizes the bench will), reads
+the engine's steps of that window, reshapes the profile's decode cost per batch size from them
+(`served_shape.served_profile`: a lone-engine profile misses what a busy neighbour on the other
+core does to a 3-row step), fits the factors against the reshaped profile (`calibrator.fit`),
+benches one rate and reads the bench window's steps. The window prediction is
+`live.predict(config, p_cal * drift_p, d_cal * drift_d, shaped)`, drift being how much slower
+the bench window ran than the calibration window on matched step shapes (`step_clock.drift`). A point bounds the error ratio e = predicted / measured goodput *in its
 own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
 measured < r, so e > pred_w / r. `ErrorBounds` intersects the points' bounds; the prediction is
 within T when 1 - T <= lower and upper <= 1 + T.
@@ -27,9 +30,10 @@ when conclusive (within, or outside T either way), at `max_points`, or when the 
 at every aim.
 
 Ranking: the bounds turn into an interval of the measured goodput at the profile's own machine
-speed, `[ref / upper, ref / lower]`, with ref the prediction with the calibration's factors over
-the calibration window's step speed (the deployment's own overheads kept, the machine's drift
-divided out), so two configurations measured minutes apart are compared on one machine.
+speed, `[ref / upper, ref / lower]`, with ref the prediction (reshaped profile) with the
+calibration's factors over the calibration window's step speed against the profile (the
+deployment's own overheads kept, the machine's drift divided out), so two configurations
+measured minutes apart are compared on one machine.
 """
 
 from __future__ import annotations
@@ -42,19 +46,38 @@ from pathlib import Path
 
 from pdserve.engine.step_log import StepRecord, read_steps
 from pdserve.sim.profiled import ProfiledLatency
+from pdserve.sim.served_shape import served_profile
 from pdserve.sim.step_clock import StepSpeed, drift, step_speed
 from pdserve.sim.validate import LocalConfig, bench_ladder, serving
-from pdserve.sim.validate_points import PointCalibrator, bench_point
+from pdserve.sim.validate_points import bench_point
 
 AIMS = (0.5, 0.8, 2.0)  # fractions of T: the aim at a side before its first, second and third miss
+# a window check's calibration load: this fraction of the configuration's prediction, at most this
+# many requests (the bench seeks rates at 0.93-1.08 of it; half of it ran too few 3- and 4-row steps)
+WINDOW_LOAD = (0.9, 24)
 
 
 @dataclass(frozen=True)
 class LiveModel:
-    """The profile the step logs are read against, and the goodput it predicts with given factors."""
+    """The profile the step logs are read against, and the goodput it predicts with given
+    factors (on `model`, default that profile)."""
 
     profile: ProfiledLatency
-    predict: Callable[[LocalConfig, float, float], float]  # (config, prefill x, decode x) -> rps
+    predict: Callable[..., float]  # (config, prefill x, decode x, model=None) -> rps
+
+
+@dataclass(frozen=True)
+class SplitCalibrator:
+    """A calibration in two halves: `measure(config, url, salt, load)` runs it through the server
+    (`load`: (fraction of the prediction, most requests), None for the default) and `fit(config,
+    measured, model)` fits its factors against `model` (None: the plan's profile), returning
+    (details, predicted goodput). Called whole it is the one-step calibrator of validate.py."""
+
+    measure: Callable[..., object]
+    fit: Callable[..., tuple[dict, float]]
+
+    def __call__(self, config: LocalConfig, url: str, round_: int) -> tuple[dict, float]:
+        return self.fit(config, self.measure(config, url, round_, None), None)
 
 
 @dataclass
@@ -102,7 +125,7 @@ def next_rate(predicted: float, side: str, misses: int, tolerance: float) -> flo
     return float(f"{predicted / (1 + aim) if side == 'pass' else predicted / (1 - aim):.4g}")
 
 
-def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibrator: PointCalibrator,
+def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibrator: SplitCalibrator,
                   live: LiveModel, tolerance: float, max_points: int = 4,
                   progress: Callable[[str], None] = lambda _m: None, keep_dir: Path | None = None,
                   startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
@@ -115,8 +138,10 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
             if side is None or bounds.verdict(tolerance) != "unknown":
                 break
             t0 = time.time()
-            details, predicted = calibrator(config, url, k)
+            measured = calibrator.measure(config, url, k, WINDOW_LOAD)
             cal_steps = read_steps(logs(), t0, time.time())
+            shaped = served_profile(live.profile, cal_steps)
+            details, predicted = calibrator.fit(config, measured, shaped)
             cal_speed = step_speed(live.profile, cal_steps)
             rate = next_rate(predicted, side, bounds.missed[side], tolerance)
             progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")
@@ -124,35 +149,37 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
             report = bench_ladder(url, [rate], [*bench_args, "--content-salt", str(k)], out_dir, log,
                                   bench_timeout_s, tag=f"-{k}")
             bench_steps = read_steps(logs(), t1, time.time())
-            point = _window_point(config, live, details, predicted, (cal_steps, cal_speed), bench_steps,
+            point = _window_point(config, live, shaped, details, predicted, (cal_steps, cal_speed), bench_steps,
                                   bench_point(report, rate))
             bounds.add(point["passed"], point["error_bound"], side)
-            reference = reference or _reference(config, live, details, cal_speed)
+            reference = reference or _reference(config, live, shaped, details, cal_speed)
             points.append({"point": k, "sought": side, **point})
             progress(f"validate {config.name}: point {k}: {'pass' if point['passed'] else 'fail'}, window prediction "
                      f"{point['window_goodput_rps']:.3g} rps, error bounds ({bounds.lower:.3g}, {bounds.upper:.3g}]")
     return window_row(points, bounds, tolerance, reference)
 
 
-def _window_point(config, live: LiveModel, details: dict, predicted: float,
+def _window_point(config, live: LiveModel, shaped: ProfiledLatency, details: dict, predicted: float,
                   calibration: tuple[list[StepRecord], StepSpeed], bench_steps: list[StepRecord], point: dict) -> dict:
     cal_steps, cal = calibration
     dp, dd = drift(live.profile, bench_steps, cal_steps)
     bench = step_speed(live.profile, bench_steps)
-    window = live.predict(config, details["prefill_factor"] * dp, details["decode_factor"] * dd)
-    # for comparison only: the bench window's step speed alone, without the request-level calibration
+    window = live.predict(config, details["prefill_factor"] * dp, details["decode_factor"] * dd, shaped)
+    # for comparison only: the unshaped profile at the bench window's step speed, no request-level calibration
     steps_only = live.predict(config, bench.prefill_factor or 1.0, bench.decode_factor or 1.0)
-    return {**point, "calibration": details, "calibrated_goodput_rps": predicted, "calibration_steps": cal.to_dict(),
+    served = shaped.meta.get("served_decode_bases") if shaped is not live.profile else None
+    return {**point, "calibration": details, "calibrated_goodput_rps": predicted, "served_decode_bases": served,
+            "calibration_steps": cal.to_dict(),
             "bench_steps": bench.to_dict(), "drift": [dp, dd], "window_goodput_rps": window,
             "error_bound": window / point["rate"], "steps_only_goodput_rps": steps_only}
 
 
-def _reference(config, live: LiveModel, details: dict, cal: StepSpeed) -> float | None:
+def _reference(config, live: LiveModel, shaped: ProfiledLatency, details: dict, cal: StepSpeed) -> float | None:
     """The prediction at the profile's machine speed (the calibration's step speed divided out)."""
     if not cal.prefill_factor and not cal.decode_factor:
         return None
     return live.predict(config, details["prefill_factor"] / (cal.prefill_factor or 1.0),
-                        details["decode_factor"] / (cal.decode_factor or 1.0))
+                        details["decode_factor"] / (cal.decode_factor or 1.0), shaped)
 
 
 def window_row(points: list[dict], bounds: ErrorBounds, tolerance: float, reference: float | None) -> dict:

@@ -80,6 +80,22 @@ def test_colocated_chunking_spreads_a_long_prompt():
     assert run.finish_s[0] == pytest.approx(0.012)
 
 
+def test_colocated_cuts_prompts_where_the_engine_does():
+    """As engine/scheduler.py: chunks end on multiples of the budget, and a step's first chunk runs
+    whole past the room decode rows leave; a later prompt starts only if its chunk fits whole."""
+    model = ProfiledLatency((0.01, 0.0, 0.0), (0.001, 0.0, 0.0))  # every iteration with prompt rows: 10 ms
+    limits = ColocatedLimits(chunk_tokens=100)
+    run = run_colocated_instance([0.0, 0.0105], [0, 1], [10, 200], [50, 2], [0, 0], model, limits)
+    # request 1 arrives during a decode step (ends 0.011), then two iterations of 100 rows each
+    # (budget-sized 99-row chunks would take three)
+    assert run.first_token_s == {0: pytest.approx(0.010), 1: pytest.approx(0.031)}
+    per_row = ProfiledLatency((0.01, 1e-4, 0.0), (0.001, 0.0, 0.0))
+    both = run_colocated_instance([0.0, 0.0], [0, 1], [60, 60], [2, 2], [0, 0], per_row, limits)
+    # 60 + 60 > 100: the second prompt waits for the next iteration (60 prompt rows + 1 decode row)
+    # instead of running 40 rows in the first
+    assert both.first_token_s == {0: pytest.approx(0.016), 1: pytest.approx(0.016 + 0.0161)}
+
+
 def test_prefix_hits_skip_prefill_rows():
     limits = ColocatedLimits(chunk_tokens=64)
     model = ProfiledLatency((0.0, 1e-3, 0.0), (0.001, 0.0, 0.0))

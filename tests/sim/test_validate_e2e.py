@@ -271,10 +271,10 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
     from pdserve.bench.lengths import parse_length_spec
     from pdserve.bench.metrics import Slo
     from pdserve.bench.workload import WorkloadConfig
-    from pdserve.commands.plan import _calibrator
     from pdserve.sim import calibrate
     from pdserve.sim.geometry import load_model_spec
     from pdserve.sim.hardware import load_hardware
+    from pdserve.sim.plan_calibrator import plan_calibrator
     from pdserve.sim.planner import PlanInputs, load_clocks, plan, sample_goodput
     from pdserve.sim.profiled import ProfiledLatency
 
@@ -285,16 +285,17 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
                         slo=Slo(1.5, 0.08), chunk_budgets=(512,), max_seqs=16, fixed_model=profile)
     result = plan(inputs)
     slow = dataclasses.replace(inputs, fixed_model=calibrate.scaled(profile, 1.3, 1.1))
-    salts = []
+    salts, loads = [], []
 
     def replay(url, workload_args, count, rate, seed, content_salt=0):
         salts.append(content_salt)
+        loads.append((count, rate))
         records = load_clocks(slow, result.disaggregated, count, rate, seed)
         return [{"request_id": r.request_id, "success": r.success, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s}
                 for r in records]
 
     monkeypatch.setattr(calibrate, "load_replay", replay)
-    run = _calibrator(result, 12, "load", ["--input-dist", "uniform:64,256", "--output-dist", "uniform:8,16"])
+    run = plan_calibrator(result, 12, "load", ["--input-dist", "uniform:64,256", "--output-dist", "uniform:8,16"])
     config = v.LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=result.disaggregated.goodput_rps,
                            sample_goodput_rps=sample_goodput(inputs, result.disaggregated, 12).rate)
     details, predicted = run(config, "http://unused", 1)
@@ -305,6 +306,13 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
                                                                       details["decode_factor"]))
     assert predicted == sample_goodput(scaled, result.disaggregated, 12).rate
     assert details["goodput_elasticity"] is not None and details["goodput_elasticity"] > 0
+    # the window check's halves: a load nearer the prediction, then a fit against another model
+    measured = run.measure(config, "http://unused", 2, (0.9, 24))
+    assert loads[-1] == calibrate.load_plan(config.checked_rps, config.workers, 0.9, 24) and salts[-1] == 2
+    assert loads[-1][0] > loads[0][0]
+    details, predicted = run.fit(config, measured, calibrate.scaled(profile, 1.3, 1.1))
+    assert details["prefill_factor"] == pytest.approx(1.0, rel=0.03)  # that model already is the server's speed
+    assert details["decode_factor"] == pytest.approx(1.0, rel=0.03)
 
 
 def test_window_check_reads_the_live_servers_step_logs(tmp_path):
@@ -313,13 +321,19 @@ def test_window_check_reads_the_live_servers_step_logs(tmp_path):
     drift and window prediction computed from them, and the bounds and verdict reported."""
     from pdserve.sim.calibrate import burst_requests
     from pdserve.sim.profiled import ProfiledLatency
-    from pdserve.sim.validate_windows import LiveModel
+    from pdserve.sim.validate_windows import LiveModel, SplitCalibrator
 
-    def calibrator(config, url, round_):
+    def measure(config, url, round_, load):
         burst_requests(url, (0.01, 0.005), 16, 4, burst=1, repeats=1, content_salt=round_)
+
+    def fit(config, measured, model):
+        shaped.append(model)
         return {"prefill_factor": 1.0, "decode_factor": 1.0}, 40.0
 
-    live = LiveModel(ProfiledLatency((0.002, 1e-5, 0.0), (0.002, 1e-4, 0.0)), lambda config, p, d: 40.0 / (p * d))
+    shaped = []
+    profile = ProfiledLatency((0.002, 1e-5, 0.0), (0.002, 1e-4, 0.0))
+    live = LiveModel(profile, lambda config, p, d, model=None: 40.0 / (p * d))
+    calibrator = SplitCalibrator(measure, fit)
     config = v.LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=40.0,
                            extra_serve_args=("--dtype", "float32"))
     bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", "--slo-ttft-ms", "5000",
@@ -334,6 +348,8 @@ def test_window_check_reads_the_live_servers_step_logs(tmp_path):
     dp, dd = first["drift"]
     assert first["window_goodput_rps"] == pytest.approx(40.0 / (dp * dd))
     assert first["error_bound"] == pytest.approx(first["window_goodput_rps"] / first["rate"])
+    # a burst of one request decodes 3 steps: too few to re-measure any batch size (served_shape.MIN_STEPS)
+    assert shaped and all(m is profile for m in shaped) and first["served_decode_bases"] is None
     assert sorted(p.name for p in (tmp_path / "disaggregated" / "trace").glob("*.steps.jsonl")) == \
         ["decode-0.steps.jsonl", "prefill-0.steps.jsonl"]
     json.dumps(row)

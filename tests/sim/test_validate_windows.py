@@ -17,6 +17,8 @@ from pdserve.sim.validate import LocalConfig
 
 T = 0.15
 G0 = 2.0  # goodput at the profile's machine speed (speed factor 1)
+PROFILE = ProfiledLatency((0.1, 0.0, 0.0), (0.05, 0.0, 0.0))
+SHAPED = ProfiledLatency((0.1, 0.0, 0.0), (0.05, 0.0, 0.0), decode_batch_base=((1, 0.05), (2, 0.06)))
 
 
 def test_bounds_and_their_verdicts():
@@ -61,9 +63,15 @@ class _Machine:
         assert trace  # the step logs are on
         yield "http://fake", Path("/nonexistent-pdserve-test"), None
 
-    def calibrator(self, config, url, k):
+    def measure(self, config, url, k, load):
+        assert load == vw.WINDOW_LOAD  # near the bench's load: its window serves the bench's batch sizes
         speed = self.cal_speeds[k]
         self.windows.append(StepSpeed(speed, 1.0, 5, 50))  # the prefill phase drifts, decode does not
+        return k, speed
+
+    def fit(self, config, measured, model):
+        assert model is SHAPED  # fitted against the profile reshaped from the calibration's own steps
+        k, speed = measured
         return {"prefill_factor": speed, "decode_factor": 1.0, "round": k}, G0 / speed
 
     def bench_ladder(self, url, ladder, bench_args, out_dir, log, timeout_s, tag=""):
@@ -81,11 +89,14 @@ def _run(monkeypatch, machine: _Machine, max_points: int = 4) -> dict:
     # the step records of a window stand in as its StepSpeed; drift divides two windows' speeds
     monkeypatch.setattr(vw, "read_steps", lambda logs, start, stop: [machine.windows[-1]])
     monkeypatch.setattr(vw, "step_speed", lambda profile, records: records[0])
+    monkeypatch.setattr(vw, "served_profile", lambda profile, records: SHAPED)
     monkeypatch.setattr(vw, "drift", lambda profile, window, reference: (
         window[0].prefill_factor / reference[0].prefill_factor, window[0].decode_factor / reference[0].decode_factor))
-    live = vw.LiveModel(ProfiledLatency((0.1, 0.0, 0.0), (0.05, 0.0, 0.0)), lambda config, p, d: G0 / (p * d))
+    # predictions on the reshaped profile are G0 / speed; the unshaped profile's are 10% lower
+    live = vw.LiveModel(PROFILE, lambda config, p, d, model=None: G0 / (p * d) * (1.0 if model is SHAPED else 0.9))
     config = LocalConfig("disaggregated", "disaggregated", predicted_goodput_rps=G0)
-    return vw.check_windows(config, "tiny", ["--seed", "0"], machine.calibrator, live, T, max_points)
+    calibrator = vw.SplitCalibrator(machine.measure, machine.fit)
+    return vw.check_windows(config, "tiny", ["--seed", "0"], calibrator, live, T, max_points)
 
 
 def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window(monkeypatch):
@@ -100,7 +111,8 @@ def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window
     assert [p["passed"] for p in row["points"]] == [False, True]
     assert row["points"][0]["drift"] == [pytest.approx(1.1), 1.0]
     assert row["points"][0]["window_goodput_rps"] == pytest.approx(G0 / 1.1)
-    assert row["points"][0]["steps_only_goodput_rps"] == pytest.approx(G0 / 1.1)  # the bench window's speed alone
+    # the unshaped profile at the bench window's speed alone (for comparison)
+    assert row["points"][0]["steps_only_goodput_rps"] == pytest.approx(0.9 * G0 / 1.1)
     lower, upper = row["error_bounds"]
     assert lower == pytest.approx((G0 / 1.1) / 1.86) and upper == pytest.approx((G0 / 1.25) / 1.488)
     assert row["measured_vs_prediction"] == "within" and row["within_tolerance"] is True
