@@ -3,9 +3,10 @@
 Contract: `plan_calibrator(result, num_requests, method, workload_args)` returns a
 `SplitCalibrator` (validate_windows.py) for the plan's `fixed_model` (a `pdserve profile` fit):
 `measure(config, url, salt, load)` runs the calibration through the live server ('load': a
-Poisson replay of the plan's workload on the calibration seed, at `load` = (fraction of the
-configuration's prediction, most requests), default calibrate.LOAD_FRACTION and
-LOAD_MAX_REQUESTS; 'burst': bursts of one request per worker), and `fit(config, measured,
+Poisson replay of the plan's workload on the calibration seed, at `load` = (fraction, most
+requests, around rps): the fraction of that rate, default calibrate.LOAD_FRACTION of the
+configuration's prediction with LOAD_MAX_REQUESTS; 'burst': bursts of one request per worker,
+whatever the load), and `fit(config, measured,
 model)` fits the two factors against `model` (None: the plan's profile), re-simulating the
 replay with the scaled model, and returns (details, the sample goodput of the configuration's
 plan with the scaled model). Splitting the two lets the window check reshape the profile from the
@@ -68,10 +69,10 @@ def plan_calibrator(result, num_requests: int, method: str, workload_args: list[
     def on(model: ProfiledLatency | None):
         return dataclasses.replace(inputs, fixed_model=model or inputs.fixed_model)
 
-    def measure(config, url: str, salt: int, load: tuple[float, int] | None = None) -> _Measured:
+    def measure(config, url: str, salt: int, load: tuple[float, int, float] | None = None) -> _Measured:
         if method == "load":
-            fraction, most = load or (calibrate.LOAD_FRACTION, calibrate.LOAD_MAX_REQUESTS)
-            count, rate = calibrate.load_plan(config.checked_rps, config.workers, fraction, most)
+            fraction, most, around = load or (calibrate.LOAD_FRACTION, calibrate.LOAD_MAX_REQUESTS, config.checked_rps)
+            count, rate = calibrate.load_plan(around, config.workers, fraction, most)
             records = calibrate.load_replay(url, workload_args, count, rate, calibrate.CALIBRATION_SEED,
                                             content_salt=salt)
             return _Measured("load", tuple(records), count, rate)

@@ -3,7 +3,7 @@
 Why: a `pdserve profile` decode point is a few timed steps of one (batch, context) shape, taken
 minutes or days before a validation on a machine whose speed moves +-15% from second to second.
 One bad point bends the per-batch curve (a 3-row step costed 1.5x a 1-row step where the engine
-serves it at 1.25x), and the simulator then spreads the requests' TPOT wider than the engine
+served it at 1.27x), and the simulator then spreads the requests' TPOT wider than the engine
 does, which near a TPOT objective moves goodput by far more than the error in the mean. A served
 calibration window holds hundreds to thousands of decode steps at exactly the batch sizes and
 contexts the workload produces; their mean per batch size is the better estimate of the shape.

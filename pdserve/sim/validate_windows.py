@@ -9,17 +9,20 @@ calibration and the benchmark predicts for the benchmark's own window without fi
 to the latencies being checked.
 
 Contract: `check_windows` starts one server for `config` with its step logs on, then per point
-k (at most `max_points`): runs a calibration load (`calibrator.measure`, salt k, at WINDOW_LOAD:
-near the bench's own load, so its window serves the decode batch sizes the bench will), reads
+k (at most `max_points`): runs a calibration load (`calibrator.measure`, salt k, at WINDOW_LOAD
+of the latest calibrated prediction: near the bench's own load, so its window serves the decode
+batch sizes the bench will; before point 0, a calibration at the default half load of the plan's
+prediction gives the first one, since 0.9 of an uncalibrated prediction can overload), reads
 the engine's steps of that window, reshapes the profile's decode cost per batch size from them
-(`served_shape.served_profile`: a lone-engine profile misses what a busy neighbour on the other
-core does to a 3-row step), fits the factors against the reshaped profile (`calibrator.fit`),
-benches one rate and reads the bench window's steps. The window prediction is
-`live.predict(config, p_cal * drift_p, d_cal * drift_d, shaped)`, drift being how much slower
-the bench window ran than the calibration window on matched step shapes (`step_clock.drift`). A point bounds the error ratio e = predicted / measured goodput *in its
-own window*: a pass at rate r means measured >= r, so e <= pred_w / r; a fail means
-measured < r, so e > pred_w / r. `ErrorBounds` intersects the points' bounds; the prediction is
-within T when 1 - T <= lower and upper <= 1 + T.
+(`served_shape.served_profile`: the served per-batch costs differed from a lone-engine profile's
+by up to 20%), fits the factors against the reshaped profile (`calibrator.fit`), benches one
+rate and reads the bench window's steps. The window prediction is `live.predict(config,
+p_cal * drift_p, d_cal * drift_d, shaped)`, drift being how much slower the bench window ran
+than the calibration window on matched step shapes (`step_clock.drift`). A point bounds the
+error ratio e = predicted / measured goodput *in its own window*: a pass at rate r means
+measured >= r, so e <= pred_w / r; a fail means measured < r, so e > pred_w / r. `ErrorBounds`
+intersects the points' bounds; the prediction is within T when 1 - T <= lower and
+upper <= 1 + T.
 
 Rates close the open side (the pass side first) around the calibrated prediction: a pass is
 sought at pred / (1 + T/2), a fail at pred / (1 - T/2); after each miss on a side (a sought pass
@@ -52,9 +55,11 @@ from pdserve.sim.validate import LocalConfig, bench_ladder, serving
 from pdserve.sim.validate_points import bench_point
 
 AIMS = (0.5, 0.8, 2.0)  # fractions of T: the aim at a side before its first, second and third miss
-# a window check's calibration load: this fraction of the configuration's prediction, at most this
-# many requests (the bench seeks rates at 0.93-1.08 of it; half of it ran too few 3- and 4-row steps)
-WINDOW_LOAD = (0.9, 24)
+# a window check's calibration load: this fraction of the latest calibrated prediction, at most this
+# many requests (the bench seeks rates at 0.93-1.08 of it; half of it ran too few 3- and 4-row steps,
+# 0.9 of an optimistic one made the router turn requests away for want of decode K/V)
+WINDOW_LOAD = (0.8, 24)
+ANCHOR_SALT = 1000  # prompt salt of the first point's half-load calibration (k + this: no cache hits)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class LiveModel:
 @dataclass(frozen=True)
 class SplitCalibrator:
     """A calibration in two halves: `measure(config, url, salt, load)` runs it through the server
-    (`load`: (fraction of the prediction, most requests), None for the default) and `fit(config,
+    (`load`: (fraction, most requests, around this rps), None for the default: a fraction of the
+    configuration's prediction) and `fit(config,
     measured, model)` fits its factors against `model` (None: the plan's profile), returning
     (details, predicted goodput). Called whole it is the one-step calibrator of validate.py."""
 
@@ -130,18 +136,21 @@ def check_windows(config: LocalConfig, model: str, bench_args: list[str], calibr
                   progress: Callable[[str], None] = lambda _m: None, keep_dir: Path | None = None,
                   startup_timeout_s: float = 300.0, bench_timeout_s: float = 1800.0) -> dict:
     """The points, their bounds and the verdict (see the module contract)."""
-    bounds, points, reference = ErrorBounds(), [], None
+    bounds, points, reference, anchor = ErrorBounds(), [], None, None
     with serving(config, model, startup_timeout_s, keep_dir, trace=True) as (url, out_dir, log):
         logs = lambda: sorted((out_dir / "trace").glob("*.steps.jsonl"))  # noqa: E731
         for k in range(max_points):
             side = bounds.next_side(tolerance)
             if side is None or bounds.verdict(tolerance) != "unknown":
                 break
+            if anchor is None:  # where the deployment is, before loading it near there
+                anchor = calibrator.fit(config, calibrator.measure(config, url, ANCHOR_SALT + k, None), None)[1]
             t0 = time.time()
-            measured = calibrator.measure(config, url, k, WINDOW_LOAD)
+            measured = calibrator.measure(config, url, k, (*WINDOW_LOAD, anchor))
             cal_steps = read_steps(logs(), t0, time.time())
             shaped = served_profile(live.profile, cal_steps)
             details, predicted = calibrator.fit(config, measured, shaped)
+            anchor = predicted
             cal_speed = step_speed(live.profile, cal_steps)
             rate = next_rate(predicted, side, bounds.missed[side], tolerance)
             progress(f"validate {config.name}: point {k}: calibrated {predicted:.3g} rps, seeking a {side} at {rate:g}")

@@ -307,8 +307,8 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
     assert predicted == sample_goodput(scaled, result.disaggregated, 12).rate
     assert details["goodput_elasticity"] is not None and details["goodput_elasticity"] > 0
     # the window check's halves: a load nearer the prediction, then a fit against another model
-    measured = run.measure(config, "http://unused", 2, (0.9, 24))
-    assert loads[-1] == calibrate.load_plan(config.checked_rps, config.workers, 0.9, 24) and salts[-1] == 2
+    measured = run.measure(config, "http://unused", 2, (0.9, 24, predicted))
+    assert loads[-1] == calibrate.load_plan(predicted, config.workers, 0.9, 24) and salts[-1] == 2
     assert loads[-1][0] > loads[0][0]
     details, predicted = run.fit(config, measured, calibrate.scaled(profile, 1.3, 1.1))
     assert details["prefill_factor"] == pytest.approx(1.0, rel=0.03)  # that model already is the server's speed
@@ -349,7 +349,8 @@ def test_window_check_reads_the_live_servers_step_logs(tmp_path):
     assert first["window_goodput_rps"] == pytest.approx(40.0 / (dp * dd))
     assert first["error_bound"] == pytest.approx(first["window_goodput_rps"] / first["rate"])
     # a burst of one request decodes 3 steps: too few to re-measure any batch size (served_shape.MIN_STEPS)
-    assert shaped and all(m is profile for m in shaped) and first["served_decode_bases"] is None
+    # (the first fit is the half-load anchor's, against the plan's own profile: None)
+    assert shaped[0] is None and all(m is profile for m in shaped[1:]) and first["served_decode_bases"] is None
     assert sorted(p.name for p in (tmp_path / "disaggregated" / "trace").glob("*.steps.jsonl")) == \
         ["decode-0.steps.jsonl", "prefill-0.steps.jsonl"]
     json.dumps(row)

@@ -57,6 +57,7 @@ class _Machine:
         self.cal_speeds, self.bench_speeds, self.error = list(cal_speeds), list(bench_speeds), error
         self.windows = []  # StepSpeeds handed out, in order
         self.benched = []
+        self.loads = []  # the rate each calibration load was placed around (None: the anchor's default)
 
     @contextlib.contextmanager
     def serving(self, config, model, startup_timeout_s, keep_dir, trace=False):
@@ -64,14 +65,24 @@ class _Machine:
         yield "http://fake", Path("/nonexistent-pdserve-test"), None
 
     def measure(self, config, url, k, load):
-        assert load == vw.WINDOW_LOAD  # near the bench's load: its window serves the bench's batch sizes
+        if load is None:  # the half-load calibration before point 0 (its own prompt salt)
+            assert k == vw.ANCHOR_SALT and not self.loads
+            self.loads.append(None)
+            return "anchor", None
+        # near the latest calibrated prediction: the window serves the bench's batch sizes
+        fraction, most, around = load
+        assert (fraction, most) == vw.WINDOW_LOAD
+        self.loads.append(around)
         speed = self.cal_speeds[k]
         self.windows.append(StepSpeed(speed, 1.0, 5, 50))  # the prefill phase drifts, decode does not
         return k, speed
 
     def fit(self, config, measured, model):
-        assert model is SHAPED  # fitted against the profile reshaped from the calibration's own steps
         k, speed = measured
+        if k == "anchor":
+            assert model is None  # the plan's own profile: no window read yet
+            return {}, 0.9 * G0
+        assert model is SHAPED  # fitted against the profile reshaped from the calibration's own steps
         return {"prefill_factor": speed, "decode_factor": 1.0, "round": k}, G0 / speed
 
     def bench_ladder(self, url, ladder, bench_args, out_dir, log, timeout_s, tag=""):
@@ -108,6 +119,8 @@ def test_a_machine_that_slowed_after_its_calibration_is_judged_on_its_own_window
     row = _run(monkeypatch, machine)
     assert [rate for rate, _ in machine.benched] == [1.86, 1.488]  # 2.0 / 1.075, then 2.0 / 1.2 / 1.12
     assert [salt for _, salt in machine.benched] == ["0", "1"]
+    # point 0's load sits around the anchor calibration's prediction, point 1's around point 0's
+    assert machine.loads == [None, 0.9 * G0, G0]
     assert [p["passed"] for p in row["points"]] == [False, True]
     assert row["points"][0]["drift"] == [pytest.approx(1.1), 1.0]
     assert row["points"][0]["window_goodput_rps"] == pytest.approx(G0 / 1.1)
