@@ -5,8 +5,9 @@ running sequence plus prefill rows from the FCFS pending queue up to `chunk_toke
 size`. Prompts are cut at multiples of `chunk_tokens` (counting prefix-cached tokens), as the
 engine cuts them: the iteration's first chunk runs whole even past the budget left by decode
 rows; a later one runs only if it fits whole (a started prompt that does not fit waits, and no
-new prompt starts behind the first one that cannot). A prompt may span several iterations. A request's first token appears at the end of the iteration that finishes
-its prompt, and it joins the decode batch for the next iteration. Starting a prompt reserves its
+new prompt starts behind the first one that cannot). A prompt may span several iterations. A
+request's first token appears at the end of the iteration that finishes its prompt, and it
+joins the decode batch for the next iteration. Starting a prompt reserves its
 K/V (prompt tokens) in the pool; a prompt starts only if the pool keeps room for one more step
 and the instance has fewer than `max_seqs` sequences. When decode growth overflows the pool the
 newest decode member is preempted back to the front of the queue, to recompute prompt +
