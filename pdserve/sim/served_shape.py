@@ -28,16 +28,13 @@ from collections.abc import Sequence
 
 from pdserve.engine.step_log import StepRecord
 from pdserve.sim.profiled import ProfiledLatency
+from pdserve.sim.step_clock import step_speed
 
 MIN_STEPS = 20  # a class mean of 20 steps at +-15% per step is good to about +-3.5%
 
 
 def _context_s(profile: ProfiledLatency) -> float:
     return profile.decode_context_s if profile.decode_batch_base else profile.decode_coef[2]
-
-
-def _profile_base(profile: ProfiledLatency, batch: int) -> float:
-    return profile.decode_step_s(batch, 0)
 
 
 def served_bases(profile: ProfiledLatency, steps: Sequence[StepRecord],
@@ -58,12 +55,10 @@ def served_bases(profile: ProfiledLatency, steps: Sequence[StepRecord],
     served = {b: (t - c * ctx) / n for b, (n, t, ctx) in sums.items() if n >= min_steps}
     if not served:
         return ()
-    # the window's speed over the profile on the sizes it served, weighted by their steps
-    measured = sum(sums[b][1] for b in served)
-    modelled = sum(profile.decode_step_s(b, 0) * sums[b][0] + c * sums[b][2] for b in served)
-    speed = measured / modelled if modelled > 0 else 1.0
+    # the window's decode speed over the profile on the sizes it served (step_clock's ratio of sums)
+    speed = step_speed(profile, [s for s in steps if not s.new and s.batch in served]).decode_factor or 1.0
     known = [b for b, _ in profile.decode_batch_base] or [1]
-    points = {b: (_profile_base(profile, b) * speed, min_steps) for b in known if b not in served}
+    points = {b: (profile.decode_step_s(b, 0) * speed, min_steps) for b in known if b not in served}
     points.update({b: (max(base, 0.0), sums[b][0]) for b, base in served.items()})
     return tuple((b, base, w) for b, (base, w) in zip(sorted(points), _pooled([points[b] for b in sorted(points)])))
 
