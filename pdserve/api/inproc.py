@@ -168,7 +168,7 @@ class InProcessBackend:
         load = self.load
         state = "serving" if self.healthy() else "broken" if self._broken else "stopped"
         counts = {"running": load.num_running, "waiting": load.num_waiting, "free_blocks": load.num_free_blocks}
-        return [WorkerView("inproc-0", "colocated", socket.gethostname(), os.getpid(), 0, state, counts)]
+        return [WorkerView("inproc-0", "colocated", socket.gethostname(), os.getpid(), 0, state, counts, self.engine.numerics)]
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
+from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
@@ -157,5 +158,5 @@ async def serve(config: ServeConfig) -> None:
     async with cluster(config) as (backend, _):
         app = create_app(backend)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
-        print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}", flush=True)
+        print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         await server.serve()

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.errors import InvalidRequest
     from pdserve.engine.sequence import SamplingParams
     from pdserve.model.errors import CheckpointError
+    from pdserve.model.numerics import BatchInvarianceError
 
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype))
@@ -43,11 +44,12 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
         )
         out = engine.generate([prompt_ids], params)[0]
-    except (InvalidRequest, CheckpointError, ValueError) as exc:
+    except (InvalidRequest, CheckpointError, ValueError, BatchInvarianceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        record = {"token_ids": list(out.output_ids), "text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": len(prompt_ids)}
+        record = {"token_ids": list(out.output_ids), "text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": len(prompt_ids),
+                  "cpu": engine.numerics}
         print(json.dumps(record))
     else:
         print(out.text if engine.tokenizer else " ".join(map(str, out.output_ids)))

@@ -131,7 +131,7 @@ def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
                                  kv_cache_bytes=0, num_blocks=tokens // 16 + 64, max_num_batched_tokens=spec.prompt_len))
     result = {
         "model": spec.model, "dtype": spec.dtype, "compute_dtype": str(engine.model.dtype).removeprefix("torch."),
-        "native_bf16": cpu_has_native_bf16(), "batch_invariant": spec.batch_invariant,
+        "native_bf16": cpu_has_native_bf16(), "batch_invariant": spec.batch_invariant, "cpu": engine.numerics,
         "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
         "prefill_tok_s": pdserve_prefill_tok_s(engine, spec),
         "decode_tok_s": {str(b): pdserve_decode_tok_s(engine, spec, b) for b in spec.batches},

@@ -35,6 +35,7 @@ from pdserve.engine.stops import StopChecker
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.llama import LlamaModel
+from pdserve.model.cpu import cpu_report
 from pdserve.model.numerics import resolve_compute_dtype
 from pdserve.model.loader import checkpoint_hash, load_state_dict
 from pdserve.model.tokenizer import load_tokenizer
@@ -56,6 +57,8 @@ class Engine:
         state = load_state_dict(self.model_dir, self.model_config, dtype)
         self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.numerics = {**cpu_report(), "compute_dtype": str(compute).removeprefix("torch."),
+                         "products": self.model.products.describe()}  # `cpu` in reports and /workers
         mc = self.model_config
         self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
         self.identity = CacheIdentity(

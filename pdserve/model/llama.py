@@ -6,8 +6,8 @@ logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `t
 RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP.
 
 Weights are rounded to the storage dtype and held in the compute dtype (see `numerics`); every
-matmul goes through `numerics.linear`, whose row padding keeps a row's result independent of its
-batch mates. Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer costs two
+matmul goes through `numerics.linear` under the product plan chosen at load
+(`numerics.choose_plan`), which keeps a row's result independent of its batch mates. Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer costs two
 large matmuls plus two small ones; the fused products equal the separate ones column by column.
 An optional `layer_hook(layer)` runs after each layer's K/V rows are in the pool, which is the
 producer-ready event that layer-wise K/V streaming waits for.
@@ -24,19 +24,34 @@ import torch.nn.functional as F
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
 from pdserve.model import skinny
-from pdserve.model.numerics import linear, row_quantum
+from pdserve.model.numerics import Weight, choose_plan, linear, prepare
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [d]
-    wqkv: torch.Tensor  # [(H_q + 2 H_kv) * D, d]
+    wqkv: Weight  # [(H_q + 2 H_kv) * D, d]
     bqkv: torch.Tensor | None  # [(H_q + 2 H_kv) * D]
-    wo: torch.Tensor  # [d, H_q * D]
+    wo: Weight  # [d, H_q * D]
     bo: torch.Tensor | None  # [d]
     post_norm: torch.Tensor  # [d]
-    w13: torch.Tensor  # [2 * d_ff, d]  (gate rows then up rows)
-    w2: torch.Tensor  # [d, d_ff]
+    w13: Weight  # [2 * d_ff, d]  (gate rows then up rows)
+    w2: Weight  # [d, d_ff]
+
+
+def _product_shapes(state: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """The [N, K] shapes of one layer's fused products and the LM head, for the invariance probe."""
+    shapes = {}
+    for name, t in state.items():
+        if t.dim() == 2 and name.endswith("proj.weight") and ".layers.0." in name:
+            shapes[name.rsplit(".", 2)[-2]] = tuple(t.shape)
+    q, k, v = shapes.get("q_proj"), shapes.get("k_proj"), shapes.get("v_proj")
+    fused = {(q[0] + k[0] + v[0], q[1])} if q and k and v else set()
+    if "gate_proj" in shapes and "up_proj" in shapes:
+        fused.add((2 * shapes["gate_proj"][0], shapes["gate_proj"][1]))
+    fused |= {shapes[n] for n in ("o_proj", "down_proj") if n in shapes}
+    head = state.get("lm_head.weight", state.get("model.embed_tokens.weight"))
+    return tuple(sorted(fused | ({tuple(head.shape)} if head is not None else set())))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,14 +88,15 @@ class LlamaModel:
         self.config = config
         self.storage_dtype = dtype
         self.dtype = compute_dtype or dtype
-        self.quantum = row_quantum(self.dtype, batch_invariant)
+        state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
+        self.products = choose_plan(self.dtype, batch_invariant, _product_shapes(state))
         self.skinny = skinny.eligible(self.dtype, batch_invariant)  # small-row fp32 products (numerics.py)
         if self.skinny:
             skinny.warm_up()
-        state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
         self.embed = state["model.embed_tokens.weight"].to(self.dtype)  # [V, d]
         head = state.get("lm_head.weight")
-        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(self.dtype)  # [V, d]
+        head = self.embed if (config.tie_word_embeddings or head is None) else head.to(self.dtype)  # [V, d]
+        self.lm_head = prepare(head, self.products.plan)
         self.final_norm = state["model.norm.weight"].to(self.dtype)
         self.layers = [self._fuse_layer(state, i) for i in range(config.num_layers)]
         cos, sin = rope_tables(config, config.max_position_embeddings)
@@ -97,14 +113,17 @@ class LlamaModel:
         w13 = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
         return LayerWeights(
             input_norm=state[p + "input_layernorm.weight"].to(self.dtype),
-            wqkv=wqkv.to(self.dtype).contiguous(),
+            wqkv=self._weight(wqkv),
             bqkv=bqkv,
-            wo=state[attn + "o_proj.weight"].to(self.dtype).contiguous(),
+            wo=self._weight(state[attn + "o_proj.weight"]),
             bo=bo,
             post_norm=state[p + "post_attention_layernorm.weight"].to(self.dtype),
-            w13=w13.to(self.dtype).contiguous(),
-            w2=state[mlp + "down_proj.weight"].to(self.dtype).contiguous(),
+            w13=self._weight(w13),
+            w2=self._weight(state[mlp + "down_proj.weight"]),
         )
+
+    def _weight(self, w: torch.Tensor) -> Weight:
+        return prepare(w.to(self.dtype).contiguous(), self.products.plan)
 
     @torch.inference_mode()
     def forward(
@@ -127,12 +146,12 @@ class LlamaModel:
                 layer_hook(i)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
         x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
-        return linear(x, self.lm_head, quantum=self.quantum, skinny_rows=self.skinny).float()  # [R, V]
+        return linear(x, self.lm_head, skinny_rows=self.skinny).float()  # [R, V]
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, layer.wqkv, layer.bqkv, self.quantum, self.skinny)  # [T, (H_q + 2 H_kv) * D]
+        qkv = linear(h, layer.wqkv, layer.bqkv, self.skinny)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
         k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
@@ -144,8 +163,8 @@ class LlamaModel:
         else:
             write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
-        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.quantum, self.skinny)
+        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.skinny)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer.w13, quantum=self.quantum, skinny_rows=self.skinny).chunk(2, dim=-1)  # [T, d_ff] each
-        return linear(F.silu(gate) * up, layer.w2, quantum=self.quantum, skinny_rows=self.skinny)
+        gate, up = linear(h, layer.w13, skinny_rows=self.skinny).chunk(2, dim=-1)  # [T, d_ff] each
+        return linear(F.silu(gate) * up, layer.w2, skinny_rows=self.skinny)

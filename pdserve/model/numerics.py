@@ -10,44 +10,43 @@ Contract:
   Weights are then bf16-rounded values held in fp32 (exact), products accumulate in fp32, and K/V
   rows are rounded to bf16 on their way into the pool and read back from those rounded values,
   so a sequence sees the same K/V whether it computed them, hit the prefix cache or imported them.
-- Batch invariance (`EngineConfig.batch_invariant`, on by default): a row's result must not depend
-  on its batch mates (tested in tests/model/test_numerics.py). PyTorch's CPU bf16 GEMM already
-  is; MKL's fp32 GEMM switches kernels (GEMV at one row, other tails below a dozen rows), so fp32
-  rows are padded to a multiple of ROW_QUANTUM, with which every row sees the same kernel and
-  summation order. The price is small-batch fp32 decode: one row costs a 4-row GEMM instead of a
-  GEMV (`--no-batch-invariant` trades exactness across batch compositions for that speed).
+- Batch invariance (`EngineConfig.batch_invariant`, on by default): a row's result never depends
+  on how many rows share its product or where it sits among them. A BLAS picks its kernel, and
+  with it the summation order, from the product's shape (MKL on AVX-512 uses other fp32 kernels
+  for 4 rows than for 12), so invariance cannot rest on a library's per-shape choice. The
+  "tiled" plan holds it by construction: every product is cut into calls of one fixed shape,
+  TILE_ROWS rows (the last tile zero-padded) by one fixed column block of the weight, so every
+  row of every step goes through the same kernel call shape, and a GEMM call sums each output
+  element over the inner dimension alike for all of its rows. With MKL the column blocks are
+  packed once at load (`_mkl_linear`), which keeps a block in cache across row tiles.
+  fp32 uses it always. bf16 keeps PyTorch's own products ("native": on AVX2 an fp32-accumulating
+  loop per output element, on AVX512-BF16/AMX oneDNN), which a start-up probe must find
+  invariant; if the probe fails bf16 moves to tiles too, and if that fails the engine refuses
+  to start in batch-invariant mode (`BatchInvarianceError`) rather than run silently inexact.
 - Without batch invariance, fp32 on one thread, products of 2-8 rows go through skinny.py's
   kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row).
 """
 
 from __future__ import annotations
 
-import platform
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.model import skinny
+from pdserve.model.cpu import cpu_has_native_bf16  # noqa: F401  (re-exported for bench-engine)
 
-ROW_QUANTUM = 4
+TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
+TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block stays in L2
 COMPUTE_CHOICES = ("float32", "bfloat16")
+PLANS = ("tiled", "native", "fast")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU advertises bf16 dot-product instructions (or is not x86). Reported by
-    bench-engine, whose bf16 ratios depend on it."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return any(flag in flags.split() for flag in _NATIVE_BF16_FLAGS)
+class BatchInvarianceError(RuntimeError):
+    """Batch-invariant products cannot be had on this machine with this dtype."""
 
 
 def resolve_compute_dtype(storage: str, requested: str | None = None) -> torch.dtype:
@@ -58,21 +57,128 @@ def resolve_compute_dtype(storage: str, requested: str | None = None) -> torch.d
     return _DTYPES[requested or storage]
 
 
-def row_quantum(compute: torch.dtype, batch_invariant: bool) -> int:
-    """Rows a product is padded to a multiple of: ROW_QUANTUM for batch-invariant fp32, else 1."""
-    return ROW_QUANTUM if batch_invariant and compute == torch.float32 else 1
+@lru_cache(maxsize=1)
+def mkl_packed_available() -> bool:
+    """Whether this torch build has MKL's packed-weight linear (x86 builds with MKL)."""
+    try:
+        w = torch.ones(2, 3)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+        return bool(torch.ops.mkl._mkl_linear(torch.ones(1, 3), packed, w, None, 1).eq(3).all())
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quantum: int = 1, skinny_rows: bool = False
-) -> torch.Tensor:
-    """x: [T, in] -> [T, out]; rows padded to a multiple of `quantum` for the product; with
-    `skinny_rows` (see skinny.eligible) 2-8 rows go through the skinny kernel."""
+class TiledWeight:
+    """A weight [N, K] whose products run as calls of one fixed shape [TILE_ROWS, K] x [K, cols]."""
+
+    def __init__(self, weight: torch.Tensor):  # weight: [N, K]
+        n, k = weight.shape
+        self.weight = weight
+        self.dtype = weight.dtype
+        self.cols = min(TILE_COLS, n)
+        padded = -(-n // self.cols) * self.cols
+        if padded != n:
+            weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+        self.packed = mkl_packed_available() and weight.dtype == torch.float32
+        # `_mkl_linear` reads only the shape of its third argument when the row count matches
+        self._shape = weight.new_zeros(()).expand(self.cols, k)
+        self.blocks = [self._prepare(weight[j:j + self.cols].contiguous()) for j in range(0, padded, self.cols)]
+
+    def _prepare(self, block: torch.Tensor) -> torch.Tensor:  # block: [cols, K]
+        return torch.ops.mkl._mkl_reorder_linear_weight(block, TILE_ROWS) if self.packed else block
+
+    def _call(self, x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:  # [TILE_ROWS, K] -> [TILE_ROWS, cols]
+        if self.packed:
+            return torch.ops.mkl._mkl_linear(x, block, self._shape, None, TILE_ROWS)
+        return torch.mm(x, block.t())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, K] -> [T, N]."""
+        rows, n = x.shape[0], self.weight.shape[0]
+        pad = -rows % TILE_ROWS
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = x.new_empty(rows + pad, len(self.blocks) * self.cols)  # [T', N']
+        tiles = [x[i:i + TILE_ROWS] for i in range(0, rows + pad, TILE_ROWS)]
+        for b, block in enumerate(self.blocks):  # block outer: it stays in cache across row tiles
+            c0 = b * self.cols
+            for t, tile in enumerate(tiles):
+                out[t * TILE_ROWS:(t + 1) * TILE_ROWS, c0:c0 + self.cols] = self._call(tile, block)
+        return out[:rows, :n]
+
+
+Weight = torch.Tensor | TiledWeight
+
+
+def prepare(weight: torch.Tensor, plan: str) -> Weight:
+    """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it; others keep it)."""
+    return TiledWeight(weight) if plan == "tiled" else weight
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    """The plain [N, K] tensor behind a prepared weight."""
+    return weight.weight if isinstance(weight, TiledWeight) else weight
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, skinny_rows: bool = False) -> torch.Tensor:
+    """x: [T, in] -> [T, out]. A TiledWeight runs fixed-shape calls; with `skinny_rows` (see
+    skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
+    if isinstance(weight, TiledWeight):
+        out = weight(x)
+        return out if bias is None else out + bias
     if skinny_rows and skinny.applies(x):
         return skinny.skinny_linear(x, weight, bias)
-    rows = x.shape[0]
-    pad = -rows % quantum
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        return F.linear(x, weight, bias)[:rows]
     return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    """How a model's products run: `plan` in PLANS and whether rows are batch-invariant."""
+
+    plan: str
+    batch_invariant: bool
+
+    def describe(self) -> str:
+        if self.plan == "tiled":
+            packing = "mkl-packed" if mkl_packed_available() else "torch.mm"
+            return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"
+        return {"native": "native (probed invariant)", "fast": "fast (not batch-invariant)"}[self.plan]
+
+
+def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple[int, int], ...]) -> ProductPlan:
+    """The product plan for a model whose weights have these [N, K] shapes; raises
+    BatchInvarianceError when invariance was asked for and no plan passes the probe."""
+    if not batch_invariant:
+        return ProductPlan("fast", False)
+    candidates = ("native", "tiled") if compute == torch.bfloat16 else ("tiled",)
+    failures = []
+    for plan in candidates:
+        bad = probe_invariance(plan, compute, shapes)
+        if bad is None:
+            return ProductPlan(plan, True)
+        failures.append(f"{plan}: {bad}")
+    raise BatchInvarianceError(
+        f"batch-invariant {str(compute).removeprefix('torch.')} products failed the start-up probe on this CPU "
+        f"({'; '.join(failures)}); start with --no-batch-invariant to serve without the guarantee")
+
+
+PROBE_ROWS = (1, 2, 3, 5, 9, 13, 33, 65)
+
+
+@lru_cache(maxsize=64)
+def probe_invariance(plan: str, compute: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> str | None:
+    """None when, for every weight shape, one random row gives the same bits alone and at the
+    first, middle and last position of batches of PROBE_ROWS rows; else the first failure."""
+    gen = torch.Generator().manual_seed(1234)
+    for n, k in sorted(set(shapes)):
+        weight = prepare((torch.randn(n, k, generator=gen) / k**0.5).to(compute), plan)
+        row = torch.randn(1, k, generator=gen).to(compute)  # [1, K]
+        reference = linear(row, weight)[0]
+        for rows in PROBE_ROWS[1:]:
+            batch = torch.randn(rows, k, generator=gen).to(compute)  # [rows, K]
+            for pos in sorted({0, rows // 2, rows - 1}):
+                placed = batch.clone()
+                placed[pos] = row[0]
+                if not torch.equal(linear(placed, weight)[pos], reference):
+                    return f"weight {n}x{k}, row {pos} of {rows}"
+    return None

@@ -73,6 +73,7 @@ class WorkerView:
     epoch: int
     state: str
     load: dict[str, int] = field(default_factory=dict)
+    cpu: dict = field(default_factory=dict)  # kind, features, math paths, product plan (model/cpu.py)
 
 
 class Backend(Protocol):

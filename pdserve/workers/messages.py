@@ -100,6 +100,7 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     bytes_per_token: int
     max_model_len: int
     prefix_identity: str = ""
+    cpu: dict = msgspec.field(default_factory=dict)  # the engine's numerics report (model/cpu.py)
     handoff_address: tuple[str, int] | None = None
     shm_name: str | None = None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
 from pdserve.handoff.trace import TraceSink
+from pdserve.model.cpu import summary as cpu_summary
+from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.prefill_side import PrefillSide
@@ -81,11 +84,13 @@ class Worker:
 
     def register(self) -> None:
         eng = self.engine
+        print(f"pdserve worker {self.id} (epoch {self.epoch}, {self.config.role}): {cpu_summary()}; "
+              f"compute {eng.numerics['compute_dtype']}, products {eng.numerics['products']}", file=sys.stderr, flush=True)
         self.send(m.Register(
             worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.config.role, pid=os.getpid(),
             num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
-            prefix_identity=eng.identity.identity_hash,
+            prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
             handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
         ))
 
@@ -228,8 +233,13 @@ def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:
 
 
 def serve_worker(config: WorkerConfig) -> None:
-    """Process entry point (multiprocessing target or Ray actor body)."""
-    worker = Worker(config)
+    """Process entry point (multiprocessing target or Ray actor body). A machine that cannot keep
+    rows batch-invariant ends the worker with one clear line instead of serving inexactly."""
+    try:
+        worker = Worker(config)
+    except BatchInvarianceError as exc:
+        print(f"pdserve worker {config.worker_id}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     try:
         worker.run()
     finally:

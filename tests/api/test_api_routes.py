@@ -35,7 +35,11 @@ def test_health_models_metrics_workers(server, client):
     assert "pdserve_time_per_output_token_seconds_count" in metrics.text
     workers = httpx.get(server.url + "/workers").json()
     assert len(workers) == 1 and workers[0]["role"] == "colocated" and workers[0]["state"] == "serving"
-    assert set(workers[0]) == {"id", "role", "host", "pid", "epoch", "state", "load"}
+    assert set(workers[0]) == {"id", "role", "host", "pid", "epoch", "state", "load", "cpu"}
+    cpu = workers[0]["cpu"]
+    assert cpu["kind"] in ("avx2", "avx512", "avx512-bf16", "avx512-amx", "other") and set(cpu["features"]) == {
+        "avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert cpu["products"] and cpu["compute_dtype"] in ("float32", "bfloat16")
 
 
 # ---- scripted backend ---------------------------------------------------------------------

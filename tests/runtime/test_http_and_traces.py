@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import httpx
 import openai
 import uvicorn
 
@@ -18,6 +19,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.ledger.trace import analyze_trace, parse_jsonl
+from pdserve.model.cpu import cpu_report
 from pdserve.ports import free_local_port
 from tests.runtime.conftest import config, prompt, wait_baseline
 
@@ -32,7 +34,8 @@ def _client_calls(port: int) -> dict:
     chunks = list(streamed)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
                                           max_tokens=8, extra_body={"ignore_eos": True})
-    return {"ids": ids, "plain": plain, "chunks": chunks, "chat": chat}
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers").json()
+    return {"ids": ids, "plain": plain, "chunks": chunks, "chat": chat, "workers": workers}
 
 
 def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_path):
@@ -54,6 +57,8 @@ def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_
     r = asyncio.run(main())
     expected = Engine(EngineConfig(model="tiny", num_blocks=128)).generate([r["ids"]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     plain = r["plain"]
+    cpus = [w["cpu"] for w in r["workers"]]  # every worker says what CPU and product plan it computes with
+    assert len(cpus) == 2 and all(c["kind"] == cpu_report()["kind"] and c["products"] for c in cpus)
     assert plain.choices[0].token_ids == list(expected.output_ids)
     assert plain.usage.prompt_tokens == 300 and plain.usage.completion_tokens == 12
     streamed_ids = [t for c in r["chunks"] for ch in c.choices for t in (ch.token_ids or [])]
