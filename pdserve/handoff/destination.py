@@ -9,7 +9,13 @@ Contract (one `DestinationTransfer` per transfer id, driven by `DecodeEndpoint`)
     checksum of the bytes actually in the pool, then moves the chunk RECEIVED -> DEVICE_VISIBLE;
   * `validate()` then `publish(directory)` (one CAS); `abort(reason)` is the only cleanup path
     before publication: cancel open chunks, free the unpublished reservation, record the reason.
-After PUBLISHED the reserved blocks belong to the directory entry; after ABORTED they are free.
+  * Quiescence before release: a transport asks `grant_write(frame)` (`landing_blocks` counted as
+    a write in flight) and ends it with `end_write()` once its bytes are in (or it gave up). An abort fences the
+    transaction at once (no new grant, every later frame refused) but returns the blocks only
+    when the last granted write has ended, so a late copy can never land in blocks that another
+    request already owns.
+After PUBLISHED the reserved blocks belong to the directory entry; after ABORTED and quiescence
+they are free.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class DestinationTransfer:
         self.terminal_reason: RejectReason | None = None
         self.handle: PublishedHandle | None = None
         self.log = LandingLog()
+        self.writers = 0  # write grants handed out and not yet ended
+        self._release_after_writes: DestinationBlocks | None = None
 
     @property
     def transfer_id(self) -> str:
@@ -137,6 +145,28 @@ class DestinationTransfer:
             return None
         spec = self.manifest.chunk(frame.chunk_id)
         return self.manifest.chunk_dst_blocks(spec) if spec.nbytes == frame.nbytes and spec.layer == frame.layer else None
+
+    def grant_write(self, frame: ChunkFrame) -> list[int] | None:
+        """`landing_blocks`, counted as a write in flight until `end_write` (None: nothing granted)."""
+        blocks = self.landing_blocks(frame)
+        if blocks is not None:
+            self.writers += 1
+        return blocks
+
+    def end_write(self) -> None:
+        """A granted write finished or was given up; the last one lets an abort release the blocks."""
+        if self.writers <= 0:
+            raise HandoffError(RejectReason.ILLEGAL_TRANSITION, f"{self.transfer_id}: write ended without a grant")
+        self.writers -= 1
+        if self.writers == 0 and self._release_after_writes is not None:
+            blocks, self._release_after_writes = self._release_after_writes, None
+            self._release(blocks)
+            self._emit("quiesced", reason=self.terminal_reason.value if self.terminal_reason else None)
+
+    @property
+    def quiescent(self) -> bool:
+        """No write into this transfer's blocks is in flight and no release is waiting for one."""
+        return self.writers == 0 and self._release_after_writes is None
 
     def land(self, frame: ChunkFrame, pool_raw: np.ndarray, make_visible: Callable[[int, list[int]], None],
              landed_checksum: int | None = None) -> bool:
@@ -208,7 +238,13 @@ class DestinationTransfer:
         self._move(TxnState.ABORTED)
         if self.table is not None:
             self.table.cancel_open()
+        self.terminal_reason = reason
+        if self.writers:  # fenced now, released when the in-flight writes end (end_write)
+            self._release_after_writes = blocks
+        else:
+            self._release(blocks)
+        self._emit("abort", reason=reason.value)
+
+    def _release(self, blocks: DestinationBlocks) -> None:
         if self.reservation is not None and blocks.is_reserved(self.reservation.reservation_id):
             blocks.free(self.reservation.reservation_id)
-        self.terminal_reason = reason
-        self._emit("abort", reason=reason.value)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkAck, ChunkFrame, ManifestFrame, PublishAck
 from pdserve.handoff.source import SourceTransfer
@@ -143,9 +143,10 @@ def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id:
     txn = endpoint.transfers[transfer_id]
     done = until or (lambda: txn.state in (TxnState.PUBLISHED, TxnState.ABORTED))
     last_frame = time.monotonic()
+    landing = GrantedLanding(endpoint)
     try:
         while not done():
-            frame = link.recv(config.ack_timeout_s / 10, endpoint.landing_blocks)
+            frame = landing.recv(link, config.ack_timeout_s / 10)
             if frame is None:
                 if time.monotonic() - last_frame > config.give_up_s:
                     raise LinkClosed("source silent")

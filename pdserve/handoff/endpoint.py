@@ -2,7 +2,8 @@
 
 Contract: `DecodeEndpoint` is synchronous and transport-agnostic. The worker calls `reserve`
 when the router assigns a transfer, feeds every received frame to `handle` (after the transport
-has placed a chunk's payload where `landing_blocks` said) and sends back the frames `handle`
+has placed a chunk's payload where `grant_landing` said, and ended that grant; `GrantedLanding`
+does both for a link) and sends back the frames `handle`
 returns. Refusals never raise out of `handle`: they are traced as `reject` and answered. What
 happens on a refusal depends on its kind:
   * a fenced chunk or seal frame (stale attempt, generation or epoch) is dropped;
@@ -14,6 +15,7 @@ Finished transactions stay as tombstones so late frames are answered idempotentl
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from pdserve.engine.kv_abi import CacheIdentity
@@ -73,8 +75,18 @@ class DecodeEndpoint:
 
     # -- frames --------------------------------------------------------------------------------
     def landing_blocks(self, frame: ChunkFrame) -> list[int] | None:
+        """Where the frame's payload may be written (a query: nothing is granted)."""
         txn = self.transfers.get(frame.transfer_id)
         return None if txn is None else txn.landing_blocks(frame)
+
+    def grant_landing(self, frame: ChunkFrame) -> list[int] | None:
+        """`landing_blocks` as a write grant the transport must end with `end_landing` when its
+        write is over: until then an abort keeps the blocks (see destination.py)."""
+        txn = self.transfers.get(frame.transfer_id)
+        return None if txn is None else txn.grant_write(frame)
+
+    def end_landing(self, transfer_id: str) -> None:
+        self.transfers[transfer_id].end_write()
 
     def handle(self, frame: Frame, landed_checksum: int | None = None) -> list[Frame]:
         """`landed_checksum`: the receiving link's hash of the bytes it just wrote into this chunk's
@@ -199,8 +211,37 @@ class DecodeEndpoint:
         """Every transfer is terminal; blocks are held only by published, unretired handles."""
         open_ = [t.transfer_id for t in self.transfers.values() if t.state not in (TxnState.PUBLISHED, TxnState.ABORTED)]
         assert not open_, f"unfinished transfers: {open_}"
+        busy = [t.transfer_id for t in self.transfers.values() if not t.quiescent]
+        assert not busy, f"writes still in flight: {busy}"
         published = {h.reservation_id for h in (self.directory.lookup(r) for r in self.directory.owners()) if h}
         for txn in self.transfers.values():
             rid = txn.reservation.reservation_id if txn.reservation else None
             if rid is not None and rid not in published:
                 assert not self.blocks.is_reserved(rid), f"{txn.transfer_id} ({txn.state.name}) still holds {rid}"
+
+
+class GrantedLanding:
+    """A receiving link's landing callback for one connection: asks the endpoint where a payload
+    goes (under `lock`, the worker's) and ends every grant once the link's receive is over,
+    whether the bytes were written or the receive failed (quiescence, see destination.py)."""
+
+    def __init__(self, endpoint: DecodeEndpoint, lock=None):
+        self.endpoint = endpoint
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.granted: list[str] = []
+
+    def __call__(self, frame: ChunkFrame) -> list[int] | None:
+        with self.lock:
+            blocks = self.endpoint.grant_landing(frame)
+        if blocks is not None:
+            self.granted.append(frame.transfer_id)
+        return blocks
+
+    def recv(self, link, timeout_s: float) -> Frame | None:
+        """`link.recv` with this callback; grants end before the frame is returned."""
+        try:
+            return link.recv(timeout_s, self)
+        finally:
+            with self.lock:
+                while self.granted:
+                    self.endpoint.end_landing(self.granted.pop())

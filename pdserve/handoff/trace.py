@@ -2,7 +2,9 @@
 
 Contract: every event carries request, transfer and generation (plus attempt), so a trace
 analyzer can rebuild each transaction's timeline. One clock per sink (`time.monotonic` by
-default). The schema is fixed by `TraceEvent`; `EVENTS` lists the allowed event names.
+default). The schema is fixed by `TraceEvent`; `EVENTS` (the ledger's) lists the allowed event
+names; `quiesced` marks an aborted destination whose last in-flight write ended, so its blocks
+went back.
 A sink writes to a file, keeps events in memory, or both; `NullSink` drops everything.
 """
 
@@ -14,10 +16,7 @@ from typing import Callable, IO
 
 import msgspec
 
-EVENTS = frozenset({
-    "reserve", "chunk_send", "chunk_receive", "chunk_visible", "validate", "publish", "ack",
-    "abort", "retry", "layer_ready", "prefill_start", "prefill_end", "decode_ready", "reject",
-})
+from pdserve.ledger.trace import EVENTS  # one list of event names for writers and readers
 
 
 class TraceEvent(msgspec.Struct, frozen=True, omit_defaults=False):

@@ -21,7 +21,7 @@ from pdserve.ledger.transfer import exposed_stall_s, overlapped_work_s, union_le
 
 EVENTS = frozenset(
     "reserve chunk_send chunk_receive chunk_visible validate publish ack abort retry "
-    "layer_ready prefill_start prefill_end decode_ready reject".split()
+    "layer_ready prefill_start prefill_end decode_ready reject quiesced".split()
 )
 REQUIRED_KEYS = ("ts", "event", "request", "transfer", "generation", "attempt")
 

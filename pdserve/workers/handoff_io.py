@@ -9,7 +9,9 @@ Contract:
   the finished `SourceTransfer` through `on_done`.
 - `HandoffListener` (decode worker) accepts one connection per transfer and answers frames with
   the worker's `DecodeEndpoint`; every endpoint call runs under the worker lock, payload bytes
-  land in reserved blocks outside it. The final state is reported through `on_done`.
+  land in reserved blocks outside it. Each landing grant is ended (`end_landing`) as soon as the
+  transport's receive returns or fails, so an abort meanwhile frees the blocks only after the
+  write is over (quiescence). The final state is reported through `on_done`.
 Link preamble: one byte, b"P" (shm pull: the destination copies from this worker's shared pool),
 b"S" (shm staging, when the pool is private) or b"T" (tcp), then frames.
 """
@@ -29,7 +31,7 @@ from pdserve.engine.kv_abi import CacheIdentity
 from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.credits import ByteCredits
 from pdserve.handoff.driver import DriveConfig, drive_source
-from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
@@ -196,7 +198,7 @@ class HandoffListener:
                 link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw)
             else:
                 link = TcpReceiverLink(conn, self.endpoint.raw)
-            first = link.recv(30.0, self._landing)
+            first = GrantedLanding(self.endpoint, self.lock).recv(link, 30.0)
         except (OSError, LinkClosed):
             conn.close()
             return
@@ -208,16 +210,13 @@ class HandoffListener:
         link.close()
         self.on_done(transfer_id, state)
 
-    def _landing(self, frame):
-        with self.lock:
-            return self.endpoint.landing_blocks(frame)
-
     def _answer(self, link: ReceiverLink, transfer_id: str) -> TxnState:
         txn = self.endpoint.transfers[transfer_id]
+        landing = GrantedLanding(self.endpoint, self.lock)
         last = time.monotonic()
         try:
             while txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
-                frame = link.recv(0.1, self._landing)
+                frame = landing.recv(link, 0.1)
                 if frame is None:
                     if time.monotonic() - last > self.give_up_s:
                         raise LinkClosed("source silent")

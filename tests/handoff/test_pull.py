@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.handoff.driver import _payload
+from pdserve.handoff.endpoint import GrantedLanding
 from pdserve.handoff.frames import ChunkFrame, ManifestFrame, SourcePoolHello
 from pdserve.handoff.kvbytes import chunk_checksum, copy_and_checksum, pool_bytes
 from pdserve.handoff.states import TxnState
@@ -29,7 +30,8 @@ def world():
 
 def _answer(world, receiver) -> list:
     answers = []
-    while (frame := receiver.recv(0.05, world.endpoint.landing_blocks)) is not None:
+    landing = GrantedLanding(world.endpoint)
+    while (frame := landing.recv(receiver, 0.05)) is not None:
         landed = receiver.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None
         for answer in world.endpoint.handle(frame, landed):
             answers.append(answer)

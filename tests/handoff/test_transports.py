@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from pdserve.handoff.driver import DriveConfig, _payload, drive_source, serve_destination
+from pdserve.handoff.endpoint import GrantedLanding
 from pdserve.handoff.frames import ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.source import SourceTransfer
@@ -136,7 +137,8 @@ def test_corrupted_only_link_never_publishes_wrong_bytes():
 def _answer_pending(world, receiver) -> list:
     """Serve every frame already waiting on the receiver; returns the answers it sent."""
     answers = []
-    while (frame := receiver.recv(0.05, world.endpoint.landing_blocks)) is not None:
+    landing = GrantedLanding(world.endpoint)
+    while (frame := landing.recv(receiver, 0.05)) is not None:
         for answer in world.endpoint.handle(frame):
             receiver.send(answer)
             answers.append(answer)
