@@ -122,10 +122,14 @@ class Engine:
             self.stops.skip_first(seq, token)
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
+    def abort(self, request_id: str, keep_blocks: bool = False) -> bool:
+        """Stop a request wherever it is; its blocks go back to the pool. False if unknown.
+        `keep_blocks` (a handoff still reads them): a prefill-only request stops computing but its
+        blocks stay pinned as a source copy until `release_prefilled`."""
         if request_id in self.imports:
             self.cancel_import(request_id)
+            return True
+        if keep_blocks and self._pin(request_id):
             return True
         seq = self.seqs.pop(request_id, None) or self.prefilled.pop(request_id, None)
         if seq is None:
@@ -240,6 +244,17 @@ class Engine:
             block_hashes=tuple(seq.block_hashes[: n // self.abi.block_size]),
             num_tokens=n,
         )
+
+    def _pin(self, request_id: str) -> bool:
+        if request_id in self.prefilled:
+            return True
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.mode is not SeqMode.PREFILL_ONLY or seq not in self.scheduler.running:
+            return False
+        self.scheduler.running.remove(seq)
+        seq.transition(SeqStatus.PREFILLED)
+        self.prefilled[request_id] = self.seqs.pop(request_id)
+        return True
 
     def release_prefilled(self, request_id: str) -> None:
         """Drop the source copy (after the destination acknowledged publication)."""

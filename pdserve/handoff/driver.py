@@ -4,7 +4,11 @@ Contract:
   * `drive_source` runs on the prefill worker: manifest -> chunks as layers pass the producer
     gate and credits allow -> seal -> wait for publication. Unanswered chunks are resent under
     the same transfer id after `ack_timeout_s`. It returns the source transfer in PUBLISHED or
-    ABORTED state; on a dead link it aborts (credits reclaimed) rather than raising.
+    ABORTED state; on a dead link it aborts (credits reclaimed) rather than raising. `cancelled()`
+    (polled every loop) aborts it on the owner's word: the destination is told with an AbortFrame.
+  * `await_peer_close` is the source's quiescence step after an abort: the destination may be
+    copying out of the source's blocks (pull) until it hangs up, so the caller releases them
+    only after this returns.
   * `serve_destination` runs on the decode worker: frames in, `DecodeEndpoint.handle`, answers
     out, until the transfer is terminal. A dead or silent link aborts the unpublished transfer.
 Neither loop knows which transport it drives.
@@ -75,9 +79,10 @@ def _absorb(src: SourceTransfer, link: SenderLink, timeout_s: float) -> bool:
     return got
 
 
-def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = DriveConfig()) -> SourceTransfer:
+def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = DriveConfig(),
+                 cancelled: Callable[[], bool] = lambda: False) -> SourceTransfer:
     try:
-        _drive(src, link, config)
+        _drive(src, link, config, cancelled)
     except LinkClosed:
         _abort_source(src, link, RejectReason.TRANSPORT_FAILURE)
     except HandoffError as err:
@@ -85,10 +90,12 @@ def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = Dr
     return src
 
 
-def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig) -> None:
+def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig, cancelled: Callable[[], bool]) -> None:
     link.send(ManifestFrame(src.manifest))
     sealed, last_progress, deadline = False, time.monotonic(), time.monotonic() + config.give_up_s
     while src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+        if cancelled():
+            raise HandoffError(RejectReason.CANCELLED, src.manifest.transfer_id)
         if time.monotonic() > deadline:
             raise HandoffError(RejectReason.TIMEOUT, src.manifest.transfer_id)
         version = src.gate.version  # read before looking for work, so no report is missed below
@@ -135,6 +142,18 @@ def _abort_source(src: SourceTransfer, link: SenderLink, reason: RejectReason) -
         link.send(frame)
     except LinkClosed:
         pass
+
+
+def await_peer_close(link: SenderLink, timeout_s: float) -> bool:
+    """Read (and ignore) answers until the destination hangs up; False if it did not within
+    `timeout_s` (the chunk checksums still refuse bytes read from a reused source block)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            link.recv(0.05)
+    except (LinkClosed, OSError):
+        return True
+    return False
 
 
 def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id: str,

@@ -30,7 +30,7 @@ import numpy as np
 from pdserve.engine.kv_abi import CacheIdentity
 from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.credits import ByteCredits
-from pdserve.handoff.driver import DriveConfig, drive_source
+from pdserve.handoff.driver import DriveConfig, await_peer_close, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
@@ -48,6 +48,7 @@ from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, tune
 from pdserve.workers.messages import TransferPlan
 
 CHUNK_TARGET_BYTES = 1 << 20
+PEER_CLOSE_WAIT_S = 2.0  # an aborted source waits this long for the destination to hang up
 log = logging.getLogger("pdserve.worker")
 
 
@@ -73,10 +74,19 @@ class HandoffSender:
         self.credit_bytes = credit_bytes
         self.on_done = on_done
         self.gates: dict[str, LayerGate] = {}
+        self.cancels: dict[str, threading.Event] = {}
         self.slots = threading.BoundedSemaphore(max_concurrent)
 
     def gate(self, request_id: str) -> LayerGate | None:
         return self.gates.get(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask a running transfer to abort; True if one was running (its `on_done` follows, after
+        which its source blocks may be released)."""
+        event = self.cancels.get(request_id)
+        if event is not None:
+            event.set()
+        return event is not None
 
     def start(self, request_id: str, prompt_ids: tuple[int, ...], src_blocks: list[int], plan: TransferPlan,
               tenant: str, schedule: str) -> SourceTransfer:
@@ -95,6 +105,7 @@ class HandoffSender:
             raise ValueError(f"manifest moves {manifest.total_bytes} bytes, the ledger says {expected}")
         gate = LayerGate(abi.num_layers, clock=time.monotonic)
         self.gates[request_id] = gate
+        self.cancels[request_id] = threading.Event()
         blocks = transfer_blocks(src_blocks, plan)
         # one credit window per transfer, no larger than its payload: with shm it is also the size
         # of the staging area the destination maps for this link
@@ -118,16 +129,20 @@ class HandoffSender:
         if link is None:
             src.abort(_transport_failure())
         else:
+            cancel = self.cancels[request_id]
             try:
-                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0))
+                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0), cancelled=cancel.is_set)
             except Exception as exc:  # noqa: BLE001 - a broken link must still end the transaction
                 log.warning("handoff %s failed: %r", src.manifest.transfer_id, exc)
                 if src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
                     src.abort(_transport_failure())
             finally:
+                if src.state is TxnState.ABORTED:  # the peer may still copy out of our blocks (pull)
+                    await_peer_close(link, PEER_CLOSE_WAIT_S)
                 physical = link.traffic.snapshot.total_bytes
                 link.close()
         self.gates.pop(request_id, None)
+        self.cancels.pop(request_id, None)
         self.on_done(request_id, src, time.monotonic() - t0, physical)
 
     def _open_link(self, plan: TransferPlan, window: int):

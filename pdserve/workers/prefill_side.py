@@ -8,6 +8,8 @@ Life cycle of one request here:
     -> source transfer PUBLISHED: the source copy is released (publication was acknowledged)
        ABORTED: released too; the router recomputes or reroutes (decode-start fallback)
     -> TransferDone(side="source") with logical bytes, transfer and exposed seconds.
+    abort while the transfer runs -> the transfer is cancelled (the destination gets an AbortFrame)
+       and the blocks stay pinned until its thread ended and the destination hung up.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ class PrefillSide:
             transfer_s=transfer_s, exposed_s=max(0.0, done_at - end),
         ))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Forget the request; True when its transfer is still running: the transfer is told to
+        abort and the engine must keep the source blocks until `on_event` releases them."""
         self.plans.pop(request_id, None)
         self.prefill_end.pop(request_id, None)
+        return request_id in self.started and self.sender.cancel(request_id)

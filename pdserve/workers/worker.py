@@ -184,9 +184,8 @@ class Worker:
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)
-            if self.prefill:
-                self.prefill.abort(request_id)
-            self.engine.abort(request_id)
+            transfer_running = self.prefill is not None and self.prefill.abort(request_id)
+            self.engine.abort(request_id, keep_blocks=transfer_running)
 
     def drain_events(self) -> None:
         while True:

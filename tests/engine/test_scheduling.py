@@ -183,6 +183,27 @@ def test_abort_frees_blocks_in_every_state(gqa_ckpt, engine_factory):
     assert not eng.abort("unknown")
 
 
+def test_abort_keeping_blocks_pins_a_prefill_until_release(gqa_ckpt, engine_factory):
+    """An aborted prefill whose handoff still reads its blocks stops computing, keeps them, and
+    returns them only on release_prefilled (the worker's quiescence step)."""
+    eng = engine_factory(gqa_ckpt, max_num_batched_tokens=8)
+    p = prompts(1, lengths=(40,))[0]
+    free = eng.blocks.num_free
+    eng.add_request("mid", p, GREEDY, mode=SeqMode.PREFILL_ONLY)
+    eng.step()  # mid-prefill: 8 of 40 tokens
+    held = list(eng.kv_blocks("mid"))
+    assert held and eng.abort("mid", keep_blocks=True)
+    assert not eng.has_unfinished() and eng.kv_blocks("mid") == held and eng.blocks.num_free == free - len(held)
+    eng.check_integrity()
+    eng.release_prefilled("mid")
+    assert eng.blocks.num_free == free
+    eng.add_request("colocated", p, GREEDY)
+    eng.step()
+    assert not eng.abort("unknown", keep_blocks=True) and eng.abort("colocated", keep_blocks=True)  # nothing to pin
+    assert eng.blocks.num_free == free
+    eng.assert_no_leaks()
+
+
 @pytest.mark.parametrize("dtype,compute", NUMERICS)
 def test_tokens_do_not_depend_on_batch_mates(gqa_ckpt, engine_factory, dtype, compute):
     """Aligned chunks, batch-invariant matmuls and decode K/V padding that depends only on a

@@ -100,3 +100,37 @@ def test_unaborted_writes_release_nothing_and_stray_ends_are_refused():
         world.endpoint.assert_no_leaks()
     world.endpoint.end_landing(req_a.transfer_id)
     finish(world, src_a)
+
+
+@pytest.mark.parametrize("kind", ["pull", "tcp"])
+def test_a_cancelled_source_aborts_both_ends_and_waits_for_the_peer_to_hang_up(kind):
+    """The owner cancels mid-transfer (the producer never finishes): the destination is told,
+    aborts and closes its end, and the source sees that close before it may release its blocks."""
+    import threading
+
+    from pdserve.handoff.driver import DriveConfig, await_peer_close, drive_source, serve_destination
+    from tests.handoff.test_transports import LINKS
+
+    world = make_world(num_tokens=37, credit_bytes=2048, shm=True)
+    req = reserve_request(world, num_tokens=37)
+    manifest, src = open_transfer(world, req)
+    src.gate.mark_ready(0)  # only layer 0 is ever produced: the transfer cannot finish by itself
+    sender, receiver = LINKS[kind](world)
+    config = DriveConfig(ack_timeout_s=1.0, give_up_s=20.0)
+
+    def destination():
+        serve_destination(world.endpoint, receiver, req.transfer_id, config)
+        receiver.close()  # what the listener does once the transfer is terminal
+
+    server = threading.Thread(target=destination)
+    server.start()
+    calls = iter(range(10**9))
+    drive_source(src, sender, config, cancelled=lambda: next(calls) > 40)
+    assert src.state is TxnState.ABORTED and src.terminal_reason is RejectReason.CANCELLED
+    assert await_peer_close(sender, 10.0)
+    server.join(10)
+    sender.close()
+    assert not server.is_alive()
+    txn = world.endpoint.transfers[req.transfer_id]
+    assert txn.state is TxnState.ABORTED and txn.quiescent
+    finish(world, src)
