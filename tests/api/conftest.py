@@ -3,8 +3,10 @@ a second engine as the exactness reference, and a fake-backend server per test."
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -68,7 +70,7 @@ def tokenizer(backend):
     return backend.tokenizer()
 
 
-def wait_idle(backend: InProcessBackend, timeout_s: float = 10.0) -> None:
+def wait_idle(backend: InProcessBackend, timeout_s: float = 60.0) -> None:
     """Wait until the engine holds no request, then check it is back at baseline."""
     deadline = time.monotonic() + timeout_s
     while backend.run_on_engine(lambda e: e.has_unfinished()).result(timeout_s):
@@ -76,6 +78,34 @@ def wait_idle(backend: InProcessBackend, timeout_s: float = 10.0) -> None:
             raise AssertionError("engine still busy")
         time.sleep(0.02)
     backend.run_on_engine(lambda e: (e.check_integrity(), e.assert_no_leaks())).result(timeout_s)
+
+
+@contextmanager
+def engine_held_after(backend: InProcessBackend, num_steps: int):
+    """The engine thread runs `num_steps` more steps, then holds before the next one until the
+    block ends (or the yielded `release()` is called): a request longer than that is still live
+    until then however fast the machine generates, so an abort or a hang-up always finds it running."""
+    release = threading.Event()
+    steps_left = [num_steps]
+
+    def hold(engine: Engine) -> None:
+        step = engine.step
+
+        def held_step(*args, **kwargs):
+            if steps_left[0] <= 0:
+                release.wait()
+            steps_left[0] -= 1
+            return step(*args, **kwargs)
+
+        engine.step = held_step
+
+    backend.run_on_engine(hold).result(60)
+    try:
+        yield release.set
+    finally:
+        release.set()
+        if backend.healthy():  # a closed backend's engine steps no more
+            backend.run_on_engine(lambda e: e.__dict__.pop("step", None)).result(60)  # back to the real method
 
 
 @pytest.fixture

@@ -8,12 +8,15 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import MODEL, wait_idle
+from tests.api.conftest import MODEL, engine_held_after, wait_idle
 
 LONG = {"model": MODEL, "prompt": "a long one", "max_tokens": 110, "ignore_eos": True}
+# The real engine holds still after this many steps until the client has hung up and the abort is
+# seen (engine_held_after): the request is live at the hang-up on a machine of any speed.
+HELD_AFTER_STEPS = 3
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -36,9 +39,10 @@ def read_events(url: str, body: dict, count: int) -> list[dict]:
 
 # ---- real engine --------------------------------------------------------------------------
 def test_stream_disconnect_aborts_and_engine_returns_to_baseline(server, backend):
-    events = read_events(server.url + "/v1/completions", {**LONG, "stream": True}, count=2)
-    request_id = events[0]["id"]
-    wait_for(lambda: backend.abort_calls[request_id] >= 1)
+    with engine_held_after(backend, HELD_AFTER_STEPS):
+        events = read_events(server.url + "/v1/completions", {**LONG, "stream": True}, count=2)
+        request_id = events[0]["id"]
+        wait_for(lambda: backend.abort_calls[request_id] >= 1)
     wait_idle(backend)
     time.sleep(0.2)
     assert backend.abort_calls[request_id] == 1
@@ -47,19 +51,21 @@ def test_stream_disconnect_aborts_and_engine_returns_to_baseline(server, backend
 def test_chat_stream_disconnect_aborts(server, backend):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 110, "ignore_eos": True,
             "stream": True}
-    events = read_events(server.url + "/v1/chat/completions", body, count=2)
-    request_id = events[0]["id"]
-    assert request_id.startswith("chatcmpl-") and events[0]["choices"][0]["delta"]["role"] == "assistant"
-    wait_for(lambda: backend.abort_calls[request_id] >= 1)
+    with engine_held_after(backend, HELD_AFTER_STEPS):
+        events = read_events(server.url + "/v1/chat/completions", body, count=2)
+        request_id = events[0]["id"]
+        assert request_id.startswith("chatcmpl-") and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        wait_for(lambda: backend.abort_calls[request_id] >= 1)
     wait_idle(backend)
     assert backend.abort_calls[request_id] == 1
 
 
 def test_non_streaming_disconnect_aborts(server, backend):
     before = sum(backend.abort_calls.values())
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=LONG, timeout=0.3)
-    wait_for(lambda: sum(backend.abort_calls.values()) == before + 1)
+    with engine_held_after(backend, 0):  # no token before the client gives up, however fast the engine
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=LONG, timeout=0.3)
+        wait_for(lambda: sum(backend.abort_calls.values()) == before + 1)
     wait_idle(backend)
 
 

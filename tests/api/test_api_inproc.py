@@ -10,7 +10,7 @@ from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, Reje
 from pdserve.api.inproc import InProcessBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from tests.api.conftest import engine_config, wait_idle
+from tests.api.conftest import engine_config, engine_held_after, wait_idle
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
@@ -66,15 +66,17 @@ def test_duplicate_request_id_fails_only_the_duplicate(backend):
 
 
 def test_abort_mid_generation(backend):
-    async def scenario():
+    async def scenario(release):
         events = []
         async for event in backend.submit(request("ip-4", params=LONG)):
             events.append(event)
             if len(events) == 2:
                 await backend.abort("ip-4")
+                release()  # the abort is queued: it lands at the next step however fast the engine
         return events
 
-    events = asyncio.run(scenario())
+    with engine_held_after(backend, 3) as release:
+        events = asyncio.run(scenario(release))
     assert isinstance(events[-1], FinishEvent) and events[-1].finish_reason == "abort"
     assert events[-1].completion_tokens < 100
     wait_idle(backend)
@@ -133,16 +135,21 @@ def test_max_pending_rejects_with_429(own_backend):
 
 
 def test_close_fails_in_flight_and_rejects_new_work(own_backend):
-    async def scenario():
+    async def scenario(release):
         stream = aiter(own_backend.submit(request("c-1", params=LONG)))
         await anext(stream)
-        await asyncio.get_running_loop().run_in_executor(None, own_backend.close)
+        closing = asyncio.get_running_loop().run_in_executor(None, own_backend.close)
+        while own_backend.healthy():  # close() queues its stop as it turns unhealthy
+            await asyncio.sleep(0.01)
+        release()  # so the stop lands at the next step, before c-1 could finish on any machine
+        await closing
         rest = [event async for event in stream]
         with pytest.raises(Rejection):
             await drain(own_backend, request("c-2"))
         return rest
 
-    rest = asyncio.run(scenario())
+    with engine_held_after(own_backend, 2) as release:
+        rest = asyncio.run(scenario(release))
     assert rest[-1] == ErrorEvent("the backend was shut down", "shutdown")
     assert not own_backend.healthy() and own_backend.workers()[0].state == "stopped"
     own_backend.engine.assert_no_leaks()

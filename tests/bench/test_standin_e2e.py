@@ -1,8 +1,10 @@
 """The benchmark against the stand-in server: measured numbers equal hand-computed ones.
 
-Latencies carry real (small) client and loopback overhead, so latency checks allow a few ms
-above the stand-in's exact schedule; attainment and goodput thresholds sit well clear of it, so
-those are compared exactly.
+Latencies carry real client, stand-in and loopback overhead: never below the stand-in's exact
+schedule, and above it by the scheduling lag of two processes, a few ms on a loaded 2-core
+machine (more on a busier one). So every latency check allows OVERHEAD_MS above the schedule,
+and the schedules keep each SLO threshold, goodput boundary and percentile further than that from
+the value a wrong answer would give; attainment and goodput are then compared exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pdserve.bench.standin import StandinConfig, StandinProcess
 from pdserve.bench.workload import WorkloadConfig, build_workload
 from pdserve.cli import main
 
-OVERHEAD_MS = 12.0  # generous: the machine running the tests may be busy
+OVERHEAD_MS = 50.0  # about 10x the worst lag measured on a loaded 2-core machine
 
 
 def bench(url, workload, slo=Slo(10.0, 10.0), **kw):
@@ -36,22 +38,23 @@ def constant(n, input_len=fixed(32), output_len=fixed(5), **kw):
 
 
 def test_percentiles_and_attainment_match_hand_computed(tmp_path):
-    lens = [10 * (i + 1) for i in range(10)]
+    lens = [10, 20, 30, 40, 50, 160, 170, 180, 190, 200]  # two groups: no percentile lies near another's
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"prompt_len": n, "output_len": 5}) + "\n" for n in lens))
-    server = StandinConfig(first_token_s=0.01, prefill_s_per_token=0.002, inter_token_s=0.01)
+    server = StandinConfig(first_token_s=0.01, prefill_s_per_token=0.002, inter_token_s=0.1)
     workload = WorkloadConfig(num_requests=0, trace_path=str(trace), arrival=ArrivalSpec("constant"))
-    slo = Slo(ttft_s=0.120, tpot_s=0.015)
+    slo = Slo(ttft_s=0.220, tpot_s=0.200)
     with StandinProcess(server) as s:
         run = measure_rate(bench(s.url, workload, slo), build_workload(workload), rate=10.0)
-    expected_ttft_ms = np.array([10 + 2 * n for n in lens], dtype=float)  # 30 .. 210 ms
+    expected_ttft_ms = np.array([10 + 2 * n for n in lens], dtype=float)  # 30 .. 110 and 330 .. 410 ms
     summary = run.summary
     for key, q in (("p50_ttft_ms", 50), ("p90_ttft_ms", 90), ("p99_ttft_ms", 99)):
         assert 0 <= summary[key] - np.percentile(expected_ttft_ms, q) < OVERHEAD_MS, key
     assert 0 <= summary["mean_ttft_ms"] - expected_ttft_ms.mean() < OVERHEAD_MS
-    assert abs(summary["mean_tpot_ms"] - 10.0) < 2.0 and abs(summary["mean_itl_ms"] - 10.0) < 2.0
-    assert abs(summary["mean_e2el_ms"] - (expected_ttft_ms.mean() + 40)) < OVERHEAD_MS
-    # TTFT 30..110 ms meet 120 ms, 130..210 ms miss; every TPOT (10 ms) meets 15 ms.
+    # 100 ms per token; counting 5 gaps instead of 4 (or the first token's wait) would be >= 20 ms off
+    assert abs(summary["mean_tpot_ms"] - 100.0) < 15.0 and abs(summary["mean_itl_ms"] - 100.0) < 15.0
+    assert 0 <= summary["mean_e2el_ms"] - (expected_ttft_ms.mean() + 400) < OVERHEAD_MS
+    # TTFT 30..110 ms meet 220 ms, 330..410 ms miss; every TPOT (100 ms) meets 200 ms.
     assert (summary["attainment_ttft"], summary["attainment_tpot"], summary["attainment_joint"]) == (0.5, 1.0, 0.5)
     assert summary["completed"] == 10 and summary["total_output_tokens"] == 50
 
@@ -70,7 +73,7 @@ def test_failures_and_cut_offs_lower_attainment():
 
 
 def test_rejections_count_as_misses():
-    server = StandinConfig(first_token_s=0.1, max_concurrency=1)
+    server = StandinConfig(first_token_s=0.5, max_concurrency=1)  # the others arrive while the first is in flight
     workload = constant(5, output_len=fixed(1))
     with StandinProcess(server) as s:
         run = measure_rate(bench(s.url, workload), build_workload(workload), rate=float("inf"))
@@ -99,21 +102,24 @@ def test_same_seed_reproduces_arrivals_end_to_end():
     first, second = ([r.arrival_s for r in run.records] for run in runs)
     assert first == second and len(set(first)) == 12
     assert all(r.success for run in runs for r in run.records)
-    assert max(run.max_send_lag_s for run in runs) < 0.05
+    # a sanity bound on the client's own lag behind the schedule (ms, more on a loaded machine): in seconds
+    assert 0 <= max(run.max_send_lag_s for run in runs) < 1.0
 
 
 def test_goodput_against_a_concurrency_limited_standin():
-    # Each request lasts 50 ms + 4 x 12.5 ms = 100 ms and at most 2 run at once, so constant
-    # arrivals are all served up to 2 / 0.1 s = 20 req/s and a third or more are rejected above.
-    server = StandinConfig(first_token_s=0.05, inter_token_s=0.0125, max_concurrency=2)
+    # Each request lasts 100 ms + 4 x 25 ms = 200 ms and at most 2 run at once, so constant
+    # arrivals are all served up to 2 / 0.2 s = 10 req/s and a third or more are rejected above.
+    # A lag only lengthens requests (lowers the goodput); the search tries 5, 20, 12.5, 8.75,
+    # 10.625 and 9.6875 req/s, and 8.75 passes unless the stand-in lags 28 ms (2 x 114 - 200).
+    server = StandinConfig(first_token_s=0.1, inter_token_s=0.025, max_concurrency=2)
     workload = constant(16)
-    plan = SearchPlan((10.0, 40.0), target=0.9, rel_tol=0.05, max_bisections=4)
+    plan = SearchPlan((5.0, 20.0), target=0.9, rel_tol=0.05, max_bisections=4)
     with StandinProcess(server) as s:
         from pdserve.bench.app import run_bench
 
         outcome = run_bench(bench(s.url, workload, sweep=plan))
     joint, phase = outcome.goodput["joint"], outcome.goodput["phase"]
-    assert 17.0 <= joint.rate <= 20.0 and joint.lowest_failing_rate <= 22.0
+    assert 8.5 <= joint.rate <= 10.0 and joint.lowest_failing_rate <= 11.0
     assert phase.rate == joint.rate  # rejections miss both clocks alike
     assert outcome.report["request_goodput"] == joint.rate
     assert [p["rate"] for p in outcome.report["sweep"]] == sorted(outcome.runs)
@@ -144,7 +150,8 @@ REQUIRED_KEYS = (
 def test_cli_single_rate_sweep_and_compare(tmp_path):
     common = ["--num-requests", "8", "--input-len", "16", "--output-dist", "uniform:2,4",
               "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--quiet", "--arrival", "constant"]
-    with StandinProcess(StandinConfig(inter_token_s=0.002)) as a, StandinProcess(StandinConfig(first_token_s=0.01)) as b:
+    # b's first token waits 50 ms, far above a's TTFT (its overhead alone) even on a loaded machine
+    with StandinProcess(StandinConfig(inter_token_s=0.002)) as a, StandinProcess(StandinConfig(first_token_s=0.05)) as b:
         assert main(["bench", "--endpoint", a.url, "--rate", "40", "--json", str(tmp_path / "one.json"),
                      "--plot-dir", str(tmp_path / "plots"), *common]) == 0
         assert main(["bench", "--endpoint", a.url, "--sweep", "--sweep-rates", "20,40",
