@@ -47,7 +47,10 @@ def test_prefill_logits_match_transformers(tmp_path, heads, kv_heads, head_dim, 
         ref = hf(torch.tensor([prompt])).logits[0].float()
     ours = prefill_logits(engine, prompt)
     assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() <= 1e-4
+    # two fp32 paths (our fixed-shape tiles and paged attention, transformers' own products) sum in
+    # orders each BLAS picks per CPU: rounding differences scale with the logits' size (~1e-7 of
+    # it measured; the bound leaves 40x), a wrong formula is off by far more
+    assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-5
     engine.assert_no_leaks()
 
 

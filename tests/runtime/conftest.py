@@ -10,12 +10,19 @@ from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, Toke
 from pdserve.api.server import ServeConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import SamplingParams
+from pdserve.workers.supervisor import RestartPolicy
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=48 << 20)
+# A local engine the workers' tokens are compared with computes on the workers' thread count
+# (ServeConfig.threads_per_worker): a BLAS may sum in another order on another thread count.
+WORKER_THREADS = 1
 
 
 def config(**kw) -> ServeConfig:
+    """A tiny-model deployment; dead workers stay dead unless a test asks for restarts
+    (tests/runtime/test_supervision.py), so fault tests see the cluster they shrank."""
     kw.setdefault("engine", TINY)
+    kw.setdefault("restart", RestartPolicy(enabled=False))
     return ServeConfig(**kw)
 
 
@@ -35,7 +42,7 @@ async def collect(backend, rid: str, ids: tuple[int, ...], params: SamplingParam
     return tokens, None
 
 
-async def wait_baseline(backend, timeout_s: float = 10.0) -> list:
+async def wait_baseline(backend, timeout_s: float = 60.0) -> list:
     """Wait until every worker reports an idle pool: nothing running, nothing reserved, all blocks free."""
     deadline = time.monotonic() + timeout_s
     while True:

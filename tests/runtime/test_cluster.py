@@ -12,12 +12,12 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
+from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 
 
 @pytest.fixture(scope="module")
 def reference_engine():
-    return Engine(EngineConfig(model="tiny", num_blocks=256))
+    return Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
 
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
@@ -43,7 +43,7 @@ def test_small_prefill_chunks_stream_progressively_and_stay_exact():
     """With 64-token prefill chunks a 300-token prompt's K/V stream chunk by chunk while later
     chunks compute (the producer gate's watermarks); tokens equal a local engine's."""
     chunked = replace(TINY, max_num_batched_tokens=64)
-    reference = Engine(replace(chunked, kv_cache_bytes=0, num_blocks=128))
+    reference = Engine(replace(chunked, kv_cache_bytes=0, num_blocks=128, num_threads=WORKER_THREADS))
 
     async def main():
         async with cluster(config(engine=chunked, transport="auto", layerwise_threshold_tokens=64)) as (backend, _):
@@ -117,7 +117,7 @@ def test_recompute_after_kill_gives_the_same_tokens(reference_engine):
             while not backend.live.get("rec") or len(backend.live["rec"].output_ids) < 5:
                 await asyncio.sleep(0.02)
             launcher.kill(backend.live["rec"].decode_id)
-            ids, event = await asyncio.wait_for(task, timeout=60)
+            ids, event = await asyncio.wait_for(task, timeout=300)
             assert isinstance(event, FinishEvent)
             assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
 

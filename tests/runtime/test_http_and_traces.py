@@ -21,7 +21,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.ledger.trace import analyze_trace, parse_jsonl
 from pdserve.model.cpu import cpu_report
 from pdserve.ports import free_local_port
-from tests.runtime.conftest import config, prompt, wait_baseline
+from tests.runtime.conftest import WORKER_THREADS, config, prompt, wait_baseline
 
 
 def _client_calls(port: int) -> dict:
@@ -55,7 +55,8 @@ def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_
             return result
 
     r = asyncio.run(main())
-    expected = Engine(EngineConfig(model="tiny", num_blocks=128)).generate([r["ids"]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    local = Engine(EngineConfig(model="tiny", num_blocks=128, num_threads=WORKER_THREADS))
+    expected = local.generate([r["ids"]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     plain = r["plain"]
     cpus = [w["cpu"] for w in r["workers"]]  # every worker says what CPU and product plan it computes with
     assert len(cpus) == 2 and all(c["kind"] == cpu_report()["kind"] and c["products"] for c in cpus)
@@ -77,7 +78,7 @@ def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_
     merged = tmp_path / "merged.jsonl"
     merged.write_text("".join(lines))
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "trace", "analyze", str(merged), "--json"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     requests = [line for line in open(os.path.join(trace_dir, "requests.jsonl"))]
     assert len(requests) == 3 and all('"ttft_s"' in line for line in requests)
