@@ -4,7 +4,10 @@ Contract: `ServeConfig` is the one frozen description of a deployment (the CLI r
 defaults from here). `cluster(config)` is an async context manager that starts the workers
 (local processes, or Ray actors with `ray=True`), waits until all registered, yields the
 `ClusterBackend` (with the start-up heap frozen, see heap.py), and on exit shuts every worker
-down. `serve(config)` runs uvicorn on top.
+down. While it runs, a supervisor task starts every dead worker again under its next epoch, on
+the backoff of `config.restart` (`--no-restart` turns it off); the router learns of the death
+through `launcher.dead` and of the new incarnation when it registers. `serve(config)` runs
+uvicorn on top.
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -29,6 +33,7 @@ from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
 from pdserve.router.router import Router
 from pdserve.workers.launch import LaunchConfig, LocalCluster
+from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class ServeConfig:
     ray_address: str | None = None
     ray_pack_pairs: bool = False
     startup_timeout_s: float = 180.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # dead workers start again (supervisor.py)
 
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
@@ -80,15 +86,19 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     trace = f"{config.trace_dir}/requests.jsonl" if config.trace_dir else None
     bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
     launcher = _launcher(config)
+    supervisor = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s)
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address))
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
+        supervisor = asyncio.create_task(launcher.supervise())
         with frozen_heap():  # the router, app and tokenizer leave the collector's scans
             yield backend, launcher
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         await backend.close()
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
 
@@ -104,6 +114,8 @@ class _Launcher:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.impl = None
+        self.schedule = RestartSchedule(config.restart)
+        self.clock = time.monotonic
 
     def start(self, router_address: str) -> None:
         cfg = self.config
@@ -117,9 +129,29 @@ class _Launcher:
         else:
             self.impl = LocalCluster(launch, router_address)
         self.impl.start()
+        for wid in self.impl.worker_ids():
+            self.schedule.on_started(wid, 1, self.clock())
 
     def dead(self) -> list[str]:
-        return [] if self.impl is None else self.impl.dead()
+        """Workers that died since the last call (each death once); each is put on the restart
+        schedule as it is reported."""
+        gone = [] if self.impl is None else self.impl.dead()
+        for wid in gone:
+            self.schedule.on_death(wid, self.clock())
+        return gone
+
+    async def supervise(self, poll_s: float = 0.1) -> None:
+        """Start every dead worker whose backoff elapsed again, under its next epoch."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(poll_s)
+            for wid, epoch in self.schedule.due(self.clock()):
+                await loop.run_in_executor(None, self.impl.restart, wid, epoch)
+                self.schedule.mark_restarted(wid, epoch, self.clock())
+
+    @property
+    def num_restarts(self) -> int:
+        return self.schedule.num_restarts
 
     def kill(self, worker_id: str) -> None:
         self.impl.kill(worker_id)

@@ -3,7 +3,8 @@
 Contract: `LocalCluster` starts one OS process per worker (`python -m pdserve.workers.main`, so
 no state is inherited from the router process), each with an explicit torch thread count and, when asked,
 a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
-`dead()` reports each worker whose process exited, once; `kill()` exists for fault tests.
+`dead()` reports each worker whose process exited, once per death; `restart(worker, epoch)` starts
+a dead one again under a new epoch (the supervisor decides when); `kill()` exists for fault tests.
 """
 
 from __future__ import annotations
@@ -60,11 +61,25 @@ class LocalCluster:
 
     def start(self) -> None:
         for cfg in self.configs:
-            cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
-            self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self._spawn(cfg)
+
+    def worker_ids(self) -> list[str]:
+        return [c.worker_id for c in self.configs]
+
+    def _spawn(self, cfg: WorkerConfig) -> None:
+        cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
+        self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def restart(self, worker_id: str, epoch: int) -> None:
+        """Start a dead worker again under `epoch` (same id, role, cores and config otherwise)."""
+        if self.procs[worker_id].poll() is None:
+            raise ValueError(f"{worker_id} is still running")
+        cfg = next(c for c in self.configs if c.worker_id == worker_id)
+        self._spawn(replace(cfg, epoch=epoch))
+        self._reported.discard(worker_id)
 
     def dead(self) -> list[str]:
-        gone = [wid for wid, p in self.procs.items() if p.poll() is not None and wid not in self._reported]
+        gone = [wid for wid, p in self.procs.items() if p.poll() is not None and wid not in self._reported]  # each death once
         self._reported.update(gone)
         return gone
 

@@ -1,6 +1,6 @@
 """Place the same workers as Ray actors, for multi-node deployments (`pdserve serve --ray`).
 
-Contract: `RayCluster` has `LocalCluster`'s interface (start, dead, pid, kill, stop). Each worker
+Contract: `RayCluster` has `LocalCluster`'s interface (start, dead, restart, pid, kill, stop). Each worker
 is one actor whose `run` is `serve_worker`; Ray only places and supervises processes. Requests
 still flow over the router's zmq socket and K/V still moves on the handoff transports: a worker's
 `host_id` is its Ray node id, so the router picks shared memory for a pair on one node and TCP
@@ -86,6 +86,7 @@ class RayCluster:
         self.configs = {c.worker_id: c for c in worker_configs(launch, router_address)}
         self.groups: list[PlacementGroup] = []
         self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.bundles: dict[str, tuple[PlacementGroup, int]] = {}  # worker id -> its placement bundle
         self.placements: dict[str, Placement] = {}
         self.runs: dict[ray.ObjectRef, str] = {}  # run ref -> worker id, until dead() reports it
         self._owns_ray = False
@@ -109,9 +110,23 @@ class RayCluster:
             raise RuntimeError(f"placement group {strategy} {members} ({self.cpus_per_worker} CPU each) not placed "
                                f"within {self.placement_timeout_s}s; cluster has {ray.cluster_resources()}")
         for index, wid in enumerate(members):
-            in_group = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-            self.actors[wid] = WorkerActor.options(num_cpus=self.cpus_per_worker,
-                                                   scheduling_strategy=in_group).remote()
+            self.bundles[wid] = (pg, index)
+            self.actors[wid] = self._new_actor(wid)
+
+    def worker_ids(self) -> list[str]:
+        return list(self.configs)
+
+    def _new_actor(self, worker_id: str) -> ray.actor.ActorHandle:
+        pg, index = self.bundles[worker_id]
+        in_group = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+        return WorkerActor.options(num_cpus=self.cpus_per_worker, scheduling_strategy=in_group).remote()
+
+    def restart(self, worker_id: str, epoch: int) -> None:
+        """A new actor in the dead worker's bundle, run under `epoch` (supervisor.py decides when)."""
+        ray.kill(self.actors[worker_id], no_restart=True)
+        actor = self.actors[worker_id] = self._new_actor(worker_id)
+        self.placements[worker_id] = ray.get(actor.describe.remote(self.launch.engine.model))
+        self.runs[actor.run.remote(replace(self._placed_config(worker_id), epoch=epoch))] = worker_id
 
     def _locate(self) -> None:
         """Ask every actor once where it runs; fail early if a node lacks the checkpoint."""

@@ -1,0 +1,55 @@
+"""Supervision: a worker killed with kill -9 starts again under a new epoch and takes traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.sequence import SamplingParams
+from pdserve.workers.supervisor import RestartPolicy
+from tests.runtime.conftest import collect, config, prompt, wait_baseline
+
+FAST = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0)
+
+
+async def wait_epoch(backend, worker_id: str, epoch: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(w.id == worker_id and w.epoch == epoch and w.load for w in backend.workers()):
+        assert time.monotonic() < deadline, [(w.id, w.epoch) for w in backend.workers()]
+        await asyncio.sleep(0.1)
+
+
+def test_killed_workers_come_back_under_new_epochs_and_serve():
+    """Three kills on 1P1D (decode, prefill, decode again): each time the worker is replaced
+    under the next epoch and the cluster serves a request end to end."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main():
+        async with cluster(config(restart=FAST)) as (backend, launcher):
+            for n, victim in enumerate(["decode-0", "prefill-0", "decode-0"]):
+                launcher.kill(victim)
+                await wait_epoch(backend, victim, 3 if n == 2 else 2)
+                ids, event = await collect(backend, f"after-{n}", prompt(24, n), params)
+                assert isinstance(event, FinishEvent) and len(ids) == 6
+            assert launcher.num_restarts == 3
+            assert sorted((w.id, w.epoch) for w in backend.workers()) == [("decode-0", 3), ("prefill-0", 2)]
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_no_restart_leaves_the_dead_worker_out():
+    async def main():
+        async with cluster(config(restart=RestartPolicy(enabled=False), num_decode=2)) as (backend, launcher):
+            launcher.kill("decode-1")
+            deadline = time.monotonic() + 60
+            while any(w.id == "decode-1" for w in backend.workers()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # well past the first backoff: nothing came back
+            assert launcher.num_restarts == 0 and all(w.id != "decode-1" for w in backend.workers())
+
+    asyncio.run(main())

@@ -1,0 +1,46 @@
+"""The restart schedule: backoff, epochs, reset after a long life, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
+
+
+def test_backoff_doubles_to_its_bound_and_each_restart_takes_the_next_epoch():
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=2.0, reset_after_s=30.0))
+    s.on_started("decode-0", 1, now=0.0)
+    waits = []
+    now = 1.0
+    for expected_epoch in (2, 3, 4, 5):
+        due = s.on_death("decode-0", now)
+        waits.append(due - now)
+        assert s.due(due - 1e-6) == [] and s.waiting() == ["decode-0"]
+        assert s.due(due) == [("decode-0", expected_epoch)]
+        s.mark_restarted("decode-0", expected_epoch, due)
+        now = due + 1.0  # dies again one second later
+    assert waits == [0.5, 1.0, 2.0, 2.0] and s.num_restarts == 4 and s.waiting() == []
+
+
+def test_a_long_life_resets_the_backoff():
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=8.0, reset_after_s=30.0))
+    s.on_started("prefill-0", 1, now=0.0)
+    for _ in range(3):
+        due = s.on_death("prefill-0", 1.0 if s.num_restarts == 0 else due + 1.0)
+        s.mark_restarted("prefill-0", s.due(due)[0][1], due)
+    assert s.on_death("prefill-0", due + 31.0) == due + 31.5  # it had lived 31 s: first delay again
+
+
+def test_disabled_policy_schedules_nothing_and_bad_calls_raise():
+    off = RestartSchedule(RestartPolicy(enabled=False))
+    off.on_started("decode-0", 1, 0.0)
+    assert off.on_death("decode-0", 1.0) is None and off.due(100.0) == []
+    s = RestartSchedule()
+    s.on_started("decode-0", 1, 0.0)
+    s.on_death("decode-0", 1.0)
+    with pytest.raises(ValueError, match="reported twice"):
+        s.on_death("decode-0", 1.1)
+    with pytest.raises(ValueError, match="was not scheduled"):
+        s.mark_restarted("decode-0", 5, 2.0)
+    with pytest.raises(ValueError, match="restart delays"):
+        RestartPolicy(first_delay_s=2.0, max_delay_s=1.0)
