@@ -9,8 +9,10 @@ applies it; `submit` drives one request through its life cycle (messages.py):
 Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
 fallback (recompute on a live decode worker from the tokens already streamed, with the same
 seed) or ends the request with an explicit error event; nothing hangs and nothing is cut off
-silently. Messages from a retired epoch or from a worker that no longer owns a request are
-dropped. Every hold the router took is released exactly once (complete or abort).
+silently. A worker lost while a request is still in admission (no worker owns it yet) sends
+it back through admission (`RouteLost`) instead. Messages from a retired epoch or from a worker
+that no longer owns a request are dropped. Every hold the router took is released exactly
+once (complete or abort).
 """
 
 from __future__ import annotations
@@ -40,12 +42,26 @@ ADMISSION_POLL_S = 0.02
 WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that completions will free
 
 
-class CapacityShort(Exception):
-    """A worker had less K/V room than its last report said; the request may wait and retry."""
+class AdmissionRetry(Exception):
+    """The route being admitted cannot start; the admission routes the request again after
+    `wait_s` (until its deadline). Its holds are released by the admission, not by the raiser."""
+
+    wait_s = ADMISSION_POLL_S
 
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class CapacityShort(AdmissionRetry):
+    """A worker had less K/V room than its last report said: wait for completions to free some."""
+
+
+class RouteLost(AdmissionRetry):
+    """A worker on the route was lost (or re-registered) before the request started there: no
+    worker owns the request yet, so it is routed again over the live workers at once."""
+
+    wait_s = 0.0
 
 
 class ClusterBackend:
@@ -203,19 +219,20 @@ class ClusterBackend:
 
     async def _admit(self, live: InFlight) -> None:
         """Route and start; a decode worker that turns the reservation down for capacity (its
-        report was stale) sends the request back to the admission queue until the deadline."""
+        report was stale), or a route that lost a worker before the request started, sends the
+        request back to the admission queue until the deadline."""
         deadline = time.monotonic() + self.admission_wait_s
         while True:
             plan = await self._route(live, deadline)
             try:
                 await self._start(live, plan)
                 return
-            except CapacityShort as short:
+            except AdmissionRetry as retry:
                 self.release(live.req.request_id, completed=False)
                 if time.monotonic() > deadline:
-                    self.metrics.early_rejections.labels(short.reason).inc()
-                    raise Rejection(f"decode reservation refused: {short.reason}", 503, 1.0, short.reason) from None
-                await asyncio.sleep(ADMISSION_POLL_S)
+                    self.metrics.early_rejections.labels(retry.reason).inc()
+                    raise Rejection(f"decode reservation refused: {retry.reason}", 503, 1.0, retry.reason) from None
+                await asyncio.sleep(retry.wait_s)
             except BaseException:
                 self.release(live.req.request_id, completed=False)
                 raise
@@ -274,6 +291,9 @@ class ClusterBackend:
         except asyncio.TimeoutError:
             reserved = None
         live.note(reserve_wait_s=time.monotonic() - t0)
+        if not self._route_alive(plan):  # woken by the worker-loss path, or lost while the answer waited
+            await self._send(plan.decode_id, m.Abort(req.request_id, "route_lost"))  # a live D returns its blocks
+            raise RouteLost("worker_lost")
         if reserved is None or not reserved.ok:
             await self._send(plan.decode_id, m.Abort(req.request_id, "reservation_abandoned"))  # a late grant is returned
             reason = "no_decode_capacity" if reserved is None else (reserved.reason or "no_decode_capacity")
@@ -282,6 +302,14 @@ class ClusterBackend:
             self.metrics.early_rejections.labels(reason).inc()
             raise InvalidRequest(f"decode worker refused the request: {reason}")
         return reserved
+
+    def _route_alive(self, plan: RoutePlan) -> bool:
+        """Each worker the plan holds blocks on is still registered in the epoch of its hold."""
+        for hold in (plan.prefill_hold, plan.decode_hold):
+            reg = None if hold is None else self.registered.get(hold.worker_id)
+            if hold is not None and (reg is None or reg.epoch != hold.role_epoch):
+                return False
+        return True
 
     # ---- worker messages ------------------------------------------------------------------
     async def _send(self, worker_id: str, msg) -> bool:
@@ -320,27 +348,25 @@ class ClusterBackend:
         self._block_size = reg.block_size
         self._prefix_root = root_hash(reg.prefix_identity) if reg.prefix_identity else None
         if old is not None and retirement is not None:
-            asyncio.get_running_loop().create_task(self._on_worker_lost(reg.worker_id, retirement.orphaned_request_ids))
+            asyncio.get_running_loop().create_task(ev.on_worker_lost(self, reg.worker_id, retirement.orphaned_request_ids))
 
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            for wid in self.is_dead():
-                reg = self.registered.pop(wid, None)
-                if reg is not None:
-                    retirement = self.router.deregister(wid, reg.epoch)
-                    await self._on_worker_lost(wid, retirement.orphaned_request_ids)
-            for retirement in self.router.expire():
-                wid = retirement.worker.worker_id
-                self.registered.pop(wid, None)
-                await self._on_worker_lost(wid, retirement.orphaned_request_ids)
+            await self.reap_lost_workers()
 
-    async def _on_worker_lost(self, worker_id: str, orphaned: tuple[str, ...]) -> None:
-        affected = {rid for rid, live in self.live.items() if worker_id in live.owners} | set(orphaned)
-        for rid in affected:
-            live = self.live.get(rid)
-            if live is not None and not live.done:
-                await ev.recover(self, live, lost=worker_id)
+    async def reap_lost_workers(self) -> None:
+        """One watchdog pass: retire each worker whose process is gone or whose heartbeats
+        stopped, then move its requests on (frontend_events.on_worker_lost)."""
+        for wid in self.is_dead():
+            reg = self.registered.pop(wid, None)
+            if reg is not None:
+                retirement = self.router.deregister(wid, reg.epoch)
+                await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
+        for retirement in self.router.expire():
+            wid = retirement.worker.worker_id
+            self.registered.pop(wid, None)
+            await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
 
     def _view(self, reg: m.Register) -> WorkerView:
         load = self.loads.get(reg.worker_id)

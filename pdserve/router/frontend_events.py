@@ -5,6 +5,8 @@ from a worker that owns the request now; the first token from the prefill worker
 event and triggers StartDecode at the decode worker. `recover` is the decode-start fallback
 and the worker-loss path: recompute on a live decode-capable worker from the tokens already
 streamed (same seed: the continuation is identical), or fail with an explicit error event.
+`on_worker_lost` decides which of the two owns a request when a worker goes: `recover` once a
+worker owns it, its admission while it has no owner yet.
 """
 
 from __future__ import annotations
@@ -98,6 +100,24 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
 
 def _logical_bytes(backend, live: InFlight) -> int:
     return int(live.trace.get("transfer_bytes_planned", 0))
+
+
+async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> None:
+    """Move on every request the lost worker owned or held blocks for (`orphaned`: the router
+    already released those holds). A request some worker owns is recovered. A request without
+    owners is still in admission (its route chosen, the decode reservation not yet answered):
+    its admission stays in charge and is woken so it routes again over the live workers.
+    Recovering it here as well would run it twice, and the admission would wait out the whole
+    reservation timeout for an answer the lost worker never sends."""
+    affected = {rid for rid, live in backend.live.items() if worker_id in live.owners} | set(orphaned)
+    for rid in affected:
+        live = backend.live.get(rid)
+        if live is None or live.done:
+            continue
+        if live.owners:
+            await recover(backend, live, lost=worker_id)
+        elif live.reserved is not None and not live.reserved.done():
+            live.reserved.set_result(None)  # the admission sees its route lost (frontend._reserve)
 
 
 async def recover(backend, live: InFlight, lost: str | None) -> None:
