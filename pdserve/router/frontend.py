@@ -375,7 +375,7 @@ class ClusterBackend:
             "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
             "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok,
         }
-        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict)
+        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict, reg.cpu)
 
     def report_load(self, hb: m.Heartbeat) -> None:
         self.loads[hb.worker_id] = hb.load
