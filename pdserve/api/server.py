@@ -59,6 +59,11 @@ class ServeConfig:
     ray_pack_pairs: bool = False
     startup_timeout_s: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # dead workers start again (supervisor.py)
+    lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
 
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
@@ -88,7 +93,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     launcher = _launcher(config)
     supervisor = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
-                             is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s)
+                             is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
+                             lease_renew_s=config.lease_s / 3)
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address))
@@ -121,7 +127,7 @@ class _Launcher:
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
-                              cfg.trace_dir, cfg.layerwise_threshold_tokens)
+                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s)
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

@@ -41,6 +41,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", help="place workers as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (with --ray)")
     p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")
+    p.add_argument("--lease-s", type=float, default=30.0,
+                   help="K/V reserved or pinned for a request is reclaimed when the router stops renewing it this long")
     p.add_argument("--no-restart", action="store_true",
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
 
@@ -61,7 +63,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
-        restart=RestartPolicy(enabled=not args.no_restart),
+        restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
     )
 
 

@@ -31,6 +31,7 @@ from pdserve.engine.block_manager import prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router.inflight import InFlight, RequestTraceWriter
+from pdserve.router.leases import renewals
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.metrics import RuntimeMetrics
@@ -67,8 +68,9 @@ class RouteLost(AdmissionRetry):
 class ClusterBackend:
     def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
                  trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto",
-                 admission_wait_s: float = 30.0):
+                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0):
         self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
+        self.lease_renew_s = lease_renew_s  # well inside the workers' lease (ServeConfig.lease_s / 3)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = RuntimeMetrics(lambda: router.counters().route_total)
@@ -352,9 +354,19 @@ class ClusterBackend:
 
     async def _watchdog(self) -> None:
         while True:
+        next_renewal = time.monotonic() + self.lease_renew_s
             await asyncio.sleep(0.1)
             await self.reap_lost_workers()
 
+            if time.monotonic() >= next_renewal:
+                next_renewal = time.monotonic() + self.lease_renew_s
+                await self.renew_leases()
+
+    async def renew_leases(self) -> None:
+        """Extend the K/V leases of every live request on the workers its route uses."""
+        for wid, request_ids in renewals(self.live.values()).items():
+            if wid in self.registered:
+                await self._send(wid, m.RenewLeases(request_ids))
     async def reap_lost_workers(self) -> None:
         """One watchdog pass: retire each worker whose process is gone or whose heartbeats
         stopped, then move its requests on (frontend_events.on_worker_lost)."""
@@ -373,7 +385,7 @@ class ClusterBackend:
         load_dict = {} if load is None else {
             "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
             "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
-            "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok,
+            "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
         }
         return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict, reg.cpu)
 

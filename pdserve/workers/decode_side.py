@@ -63,6 +63,10 @@ class DecodeSide:
         self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, True, None,
                                     res.block_ids, res.num_visible_blocks, reservation.reservation_id))
 
+    def holds(self, rid: str) -> bool:
+        """Blocks are reserved for `rid` and decode has not taken them over yet."""
+        return rid in self.requests
+
     def on_start(self, msg: m.StartDecode) -> None:
         self.first[msg.request_id] = msg
         self._try_commit(msg.request_id)

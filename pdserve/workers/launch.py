@@ -30,6 +30,7 @@ class LaunchConfig:
     trace_dir: str | None = None
     layerwise_threshold_tokens: int = 256
     heartbeat_s: float = 0.25
+    lease_s: float = 30.0
 
 
 def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | None = None) -> list[WorkerConfig]:
@@ -46,7 +47,7 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
         configs.append(WorkerConfig(
             worker_id=worker_id, role=role, router_address=router_address, host_id=host,
             engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
-            layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s,
+            layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
             exit_with_parent=True,
         ))
     return configs

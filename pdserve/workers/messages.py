@@ -88,6 +88,12 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 
 # ---- worker -> router ---------------------------------------------------------------------
 class Register(msgspec.Struct, frozen=True, tag=True):
+class RenewLeases(msgspec.Struct, frozen=True, tag=True):
+    """The router still wants these requests: extend their K/V leases (handoff/leases.py)."""
+
+    request_ids: tuple[str, ...]
+
+
     worker_id: str
     epoch: int
     host_id: str
@@ -116,6 +122,7 @@ class Load(msgspec.Struct, frozen=True):
     integrity_ok: bool = True  # the engine's pool check passed at this report
 
 
+    leases_expired: int = 0  # K/V reclaimed because the router stopped renewing (since start)
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
@@ -175,7 +182,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown
+ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases
 ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -120,6 +120,10 @@ class PrefillSide:
         ))
 
     def abort(self, request_id: str) -> bool:
+    def holds(self, request_id: str) -> bool:
+        """The request is prefilling, or its source copy is kept for (or pinned by) a handoff."""
+        return request_id in self.plans or request_id in self.started or request_id in self.engine.prefilled
+
         """Forget the request; True when its transfer is still running: the transfer is told to
         abort and the engine must keep the source blocks until `on_event` releases them."""
         self.plans.pop(request_id, None)

@@ -6,6 +6,10 @@ The main thread owns the engine; handoff threads touch it only under `self.lock`
 engine releases the lock during the model forward so transfers land while it computes.
 A request that fails here is reported as a WorkerError for that request; the worker keeps
 serving. Fault injection never lives here: tests kill the process from outside.
+K/V that is not yet safe (a decode reservation before its transfer published, a prefill and its
+pinned source copy) is leased (handoff/leases.py): the router renews the leases of its live
+requests; a lease nobody renewed for `lease_s` means the request's router is gone, and the
+worker aborts the request and reclaims its blocks (counted in `Load.leases_expired`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
+from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
@@ -50,6 +55,7 @@ class WorkerConfig:
     step_log_path: str | None = None  # engine step log (engine/step_log.py), one line per step
     layerwise_threshold_tokens: int = 256
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
+    lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -77,6 +83,9 @@ class Worker:
         self.running = True
         self.applied_grant_seq = 0
         self._last_integrity = True
+        self.leases = LeaseTable(config.lease_s)
+        self.leases_reclaimed = 0
+        self._next_lease_check = 0.0
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
@@ -122,6 +131,7 @@ class Worker:
                 applied_grant_seq=self.applied_grant_seq,
                 num_blocks=eng.pool.num_blocks,
                 integrity_ok=self._integrity_ok(),
+                leases_expired=self.leases_reclaimed,
             )
             hashes = tuple(list(eng.blocks.cached)[:4096])
         return m.Heartbeat(self.id, self.epoch, load, hashes)
@@ -152,6 +162,7 @@ class Worker:
                 self.handle(m.decode_to_worker(self.sock.recv()))
                 timeout_ms = 0
             self.drain_events()
+            self.expire_leases()
             if self.engine.has_unfinished():
                 self.step()
         self.close()
@@ -162,9 +173,13 @@ class Worker:
             if isinstance(msg, m.Generate):
                 self.add_local(msg)
             elif isinstance(msg, m.Prefill):
+                self.leases.grant(msg.request_id, time.monotonic())
                 self.prefill.on_prefill(msg)
             elif isinstance(msg, m.ReserveKv):
+                self.leases.grant(msg.request_id, time.monotonic())
                 self.decode.on_reserve(msg)
+            elif isinstance(msg, m.RenewLeases):
+                self.leases.renew(msg.request_ids, time.monotonic())
             elif isinstance(msg, m.StartDecode):
                 self.decode.on_start(msg)
             elif isinstance(msg, m.Abort):
@@ -180,7 +195,20 @@ class Worker:
             self.engine.add_request(msg.request_id, list(msg.prompt_ids), msg.params, seed=msg.seed,
                                     resume_output_ids=msg.resume_output_ids)
 
+    def expire_leases(self) -> None:
+        """Reclaim the K/V of requests whose router stopped renewing their leases (every 0.2 s)."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + 0.2
+        for rid in self.leases.expired(now):
+            if (self.decode is not None and self.decode.holds(rid)) or (self.prefill is not None and self.prefill.holds(rid)):
+                log.warning("worker %s: lease of %s expired unrenewed, reclaiming its K/V", self.id, rid)
+                self.abort(rid)
+                self.leases_reclaimed += 1
+
     def abort(self, request_id: str) -> None:
+        self.leases.drop(request_id)
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)

@@ -1,0 +1,103 @@
+"""K/V leases in the running cluster: renewed while the router lives, reclaimed once it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+from pdserve.api.backend import FinishEvent, GenerationRequest
+from pdserve.api.server import cluster
+from pdserve.engine.sequence import SamplingParams
+from tests.runtime.conftest import collect, config, prompt, wait_baseline
+
+
+async def _until(predicate, timeout_s: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+def _load(backend, worker_id: str) -> dict:
+    return next(w.load for w in backend.workers() if w.id == worker_id)
+
+
+def test_a_stalled_prefill_longer_than_the_lease_keeps_its_reservation():
+    """The prefill worker is frozen for 3 leases; the router keeps renewing, nothing expires,
+    and the request completes."""
+    async def main():
+        async with cluster(config(lease_s=1.0)) as (backend, launcher):
+            os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
+            task = asyncio.create_task(collect(backend, "slow", prompt(64, 1), SamplingParams(max_tokens=8, ignore_eos=True)))
+            await asyncio.sleep(3.0)
+            os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
+            ids, event = await asyncio.wait_for(task, 120)
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            assert _load(backend, "prefill-0")["leases_expired"] == 0 and _load(backend, "decode-0")["leases_expired"] == 0
+
+    asyncio.run(main())
+
+
+def _free(backend, worker_id: str) -> bool:
+    load = _load(backend, worker_id)
+    return load["free_blocks"] == load["num_blocks"] and load["reserved_blocks"] == 0
+
+
+async def _abandon(backend, stream, pending) -> None:
+    """The client leaves (what the HTTP layer does on a disconnect); everything returns."""
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await pending
+    await stream.aclose()
+    await wait_baseline(backend)
+
+
+def _no_renewals(monkeypatch, backend) -> None:
+    """Test wrapper: the router stops renewing leases, as one that died would."""
+    async def none():
+        return None
+    monkeypatch.setattr(backend, "renew_leases", none)
+
+
+def test_unrenewed_decode_reservation_is_reclaimed(monkeypatch):
+    """No renewals and a frozen prefill worker: the decode worker reclaims the reservation after
+    one lease, though the router still holds the request."""
+    async def main():
+        async with cluster(config(lease_s=1.0)) as (backend, launcher):
+            _no_renewals(monkeypatch, backend)
+            os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
+            stream = backend.submit(GenerationRequest("orphan", prompt(64, 2), SamplingParams(max_tokens=8, ignore_eos=True)))
+            pending = asyncio.create_task(anext(stream))
+            await _until(lambda: _load(backend, "decode-0")["leases_expired"] == 1, what="decode never reclaimed")
+            assert _free(backend, "decode-0") and "orphan" in backend.live
+            os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
+            await _until(lambda: _free(backend, "prefill-0"), what="prefill kept blocks")
+            await _abandon(backend, stream, pending)
+
+    asyncio.run(main())
+
+
+def test_unrenewed_prefill_pin_is_reclaimed_while_its_transfer_stalls(monkeypatch):
+    """No renewals; the decode worker freezes after reserving, so the prefill's transfer stalls:
+    the prefill worker reclaims its request and source copy after one lease (the transfer is
+    cancelled first), and the decode worker's reservation is gone once it runs again."""
+    async def main():
+        async with cluster(config(lease_s=1.0)) as (backend, launcher):
+            _no_renewals(monkeypatch, backend)
+            os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
+            stream = backend.submit(GenerationRequest("orphan", prompt(64, 3), SamplingParams(max_tokens=8, ignore_eos=True)))
+            pending = asyncio.create_task(anext(stream))
+            await _until(lambda: _load(backend, "decode-0")["reserved_blocks"] > 0, what="decode never reserved")
+            os.kill(launcher.pid("decode-0"), signal.SIGSTOP)
+            os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
+            await _until(lambda: _load(backend, "prefill-0")["leases_expired"] == 1, what="prefill never reclaimed")
+            await _until(lambda: _free(backend, "prefill-0"), what="prefill kept blocks")
+            os.kill(launcher.pid("decode-0"), signal.SIGCONT)
+            await _until(lambda: _free(backend, "decode-0"), what="decode kept its reservation")
+            await _abandon(backend, stream, pending)
+
+    asyncio.run(main())
