@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
@@ -84,3 +86,28 @@ def route_plan(
         prefill_hold=holds[0],
         decode_hold=holds[1],
     )
+
+
+def takeover_holds(
+    snapshot: Snapshot, request: RouteRequest, exclude: frozenset[str], block_size: int
+) -> tuple[tuple[HoldRequest, ...], tuple[HoldRequest, ...]]:
+    """The decode-start fallback's candidates: a decode hold on each live decode worker (not in
+    `exclude`) that could take the request over by itself, with headroom for it, least loaded first.
+    Split into (those whose prefix cache holds every full prompt block: the K/V is visible there,
+    only the partial tail is recomputed; every other one: a full recompute)."""
+    d = snapshot.decode
+    _, raw_hits = snapshot.leading_hits(request.block_hashes)
+    full_blocks = request.prompt_tokens // block_size
+    visible: list[HoldRequest] = []
+    others: list[HoldRequest] = []
+    for slot in sorted(range(len(d)), key=lambda s: (int(d.active_batch[s]), s)):
+        if d.worker_ids[slot] in exclude:
+            continue
+        hit = int(raw_hits[slot]) if isinstance(raw_hits, np.ndarray) else 0
+        usable = demand.usable_prefill_hit(request, hit, block_size)
+        blocks = int(demand.colocated_blocks(request, usable, block_size))
+        if blocks > int(d.headroom_blocks[slot]):
+            continue
+        hold = _hold(d.worker_ids[slot], d.role_epochs[slot], blocks, int(demand.compute_tokens(request, usable, block_size)), 1)
+        (visible if full_blocks and hit >= full_blocks else others).append(hold)
+    return tuple(visible), tuple(others)

@@ -96,6 +96,9 @@ class ReservationLedger:
     def live_requests(self) -> tuple[str, ...]:
         return tuple(self._routes)
 
+    def has_route(self, request_id: str) -> bool:
+        return request_id in self._routes
+
     # ----- mutations -----
     def try_reserve(
         self, request_id: str, prefill: HoldRequest | None, decode: HoldRequest, reported_free: Mapping[str, int]

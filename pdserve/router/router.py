@@ -8,6 +8,8 @@ answers; nothing here does I/O or sleeps. One call per event:
     route(request)                                    policy over a snapshot -> plan with holds, or
                                                       an early rejection before any prefill work
     kv_published(request_id)                          K/V visible at D: release P's staging hold
+    takeover_holds(request, exclude) / retake(...)    decode-start fallback: candidates, and the
+                                                      old route's holds swapped for the new one
     complete(request_id) / abort(request_id)          release every hold of the route
 
 Every route decision is counted by (policy, result) in `RouterCounters`.
@@ -25,6 +27,7 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import (
+    BlockHold,
     RejectReason,
     RoutePlan,
     RouteRejection,
@@ -32,7 +35,7 @@ from pdserve.router.messages import (
     WorkerInfo,
     WorkerLoad,
 )
-from pdserve.router.plan import hold_requests, route_plan
+from pdserve.router.plan import hold_requests, route_plan, takeover_holds
 from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker
 from pdserve.router.reservations import HoldRequest, ReservationLedger
@@ -115,6 +118,24 @@ class Router:
     def kv_published(self, request_id: str) -> None:
         self._ledger.publish(request_id)
         self._events["kv_published"] += 1
+
+    def takeover_holds(
+        self, request: RouteRequest, exclude: frozenset[str] = frozenset()
+    ) -> tuple[tuple[HoldRequest, ...], tuple[HoldRequest, ...]]:
+        """Decode workers that could take the request over (plan.takeover_holds): (K/V visible
+        there, recompute there), each with the hold it would need, best first."""
+        return takeover_holds(self.snapshot(), request, exclude, self.config.cost.block_size_tokens)
+
+    def retake(self, request_id: str, hold: HoldRequest) -> BlockHold | None:
+        """Move a request to a new single-worker route: release what its old route still holds (a
+        lost worker's routes were already released), then take `hold`; None (nothing held any
+        more) when the worker lacks the headroom."""
+        if self._ledger.has_route(request_id):
+            self.abort(request_id)
+        reported = {hold.worker_id: self._registry.entry(hold.worker_id).load.free_blocks}
+        taken = self._ledger.try_reserve(request_id, None, hold, reported)
+        self._events["retaken" if taken else "retake_refused"] += 1
+        return None if taken is None else taken[1]
 
     def complete(self, request_id: str) -> None:
         self._ledger.release(request_id)

@@ -1,6 +1,9 @@
-"""Each branch of the decode-start fallback chain."""
+"""Each branch of the decode-start fallback chain, and the whole chain against the spec's pseudo-code."""
 
 from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.router.fallback import DecodeStartAction as A
 from pdserve.router.fallback import DecodeStartSituation as S
@@ -36,3 +39,38 @@ def test_fail_with_kv_not_visible():
 
 def test_an_exhausted_budget_never_waits():
     assert decide_decode_start(S(False, 0.0, 0.0)).action is A.FAIL
+
+
+def spec_start_decode(s: S) -> tuple[A, str | None]:
+    """The spec's start_decode (section 0x10), transcribed branch for branch."""
+    if s.kv_visible:
+        return A.ENQUEUE, None
+    can_wait_within_ttft = s.kv_expected_in_s is not None and s.ttft_budget_left_s > 0 and s.kv_expected_in_s <= s.ttft_budget_left_s
+    if can_wait_within_ttft:
+        return A.WAIT, None
+    if len(s.visible_at) > 0:
+        return A.REROUTE, s.visible_at[0]
+    if s.can_recompute:
+        return A.RECOMPUTE, None
+    return A.FAIL, None
+
+
+situations = st.builds(
+    S,
+    kv_visible=st.booleans(),
+    ttft_budget_left_s=st.floats(-5.0, 5.0),
+    kv_expected_in_s=st.none() | st.floats(0.0, 5.0),
+    visible_at=st.lists(st.sampled_from(["d0", "d1", "d2"]), max_size=3, unique=True).map(tuple),
+    can_recompute=st.booleans(),
+)
+
+
+@given(situations)
+def test_the_decision_is_the_spec_chain(s):
+    decision = decide_decode_start(s)
+    action, target = spec_start_decode(s)
+    assert decision.action is action
+    assert decision.reroute_to == target
+    assert (decision.reason == "kv_not_visible") == (action is A.FAIL)
+    if action is A.WAIT:
+        assert 0 < decision.wait_s == s.ttft_budget_left_s
