@@ -26,13 +26,13 @@ def _load(backend, worker_id: str) -> dict:
 
 
 def test_a_stalled_prefill_longer_than_the_lease_keeps_its_reservation():
-    """The prefill worker is frozen for 3 leases; the router keeps renewing, nothing expires,
-    and the request completes."""
+    """The prefill worker is frozen for 2.5 leases; the router keeps renewing (every 0.67 s),
+    nothing expires, and the request completes."""
     async def main():
-        async with cluster(config(lease_s=1.0)) as (backend, launcher):
+        async with cluster(config(lease_s=2.0)) as (backend, launcher):
             os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
             task = asyncio.create_task(collect(backend, "slow", prompt(64, 1), SamplingParams(max_tokens=8, ignore_eos=True)))
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(5.0)
             os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
             ids, event = await asyncio.wait_for(task, 120)
             assert isinstance(event, FinishEvent) and len(ids) == 8
