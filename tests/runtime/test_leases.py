@@ -56,11 +56,15 @@ async def _abandon(backend, stream, pending) -> None:
     await wait_baseline(backend)
 
 
-def _no_renewals(monkeypatch, backend) -> None:
-    """Test wrapper: the router stops renewing leases, as one that died would."""
+def _orphan(monkeypatch, backend, launcher, seed: int):
+    """Test wrapper: the router stops renewing leases (as one that died would); the prefill
+    worker is frozen and one request submitted. Returns (stream, its pending first event)."""
     async def none():
         return None
     monkeypatch.setattr(backend, "renew_leases", none)
+    os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
+    stream = backend.submit(GenerationRequest("orphan", prompt(64, seed), SamplingParams(max_tokens=8, ignore_eos=True)))
+    return stream, asyncio.create_task(anext(stream))
 
 
 def test_unrenewed_decode_reservation_is_reclaimed(monkeypatch):
@@ -68,10 +72,7 @@ def test_unrenewed_decode_reservation_is_reclaimed(monkeypatch):
     one lease, though the router still holds the request."""
     async def main():
         async with cluster(config(lease_s=1.0)) as (backend, launcher):
-            _no_renewals(monkeypatch, backend)
-            os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
-            stream = backend.submit(GenerationRequest("orphan", prompt(64, 2), SamplingParams(max_tokens=8, ignore_eos=True)))
-            pending = asyncio.create_task(anext(stream))
+            stream, pending = _orphan(monkeypatch, backend, launcher, 2)
             await _until(lambda: _load(backend, "decode-0")["leases_expired"] == 1, what="decode never reclaimed")
             assert _free(backend, "decode-0") and "orphan" in backend.live
             os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
@@ -87,10 +88,7 @@ def test_unrenewed_prefill_pin_is_reclaimed_while_its_transfer_stalls(monkeypatc
     cancelled first), and the decode worker's reservation is gone once it runs again."""
     async def main():
         async with cluster(config(lease_s=1.0)) as (backend, launcher):
-            _no_renewals(monkeypatch, backend)
-            os.kill(launcher.pid("prefill-0"), signal.SIGSTOP)
-            stream = backend.submit(GenerationRequest("orphan", prompt(64, 3), SamplingParams(max_tokens=8, ignore_eos=True)))
-            pending = asyncio.create_task(anext(stream))
+            stream, pending = _orphan(monkeypatch, backend, launcher, 3)
             await _until(lambda: _load(backend, "decode-0")["reserved_blocks"] > 0, what="decode never reserved")
             os.kill(launcher.pid("decode-0"), signal.SIGSTOP)
             os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
