@@ -178,7 +178,9 @@ class DecodeEndpoint:
 
     def admit(self, request_id: str) -> PublishedHandle:
         handle = self.directory.admit(request_id)
-        self.trace.emit("decode_ready", request_id, handle.transfer_id, handle.generation, 0, worker=self.worker)
+        txn = self.transfers.get(handle.transfer_id)
+        attempt = txn.request.attempt if txn is not None else 0  # the published transfer's own attempt
+        self.trace.emit("decode_ready", request_id, handle.transfer_id, handle.generation, attempt, worker=self.worker)
         return handle
 
     def retire(self, request_id: str) -> None:

@@ -156,3 +156,31 @@ def check_identity(expected: CacheIdentity, expected_abi: KvAbi, manifest: Hando
     for name, reason in _IDENTITY_REASONS:
         if getattr(expected, name) != getattr(manifest.identity, name):
             raise HandoffError(reason, f"{name} differs")
+
+
+def ledger_fixture(manifest: HandoffManifest, evidence: str = "synthetic") -> dict:
+    """The manifest in the form of the ledger's handoff-manifest fixture (`pdserve check
+    handoff-manifest`): its fence, model identity and K/V ABI; the prompt's blocks `b0..` (the
+    token interval covers whole blocks, as the chunks do), those already visible at the
+    destination, and, as expected values, the blocks and bytes the manifest itself moves. The
+    prefill side's own prefix reuse is not part of a manifest, so every block counts as computed.
+    The check accepts only `evidence == "synthetic"`: the label of a manifest built for a test."""
+    abi, fence, span, model = manifest.abi, manifest.fence, manifest.prompt, manifest.identity
+    prompt = [f"b{i}" for i in range(span.reused_blocks + manifest.num_transfer_blocks)]
+    return {
+        "check": "handoff-manifest", "evidence": evidence,
+        "identity": {"tenant": fence.tenant, "request": fence.request_id, "generation": fence.generation,
+                     "attempt": fence.attempt, "source_epoch": fence.source_epoch,
+                     "destination_epoch": fence.destination_epoch, "reservation": fence.reservation_id,
+                     "prompt_digest": span.digest, "token_interval": [0, len(prompt) * abi.block_size]},
+        "model": {"checkpoint": model.model_hash, "tokenizer": model.tokenizer_hash, "adapter": model.adapter,
+                  "position": model.position_policy, "mask": model.mask_policy},
+        "tensor_abi": {"layers": abi.num_layers, "kv_heads": abi.num_kv_heads, "head_dim": abi.head_dim,
+                       "dtype_bytes": abi.dtype_bytes, "block_tokens": abi.block_size},
+        "transfer": {"transfer_id": manifest.transfer_id, "source": fence.source_worker,
+                     "destination": fence.destination_worker, "state": "UNPUBLISHED"},
+        "prompt_blocks": prompt, "prefill_reusable": [], "decode_visible": prompt[: span.reused_blocks],
+        "expected": {"compute_blocks": prompt, "transfer_blocks": prompt[span.reused_blocks :],
+                     "compute_count": len(prompt), "transfer_count": manifest.num_transfer_blocks,
+                     "logical_bytes": manifest.total_bytes},
+    }

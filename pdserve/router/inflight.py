@@ -2,13 +2,17 @@
 
 Contract: `InFlight` holds the request's route, which workers may speak for it right now
 (`owners`: messages from anyone else are late and ignored), the tokens streamed so far (the
-recompute fallback resumes from them), and the timestamps its trace line reports.
+recompute fallback resumes from them), and the timestamps its trace line reports. The line keeps
+two clocks apart: `ttft_s` is when the first token was sent to the client (TTFT; the prefill
+worker's first token is never held back for publication) and `kv_published_s` when the decode
+worker published the K/V (None without a handoff), both from arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +63,7 @@ class InFlight:
         return {
             "request_id": self.req.request_id, "policy": self.policy, "prefill": self.prefill_id, "decode": self.decode_id,
             "prompt_tokens": len(self.req.prompt_ids), "output_tokens": n, "ttft_s": ttft, "tpot_s": tpot,
+            "kv_published_s": self.trace.get("kv_published_s"),
             "e2e_s": now - self.arrival_s, "finish_reason": finish_reason, "generation": self.generation,
             "reroutes": self.trace.get("reroutes", 0), "retries": self.trace.get("retries", 0), **self.trace,
         }
@@ -80,6 +85,20 @@ class RequestTraceWriter:
 
     def values(self, key: str) -> list:
         return [r[key] for r in self.recent if r.get(key) is not None]
+
+    def clock_samples(self) -> tuple[list[float], list[float]]:
+        """(TTFT s, TPOT s) of each recent finished request, for SLO attainment: one that ended in
+        an error misses both clocks, one the client aborted is left out, a one-token answer has
+        no TPOT to miss."""
+        ttft, tpot = [], []
+        for r in self.recent:
+            reason = r.get("finish_reason")
+            if reason is None or reason == "abort":
+                continue
+            failed = reason == "error" or r.get("ttft_s") is None
+            ttft.append(math.inf if failed else r["ttft_s"])
+            tpot.append(math.inf if failed else r.get("tpot_s") or 0.0)
+        return ttft, tpot
 
     def close(self) -> None:
         if self._file is not None:

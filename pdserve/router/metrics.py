@@ -1,20 +1,31 @@
 """Prometheus metrics of the serving runtime, in one private registry per router process.
 
-Names are prefixed `pdserve_`. Counters mirror the request life cycle: route decisions by
-policy and result, early rejections, K/V transfer attempts / failures / retries and bytes,
-fallbacks, stale or duplicate publication rejects; histograms hold TTFT, TPOT and exposed
-transfer seconds; gauges hold per-worker queue depth and free blocks.
+Names are prefixed `pdserve_` and include every name the ledger's runtime-release check requires
+(`pdserve check runtime-release --metrics URL` runs it on a live server). Counters mirror the
+request life cycle: route decisions by policy and result (`pd_route`), early rejections, K/V
+transfer attempts / failures / chunk resends, logical and physical bytes moved, fallbacks,
+stale or duplicate publication rejects, capability denials; histograms hold TTFT (first token
+sent to the client), TPOT, transfer and exposed transfer seconds, rollback seconds; gauges hold
+live workers by role, SLO attainment and per-worker queue depth and free blocks. Values the
+router already keeps (route counts, registered workers, finished requests) are read at scrape
+time, so each has one source of truth.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.ledger.goodput import attainment, joint_attainment
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+ROLES = ("prefill", "decode", "colocated")
+ClockSamples = tuple[Sequence[float], Sequence[float]]  # (TTFT s, TPOT s), one pair per finished request
 
 
 class RouteDecisions:
@@ -24,35 +35,78 @@ class RouteDecisions:
         self.read = read
 
     def collect(self):
-        family = CounterMetricFamily("pdserve_route_decisions", "Route decisions", labels=["policy", "result"])
+        family = CounterMetricFamily("pdserve_pd_route", "Route decisions by policy and result", labels=["policy", "result"])
         for (policy, result), count in sorted(self.read().items()):
             family.add_metric([policy, result], count)
         yield family
 
 
+class WorkersLive:
+    """Registered workers by role at scrape time: a registration adds one, a retirement removes it."""
+
+    def __init__(self, read: Callable[[], Iterable[str]]):
+        self.read = read
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_workers_live", "Registered (live) workers by role", labels=["role"])
+        counts = Tally(self.read())
+        for role in ROLES:
+            family.add_metric([role], counts[role])
+        yield family
+
+
+class SloAttainment:
+    """Fraction of recently finished requests that met the router's TTFT target, its TPOT target,
+    and both, at scrape time (the ledger's attainment formulas); no sample before the first."""
+
+    def __init__(self, read: Callable[[], ClockSamples], slo_s: tuple[float, float]):
+        self.read, self.slo_s = read, slo_s
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_slo_attainment", "Recent finished requests within the TTFT / TPOT SLO",
+                                   labels=["clock"])
+        (ttft, tpot), (ttft_slo, tpot_slo) = self.read(), self.slo_s
+        if ttft:
+            family.add_metric(["ttft"], attainment(ttft, ttft_slo))
+            family.add_metric(["tpot"], attainment(tpot, tpot_slo))
+            family.add_metric(["joint"], joint_attainment(ttft, tpot, ttft_slo, tpot_slo))
+        yield family
+
+
 class RuntimeMetrics:
-    def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
+    def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 worker_roles: Callable[[], Iterable[str]] = tuple,
+                 clock_samples: Callable[[], ClockSamples] = lambda: ((), ()),
+                 slo_s: tuple[float, float] = (math.inf, math.inf)) -> None:
         r = self.registry = CollectorRegistry()
         r.register(RouteDecisions(route_counts))
+        r.register(WorkersLive(worker_roles))
+        r.register(SloAttainment(clock_samples, slo_s))
         self.early_rejections = Counter("pdserve_early_rejections", "Requests rejected before prefill", ["reason"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests", ["result"], registry=r)
-        self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "Logical K/V bytes published at decode", registry=r)
-        self.kv_transfer_physical_bytes = Counter("pdserve_kv_transfer_physical_bytes", "Bytes on the wire incl. headers and resends", registry=r)
+        self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "Logical K/V bytes of published transfers (their manifests' chunk bytes)", registry=r)
+        self.kv_transfer_physical_bytes = Counter("pdserve_kv_transfer_physical_bytes",
+                                                  "Bytes the handoff links carried (headers, payload, resends), published or aborted", registry=r)
         self.kv_transfer_attempts = Counter("pdserve_kv_transfer_attempts", "K/V transfers started", registry=r)
         self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "K/V transfers aborted", ["reason"], registry=r)
-        self.kv_transfer_retries = Counter("pdserve_kv_transfer_retries", "K/V transfers retried under a new generation", registry=r)
-        self.kv_exposed_seconds = Histogram("pdserve_kv_exposed_transfer_seconds", "Transfer time not hidden behind prefill",
+        self.kv_transfer_retries = Counter("pdserve_kv_transfer_retries", "Chunk resends within K/V transfers (source side)", registry=r)
+        self.kv_exposed_seconds = Histogram("pdserve_kv_transfer_exposed_seconds", "Transfer time not hidden behind prefill",
                                             buckets=LATENCY_BUCKETS_S, registry=r)
         self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Transfer wall time (source side)",
                                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.fallbacks = Counter("pdserve_fallbacks", "Decode-start fallbacks and reroutes", ["kind"], registry=r)
-        self.publication_rejects = Counter("pdserve_publication_rejects", "Stale or duplicate publications refused", ["reason"], registry=r)
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.fallbacks = Counter("pdserve_fallback", "Decode-start fallbacks and reroutes", ["kind"], registry=r)
+        self.publication_rejects = Counter("pdserve_kv_publication_rejects", "Stale or duplicate publications refused", ["reason"], registry=r)
+        self.capability_denials = Counter("pdserve_capability_denials",
+                                          "Transfers denied by a capability check (the runtime issues no transfer capabilities yet: stays 0)",
+                                          registry=r)
+        self.rollback_seconds = Histogram("pdserve_rollback_seconds",
+                                          "P/D to colocated rollback time (the runtime has no rollback path yet: never observed)",
+                                          buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token (sent to the client)", buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS_S, registry=r)
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)
         self.active_decode = Gauge("pdserve_active_decode_batch", "Sequences decoding", ["worker"], registry=r)
         self.free_blocks = Gauge("pdserve_free_blocks", "Free K/V blocks", ["worker"], registry=r)
-        self.workers_live = Gauge("pdserve_workers_live", "Live workers", ["role"], registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

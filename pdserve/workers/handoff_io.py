@@ -34,7 +34,7 @@ from pdserve.handoff.driver import DriveConfig, await_peer_close, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.kvbytes import pool_bytes
-from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
+from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.gate import LayerGate
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
@@ -88,8 +88,10 @@ class HandoffSender:
             event.set()
         return event is not None
 
-    def start(self, request_id: str, prompt_ids: tuple[int, ...], src_blocks: list[int], plan: TransferPlan,
-              tenant: str, schedule: str) -> SourceTransfer:
+    def manifest_for(self, request_id: str, prompt_ids: tuple[int, ...], plan: TransferPlan, tenant: str,
+                     schedule: str) -> HandoffManifest:
+        """The manifest `start` sends: the router's plan (generation, attempt, destination epoch and
+        reservation) fenced with this worker's id and epoch; it moves exactly the ledger's bytes."""
         abi = self.pool.abi
         fence = IdentityFence(tenant, request_id, plan.generation, plan.attempt, self.worker_id, self.epoch,
                               plan.dest_worker, plan.dest_epoch, plan.reservation_id)
@@ -103,6 +105,12 @@ class HandoffSender:
                                           abi.num_kv_heads, abi.head_dim, abi.dtype_bytes)
         if manifest.total_bytes != expected:  # the chunk plan must move exactly the ledger's transfer set
             raise ValueError(f"manifest moves {manifest.total_bytes} bytes, the ledger says {expected}")
+        return manifest
+
+    def start(self, request_id: str, prompt_ids: tuple[int, ...], src_blocks: list[int], plan: TransferPlan,
+              tenant: str, schedule: str) -> SourceTransfer:
+        abi = self.pool.abi
+        manifest = self.manifest_for(request_id, prompt_ids, plan, tenant, schedule)
         gate = LayerGate(abi.num_layers, clock=time.monotonic)
         self.gates[request_id] = gate
         self.cancels[request_id] = threading.Event()

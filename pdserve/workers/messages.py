@@ -20,6 +20,8 @@ import msgspec
 
 from pdserve.engine.sequence import SamplingParams
 
+FIRST_ATTEMPT = 1  # transfer attempts count from 1 within a generation (the ledger's manifest check)
+
 
 class TransferPlan(msgspec.Struct, frozen=True):
     """Where a prefill worker sends a request's K/V: the destination's reservation and link."""
@@ -66,7 +68,7 @@ class ReserveKv(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     source_worker: str
     source_epoch: int
-    attempt: int = 0
+    attempt: int = FIRST_ATTEMPT
     tenant: str = "default"
     grant_seq: int = 0
 
@@ -86,14 +88,14 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-# ---- worker -> router ---------------------------------------------------------------------
-class Register(msgspec.Struct, frozen=True, tag=True):
 class RenewLeases(msgspec.Struct, frozen=True, tag=True):
     """The router still wants these requests: extend their K/V leases (handoff/leases.py)."""
 
     request_ids: tuple[str, ...]
 
 
+# ---- worker -> router ---------------------------------------------------------------------
+class Register(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
     host_id: str
@@ -120,9 +122,9 @@ class Load(msgspec.Struct, frozen=True):
     applied_grant_seq: int = 0
     num_blocks: int = 0
     integrity_ok: bool = True  # the engine's pool check passed at this report
-
-
     leases_expired: int = 0  # K/V reclaimed because the router stopped renewing (since start)
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
@@ -172,6 +174,7 @@ class TransferDone(msgspec.Struct, frozen=True, tag=True):
     physical_bytes: int = 0
     transfer_s: float = 0.0
     exposed_s: float = 0.0
+    resends: int = 0  # chunk resends within the transfer (source side)
 
 
 class WorkerError(msgspec.Struct, frozen=True, tag=True):

@@ -7,7 +7,8 @@ Life cycle of one request here:
     -> first token reported to the router (prefilled=True)
     -> source transfer PUBLISHED: the source copy is released (publication was acknowledged)
        ABORTED: released too; the router recomputes or reroutes (decode-start fallback)
-    -> TransferDone(side="source") with logical bytes, transfer and exposed seconds.
+    -> TransferDone(side="source") with logical and physical bytes, chunk resends, transfer and
+       exposed seconds.
     abort while the transfer runs -> the transfer is cancelled (the destination gets an AbortFrame)
        and the blocks stay pinned until its thread ended and the destination hung up.
 """
@@ -116,14 +117,14 @@ class PrefillSide:
             self.worker.id, self.worker.epoch, rid, manifest.transfer_id, manifest.fence.generation, "source", published,
             reason=None if published else (src.terminal_reason.value if src.terminal_reason else "aborted"),
             logical_bytes=manifest.total_bytes, physical_bytes=physical,
-            transfer_s=transfer_s, exposed_s=max(0.0, done_at - end),
+            transfer_s=transfer_s, exposed_s=max(0.0, done_at - end), resends=src.log.num_resends,
         ))
 
-    def abort(self, request_id: str) -> bool:
     def holds(self, request_id: str) -> bool:
         """The request is prefilling, or its source copy is kept for (or pinned by) a handoff."""
         return request_id in self.plans or request_id in self.started or request_id in self.engine.prefilled
 
+    def abort(self, request_id: str) -> bool:
         """Forget the request; True when its transfer is still running: the transfer is told to
         abort and the engine must keep the source blocks until `on_event` releases them."""
         self.plans.pop(request_id, None)

@@ -4,6 +4,8 @@ Covers pinned sources, audited paths, connector direction/roles, the transfer ca
 (allowed request plus denied probes with their reasons), the net-margin cells and the promoted
 cell, promotion gates, fault outcomes, metric names, the release state path and the exact
 rollback order.
+`with_exposed_metrics` replaces the fixture's observability list with the names a live
+server's Prometheus text exposes, so the check can be run against a running deployment.
 """
 
 from __future__ import annotations
@@ -22,7 +24,28 @@ FAULT_OUTCOMES = {
     "decode_crash": "REROUTE_OR_RECOMPUTE",
     "bad_capability": "DENY_BEFORE_REGISTRATION",
 }
+METRIC_PREFIX = "pdserve_"
 REQUIRED_METRICS = {"pd_route_total", "kv_transfer_bytes", "kv_transfer_exposed_seconds", "kv_transfer_attempts_total", "kv_publication_rejects_total", "capability_denials_total", "slo_attainment", "fallback_total", "rollback_seconds"}
+
+
+def exposed_metric_names(text: str, prefix: str = METRIC_PREFIX) -> set[str]:
+    """Metric names a Prometheus text exposition offers, without `prefix`: every sample name and
+    every family (`# TYPE`); a counter family answers to its name with and without `_total`, so
+    a counter that has no labelled child yet still counts as exposed."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = (line.split() + [""])[:4]
+            base = name.removesuffix("_total") if kind == "counter" else name
+            names |= {base, base + "_total"} if kind == "counter" else {name}
+        elif line.strip() and not line.startswith("#"):
+            names.add(re.split(r"[{\s]", line.strip(), maxsplit=1)[0])
+    return {n[len(prefix):] for n in names if n.startswith(prefix)}
+
+
+def with_exposed_metrics(fx: dict, metrics_text: str) -> dict:
+    """A copy of `fx` whose observability list is what `metrics_text` (a live /metrics) exposes."""
+    return {**fx, "observability": sorted(exposed_metric_names(metrics_text))}
 
 
 def _pins(fx: dict) -> None:
