@@ -94,7 +94,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     supervisor = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
-                             lease_renew_s=config.lease_s / 3)
+                             lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address))

@@ -43,6 +43,12 @@ ADMISSION_POLL_S = 0.02
 WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that completions will free
 
 
+def admission_waits(reason: str, restarts: bool, away: set[str]) -> bool:
+    """A rejection worth waiting out in admission: capacity that completions will free, or no
+    complete route only because a worker is dead and the supervisor is starting it again."""
+    return reason in WAITABLE or (reason == "no_route" and restarts and bool(away))
+
+
 class AdmissionRetry(Exception):
     """The route being admitted cannot start; the admission routes the request again after
     `wait_s` (until its deadline). Its holds are released by the admission, not by the raiser."""
@@ -68,12 +74,13 @@ class RouteLost(AdmissionRetry):
 class ClusterBackend:
     def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
                  trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto",
-                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0):
+                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0, restarts: bool = False):
         self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
         self.lease_renew_s = lease_renew_s  # well inside the workers' lease (ServeConfig.lease_s / 3)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.metrics = RuntimeMetrics(lambda: router.counters().route_total)
+        self.metrics = RuntimeMetrics(lambda: router.counters().route_total, lambda: [w.role for w in self.registered.values()],
+                                      lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s))
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -84,6 +91,8 @@ class ClusterBackend:
         self.is_dead = is_dead
         self.transport = transport
         self.admission_wait_s = admission_wait_s
+        self.restarts = restarts  # the launcher starts dead workers again (workers/supervisor.py)
+        self.away: set[str] = set()  # workers lost and not registered again yet
         self.registered: dict[str, m.Register] = {}
         self.loads: dict[str, m.Load] = {}
         self.live: dict[str, InFlight] = {}
@@ -200,15 +209,17 @@ class ClusterBackend:
 
     # ---- routing --------------------------------------------------------------------------
     async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
-        """Route now, or wait in the admission queue while capacity is only momentarily short;
-        reject early (before any prefill work) when the wait runs out or no route can exist."""
+        """Route now, or wait in the admission queue while capacity is only momentarily short (or
+        a dead worker is being started again: `admission_waits`); reject early (before any prefill work) when the wait runs out or no route can exist."""
         req = live.req
         hashes = self._block_hashes(req.prompt_ids)
         while True:
             result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), req.params.max_tokens, hashes))
             if not isinstance(result, RouteRejection):
                 break
-            if result.reason.value not in WAITABLE or time.monotonic() > deadline or not self._could_ever_fit(req):
+            waits = admission_waits(result.reason.value, self.restarts, self.away)
+            fits = result.reason.value == "no_route" or self._could_ever_fit(req)  # no_route: pools are away
+            if not waits or time.monotonic() > deadline or not fits:
                 self._reject(result)
             await asyncio.sleep(ADMISSION_POLL_S)
         live.note(admission_wait_s=time.monotonic() - live.arrival_s)
@@ -272,7 +283,7 @@ class ClusterBackend:
         dest, src = self.registered[plan.decode_id], self.registered[plan.prefill_id]
         same_host = dest.host_id == src.host_id and dest.shm_name is not None and self.transport != "tcp"
         transfer = m.TransferPlan(
-            live.transfer_id, live.generation, 0, req.tenant, plan.decode_id, dest.epoch, reserved.reservation_id,
+            live.transfer_id, live.generation, m.FIRST_ATTEMPT, req.tenant, plan.decode_id, dest.epoch, reserved.reservation_id,
             reserved.dest_blocks, reserved.num_visible_blocks, "shm" if same_host else "tcp",
             tuple(dest.handoff_address), dest.shm_name, dest.num_blocks,
         )
@@ -286,7 +297,7 @@ class ClusterBackend:
         live.reserved = asyncio.get_running_loop().create_future()
         t0 = time.monotonic()
         await self._send(plan.decode_id, m.ReserveKv(req.request_id, live.transfer_id, live.generation, req.prompt_ids,
-                                                     req.params, plan.prefill_id, src.epoch, 0, req.tenant,
+                                                     req.params, plan.prefill_id, src.epoch, m.FIRST_ATTEMPT, req.tenant,
                                                      plan.decode_hold.grant_seq))
         try:
             reserved = await asyncio.wait_for(live.reserved, RESERVE_TIMEOUT_S)
@@ -347,17 +358,17 @@ class ClusterBackend:
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
                                                      reg.model_hash, reg.abi_hash))
         self.registered[reg.worker_id] = reg
+        self.away.discard(reg.worker_id)
         self._block_size = reg.block_size
         self._prefix_root = root_hash(reg.prefix_identity) if reg.prefix_identity else None
         if old is not None and retirement is not None:
             asyncio.get_running_loop().create_task(ev.on_worker_lost(self, reg.worker_id, retirement.orphaned_request_ids))
 
     async def _watchdog(self) -> None:
-        while True:
         next_renewal = time.monotonic() + self.lease_renew_s
+        while True:
             await asyncio.sleep(0.1)
             await self.reap_lost_workers()
-
             if time.monotonic() >= next_renewal:
                 next_renewal = time.monotonic() + self.lease_renew_s
                 await self.renew_leases()
@@ -367,17 +378,20 @@ class ClusterBackend:
         for wid, request_ids in renewals(self.live.values()).items():
             if wid in self.registered:
                 await self._send(wid, m.RenewLeases(request_ids))
+
     async def reap_lost_workers(self) -> None:
         """One watchdog pass: retire each worker whose process is gone or whose heartbeats
         stopped, then move its requests on (frontend_events.on_worker_lost)."""
         for wid in self.is_dead():
             reg = self.registered.pop(wid, None)
+            self.away.add(wid)
             if reg is not None:
                 retirement = self.router.deregister(wid, reg.epoch)
                 await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
         for retirement in self.router.expire():
             wid = retirement.worker.worker_id
             self.registered.pop(wid, None)
+            self.away.add(wid)
             await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
 
     def _view(self, reg: m.Register) -> WorkerView:

@@ -2,18 +2,19 @@
 
 Contract: `dispatch` takes one message from a current worker epoch. Tokens are accepted only
 from a worker that owns the request now; the first token from the prefill worker is the TTFT
-event and triggers StartDecode at the decode worker. `recover` is the decode-start fallback
-and the worker-loss path: recompute on a live decode-capable worker from the tokens already
-streamed (same seed: the continuation is identical), or fail with an explicit error event.
-`on_worker_lost` decides which of the two owns a request when a worker goes: `recover` once a
-worker owns it, its admission while it has no owner yet.
+event and decode starts as the fallback chain decides (router/recovery.py: normally StartDecode
+at once). A failed transfer, reported by either side, and a lost worker go through the same chain
+(wait within the TTFT budget, reroute to visible K/V, recompute, or fail `kv_not_visible`).
+`on_worker_lost` decides who owns a request when a worker goes: the chain once a worker owns
+it, its admission while it has no owner yet.
 """
 
 from __future__ import annotations
 
 import time
 
-from pdserve.router.contract import ErrorEvent, FinishEvent, TokenEvent
+from pdserve.router import recovery
+from pdserve.router.contract import FinishEvent, TokenEvent
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.inflight import InFlight
 from pdserve.workers import messages as m
@@ -60,46 +61,50 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
 
 
 async def _prefilled(backend, live: InFlight) -> None:
-    """First token from P: decode may start as soon as the K/V is published at D."""
+    """First token from P: decode starts as the fallback chain decides (normally at once: D
+    admits the K/V as soon as it is published)."""
     live.note(first_decode_enqueue_s=time.monotonic() - live.arrival_s)
-    if live.kv_failed:
-        await recover(backend, live, lost=None)
-        return
-    live.started_decode = True
-    await backend._send(live.decode_id, m.StartDecode(live.engine_id, live.output_ids[0], live.seed))
+    await recovery.decide(backend, live, "transfer_failed" if live.kv_failed else "first_token")
 
 
 async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
+    """Either side's end of a transfer. A failure on either side (the source could not connect,
+    the destination refused or gave up) marks the K/V lost; once the first token is known the
+    fallback chain decides, and it tells the other side to abort."""
     live = backend.lookup(msg.request_id)
     metrics = backend.metrics
+    current = live is not None and not live.done and msg.transfer_id == live.transfer_id
     if msg.side == "source":
+        metrics.kv_transfer_physical_bytes.inc(msg.physical_bytes)  # on the wire, published or not
+        metrics.kv_transfer_retries.inc(msg.resends)
         if msg.published:
-            metrics.kv_transfer_physical_bytes.inc(msg.physical_bytes)
+            metrics.kv_transfer_bytes.inc(msg.logical_bytes)  # the manifest's bytes, now at D
             metrics.kv_transfer_seconds.observe(msg.transfer_s)
             metrics.kv_exposed_seconds.observe(msg.exposed_s)
-        if live is not None:
-            live.note(kv_bytes=msg.logical_bytes, kv_transfer_s=msg.transfer_s, kv_exposed_s=msg.exposed_s)
-        return
-    if live is None or live.done or msg.transfer_id != live.transfer_id:
+        if current:
+            live.note(kv_bytes=msg.logical_bytes, kv_physical_bytes=msg.physical_bytes, kv_resends=msg.resends,
+                      kv_transfer_s=msg.transfer_s, kv_exposed_s=msg.exposed_s)
+        if msg.published or not current or live.published:
+            return  # published at D (a lost ack cannot undo that), or an attempt already abandoned
+    elif not current:
         if not msg.published and msg.reason in ("stale_generation", "superseded"):
             metrics.publication_rejects.labels(msg.reason).inc()
         return
-    if msg.published:
+    elif msg.published:
         live.published = True
-        metrics.kv_transfer_bytes.inc(_logical_bytes(backend, live))
+        live.note(kv_published_s=time.monotonic() - live.arrival_s)
         try:
             backend.router.kv_published(live.req.request_id)
         except UnknownRequestError:
             pass
         return
-    metrics.kv_transfer_failures.labels(msg.reason or "aborted").inc()
+    if live.kv_failed:
+        return  # the other side's report of the same failure
+    metrics.kv_transfer_failures.labels(f"{msg.side}:{msg.reason or 'aborted'}").inc()
     live.kv_failed = True
-    if live.first_token_s is not None and not live.done:
-        await recover(backend, live, lost=None)
-
-
-def _logical_bytes(backend, live: InFlight) -> int:
-    return int(live.trace.get("transfer_bytes_planned", 0))
+    live.note(kv_failure=f"{msg.side}:{msg.reason or 'aborted'}")
+    if live.first_token_s is not None:
+        await recovery.decide(backend, live, f"transfer_failed:{msg.side}:{msg.reason or 'aborted'}")
 
 
 async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> None:
@@ -120,39 +125,9 @@ async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> 
             live.reserved.set_result(None)  # the admission sees its route lost (frontend._reserve)
 
 
-async def recover(backend, live: InFlight, lost: str | None) -> None:
-    """Recompute on a live decode-capable worker, resuming after the tokens already streamed."""
-    rid = live.req.request_id
-    if lost is not None and lost == live.prefill_id and live.disaggregated and live.published and live.started_decode:
-        live.owners.discard(lost)  # the K/V already lives at the decode worker: nothing to recover
-        return
-    for wid in live.owners - {lost}:
-        await backend._send(wid, m.Abort(live.engine_id, "rerouted"))
-    target = _pick_decode_worker(backend, exclude={lost} if lost else set())
-    if target is None:
-        await _fail(backend, live, "no live decode worker can continue this request", "kv_not_visible")
-        return
-    kind = "recompute" if lost is None else "reroute"
-    backend.metrics.fallbacks.labels(kind).inc()
-    live.bump("reroutes" if lost else "retries")
-    live.note(fallback=kind)
-    live.generation += 1
-    live.owners = {target}
-    live.prefill_id = live.decode_id = target
-    # a fresh engine id: tokens still in flight from the abandoned attempt can never be mistaken
-    live.engine_id = backend.alias(live, f"{rid}#g{live.generation}")
-    await backend._send(target, m.Generate(live.engine_id, live.req.prompt_ids, live.req.params, live.seed,
-                                           resume_output_ids=tuple(live.output_ids)))
-
-
-def _pick_decode_worker(backend, exclude: set[str]) -> str | None:
-    candidates = [w for w in backend.registered.values() if w.worker_id not in exclude and w.role in ("decode", "colocated")]
-    if not candidates:
-        candidates = [w for w in backend.registered.values() if w.worker_id not in exclude]
-    if not candidates:
-        return None
-    loads = backend.loads
-    return min(candidates, key=lambda w: loads[w.worker_id].num_running if w.worker_id in loads else 0).worker_id
+async def recover(backend, live: InFlight, lost: str) -> None:
+    """A worker the request depends on is gone: the decode-start fallback chain decides."""
+    await recovery.decide(backend, live, f"worker_lost:{lost}", lost=lost)
 
 
 async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> None:
@@ -169,14 +144,4 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
 
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:
-    live.done = True
-    backend.live.pop(live.req.request_id, None)
-    backend.engine_ids.pop(live.engine_id, None)
-    for wid in live.owners:
-        await backend._send(wid, m.Abort(live.engine_id, code))
-    backend.release(live.req.request_id, completed=False)
-    backend.metrics.requests.labels("failed").inc()
-    rec = live.record("error")
-    rec["error"] = code
-    backend.trace.write(rec)
-    live.queue.put_nowait(ErrorEvent(message, code))
+    await recovery.fail(backend, live, message, code)
