@@ -2,7 +2,7 @@
 
 Contract: `ModelConfig.from_dict` either returns a config the forward pass implements exactly
 (a Llama-style decoder: RMSNorm, rotary embeddings with plain theta, grouped-query attention,
-SwiGLU MLP) or raises `CheckpointError` naming the source file and the unsupported feature.
+SwiGLU MLP; Qwen3 adds an RMSNorm over each query and key head before RoPE, `qk_norm`) or raises `CheckpointError` naming the source file and the unsupported feature.
 Anything that would silently change the math (rope scaling, sliding windows, MLP biases, a
 different activation) is refused rather than ignored.
 
@@ -27,7 +27,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# architectures whose sliding window applies only when `use_sliding_window` is set
+OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_NORM_EPS = 1e-6
@@ -55,6 +58,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None = None  # dtype the weights were saved in, e.g. "bfloat16"
+    qk_norm: bool = False  # RMSNorm over each query and key head (weights [D]) before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,6 +89,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
             attn += h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         per_layer = attn + 3 * h * d_ff + 2 * h  # q/k/v/o, gate/up/down, two RMSNorms
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
@@ -135,10 +141,11 @@ def _parse(d: dict[str, Any], source: str) -> ModelConfig:
             max_position_embeddings=_int(d, "max_position_embeddings", source),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if arch == "LlamaForCausalLM" else False,
+            o_bias=attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_token_ids(d.get("eos_token_id"), source),
             checkpoint_dtype=d.get("dtype") or d.get("torch_dtype"),
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
     except ValueError as exc:
         if isinstance(exc, CheckpointError):
@@ -170,17 +177,19 @@ def _reject_unsupported(d: dict[str, Any], source: str, arch: str) -> None:
     if arch != "LlamaForCausalLM" and _uses_sliding_window(d, arch):
         raise CheckpointError(
             source,
-            f"sliding window attention is not supported (sliding_window={d['sliding_window']}, "
+            f"sliding window attention is not supported (sliding_window={d.get('sliding_window')}, "
             f"max_position_embeddings={d.get('max_position_embeddings')})",
         )
 
 
 def _uses_sliding_window(d: dict[str, Any], arch: str) -> bool:
+    if "sliding_attention" in (d.get("layer_types") or ()):
+        return True
     window = d.get("sliding_window")
     if window is None or window >= d.get("max_position_embeddings", 0):
         return False
-    # Qwen2 applies the window only when use_sliding_window is set (transformers' default: off).
-    if arch == "Qwen2ForCausalLM":
+    # Qwen2 and Qwen3 apply the window only when use_sliding_window is set (transformers' default: off).
+    if arch in OPT_IN_SLIDING_WINDOW:
         return bool(d.get("use_sliding_window", False))
     return True
 

@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) as one readable forward pass over paged K/V.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as one readable forward pass over paged K/V.
 
 Contract: `LlamaModel.forward` takes the flat rows of one engine step (token ids, positions and
 `AttnMetadata`), writes each layer's new K/V rows into the pool *before* attending, and returns
 logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `transformers`:
-RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP.
+RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP; Qwen3's
+per-head q/k RMSNorm runs before RoPE, as transformers' does.
 
 Weights are rounded to the storage dtype and held in the compute dtype (see `numerics`); every
 matmul goes through `numerics.linear` under the product plan chosen at load
@@ -32,6 +33,8 @@ class LayerWeights:
     input_norm: torch.Tensor  # [d]
     wqkv: Weight  # [(H_q + 2 H_kv) * D, d]
     bqkv: torch.Tensor | None  # [(H_q + 2 H_kv) * D]
+    q_norm: torch.Tensor | None  # [D], shared by every query head (Qwen3)
+    k_norm: torch.Tensor | None  # [D], shared by every key head (Qwen3)
     wo: Weight  # [d, H_q * D]
     bo: torch.Tensor | None  # [d]
     post_norm: torch.Tensor  # [d]
@@ -55,7 +58,7 @@ def _product_shapes(state: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ..
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, d] -> [T, d]; the reduction runs in fp32, as transformers does."""
+    """x: [..., d] -> [..., d] normalised over the last axis; the reduction runs in fp32, as transformers does."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -110,11 +113,16 @@ class LlamaModel:
         if self.config.qkv_bias:
             bqkv = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"]).to(self.dtype)
         bo = state[attn + "o_proj.bias"].to(self.dtype) if self.config.o_bias else None
+        q_norm = k_norm = None
+        if self.config.qk_norm:  # elementwise scales, not products: no prepare()
+            q_norm, k_norm = (state[attn + f"{n}_norm.weight"].to(self.dtype) for n in "qk")
         w13 = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
         return LayerWeights(
             input_norm=state[p + "input_layernorm.weight"].to(self.dtype),
             wqkv=self._weight(wqkv),
             bqkv=bqkv,
+            q_norm=q_norm,
+            k_norm=k_norm,
             wo=self._weight(state[attn + "o_proj.weight"]),
             bo=bo,
             post_norm=state[p + "post_attention_layernorm.weight"].to(self.dtype),
@@ -153,8 +161,10 @@ class LlamaModel:
         num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, layer.wqkv, layer.bqkv, self.skinny)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rope(q.view(num_rows, hq, d), cos, sin)  # [T, H_q, D]
-        k = apply_rope(k.view(num_rows, hkv, d), cos, sin)  # [T, H_kv, D]
+        q, k = q.view(num_rows, hq, d), k.view(num_rows, hkv, d)  # [T, H_q, D], [T, H_kv, D]
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's D values, before RoPE
+            q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(num_rows, hkv, d)
         if kv_layer.dtype != k.dtype:  # attend over the rounded values the pool holds
             k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)

@@ -50,6 +50,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.self_attn.v_proj.bias"] = (kv,)
         if config.o_bias:
             shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
         shapes[f"{p}.mlp.gate_proj.weight"] = (ff, h)
         shapes[f"{p}.mlp.up_proj.weight"] = (ff, h)

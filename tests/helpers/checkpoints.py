@@ -2,7 +2,7 @@
 
 Weights are re-initialised away from transformers' defaults so tests are sensitive: linear
 weights ~ N(0, 0.05), biases random when enabled, RMSNorm weights ~ 1 + 0.1 * N(0, 1) (so a
-forgotten norm weight changes the output), embeddings ~ N(0, 0.5).
+forgotten norm weight changes the output; Qwen3's per-head q/k norms included), embeddings ~ N(0, 0.5).
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from pdserve.model.default import BOS_ID, EOS_ID, PAD_ID, build_byte_tokenizer
+
+# family -> (config class, model class); Qwen3 adds per-head q/k RMSNorm and biases o_proj with q/k/v
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
 def make_random_checkpoint(
@@ -33,13 +36,15 @@ def make_random_checkpoint(
     shard_size: int | str | None = None,
     dtype: torch.dtype = torch.float32,
     with_tokenizer: bool = False,
+    family: str = "llama",
 ) -> Path:
-    """Save a random LlamaForCausalLM checkpoint (safetensors) into `dir` and return it."""
+    """Save a random checkpoint of `family` (see FAMILIES; safetensors) into `dir` and return it."""
     if with_tokenizer and vocab < EOS_ID + 1:
         raise ValueError(f"with_tokenizer needs vocab >= {EOS_ID + 1}, got {vocab}")
     dir = Path(dir)
     special = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID) if with_tokenizer else {}
-    config = LlamaConfig(
+    config_cls, model_cls = FAMILIES[family]
+    config = config_cls(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -54,7 +59,7 @@ def make_random_checkpoint(
         **special,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     _reinit(model, seed)
     model.to(dtype)
     save_kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
@@ -64,14 +69,14 @@ def make_random_checkpoint(
     return dir
 
 
-def load_hf_model(dir: str | Path) -> LlamaForCausalLM:
-    """The reference transformers model for a checkpoint, fp32, eval mode, eager attention."""
-    model = LlamaForCausalLM.from_pretrained(dir, dtype=torch.float32, attn_implementation="eager")
+def load_hf_model(dir: str | Path) -> PreTrainedModel:
+    """The reference transformers model for a checkpoint (any family), fp32, eval mode, eager attention."""
+    model = AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
 @torch.no_grad()
-def _reinit(model: LlamaForCausalLM, seed: int) -> None:
+def _reinit(model: PreTrainedModel, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         noise = torch.randn(param.shape, generator=gen)
