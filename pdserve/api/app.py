@@ -2,6 +2,7 @@
 
 Routes:
     POST /v1/completions, POST /v1/chat/completions   generation (JSON or SSE with "stream": true)
+    POST /tokenize, POST /detokenize                  vLLM's token counting and decoding (tokenize.py)
     GET  /v1/models                                   the one served model
     GET  /health                                      200 when backend.healthy(), else 503
     GET  /metrics                                     the backend's Prometheus text
@@ -31,6 +32,7 @@ from pdserve.api.protocol import (
 )
 from pdserve.api.relay import EventStreamResponse, collect, sse_events
 from pdserve.api.responses import ChatFormat, ResponseFormat
+from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
 
@@ -51,6 +53,14 @@ def create_app(backend: Backend) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         parsed = parse_chat(body, served_model(backend))
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        return tokenize(body, served_model(backend))
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict:
+        return detokenize(body, served_model(backend))
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -7,7 +7,8 @@ then check what types cannot (served model name, unsupported features, prompt le
 (400, or 404 for an unknown model) naming the offending parameter.
 
 Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
-choice then carries `token_ids`, the output ids). Accepted but ignored: `user`. Rejected with
+choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_generation_prompt`
+(default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
 400 when set to a non-default value: n > 1, best_of > 1, echo, logprobs, suffix, presence and
 frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
 Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0.
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.api.backend import GenerationRequest
-from pdserve.api.chat_template import render_chat
+from pdserve.api.chat_template import chat_prompt_ids
 from pdserve.api.errors import ApiError, bad_request
 from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams
@@ -30,15 +31,17 @@ DEFAULT_MAX_TOKENS = 16
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
+    """A request body: unknown fields ignored, types strict."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _CommonRequest(_Body):
+class _CommonRequest(StrictBody):
     """Fields shared by both endpoints; None means "use the default" as in OpenAI's API."""
 
     model: str
@@ -67,12 +70,12 @@ class CompletionRequest(_CommonRequest):
     suffix: str | None = None
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -88,6 +91,8 @@ class ChatCompletionRequest(_CommonRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,23 +120,23 @@ class ParsedRequest:
 
 # ---- entry points -------------------------------------------------------------------------
 def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequest:
-    _check_model(body.model, served)
+    check_model(body.model, served)
     _reject_unsupported(_common_unsupported(body) + _completion_unsupported(body))
     prompt_ids = _completion_prompt_ids(body.prompt, served)
     return _finish(body, served, prompt_ids, body.max_tokens, "prompt")
 
 
 def parse_chat(body: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
-    _check_model(body.model, served)
+    check_model(body.model, served)
     _reject_unsupported(_common_unsupported(body) + _chat_unsupported(body))
-    text = render_chat((m.role, _message_text(m, i)) for i, m in enumerate(body.messages))
-    prompt_ids = _encode(text, served, "messages")
+    prompt_ids = chat_prompt_ids(template_messages(body.messages), served.tokenizer, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _finish(body, served, prompt_ids, max_tokens, "messages")
 
 
 # ---- checks -------------------------------------------------------------------------------
-def _check_model(model: str, served: ServedModel) -> None:
+def check_model(model: str, served: ServedModel) -> None:
     if model != served.name:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served.name}`.",
                        param="model", code="model_not_found")
@@ -205,6 +210,17 @@ def _encode(text: str, served: ServedModel, param: str) -> list[int]:
     if served.tokenizer is None:
         raise bad_request("this model has no tokenizer; send the prompt as a list of token ids", param=param)
     return served.tokenizer.encode(text)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as a chat template reads them: {"role", "content"} plus "name" when sent."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": m.role, "content": _message_text(m, i)}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 def _message_text(message: ChatMessage, index: int) -> str:

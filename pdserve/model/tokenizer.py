@@ -6,6 +6,11 @@ control ids and encode/decode round-trips exactly; the engine controls what the 
 `decode` drops special tokens. `load_tokenizer`
 returns None when a checkpoint has no `tokenizer.json`: the engine then works on token ids only.
 
+A checkpoint that ships a chat template (`checkpoint_template.py`) gets it as `chat_template`, and
+`encode_chat` encodes that template's rendered text as transformers' `apply_chat_template` does:
+special-token spellings become their ids (the template writes them, BOS included) and nothing is
+added. Message content inside the rendered text is not told apart, as in transformers and vLLM.
+
 `IncrementalDetokenizer` turns a stream of ids into text deltas whose concatenation (plus
 `flush()`) equals `decode(all ids)`. It re-decodes a short window of recent ids so decoders that
 depend on context (leading-space handling) stay right, and holds back text ending in U+FFFD,
@@ -22,6 +27,7 @@ from typing import Any
 
 import tokenizers
 
+from pdserve.model.checkpoint_template import ChatTemplate, load_chat_template, read_json_object
 from pdserve.model.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -36,6 +42,9 @@ class Tokenizer:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     identity_hash: str  # sha256 of tokenizer.json bytes and the special ids
+    chat_template: ChatTemplate | None = field(default=None, compare=False)
+    # a second copy that matches special-token spellings (`encode_special_tokens` is per instance)
+    template_inner: tokenizers.Tokenizer | None = field(default=None, repr=False, compare=False)
 
     @property
     def vocab_size(self) -> int:
@@ -47,6 +56,12 @@ class Tokenizer:
         if add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Rendered chat-template text -> ids, special-token spellings as their ids, nothing added."""
+        if self.template_inner is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self.template_inner.encode(text, add_special_tokens=False).ids
 
     def token_id(self, token: str) -> int | None:
         """Id of a token string (e.g. a special token), or None if unknown."""
@@ -75,12 +90,15 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     bos, eos = _special_ids(model_dir, inner)
     digest = hashlib.sha256(data)
     digest.update(json.dumps([bos, list(eos)]).encode())
-    return Tokenizer(inner=inner, bos_token_id=bos, eos_token_ids=eos, identity_hash=digest.hexdigest())
+    template = load_chat_template(model_dir)
+    template_inner = tokenizers.Tokenizer.from_str(data.decode()) if template is not None else None
+    return Tokenizer(inner=inner, bos_token_id=bos, eos_token_ids=eos, identity_hash=digest.hexdigest(),
+                     chat_template=template, template_inner=template_inner)
 
 
 def _special_ids(model_dir: Path, inner: tokenizers.Tokenizer) -> tuple[int | None, tuple[int, ...]]:
     """BOS and EOS ids: generation_config.json, then config.json, then tokenizer_config.json."""
-    sources = [_read_json(model_dir / n) for n in ("generation_config.json", "config.json")]
+    sources = [read_json_object(model_dir / n) for n in ("generation_config.json", "config.json")]
     bos = next((s["bos_token_id"] for s in sources if s.get("bos_token_id") is not None), None)
     eos: list[int] = []
     for s in sources:
@@ -88,7 +106,7 @@ def _special_ids(model_dir: Path, inner: tokenizers.Tokenizer) -> tuple[int | No
         for i in value if isinstance(value, list) else [value]:
             if isinstance(i, int) and i not in eos:
                 eos.append(i)
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    tok_config = read_json_object(model_dir / "tokenizer_config.json")
     if bos is None:
         bos = _token_id(inner, tok_config.get("bos_token"))
     eos_from_name = _token_id(inner, tok_config.get("eos_token"))
@@ -101,16 +119,6 @@ def _token_id(inner: tokenizers.Tokenizer, token: Any) -> int | None:
     if isinstance(token, dict):  # older tokenizer_config.json stores AddedToken objects
         token = token.get("content")
     return inner.token_to_id(token) if isinstance(token, str) else None
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(file, f"not valid JSON ({exc})") from exc
-    return data if isinstance(data, dict) else {}
 
 
 class IncrementalDetokenizer:

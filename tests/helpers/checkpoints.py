@@ -7,9 +7,11 @@ forgotten norm weight changes the output; Qwen3's per-head q/k norms included), 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from pdserve.model.default import BOS_ID, EOS_ID, PAD_ID, build_byte_tokenizer
@@ -66,6 +68,32 @@ def make_random_checkpoint(
     model.save_pretrained(dir, safe_serialization=True, **save_kwargs)
     if with_tokenizer:
         build_byte_tokenizer(vocab).save(str(dir / "tokenizer.json"))
+    return dir
+
+
+CHATML_TEMPLATE = (  # the ChatML shape Qwen checkpoints ship, with a default system message
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def write_chat_tokenizer(dir: str | Path, vocab: int, chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    """tokenizer.json (the byte tokenizer whose last ids are CHAT_TOKENS, `vocab` ids in all) and a
+    tokenizer_config.json carrying `chat_template` (none when None), loadable by transformers'
+    AutoTokenizer. Returns `dir`."""
+    dir = Path(dir)
+    tok = build_byte_tokenizer(vocab - len(CHAT_TOKENS))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+    tok.save(str(dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
+              "pad_token": "<pad>", "model_max_length": 1024}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (dir / "tokenizer_config.json").write_text(json.dumps(config))
     return dir
 
 
