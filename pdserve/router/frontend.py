@@ -7,10 +7,11 @@ applies it; `submit` drives one request through its life cycle (messages.py):
         -> first token from P (TTFT) -> StartDecode at D -> tokens from D -> finish
     colocated: Generate at W -> tokens -> finish
 Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
-fallback (recompute on a live decode worker from the tokens already streamed, with the same
-seed) or ends the request with an explicit error event; nothing hangs and nothing is cut off
-silently. A worker lost while a request is still in admission (no worker owns it yet) sends
-it back through admission (`RouteLost`) instead. Messages from a retired epoch or from a worker
+fallback chain (router/recovery.py: wait, reroute, recompute with the same seed, or an explicit
+`kv_not_visible` error); nothing hangs and nothing is cut off silently. A worker lost while a
+request is still in admission (no worker owns it yet) sends it back through admission
+(`RouteLost`) instead; a request with no complete route only because a dead worker is being
+started again waits in admission (`admission_waits`). Messages from a retired epoch or from a worker
 that no longer owns a request are dropped. Every hold the router took is released exactly
 once (complete or abort).
 """
@@ -210,7 +211,8 @@ class ClusterBackend:
     # ---- routing --------------------------------------------------------------------------
     async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
         """Route now, or wait in the admission queue while capacity is only momentarily short (or
-        a dead worker is being started again: `admission_waits`); reject early (before any prefill work) when the wait runs out or no route can exist."""
+        a dead worker is being started again: `admission_waits`); reject early (before any
+        prefill work) when the wait runs out or no route can exist."""
         req = live.req
         hashes = self._block_hashes(req.prompt_ids)
         while True:
