@@ -94,7 +94,7 @@ class RuntimeMetrics:
                                             buckets=LATENCY_BUCKETS_S, registry=r)
         self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Transfer wall time (source side)",
                                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.fallbacks = Counter("pdserve_fallback", "Decode-start fallbacks and reroutes", ["kind"], registry=r)
+        self.fallbacks = Counter("pdserve_fallback", "Decode-start fallbacks by outcome (router/recovery.py)", ["outcome"], registry=r)
         self.publication_rejects = Counter("pdserve_kv_publication_rejects", "Stale or duplicate publications refused", ["reason"], registry=r)
         self.capability_denials = Counter("pdserve_capability_denials",
                                           "Transfers denied by a capability check (the runtime issues no transfer capabilities yet: stays 0)",

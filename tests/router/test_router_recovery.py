@@ -65,8 +65,7 @@ def line(h: Harness) -> dict:
 
 
 def fallback_count(h: Harness, outcome: str) -> float:
-    return h.backend.metrics.registry.get_sample_value("pdserve_fallback_total", {"kind": outcome}) or \
-        h.backend.metrics.registry.get_sample_value("pdserve_fallback_total", {"outcome": outcome}) or 0.0
+    return h.backend.metrics.registry.get_sample_value("pdserve_fallback_total", {"outcome": outcome}) or 0.0
 
 
 @pytest.mark.parametrize("side", ["source", "destination"])
