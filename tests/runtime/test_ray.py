@@ -101,13 +101,21 @@ def test_disaggregated_on_ray_matches_in_process(ray_local, expected, transport)
 
 
 def test_colocated_on_ray_matches_in_process_and_survives_a_killed_actor(ray_local, expected):
+    """A killed actor is retired, the survivor serves, and a new actor in the dead one's bundle
+    registers under epoch 2 and serves too (supervision through Ray)."""
     async def kill_one(backend, launcher):
         launcher.kill("colocated-1")
         deadline = time.monotonic() + RAY_SETTLE_S
-        while "colocated-1" in {v.id for v in backend.workers()}:  # the watchdog saw dead() report it
+        while any(v.id == "colocated-1" and v.epoch == 1 for v in backend.workers()):  # dead() reported it
             assert time.monotonic() < deadline, "killed actor still registered"
             await asyncio.sleep(0.1)
         assert await asyncio.wait_for(collect(backend, "after-kill", prompts()[0]), REQUESTS_TIMEOUT_S) == expected[0]
+        deadline = time.monotonic() + REQUESTS_TIMEOUT_S
+        while not any(v.id == "colocated-1" and v.epoch == 2 and v.load for v in backend.workers()):
+            assert time.monotonic() < deadline, "killed actor not replaced"
+            await asyncio.sleep(0.2)
+        assert launcher.num_restarts == 1
+        assert await asyncio.wait_for(collect(backend, "after-restart", prompts()[0]), REQUESTS_TIMEOUT_S) == expected[0]
 
     config = ServeConfig(ray=True, mode="colocated", replicas=2, engine=ENGINE, startup_timeout_s=60.0)
     assert asyncio.run(run_cluster(config, ray_local, then=kill_one)) == expected
