@@ -14,6 +14,7 @@ worker aborts the request and reclaims its blocks (counted in `Load.leases_expir
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -68,6 +69,7 @@ class Worker:
         pin_threads(config)
         self.config, self.id, self.epoch = config, config.worker_id, config.epoch
         shm = f"pdserve-{config.worker_id}-{os.getpid()}"  # every pool is shared: pull transfers read it
+        reap_dead_pools(config.worker_id)
         self.engine = Engine(_with_shm(config.engine, shm))
         self.lock = threading.RLock()
         self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop
@@ -251,6 +253,23 @@ class Worker:
         if self.engine.step_log is not None:
             self.engine.step_log.close()
         self.engine.pool.close(unlink=True)
+
+
+def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the K/V pool segments earlier incarnations of this worker left behind when they
+    were killed (kill -9 skips the unlink): `pdserve-<worker>-<pid>` whose pid is gone."""
+    prefix, reaped = f"pdserve-{worker_id}-", []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return reaped
+    for name in names:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+                reaped.append(name)
+    return reaped
 
 
 def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:

@@ -44,3 +44,19 @@ def test_disabled_policy_schedules_nothing_and_bad_calls_raise():
         s.mark_restarted("decode-0", 5, 2.0)
     with pytest.raises(ValueError, match="restart delays"):
         RestartPolicy(first_delay_s=2.0, max_delay_s=1.0)
+
+
+def test_a_restarted_worker_reaps_only_its_dead_incarnations_pools(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.workers.worker import reap_dead_pools
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    names = [f"pdserve-decode-0-{dead_pid}", f"pdserve-decode-0-{os.getpid()}", f"pdserve-decode-1-{dead_pid}", "other"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert reap_dead_pools("decode-0", str(tmp_path)) == [f"pdserve-decode-0-{dead_pid}"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
