@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role
+from pdserve.router.pd_decision import PdPolicy
 
 
 class Mode(str, enum.Enum):
@@ -64,6 +65,8 @@ class RouterConfig:
     heartbeat_interval_s: float = 1.0
     missed_heartbeats: int = 3  # a worker silent this many intervals is retired
     retry_after_s: float = 1.0  # suggested Retry-After when capacity is exhausted
+    pd: PdPolicy = field(default_factory=PdPolicy)  # per-request P/D decision (disaggregated mode); "always" here,
+    # `pdserve serve` defaults to "margin" (ServeConfig)
 
     @property
     def heartbeat_timeout_s(self) -> float:

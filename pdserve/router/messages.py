@@ -91,7 +91,8 @@ class BlockHold:
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """An admitted route. For colocated routes prefill_id == decode_id and transfer is zero.
+    """An admitted route. For colocated routes, and disaggregated ones whose P/D decision chose a
+    local prefill on the decode worker, prefill_id == decode_id and transfer is zero.
 
     `prefill_hold` covers blocks newly allocated at P for the prompt (held until the K/V is
     published at D; None for colocated). `decode_hold` is the decode reservation: blocks at D for
@@ -111,6 +112,7 @@ class RoutePlan:
     predicted_tpot_s: float
     prefill_hold: BlockHold | None
     decode_hold: BlockHold
+    pd: object = None  # the request's P/D decision (router/pd_decision.PdDecision); None when colocated
 
     @property
     def colocated(self) -> bool:

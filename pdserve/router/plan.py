@@ -34,6 +34,17 @@ def hold_requests(
     )
 
 
+def local_hold(snapshot: Snapshot, request: RouteRequest, choice: Choice, block_size: int) -> HoldRequest:
+    """The one hold of a local prefill on the chosen decode worker (the P/D decision said no
+    handoff): prompt and growth in D's pool less what its prefix cache reuses, the prompt tokens
+    it computes, one sequence; the same hold a colocated worker or a recompute takeover takes."""
+    d, ds = snapshot.decode, choice.decode_slot
+    usable = demand.usable_prefill_hit(request, choice.decode_hit_blocks, block_size)
+    blocks = int(demand.colocated_blocks(request, usable, block_size))
+    tokens = int(demand.compute_tokens(request, usable, block_size))
+    return _hold(d.worker_ids[ds], d.role_epochs[ds], blocks, tokens, 1)
+
+
 def _hold(worker_id: str, role_epoch: int, blocks: int, tokens: int, seqs: int) -> HoldRequest:
     return new_frozen(HoldRequest, worker_id=worker_id, role_epoch=role_epoch, blocks=blocks, tokens=tokens, seqs=seqs)
 
@@ -61,6 +72,7 @@ def route_plan(
     cost: CostModel,
     policy: str,
     holds: tuple[BlockHold | None, BlockHold],
+    pd: object = None,
 ) -> RoutePlan:
     bs = cost.block_size_tokens
     if choice.ttft_s is None:
@@ -85,6 +97,22 @@ def route_plan(
         predicted_tpot_s=float(tpot_s),
         prefill_hold=holds[0],
         decode_hold=holds[1],
+        pd=pd,
+    )
+
+
+def local_route_plan(
+    snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel, policy: str, hold: BlockHold, pd: object
+) -> RoutePlan:
+    """A route whose prefill runs on its decode worker: prefill_id == decode_id, nothing moves.
+    Predicted TTFT: D's queued prompt tokens plus its own prefill; TPOT: D's next step."""
+    d, ds, bs = snapshot.decode, choice.decode_slot, cost.block_size_tokens
+    usable = int(demand.usable_prefill_hit(request, choice.decode_hit_blocks, bs))
+    compute = int(demand.compute_tokens(request, usable, bs))
+    ttft_s = cost.queue_s(int(d.pending_tokens[ds])) + cost.prefill_s(compute)
+    return RoutePlan(
+        request.request_id, policy, d.worker_ids[ds], d.worker_ids[ds], usable, choice.decode_hit_blocks, compute, 0, 0,
+        float(ttft_s), float(cost.decode_step_s(int(d.active_batch[ds]) + 1)), None, hold, pd,
     )
 
 

@@ -8,11 +8,16 @@ answers; nothing here does I/O or sleeps. One call per event:
     route(request)                                    policy over a snapshot -> plan with holds, or
                                                       an early rejection before any prefill work
     kv_published(request_id)                          K/V visible at D: release P's staging hold
+    transfer_ended(failed)                            a handoff's outcome (the P/D decision's
+                                                      observed failure rate)
     takeover_holds(request, exclude) / retake(...)    decode-start fallback: candidates, and the
                                                       old route's holds swapped for the new one
     complete(request_id) / abort(request_id)          release every hold of the route
 
-Every route decision is counted by (policy, result) in `RouterCounters`.
+Every route decision is counted by (policy, result) in `RouterCounters`. In disaggregated mode
+each routed request also gets a P/D decision (pd_decision.py, over the same snapshot, before any
+hold): disaggregate (holds at P and D) or prefill locally on the chosen decode worker (one hold
+at D, as a colocated worker would take); counted by decision in `pd_decisions`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from pdserve.router.messages import (
     WorkerInfo,
     WorkerLoad,
 )
-from pdserve.router.plan import hold_requests, route_plan, takeover_holds
+from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
+from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker
 from pdserve.router.reservations import HoldRequest, ReservationLedger
@@ -67,6 +73,7 @@ class RouterCounters:
     num_completed: int
     num_aborted: int
     num_orphaned: int
+    pd_decisions: Mapping[str, int]  # routed disaggregated-mode requests by P/D decision
 
 
 class Router:
@@ -83,6 +90,8 @@ class Router:
         self._retired: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()  # decisions per policy: round robin's cursor
+        self._pd_total: Counter[str] = Counter()
+        self._transfers: Counter[str] = Counter()  # "ended", "failed": the observed failure rate
 
     # ----- workers -----
     def register(self, info: WorkerInfo) -> Retirement | None:
@@ -118,6 +127,13 @@ class Router:
     def kv_published(self, request_id: str) -> None:
         self._ledger.publish(request_id)
         self._events["kv_published"] += 1
+
+    def transfer_ended(self, failed: bool) -> None:
+        self._transfers["ended"] += 1
+        self._transfers["failed"] += int(failed)
+
+    def transfer_failure_rate(self) -> float:
+        return self._transfers["failed"] / self._transfers["ended"] if self._transfers["ended"] else 0.0
 
     def takeover_holds(
         self, request: RouteRequest, exclude: frozenset[str] = frozenset()
@@ -160,6 +176,7 @@ class Router:
             num_completed=self._events["completed"],
             num_aborted=self._events["aborted"],
             num_orphaned=self._events["orphaned"],
+            pd_decisions=dict(self._pd_total),
         )
 
     def live_requests(self) -> tuple[str, ...]:
@@ -184,14 +201,36 @@ class Router:
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes."""
         cost = self.config.cost
-        prefill, decode = hold_requests(snapshot, request, choice, cost.block_size_tokens)
+        pd = None if snapshot.colocated else self._decide_pd(snapshot, request, choice)
+        if pd is None or pd.disaggregate:
+            prefill, decode = hold_requests(snapshot, request, choice, cost.block_size_tokens)
+        else:
+            prefill, decode = None, local_hold(snapshot, request, choice, cost.block_size_tokens)
         reported = {decode.worker_id: self._registry.entry(decode.worker_id).load.free_blocks}
         if prefill is not None:
             reported[prefill.worker_id] = self._registry.entry(prefill.worker_id).load.free_blocks
         holds = self._ledger.try_reserve(request.request_id, prefill, decode, reported)
         if holds is None:
             return Refusal(_shortfall_reason(decode, self._ledger, reported), self.config.retry_after_s)
-        return route_plan(snapshot, request, choice, cost, policy, holds)
+        if pd is None:
+            return route_plan(snapshot, request, choice, cost, policy, holds)
+        self._pd_total[pd.label] += 1
+        if pd.disaggregate:
+            return route_plan(snapshot, request, choice, cost, policy, holds, pd)
+        return local_route_plan(snapshot, request, choice, cost, policy, holds[1], pd)
+
+    def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> PdDecision:
+        """The P/D decision for the policy's chosen pair, over the same snapshot."""
+        cfg = self.config
+        if cfg.pd.mode != "margin":  # always / never: no facts needed (the routing hot path)
+            return decide_pd(None, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s)
+        ps, ds = choice.prefill_slot, choice.decode_slot
+        facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
+                          int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
+                          self.transfer_failure_rate(), cfg.cost)
+        ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
+        tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
+        return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))

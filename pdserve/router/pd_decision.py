@@ -1,0 +1,151 @@
+"""Per-request P/D decision: disaggregate, or prefill on the chosen decode worker (issue 20).
+
+Contract: pure functions over the router's snapshot and the policy's chosen pair; nothing here
+holds blocks or does I/O. `decide_pd(facts, policy, cost, ttft_slo_s, tpot_slo_s)` is the one decision (facts may be None
+for the pinned modes, which read none):
+
+    mode "always"                  disaggregate (the demo and the handoff tests pin it)
+    mode "never"                   prefill locally on the decode worker
+    prompt < min_prompt_tokens     prefill locally (applies before the margin)
+    mode "margin"                  the spec's net margin, decided by the ledger's `should_enable_pd`
+                                   (one formula, shared with the planner and the release check)
+
+The four terms, in seconds per request, from the router's cost model (`CostModel`, fitted by
+`pdserve profile` when the server is given one) and the live load reports:
+
+    interference saved  a local prefill of u_D tokens (its uncached prompt at D) stalls each of
+                        the B decodes running at D: prefill_s(u_D) x B
+    exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
+                        the layer-wise stream hides behind P's prefill (handoff/streaming.py's
+                        visible-time recurrence over `stream_layers` equal layers)
+    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus zero (a local
+                        prefill does not wait for P)
+    failure penalty     the observed transfer-failure rate x the recompute cost prefill_s(prompt)
+
+Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + prefill_s(u_P) +
+exposed transfer) is within the TTFT target; TPOT passes when D's next decode step
+decode_step_s(B + 1) is within the TPOT target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
+from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd
+from pdserve.router import demand
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import RouteRequest
+
+MODES = ("always", "never", "margin")
+DISAGGREGATE = "disaggregate"
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class PdPolicy:
+    """`--pd-decision` and `--pd-min-prompt-tokens`; `stream_layers` and `layerwise_min_tokens`
+    describe the handoff's layer-wise stream (one layer: a serialized transfer)."""
+
+    mode: str = "always"
+    min_prompt_tokens: int = 0
+    safety_margin_s: float = 0.0
+    stream_layers: int = 1
+    layerwise_min_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--pd-decision must be one of {MODES}, got {self.mode!r}")
+        if self.min_prompt_tokens < 0 or self.stream_layers < 1:
+            raise ValueError("--pd-min-prompt-tokens must be >= 0 and stream_layers >= 1")
+
+
+@dataclass(frozen=True)
+class PdFacts:
+    """What one request's decision reads, for the policy's chosen (P, D) pair."""
+
+    prompt_tokens: int
+    local_compute_tokens: int  # u_D: prompt tokens D would compute (its prefix cache subtracted)
+    remote_compute_tokens: int  # u_P: prompt tokens P would compute
+    transfer_bytes: int  # K/V bytes the handoff would move to D
+    same_host: bool
+    decode_batch: int  # decodes running at D that a local prefill would delay
+    prefill_pending_tokens: int  # prompt tokens already queued at P
+    failure_rate: float  # observed transfer failures / transfers ended
+
+
+@dataclass(frozen=True)
+class PdDecision:
+    disaggregate: bool
+    reason: str  # the mode that decided, "min_prompt_tokens", "margin" or "gate"
+    terms: MarginTerms | None = None  # only when the margin was computed
+    net_margin_s: float | None = None
+    ttft_gate: bool | None = None
+    tpot_gate: bool | None = None
+
+    @property
+    def label(self) -> str:
+        return DISAGGREGATE if self.disaggregate else LOCAL
+
+    def trace_fields(self) -> dict:
+        """The request trace line's fields for this decision (router/inflight.py)."""
+        fields = {"pd_decision": self.label, "pd_reason": self.reason}
+        if self.terms is not None:
+            fields.update(pd_interference_saved_s=self.terms.interference_saved_s,
+                          pd_transfer_exposed_s=self.terms.transfer_exposed_s, pd_route_delta_s=self.terms.route_delta_s,
+                          pd_failure_penalty_s=self.terms.failure_penalty_s, pd_net_margin_s=self.net_margin_s,
+                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate)
+        return fields
+
+
+def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
+              decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel) -> PdFacts:
+    """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
+    bs = cost.block_size_tokens
+    local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
+    return PdFacts(
+        prompt_tokens=request.prompt_tokens,
+        local_compute_tokens=int(demand.compute_tokens(request, local_hit, bs)),
+        remote_compute_tokens=int(demand.compute_tokens(request, prefill_hit_blocks, bs)),
+        transfer_bytes=int(demand.transfer_tokens(request, decode_hit_blocks, bs)) * cost.kv_bytes_per_token,
+        same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
+        failure_rate=failure_rate,
+    )
+
+
+def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> MarginTerms:
+    return MarginTerms(
+        interference_saved_s=float(cost.prefill_s(facts.local_compute_tokens)) * facts.decode_batch,
+        transfer_exposed_s=exposed_s(facts, policy, cost),
+        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)),
+        failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
+    )
+
+
+def exposed_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """Transfer time not hidden behind P's prefill. A layer-wise stream sends layer l once its
+    prefill is done (ready at (l+1)/L of the prefill) and moves 1/L of the bytes per layer."""
+    transfer = float(cost.transfer_s(facts.transfer_bytes, int(facts.same_host)))
+    prefill = float(cost.prefill_s(facts.remote_compute_tokens))
+    layers = policy.stream_layers if facts.remote_compute_tokens >= policy.layerwise_min_tokens else 1
+    ready = [prefill * (i + 1) / layers for i in range(layers)]
+    visible = layerwise_visible_times(ready, [transfer / layers] * layers)
+    return exposed_transfer_s(visible[-1], prefill)
+
+
+def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> PdDecision:
+    """Disaggregate this request, or prefill it locally on the decode worker (module contract)."""
+    if policy.mode == "always":
+        return PdDecision(True, "always")
+    if policy.mode == "never":
+        return PdDecision(False, "never")
+    if facts.prompt_tokens < policy.min_prompt_tokens:
+        return PdDecision(False, "min_prompt_tokens")
+    terms = margin_terms(facts, policy, cost)
+    remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
+    ttft_gate = remote_ttft_s <= ttft_slo_s
+    tpot_gate = float(cost.decode_step_s(facts.decode_batch + 1)) <= tpot_slo_s
+    enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
+    margin_ok = net_margin_s(terms) > policy.safety_margin_s
+    reason = "margin" if enable or not margin_ok else "gate"
+    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate)

@@ -1,0 +1,129 @@
+"""The per-request P/D decision (router/pd_decision.py) and the routes the Router takes with it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd
+from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.cost import CostModel
+from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.pd_decision import PdFacts, PdPolicy, decide_pd, exposed_s, facts_for, margin_terms
+from pdserve.router.router import Router
+
+# round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token
+COST = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02, decode_step_s_per_seq=1e-3,
+                 same_host_bytes_per_s=1e6, cross_host_bytes_per_s=1e6, transfer_overhead_s=1e-3,
+                 kv_bytes_per_token=100, block_size_tokens=16)
+MARGIN = PdPolicy(mode="margin")
+FACTS = PdFacts(prompt_tokens=512, local_compute_tokens=512, remote_compute_tokens=512, transfer_bytes=51_200,
+                same_host=True, decode_batch=8, prefill_pending_tokens=256, failure_rate=0.25)
+
+
+def test_the_four_terms_have_their_spec_values():
+    terms = margin_terms(FACTS, MARGIN, COST)
+    assert terms.interference_saved_s == pytest.approx(0.522 * 8, abs=1e-12)  # prefill_s(512) x 8 decodes
+    assert terms.transfer_exposed_s == pytest.approx(0.0522, abs=1e-12)  # serialized: all of 1 ms + 51.2 kB / 1 MB/s
+    assert terms.route_delta_s == pytest.approx(0.256, abs=1e-12)  # P's 256 queued tokens
+    assert terms.failure_penalty_s == pytest.approx(0.25 * 0.522, abs=1e-12)  # rate x recompute
+    assert net_margin_s(terms) == pytest.approx(4.176 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
+
+
+def test_a_layerwise_stream_exposes_only_its_last_layer():
+    streamed = PdPolicy(mode="margin", stream_layers=4, layerwise_min_tokens=256)
+    assert exposed_s(FACTS, streamed, COST) == pytest.approx(0.0522 / 4, abs=1e-12)
+    short = PdFacts(**{**vars(FACTS), "remote_compute_tokens": 100})  # under the threshold: serialized
+    assert exposed_s(short, streamed, COST) == pytest.approx(0.0522, abs=1e-12)
+
+
+def test_margin_disaggregates_a_long_prompt_beside_a_busy_decode_batch():
+    decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert decision.disaggregate and decision.reason == "margin"
+    assert decision.net_margin_s == pytest.approx(3.7373, abs=1e-12)
+    assert decision.ttft_gate and decision.tpot_gate  # 0.8302 s <= 2 s, 29 ms <= 100 ms
+
+
+def test_margin_prefills_locally_beside_an_idle_decode_worker():
+    decision = decide_pd(PdFacts(**{**vars(FACTS), "decode_batch": 0}), MARGIN, COST, 2.0, 0.1)
+    assert not decision.disaggregate and decision.reason == "margin"
+    assert decision.terms.interference_saved_s == 0.0  # nothing running at D to stall
+
+
+def test_a_failed_gate_keeps_the_prefill_local():
+    decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.025)  # D's step is 29 ms
+    assert not decision.disaggregate and decision.reason == "gate" and decision.tpot_gate is False
+    assert decision.net_margin_s > 0
+
+
+def test_pinned_modes_and_the_prompt_floor():
+    assert decide_pd(None, PdPolicy("always"), COST, 2.0, 0.1).disaggregate
+    assert not decide_pd(None, PdPolicy("never"), COST, 2.0, 0.1).disaggregate
+    floor = decide_pd(FACTS, PdPolicy("margin", min_prompt_tokens=513), COST, 2.0, 0.1)
+    assert not floor.disaggregate and floor.reason == "min_prompt_tokens" and floor.terms is None
+    assert decide_pd(FACTS, PdPolicy("margin", min_prompt_tokens=512), COST, 2.0, 0.1).disaggregate
+    with pytest.raises(ValueError):
+        PdPolicy("sometimes")
+
+
+def test_facts_subtract_each_side_s_prefix_hits():
+    request = RouteRequest("r", prompt_tokens=100, expected_output_tokens=10)
+    facts = facts_for(request, prefill_hit_blocks=2, decode_hit_blocks=6, same_host=False, decode_batch=3,
+                      prefill_pending_tokens=7, failure_rate=0.0, cost=COST)
+    assert facts.remote_compute_tokens == 100 - 32
+    assert facts.local_compute_tokens == 100 - 96  # the last prompt token is always computed
+    assert facts.transfer_bytes == (100 - 96) * 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(0, 64), pending=st.integers(0, 4096), u=st.integers(1, 4096), rate=st.floats(0, 1),
+       safety=st.floats(0, 1), tpot=st.floats(0.01, 0.2))
+def test_the_decision_is_the_ledger_s_should_enable_pd(batch, pending, u, rate, safety, tpot):
+    facts = PdFacts(u, u, u, u * 100, False, batch, pending, rate)
+    policy = PdPolicy("margin", safety_margin_s=safety)
+    decision = decide_pd(facts, policy, COST, 5.0, tpot)
+    terms = margin_terms(facts, policy, COST)
+    assert isinstance(decision.terms, MarginTerms) and decision.terms == terms
+    assert decision.disaggregate == should_enable_pd(terms, safety, decision.ttft_gate, decision.tpot_gate)
+
+
+def make_router(mode: str, free: int = 100) -> Router:
+    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST, pd=PdPolicy(mode)))
+    for worker_id, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
+        router.register(WorkerInfo(worker_id, "h0", role, 1, free, "m", "abi"))
+        router.report_load(worker_id, 1, WorkerLoad(0, 0, free))
+    return router
+
+
+def test_a_local_route_holds_only_the_decode_worker():
+    router = make_router("never")
+    plan = router.route(RouteRequest("r1", prompt_tokens=100, expected_output_tokens=60))
+    assert isinstance(plan, RoutePlan) and plan.colocated and (plan.prefill_id, plan.decode_id) == ("d0", "d0")
+    assert plan.prefill_hold is None and plan.decode_hold.blocks == 10  # ceil(160 / 16), prompt and growth
+    assert plan.transfer_bytes == 0 and plan.compute_tokens == 100 and plan.pd.reason == "never"
+    assert router.snapshot().decode.pending_tokens[0] == 100  # the local prefill's tokens count as D's queue
+    assert router.counters().pd_decisions == {"local": 1}
+    router.complete("r1")
+    router.assert_no_leaks()
+
+
+def test_a_disaggregated_route_carries_its_decision():
+    router = make_router("always")
+    plan = router.route(RouteRequest("r1", prompt_tokens=100, expected_output_tokens=60))
+    assert not plan.colocated and plan.prefill_hold is not None and plan.pd.disaggregate
+    assert router.counters().pd_decisions == {"disaggregate": 1}
+    router.complete("r1")
+    router.assert_no_leaks()
+
+
+def test_margin_routes_read_the_observed_failure_rate():
+    router = make_router("margin")
+    router.transfer_ended(failed=True)
+    router.transfer_ended(failed=False)
+    assert router.transfer_failure_rate() == 0.5
+    plan = router.route(RouteRequest("r1", prompt_tokens=100, expected_output_tokens=60))
+    assert plan.pd.terms.failure_penalty_s == pytest.approx(0.5 * 0.11, abs=1e-12)  # rate x prefill_s(100)
+    assert plan.colocated  # idle decode worker: nothing to save, the local prefill wins
+    router.complete("r1")
+    router.assert_no_leaks()
