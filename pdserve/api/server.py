@@ -31,6 +31,7 @@ from pdserve.model.tokenizer import load_tokenizer
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
+from pdserve.router.pd_decision import PdPolicy
 from pdserve.router.router import Router
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
@@ -60,10 +61,13 @@ class ServeConfig:
     startup_timeout_s: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # dead workers start again (supervisor.py)
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
+    pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
+    pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
+        PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
 
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
@@ -75,11 +79,13 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     cost = CostModel.from_abi(abi)
+    pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
+                  layerwise_min_tokens=config.layerwise_threshold_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     return Router(RouterConfig(Mode(config.mode), checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
-                               heartbeat_interval_s=0.5, missed_heartbeats=20))
+                               heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd))
 
 
 @contextlib.asynccontextmanager

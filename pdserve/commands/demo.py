@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, pd_decision="always")  # the demo exercises the handoff: every request takes it
 
 
 def run(args: argparse.Namespace) -> int:

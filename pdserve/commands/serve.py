@@ -30,6 +30,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--policy", choices=["round_robin", "jsq", "slo", "prefix"], default="jsq")
+    p.add_argument("--pd-decision", choices=["always", "never", "margin"], default="margin",
+                   help="disaggregated mode, per request: always hand off, never (prefill on the decode worker), or "
+                        "only when the spec's net margin says the remote prefill pays (default)")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
+                   help="prompts shorter than N tokens always prefill on their decode worker (applies before the margin)")
     p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")
     p.add_argument("--slo-tpot-ms", type=float, default=5000.0, help="SLO-aware routing: TPOT target")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker process")
@@ -64,6 +69,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
         restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
+        pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
     )
 
 

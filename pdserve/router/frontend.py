@@ -5,7 +5,8 @@ applies it; `submit` drives one request through its life cycle (messages.py):
     route (early rejection -> Rejection, no prefill work spent)
     disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
         -> first token from P (TTFT) -> StartDecode at D -> tokens from D -> finish
-    colocated: Generate at W -> tokens -> finish
+    colocated, or a local prefill (the router's P/D decision, router/pd_decision.py):
+        Generate at W (the decode worker) -> tokens -> finish
 Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
 fallback chain (router/recovery.py: wait, reroute, recompute with the same seed, or an explicit
 `kv_not_visible` error); nothing hangs and nothing is cut off silently. A worker lost while a
@@ -81,7 +82,8 @@ class ClusterBackend:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = RuntimeMetrics(lambda: router.counters().route_total, lambda: [w.role for w in self.registered.values()],
-                                      lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s))
+                                      lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s),
+                                      lambda: router.counters().pd_decisions)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -230,6 +232,8 @@ class ClusterBackend:
                   prefix_hit_bytes=result.prefill_hit_blocks * self._block_size * self._bytes_per_token(),
                   transfer_bytes_planned=result.transfer_bytes, predicted_ttft_s=result.predicted_ttft_s,
                   predicted_tpot_s=result.predicted_tpot_s)
+        if result.pd is not None:
+            live.note(**result.pd.trace_fields())
         return result
 
     async def _admit(self, live: InFlight) -> None:
@@ -402,6 +406,7 @@ class ClusterBackend:
             "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
             "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
             "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
+            "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         }
         return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict, reg.cpu)
 

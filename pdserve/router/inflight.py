@@ -5,7 +5,10 @@ Contract: `InFlight` holds the request's route, which workers may speak for it r
 recompute fallback resumes from them), and the timestamps its trace line reports. The line keeps
 two clocks apart: `ttft_s` is when the first token was sent to the client (TTFT; the prefill
 worker's first token is never held back for publication) and `kv_published_s` when the decode
-worker published the K/V (None without a handoff), both from arrival.
+worker published the K/V (None without a handoff), both from arrival. In disaggregated mode it
+also records the request's P/D decision (`pd_decision`: disaggregate or local, `pd_reason`, and
+when the margin decided, its four terms `pd_interference_saved_s`, `pd_transfer_exposed_s`,
+`pd_route_delta_s`, `pd_failure_penalty_s`, with `pd_net_margin_s` and both gates).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class InFlight:
         return {
             "request_id": self.req.request_id, "policy": self.policy, "prefill": self.prefill_id, "decode": self.decode_id,
             "prompt_tokens": len(self.req.prompt_ids), "output_tokens": n, "ttft_s": ttft, "tpot_s": tpot,
-            "kv_published_s": self.trace.get("kv_published_s"),
+            "kv_published_s": self.trace.get("kv_published_s"), "pd_decision": self.trace.get("pd_decision"),
             "e2e_s": now - self.arrival_s, "finish_reason": finish_reason, "generation": self.generation,
             "reroutes": self.trace.get("reroutes", 0), "retries": self.trace.get("retries", 0), **self.trace,
         }

@@ -2,7 +2,8 @@
 
 Names are prefixed `pdserve_` and include every name the ledger's runtime-release check requires
 (`pdserve check runtime-release --metrics URL` runs it on a live server). Counters mirror the
-request life cycle: route decisions by policy and result (`pd_route`), early rejections, K/V
+request life cycle: route decisions by policy and result (`pd_route`), per-request P/D decisions
+(`pd_decisions_total{decision}`: disaggregate or local prefill), early rejections, K/V
 transfer attempts / failures / chunk resends, logical and physical bytes moved, fallbacks,
 stale or duplicate publication rejects, capability denials; histograms hold TTFT (first token
 sent to the client), TPOT, transfer and exposed transfer seconds, rollback seconds; gauges hold
@@ -38,6 +39,21 @@ class RouteDecisions:
         family = CounterMetricFamily("pdserve_pd_route", "Route decisions by policy and result", labels=["policy", "result"])
         for (policy, result), count in sorted(self.read().items()):
             family.add_metric([policy, result], count)
+        yield family
+
+
+class PdDecisions:
+    """The router's per-request P/D decisions (disaggregate / local) at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]):
+        self.read = read
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_pd_decisions", "Per-request P/D decisions (router/pd_decision.py)",
+                                     labels=["decision"])
+        counts = self.read()
+        for decision in ("disaggregate", "local"):
+            family.add_metric([decision], counts.get(decision, 0))
         yield family
 
 
@@ -77,9 +93,11 @@ class RuntimeMetrics:
     def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  worker_roles: Callable[[], Iterable[str]] = tuple,
                  clock_samples: Callable[[], ClockSamples] = lambda: ((), ()),
-                 slo_s: tuple[float, float] = (math.inf, math.inf)) -> None:
+                 slo_s: tuple[float, float] = (math.inf, math.inf),
+                 pd_counts: Callable[[], Mapping[str, int]] = dict) -> None:
         r = self.registry = CollectorRegistry()
         r.register(RouteDecisions(route_counts))
+        r.register(PdDecisions(pd_counts))
         r.register(WorkersLive(worker_roles))
         r.register(SloAttainment(clock_samples, slo_s))
         self.early_rejections = Counter("pdserve_early_rejections", "Requests rejected before prefill", ["reason"], registry=r)

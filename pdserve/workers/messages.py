@@ -123,6 +123,8 @@ class Load(msgspec.Struct, frozen=True):
     num_blocks: int = 0
     integrity_ok: bool = True  # the engine's pool check passed at this report
     leases_expired: int = 0  # K/V reclaimed because the router stopped renewing (since start)
+    local_prefills: int = 0  # decode worker: Generate requests still prefilling here (workers/local_prefill.py)
+    local_prefill_tokens: int = 0  # their prompt tokens not yet computed
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -36,6 +36,7 @@ from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
+from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
 
 log = logging.getLogger("pdserve.worker")
@@ -77,6 +78,7 @@ class Worker:
         self.engine.step_log = StepLog(config.step_log_path) if config.step_log_path else None
         self.prefill = PrefillSide(self) if config.role in ("prefill", "colocated") else None
         self.decode = DecodeSide(self) if config.role in ("decode", "colocated") else None
+        self.local_prefills = LocalPrefills(config.role)  # Generate on a decode worker (local_prefill.py)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
@@ -124,6 +126,7 @@ class Worker:
         with self.lock:
             eng = self.engine
             running = eng.scheduler.running
+            local_prefills, local_tokens = self.local_prefills.load(eng)
             load = m.Load(
                 pending_prompt_tokens=eng.scheduler.num_pending_prompt_tokens,
                 active_decode=sum(1 for s in running if s.is_decoding),
@@ -134,6 +137,8 @@ class Worker:
                 num_blocks=eng.pool.num_blocks,
                 integrity_ok=self._integrity_ok(),
                 leases_expired=self.leases_reclaimed,
+                local_prefills=local_prefills,
+                local_prefill_tokens=local_tokens,
             )
             hashes = tuple(list(eng.blocks.cached)[:4096])
         return m.Heartbeat(self.id, self.epoch, load, hashes)
@@ -193,7 +198,9 @@ class Worker:
             self.send(m.WorkerError(self.id, self.epoch, getattr(msg, "request_id", "?"), str(exc), "invalid_request"))
 
     def add_local(self, msg: m.Generate) -> None:
+        """A whole request here: colocated serving, or a local prefill on a decode worker."""
         with self.lock:
+            self.local_prefills.accept(msg.request_id)
             self.engine.add_request(msg.request_id, list(msg.prompt_ids), msg.params, seed=msg.seed,
                                     resume_output_ids=msg.resume_output_ids)
 
@@ -273,8 +280,6 @@ def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:
 
 
 def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:
-    from dataclasses import replace
-
     return replace(config, kv_shm_name=shm_name)
 
 

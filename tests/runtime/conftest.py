@@ -20,8 +20,11 @@ WORKER_THREADS = 1
 
 def config(**kw) -> ServeConfig:
     """A tiny-model deployment; dead workers stay dead unless a test asks for restarts
-    (tests/runtime/test_supervision.py), so fault tests see the cluster they shrank."""
+    (tests/runtime/test_supervision.py), so fault tests see the cluster they shrank. Every
+    request takes the handoff (`pd_decision="always"`) unless a test asks for the per-request
+    decision (tests/runtime/test_pd_decision.py)."""
     kw.setdefault("engine", TINY)
+    kw.setdefault("pd_decision", "always")
     kw.setdefault("restart", RestartPolicy(enabled=False))
     return ServeConfig(**kw)
 

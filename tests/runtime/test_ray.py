@@ -96,7 +96,7 @@ def assert_ray_released(timeout_s: float = RAY_SETTLE_S) -> None:
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_disaggregated_on_ray_matches_in_process(ray_local, expected, transport):
     config = ServeConfig(ray=True, mode="disaggregated", num_prefill=1, num_decode=1, engine=ENGINE,
-                         transport=transport, ray_pack_pairs=True, startup_timeout_s=60.0)
+                         transport=transport, ray_pack_pairs=True, startup_timeout_s=60.0, pd_decision="always")
     assert asyncio.run(run_cluster(config, ray_local)) == expected
 
 
