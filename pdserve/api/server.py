@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
@@ -63,6 +65,7 @@ class ServeConfig:
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
+    pd_profile: str | None = None  # a `pdserve profile` JSON: the router's cost model (else CostModel's placeholders)
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
@@ -78,7 +81,8 @@ class ServeConfig:
 def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
-    cost = CostModel.from_abi(abi)
+    cost = CostModel.from_abi(abi) if config.pd_profile is None else CostModel.from_profile(
+        abi, json.loads(Path(config.pd_profile).read_text()), config.engine.max_num_batched_tokens)
     pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
                   layerwise_min_tokens=config.layerwise_threshold_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or

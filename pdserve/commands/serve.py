@@ -35,6 +35,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "only when the spec's net margin says the remote prefill pays (default)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
                    help="prompts shorter than N tokens always prefill on their decode worker (applies before the margin)")
+    p.add_argument("--pd-profile", default=None, metavar="FILE.json",
+                   help="the router's cost model from a `pdserve profile` fit (what the margin decides with)")
     p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")
     p.add_argument("--slo-tpot-ms", type=float, default=5000.0, help="SLO-aware routing: TPOT target")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker process")
@@ -70,6 +72,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
         restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        pd_profile=args.pd_profile,
     )
 
 

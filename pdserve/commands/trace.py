@@ -2,6 +2,8 @@
 
 One row per transaction (transfer id): status, wall time, overlapped work, retries, exposed
 stall and bytes. Exits 1 when any transaction breaks the contract, 2 on an unreadable trace.
+Given the router's request trace instead (`--trace-dir`'s requests.jsonl: lines that carry
+`prompt_tokens`), it summarises the per-request P/D decisions by prompt-length bucket.
 """
 
 from __future__ import annotations
@@ -40,9 +42,61 @@ def _print_table(reports) -> None:
             print(f"REJECTED {report.transfer}: {report.reason}")
 
 
+PROMPT_BUCKETS = (64, 256, 1024, 4096)  # upper bounds (exclusive) of the prompt-length buckets
+
+
+def bucket(prompt_tokens: int) -> str:
+    lower = 0
+    for upper in PROMPT_BUCKETS:
+        if prompt_tokens < upper:
+            return f"{lower}-{upper - 1}"
+        lower = upper
+    return f"{lower}+"
+
+
+def decision_summary(records: list[dict]) -> dict[str, dict[str, int]]:
+    """{prompt bucket: {decision: requests}} over request-trace lines that carry a P/D decision."""
+    summary: dict[str, dict[str, int]] = {}
+    for record in records:
+        decision = record.get("pd_decision")
+        if decision is not None and "prompt_tokens" in record:
+            counts = summary.setdefault(bucket(int(record["prompt_tokens"])), {})
+            counts[decision] = counts.get(decision, 0) + 1
+    return summary
+
+
+def _request_trace(path: str) -> list[dict] | None:
+    """The file's records when it is a router request trace, else None (a transfer trace)."""
+    with open(path, encoding="utf-8") as handle:
+        lines = [line for line in handle if line.strip()]
+    try:
+        records = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        return None
+    return records if records and all(isinstance(r, dict) and "request_id" in r and "event" not in r for r in records) else None
+
+
+def _print_decisions(summary: dict[str, dict[str, int]]) -> None:
+    print("prompt_tokens  disaggregate  local")
+    for name, counts in summary.items():
+        print(f"{name:<13}  {counts.get('disaggregate', 0):<12}  {counts.get('local', 0)}")
+
+
 def _analyze(args: argparse.Namespace) -> int:
     from pdserve.ledger.trace import TraceFormatError, analyze_trace, parse_jsonl
 
+    try:
+        requests = _request_trace(args.trace)
+    except OSError as exc:
+        print(f"pdserve trace: {exc}")
+        return 2
+    if requests is not None:
+        summary = decision_summary(requests)
+        if args.json:
+            print(json.dumps({"pd_decisions": summary}))
+        else:
+            _print_decisions(summary)
+        return 0
     try:
         with open(args.trace, encoding="utf-8") as handle:
             events = parse_jsonl(handle)

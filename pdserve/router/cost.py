@@ -58,6 +58,17 @@ class CostModel:
         base = cls(kv_bytes_per_token=abi.bytes_per_token, block_size_tokens=abi.block_size)
         return replace(base, **overrides)
 
+    @classmethod
+    def from_profile(cls, abi: KvAbi, profile: dict, reference_tokens: int) -> CostModel:
+        """The cost model of a `pdserve profile` fit (its JSON: prefill_s = a + b*rows + c*causal
+        pairs, decode_step_s = a + b*batch + c*context tokens), made affine at `reference_tokens`
+        (the serving chunk): a prompt's causal pairs n(n+1)/2 cost c*(reference+1)/2 per token,
+        and each sequence in a decode batch carries a context of that many tokens."""
+        a_p, b_p, c_p = (float(x) for x in profile["prefill_coef"])
+        a_d, b_d, c_d = (float(x) for x in profile["decode_coef"])
+        return cls.from_abi(abi, prefill_overhead_s=a_p, prefill_s_per_token=b_p + c_p * (reference_tokens + 1) / 2,
+                            decode_step_base_s=a_d, decode_step_s_per_seq=b_d + c_d * reference_tokens)
+
     def queue_s(self, pending_prompt_tokens: Num) -> Num:
         """Time for a prefill worker to drain the prompt tokens already queued on it."""
         return pending_prompt_tokens * self.prefill_s_per_token

@@ -76,6 +76,20 @@ def test_trace_analyze(tmp_path: Path, capsys):
     assert main(["trace", "analyze", str(path)]) == 2
 
 
+def test_trace_analyze_summarises_p_d_decisions_by_prompt_length(tmp_path: Path, capsys):
+    lines = [{"request_id": f"r{i}", "prompt_tokens": n, "pd_decision": d}
+             for i, (n, d) in enumerate([(20, "local"), (63, "local"), (64, "disaggregate"), (2000, "disaggregate"),
+                                         (5000, "local")])]
+    lines.append({"request_id": "x", "rejected": "no_route", "detail": ""})  # no decision: left out
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = run_json(capsys, ["trace", "analyze", str(path), "--json"])
+    assert out["pd_decisions"] == {"0-63": {"local": 2}, "64-255": {"disaggregate": 1}, "1024-4095": {"disaggregate": 1},
+                                   "4096+": {"local": 1}}
+    assert main(["trace", "analyze", str(path)]) == 0
+    assert "disaggregate" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["ledger"], ["trace"]])
 def test_bare_group_prints_help(argv, capsys):
     assert main(argv) == 2

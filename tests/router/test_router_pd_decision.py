@@ -127,3 +127,15 @@ def test_margin_routes_read_the_observed_failure_rate():
     assert plan.colocated  # idle decode worker: nothing to save, the local prefill wins
     router.complete("r1")
     router.assert_no_leaks()
+
+
+def test_a_fitted_profile_becomes_the_router_s_cost_model():
+    from pdserve.engine.kv_abi import KvAbi
+
+    abi = KvAbi(2, 2, 8, 16, "float32")
+    profile = {"kind": "profiled", "prefill_coef": [0.01, 1e-3, 2e-6], "decode_coef": [0.02, 1e-3, 1e-6]}
+    cost = CostModel.from_profile(abi, profile, reference_tokens=63)
+    assert cost.prefill_overhead_s == 0.01 and cost.decode_step_base_s == 0.02
+    assert cost.prefill_s_per_token == pytest.approx(1e-3 + 2e-6 * 32, abs=1e-15)  # pairs of a 63-token chunk per token
+    assert cost.decode_step_s_per_seq == pytest.approx(1e-3 + 1e-6 * 63, abs=1e-15)
+    assert cost.kv_bytes_per_token == abi.bytes_per_token and cost.block_size_tokens == 16
