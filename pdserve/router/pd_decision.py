@@ -98,6 +98,9 @@ class PdDecision:
         return fields
 
 
+PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "never")}  # shared: the hot path
+
+
 def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
               decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel) -> PdFacts:
     """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
@@ -135,10 +138,8 @@ def exposed_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
 
 def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> PdDecision:
     """Disaggregate this request, or prefill it locally on the decode worker (module contract)."""
-    if policy.mode == "always":
-        return PdDecision(True, "always")
-    if policy.mode == "never":
-        return PdDecision(False, "never")
+    if policy.mode in PINNED:
+        return PINNED[policy.mode]
     if facts.prompt_tokens < policy.min_prompt_tokens:
         return PdDecision(False, "min_prompt_tokens")
     terms = margin_terms(facts, policy, cost)
