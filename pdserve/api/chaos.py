@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from pdserve.api.server import ServeConfig, cluster, model_name
+from pdserve.bench.sse import sse_lines
 from pdserve.ports import free_local_port
 
 CLASSES = ("completed", "error", "hung", "cut")
@@ -69,7 +70,10 @@ def classify_stream(lines: list[str], max_tokens: int) -> tuple[str, str | None]
         if line == "data: [DONE]":
             done = True
         elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
+            try:
+                chunk = json.loads(line[6:])
+            except json.JSONDecodeError:
+                return "cut", "malformed data line"
             if "error" in chunk:
                 return "error", str(chunk["error"].get("code") or chunk["error"].get("message"))
             for choice in chunk.get("choices", []):
@@ -89,7 +93,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, hang_s: float, t
             if resp.status_code != 200:
                 tally.add("error", f"HTTP {resp.status_code}")
                 return
-            stream = resp.aiter_lines()
+            stream = sse_lines(resp.aiter_bytes())
             while True:
                 try:
                     line = await asyncio.wait_for(anext(stream), timeout=hang_s)

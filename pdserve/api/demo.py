@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 
 from pdserve.api.server import ServeConfig, cluster
+from pdserve.bench.sse import sse_lines
 from pdserve.ports import free_local_port
 
 
@@ -59,7 +60,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 return Outcome(False, [], None, None, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_bytes()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

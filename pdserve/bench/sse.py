@@ -4,7 +4,8 @@ Contract: `parse_sse_line` is pure. Lines that are not ``data:`` lines (blank se
 ``event:``/``id:`` fields) give None. ``data: [DONE]`` gives a `done` event. A JSON chunk gives the
 text it carries (completions ``choices[0].text`` or chat ``choices[0].delta.content``), the
 ``usage.completion_tokens`` when present, and an error message when the chunk is an error object.
-Malformed JSON is reported as an error event, not raised.
+Malformed JSON is reported as an error event, not raised. `sse_lines` splits a byte stream into
+lines where SSE does (LF, CRLF or CR), never on the Unicode line breaks a token's text may hold.
 
 `token` says whether a chunk stands for generated output, which is what TTFT and ITL time: any
 chunk with text, and also a chunk whose text field is present but empty while it carries no
@@ -71,3 +72,18 @@ def _choice_text(choices: list) -> tuple[str, bool]:
         delta = choice.get("delta") or {}
         text, has_field = delta.get("content") or "", "content" in delta and "role" not in delta
     return text, bool(text) or (has_field and choice.get("finish_reason") is None)
+
+
+async def sse_lines(chunks):
+    """Lines of an event stream split as SSE does (LF, CRLF or CR only): a generic line splitter
+    would also break on U+2028 or U+0085, which a token's text may hold."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        held = b"\r" if buffer.endswith(b"\r") else b""  # may be the first half of CRLF
+        *lines, rest = buffer[: len(buffer) - len(held)].replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        buffer = rest + held
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if buffer.rstrip(b"\r"):
+        yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")

@@ -34,3 +34,17 @@ def test_one_minute_of_kills_under_load_1p2d():
     assert report["leaked_workers"] == {} and report["router_holds_clean"] and report["all_replaced"], report
     assert report["requests"] == report["completed"] + report["error"] and report["completed"] > 0, report
     assert healthy(report)
+
+
+def test_sse_lines_split_only_where_sse_does():
+    from pdserve.bench.sse import sse_lines
+
+    async def chunks():
+        for part in (b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}\r', b'\ndata: [DO', b"NE]\n\n", b"tail"):
+            yield part
+
+    async def collect():
+        return [line async for line in sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == ['data: {"t": "a\u2028b\u0085c"}', "data: [DONE]", "", "tail"]
+    assert classify_stream(['data: {"choices": [{"token_ids": [1], "te'], 5) == ("cut", "malformed data line")
