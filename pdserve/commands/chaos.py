@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=int, default=16)
     p.add_argument("--hang-s", type=float, default=60.0, help="a stream silent this long counts as hung")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, pd_decision="always")  # kills land mid-handoff too: every request takes it
 
 
 def run(args: argparse.Namespace) -> int:

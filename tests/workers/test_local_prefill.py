@@ -32,3 +32,20 @@ def test_a_prefill_worker_refuses_and_a_colocated_one_keeps_no_count():
     colocated = LocalPrefills("colocated")
     colocated.accept("r1")
     assert not colocated.request_ids
+
+
+def test_a_decode_worker_s_heartbeat_carries_its_local_prefill_load():
+    from pdserve.workers import messages as m
+    from pdserve.workers.worker import Worker, WorkerConfig
+
+    engine = EngineConfig(model="tiny", num_blocks=64, max_num_batched_tokens=32)
+    worker = Worker(WorkerConfig("d0", "decode", "tcp://127.0.0.1:9", engine=engine))  # never sends here
+    try:
+        worker.add_local(m.Generate("r1", tuple(range(3, 103)), SamplingParams(max_tokens=4, ignore_eos=True), seed=1))
+        load = worker.heartbeat().load
+        assert (load.local_prefills, load.local_prefill_tokens) == (1, 100)
+        worker.abort("r1")
+        load = worker.heartbeat().load
+        assert (load.local_prefills, load.local_prefill_tokens) == (0, 0)
+    finally:
+        worker.close()
