@@ -34,7 +34,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="disaggregated mode, per request: always hand off, never (prefill on the decode worker), or "
                         "only when the spec's net margin says the remote prefill pays (default)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
-                   help="prompts shorter than N tokens always prefill on their decode worker (applies before the margin)")
+                   help="prompts shorter than N tokens always prefill on their decode worker (applies first, with always or margin)")
     p.add_argument("--pd-profile", default=None, metavar="FILE.json",
                    help="the router's cost model from a `pdserve profile` fit (what the margin decides with)")
     p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")

@@ -2,11 +2,12 @@
 
 Contract: pure functions over the router's snapshot and the policy's chosen pair; nothing here
 holds blocks or does I/O. `decide_pd(facts, policy, cost, ttft_slo_s, tpot_slo_s)` is the one decision (facts may be None
-for the pinned modes, which read none):
+where the policy reads none: "never", and "always" without a prompt floor):
 
-    mode "always"                  disaggregate (the demo and the handoff tests pin it)
     mode "never"                   prefill locally on the decode worker
-    prompt < min_prompt_tokens     prefill locally (applies before the margin)
+    prompt < min_prompt_tokens     prefill locally: shorter prompts never disaggregate (applies
+                                   first, in "always" and "margin" mode alike)
+    mode "always"                  disaggregate (the demo and the handoff tests pin it)
     mode "margin"                  the spec's net margin, decided by the ledger's `should_enable_pd`
                                    (one formula, shared with the planner and the release check)
 
@@ -138,10 +139,12 @@ def exposed_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
 
 def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> PdDecision:
     """Disaggregate this request, or prefill it locally on the decode worker (module contract)."""
-    if policy.mode in PINNED:
-        return PINNED[policy.mode]
-    if facts.prompt_tokens < policy.min_prompt_tokens:
+    if policy.mode == "never":
+        return PINNED["never"]
+    if facts is not None and facts.prompt_tokens < policy.min_prompt_tokens:
         return PdDecision(False, "min_prompt_tokens")
+    if policy.mode == "always":
+        return PINNED["always"]
     terms = margin_terms(facts, policy, cost)
     remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
     ttft_gate = remote_ttft_s <= ttft_slo_s

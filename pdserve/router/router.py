@@ -222,8 +222,8 @@ class Router:
     def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> PdDecision:
         """The P/D decision for the policy's chosen pair, over the same snapshot."""
         cfg = self.config
-        if cfg.pd.mode != "margin":  # always / never: no facts needed (the routing hot path)
-            return decide_pd(None, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s)
+        if cfg.pd.mode == "never" or (cfg.pd.mode == "always" and not cfg.pd.min_prompt_tokens):
+            return decide_pd(None, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
         ps, ds = choice.prefill_slot, choice.decode_slot
         facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),

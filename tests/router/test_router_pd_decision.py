@@ -63,6 +63,8 @@ def test_pinned_modes_and_the_prompt_floor():
     floor = decide_pd(FACTS, PdPolicy("margin", min_prompt_tokens=513), COST, 2.0, 0.1)
     assert not floor.disaggregate and floor.reason == "min_prompt_tokens" and floor.terms is None
     assert decide_pd(FACTS, PdPolicy("margin", min_prompt_tokens=512), COST, 2.0, 0.1).disaggregate
+    assert decide_pd(FACTS, PdPolicy("always", min_prompt_tokens=513), COST, 2.0, 0.1).reason == "min_prompt_tokens"
+    assert decide_pd(FACTS, PdPolicy("always", min_prompt_tokens=512), COST, 2.0, 0.1).reason == "always"
     with pytest.raises(ValueError):
         PdPolicy("sometimes")
 
@@ -139,3 +141,17 @@ def test_a_fitted_profile_becomes_the_router_s_cost_model():
     assert cost.prefill_s_per_token == pytest.approx(1e-3 + 2e-6 * 32, abs=1e-15)  # pairs of a 63-token chunk per token
     assert cost.decode_step_s_per_seq == pytest.approx(1e-3 + 1e-6 * 63, abs=1e-15)
     assert cost.kv_bytes_per_token == abi.bytes_per_token and cost.block_size_tokens == 16
+
+
+def test_the_prompt_floor_applies_before_always():
+    router = make_router("always")
+    router.config = RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST,
+                                 pd=PdPolicy("always", min_prompt_tokens=64))
+    short = router.route(RouteRequest("short", prompt_tokens=63, expected_output_tokens=8))
+    long = router.route(RouteRequest("long", prompt_tokens=64, expected_output_tokens=8))
+    assert short.colocated and short.pd.reason == "min_prompt_tokens"
+    assert not long.colocated and long.pd.reason == "always"
+    assert router.counters().pd_decisions == {"local": 1, "disaggregate": 1}
+    for request_id in ("short", "long"):
+        router.complete(request_id)
+    router.assert_no_leaks()
