@@ -17,7 +17,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.model.numerics import cpu_has_native_bf16
+from pdserve.model.cpu import cpu_has_native_bf16
 
 DECODE_STEPS = 8
 

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import skinny
-from pdserve.model.cpu import cpu_has_native_bf16  # noqa: F401  (re-exported for bench-engine)
 
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
 TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block stays in L2

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, TokenEvent, WorkerView
+from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
 from pdserve.engine.block_manager import prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev

@@ -25,8 +25,9 @@ def test_backoff_doubles_to_its_bound_and_each_restart_takes_the_next_epoch():
 def test_a_long_life_resets_the_backoff():
     s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=8.0, reset_after_s=30.0))
     s.on_started("prefill-0", 1, now=0.0)
+    due = 0.0
     for _ in range(3):
-        due = s.on_death("prefill-0", 1.0 if s.num_restarts == 0 else due + 1.0)
+        due = s.on_death("prefill-0", due + 1.0)
         s.mark_restarted("prefill-0", s.due(due)[0][1], due)
     assert s.on_death("prefill-0", due + 31.0) == due + 31.5  # it had lived 31 s: first delay again
 
