@@ -113,8 +113,10 @@ def test_a_link_that_cannot_open_or_is_refused_ends_the_source_with_a_report(wor
 def test_a_stalled_link_ends_both_sides_each_with_a_report(world):
     sender, listener, plan, request, done = open_pair(world, StalledSender, give_up_s=0.5)
     start(sender, plan, request, world)
-    side, _, state = done.get(timeout=30)
-    assert (side, state) == ("destination", TxnState.ABORTED)  # the listener gave up on the silent link
-    side, _, src = done.get(timeout=30)  # and hung up: the source sees its link closed
-    assert (side, src.state) == ("source", TxnState.ABORTED)
+    # the listener gives up on the silent link and the source's acks time out; on a loaded machine
+    # either may report first, so the two reports are taken in any order
+    ends = dict(done.get(timeout=30)[0::2] for _ in range(2))
+    assert ends["destination"] is TxnState.ABORTED
+    assert ends["source"].state is TxnState.ABORTED
+    assert world.endpoint.transfers[plan.transfer_id].state is TxnState.ABORTED
     listener.close()
