@@ -73,10 +73,10 @@ def plan_inputs(args: argparse.Namespace):
 
     from pdserve.bench.cli_args import workload_config
     from pdserve.bench.metrics import Slo
-    from pdserve.sim.geometry import load_model_spec
-    from pdserve.sim.hardware import load_hardware
-    from pdserve.sim.latency import load_latency_model
-    from pdserve.sim.planner import PlanInputs
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.latency.hardware import load_hardware
+    from pdserve.latency.load import load_latency_model
+    from pdserve.search.planner import PlanInputs
 
     if args.trace is None and (args.input_len is None and args.input_dist is None):
         raise SystemExit("pdserve plan: give --input-len/--input-dist and --output-len, or --trace")
@@ -94,8 +94,8 @@ def plan_inputs(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from pdserve.sim.plan_report import plan_summary, plan_table, plot_plan
-    from pdserve.sim.planner import plan
+    from pdserve.search.plan_report import plan_summary, plan_table, plot_plan
+    from pdserve.search.planner import plan
 
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
@@ -114,9 +114,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     import os
 
-    from pdserve.sim.plan_calibrator import live_model, plan_calibrator
-    from pdserve.sim.planner import sample_goodput
-    from pdserve.sim.validate import LocalConfig, validate
+    from pdserve.validate.plan_calibrator import live_model, plan_calibrator
+    from pdserve.search.planner import sample_goodput
+    from pdserve.validate.run import validate
+    from pdserve.validate.runtime import LocalConfig
 
     meta = _profile_meta(args.latency_model)
     model = args.serve_model or meta.get("model") or "small"

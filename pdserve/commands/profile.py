@@ -46,7 +46,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def run_profile_command(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from pdserve.sim.engine_profile import ProfilePlan, run_profile
+    from pdserve.latency.engine_profile import ProfilePlan, run_profile
 
     plan = ProfilePlan.quick(args.model or "tiny", args.threads, dtype=args.dtype) if args.quick else ProfilePlan(
         model=args.model or "small", threads=args.threads, dtype=args.dtype)

@@ -98,7 +98,7 @@ def sim_config(args: argparse.Namespace):
 def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.cli_args import workload_config
     from pdserve.bench.metrics import Slo, summarize
-    from pdserve.sim.latency import load_latency_model
+    from pdserve.latency.load import load_latency_model
     from pdserve.sim.requests import build_requests
     from pdserve.sim.simulator import simulate
 

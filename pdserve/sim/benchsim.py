@@ -16,11 +16,11 @@ from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
-from pdserve.sim.geometry import load_model_spec
-from pdserve.sim.hardware import load_hardware
-from pdserve.sim.latency import ConstantLatency
+from pdserve.latency.geometry import load_model_spec
+from pdserve.latency.hardware import load_hardware
+from pdserve.latency.base import ConstantLatency
 from pdserve.sim.requests import build_requests
-from pdserve.sim.roofline import RooflineLatency
+from pdserve.latency.roofline import RooflineLatency
 from pdserve.sim.simulator import SimConfig, simulate
 from pdserve.sim.transfer import LinkSpec
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pdserve.sim.batch import DecodeBatch, steps_until
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.base import LatencyModel
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pdserve.bench.goodput import SearchPlan, geometric_ladder, next_rate, resul
 from pdserve.bench.metrics import Attainment, Slo, attainment
 from pdserve.bench.records import RequestRecord
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.base import LatencyModel
 from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
 from pdserve.sim.requests import SimRequests
 

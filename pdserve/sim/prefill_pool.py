@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.base import LatencyModel
 
 PREFILL_POLICIES = ("fcfs", "sjf")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.records import RequestRecord
 from pdserve.sim.colocated import ColocatedLimits, run_colocated_instance
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.base import LatencyModel
 from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
 from pdserve.sim.requests import SimRequests, records
 from pdserve.sim.transfer import LinkSpec, transfer_s, visible_at_s

@@ -14,7 +14,7 @@ from pdserve.cli import main
 from pdserve.model.config import ModelConfig, load_config
 from pdserve.model.errors import CheckpointError
 from pdserve.model.loader import load_state_dict
-from pdserve.sim.geometry import load_model_spec
+from pdserve.latency.geometry import load_model_spec
 from tests.helpers.checkpoints import make_random_checkpoint
 
 SRC = "/models/qwen3/config.json"

@@ -79,7 +79,7 @@ def test_plan_json_shape(capsys):
 
 
 def test_plan_accepts_a_bare_config_and_plots(tmp_path, capsys):
-    from pdserve.sim.hardware import PROFILE_DIR
+    from pdserve.latency.hardware import PROFILE_DIR
 
     config = tmp_path / "config.json"
     config.write_text((PROFILE_DIR / "llama-13b-class.config.json").read_text())
@@ -103,7 +103,7 @@ def test_profile_quick_writes_a_usable_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the tiny checkpoint goes here
     out = tmp_path / "prof.json"
     assert main(["profile", "--quick", "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
-    from pdserve.sim.latency import load_latency_model
+    from pdserve.latency.load import load_latency_model
 
     model = load_latency_model(out)
     assert model.prefill_s(64) > 0 and model.decode_step_s(4, 256) > 0
@@ -113,7 +113,7 @@ def test_profile_quick_writes_a_usable_model(tmp_path, capsys, monkeypatch):
 def test_plan_validate_refuses_bad_recalibration_flags(tmp_path, capsys):
     """Flag errors come before any server starts: a recalibration without a tolerance, and a
     window check allowed no bench point."""
-    from pdserve.sim.profiled import ProfiledLatency
+    from pdserve.latency.profiled import ProfiledLatency
 
     profile = tmp_path / "prof.json"
     profile.write_text(json.dumps(ProfiledLatency((0.01, 1e-4, 0.0), (0.005, 1e-4, 0.0)).to_dict()))

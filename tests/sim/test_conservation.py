@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.metrics import Slo, summarize
-from pdserve.sim.latency import ConstantLatency
+from pdserve.latency.base import ConstantLatency
 from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.requests import REJECTED_KV
 from pdserve.sim.simulator import SimConfig, simulate

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.step_log import StepLog, read_steps
-from pdserve.sim import engine_profile
-from pdserve.sim.engine_profile import DECODE_STEPS, DECODE_WARMUP_ROUNDS, ProfilePlan, decode_points_s
+from pdserve.latency import engine_profile
+from pdserve.latency.engine_profile import DECODE_STEPS, DECODE_WARMUP_ROUNDS, ProfilePlan, decode_points_s
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.bench.metrics import Slo
 from pdserve.sim.goodput import goodput_rps, ladder_around, prefill_records, decode_records
-from pdserve.sim.latency import ConstantLatency
+from pdserve.latency.base import ConstantLatency
 from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.simulator import SimConfig, simulate
 

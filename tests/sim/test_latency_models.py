@@ -9,11 +9,12 @@ import pytest
 
 from pdserve.ledger.phase import decode_work, lower_bound_s, prefill_work
 from pdserve.ledger.splitwise import layer_visibility_s
-from pdserve.sim.geometry import load_model_spec
-from pdserve.sim.hardware import BUILTIN_HARDWARE, load_hardware
-from pdserve.sim.latency import ConstantLatency, latency_from_dict, load_latency_model
-from pdserve.sim.profiled import ProfiledLatency, fit_profile
-from pdserve.sim.roofline import RooflineLatency
+from pdserve.latency.geometry import load_model_spec
+from pdserve.latency.hardware import BUILTIN_HARDWARE, load_hardware
+from pdserve.latency.base import ConstantLatency
+from pdserve.latency.load import latency_from_dict, load_latency_model
+from pdserve.latency.profiled import ProfiledLatency, fit_profile
+from pdserve.latency.roofline import RooflineLatency
 from pdserve.sim.transfer import LinkSpec, visible_at_s
 
 

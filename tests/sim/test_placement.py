@@ -6,9 +6,9 @@ import pytest
 
 from pdserve.ledger.goodput import replica_count, system_goodput, system_goodput_per_gpu
 from pdserve.ledger.placement import link_feasible, model_residency_bytes, payload_demand_bytes_per_s
-from pdserve.sim.candidates import Parallel
-from pdserve.sim.phase_search import Score
-from pdserve.sim.plans import ColocatedPlan, colocated_plan, high_affinity_plan, low_affinity_plan, split_budget
+from pdserve.search.candidates import Parallel
+from pdserve.search.phase_search import Score
+from pdserve.search.plans import ColocatedPlan, colocated_plan, high_affinity_plan, low_affinity_plan, split_budget
 
 
 def score(phase, tp, pp, rps, chunk=0):

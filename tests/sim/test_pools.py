@@ -7,9 +7,9 @@ import pytest
 from pdserve.sim.batch import DecodeBatch, segment_s, steps_until
 from pdserve.sim.colocated import ColocatedLimits, run_colocated_instance
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
-from pdserve.sim.latency import ConstantLatency
+from pdserve.latency.base import ConstantLatency
 from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
-from pdserve.sim.profiled import ProfiledLatency
+from pdserve.latency.profiled import ProfiledLatency
 
 MODEL = ConstantLatency(prefill_ms=10, decode_step_ms=1)
 
@@ -105,9 +105,10 @@ def test_prefix_hits_skip_prefill_rows():
 
 
 def test_validate_reports_a_server_that_does_not_come_up(monkeypatch):
-    from pdserve.sim import validate as v
+    from pdserve.validate import run as vrun
+    from pdserve.validate import runtime as v
 
     monkeypatch.setattr(v.LocalConfig, "serve_args", lambda self, model, port: ["no-such-command"])
-    rows = v.validate([v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=3.0)], "tiny", [])
+    rows = vrun.validate([v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=3.0)], "tiny", [])
     assert rows[0]["predicted_goodput_rps"] == 3.0
     assert "server did not come up" in rows[0]["error"]

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.ledger.queueing import md1_ttft_s
-from pdserve.sim.latency import ConstantLatency
+from pdserve.latency.base import ConstantLatency
 from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.simulator import SimConfig, simulate
 

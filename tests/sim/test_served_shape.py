@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.profiled import ProfiledLatency
-from pdserve.sim.served_shape import served_bases, served_profile
+from pdserve.latency.profiled import ProfiledLatency
+from pdserve.validate.served_shape import served_bases, served_profile
 
 # bases 60/64/91/91 ms per batch of 1/2/3/4 and 10 us per context token (a profile with a bad 3-row point)
 PROFILE = ProfiledLatency((0.1, 0.005, 0.0), (0.06, 0.01, 1e-5),

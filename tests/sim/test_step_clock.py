@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.step_clock import StepSpeed, drift, modelled_parts, step_speed
-from pdserve.sim.profiled import ProfiledLatency
+from pdserve.validate.step_clock import StepSpeed, drift, modelled_parts, step_speed
+from pdserve.latency.profiled import ProfiledLatency
 
 PROFILE = ProfiledLatency((0.05, 1e-3, 1e-7), (0.03, 0.004, 2e-6), decode_batch_base=((1, 0.03), (4, 0.045), (8, 0.07)),
                           decode_context_s=2e-6)
@@ -33,8 +33,8 @@ def test_factors_of_an_exactly_scaled_engine_are_recovered(shapes):
 
 
 def test_the_modelled_parts_are_what_the_scaled_profile_charges():
-    from pdserve.sim.calibrate import scaled
-    from pdserve.sim.latency import causal_pairs
+    from pdserve.validate.calibrate import scaled
+    from pdserve.latency.base import causal_pairs
 
     slow = scaled(PROFILE, 1.3, 0.8)
     p, d = modelled_parts(PROFILE, StepRecord(0.0, 0.0, (16, 20), (48, 0), 5, 800))

@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from pdserve.sim import validate as v
+from pdserve.validate import run as vrun
+from pdserve.validate import runtime as v
 
 # SLOs every request meets on any machine (a tiny-model request of 16 + 4 tokens takes well under a
 # second even on a loaded 2-core one), so which rates pass does not depend on the machine's speed
@@ -56,7 +57,7 @@ def test_bracket_verdicts_from_the_bench_sweep():
 
 
 def test_bracket_ranking_needs_disjoint_intervals():
-    from pdserve.sim.plan_report import bracket_ranking
+    from pdserve.search.plan_report import bracket_ranking
 
     def row(name, lo, hi, where):
         return {"name": name, "bracket_rps": [lo, hi], "within_tolerance": where == "within",
@@ -71,7 +72,7 @@ def test_bracket_ranking_needs_disjoint_intervals():
 def test_goodput_keys_of_the_bench_report():
     report = {"request_goodput": 2.0, "request_goodput_phase": 3.0, "sweep": [{"rate": 1.0, "attainment_joint": 1.0}],
               "goodput_search": {"ladder": [1.0, 2.0], "joint": {"rate": 2.0, "saturated": True}}}
-    m = v._measured(report)
+    m = vrun._measured(report)
     assert m["measured_goodput_rps"] == 2.0 and m["measured_goodput_phase_rps"] == 3.0
     assert m["measured_saturated"] is True and m["sweep"][0]["rate"] == 1.0
 
@@ -90,7 +91,7 @@ def test_validate_runs_the_tiny_model_and_stops_every_process(monkeypatch):
                            extra_serve_args=("--dtype", "float32"))
     bench = ["--num-requests", "6", "--input-len", "16", "--output-len", "4", *LOOSE_SLOS,
              "--max-bisections", "0", "--prompt-format", "ids", "--seed", "0"]
-    rows = v.validate([config], "tiny", bench, rates=[1.0, 2.0])
+    rows = vrun.validate([config], "tiny", bench, rates=[1.0, 2.0])
     row = rows[0]
     assert "error" not in row, row.get("error")
     assert row["measured_goodput_rps"] == 2.0  # loose SLOs: the top of the ladder passes
@@ -104,7 +105,7 @@ def test_validate_runs_the_tiny_model_and_stops_every_process(monkeypatch):
 def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
     """The calibrator runs a burst through the live server before the benchmark; the bracket is
     centred on the prediction it returns; logs and the bench report are kept."""
-    from pdserve.sim.calibrate import burst_requests
+    from pdserve.validate.calibrate import burst_requests
 
     seen = {}
 
@@ -116,7 +117,7 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
                            extra_serve_args=("--dtype", "float32"))
     bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", *LOOSE_SLOS,
              "--prompt-format", "ids", "--seed", "0"]
-    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path)[0]
+    row = vrun.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path)[0]
     assert "error" not in row, row.get("error")
     cal = seen["calibration"]
     assert cal.measured_ttft_s > 0 and cal.measured_tpot_s > 0 and cal.predicted_ttft_s == 0.01
@@ -130,8 +131,8 @@ def test_validate_calibrates_against_the_server_then_checks_a_bracket(tmp_path):
 
 
 def test_scaled_profile_multiplies_each_phase():
-    from pdserve.sim.calibrate import scaled
-    from pdserve.sim.profiled import ProfiledLatency
+    from pdserve.validate.calibrate import scaled
+    from pdserve.latency.profiled import ProfiledLatency
 
     base = ProfiledLatency((0.1, 1e-3, 1e-6), (0.05, 0.01, 1e-6), decode_batch_base=((1, 0.05), (4, 0.2)),
                            decode_context_s=1e-6)
@@ -144,7 +145,7 @@ def test_scaled_profile_multiplies_each_phase():
 
 
 def test_implausible_calibration_is_refused():
-    from pdserve.sim.calibrate import Calibration, check_plausible
+    from pdserve.validate.calibrate import Calibration, check_plausible
 
     check_plausible(Calibration(1000, 100, 11.0, 0.09, 10.7, 0.065))
     with pytest.raises(RuntimeError, match="prefill factor"):  # e.g. a prompt answered from the prefix cache
@@ -157,10 +158,10 @@ def test_burst_clocks_and_sample_goodput_of_a_constant_model():
     from pdserve.bench.lengths import fixed
     from pdserve.bench.metrics import Slo
     from pdserve.bench.workload import WorkloadConfig
-    from pdserve.sim.geometry import load_model_spec
-    from pdserve.sim.hardware import load_hardware
-    from pdserve.sim.latency import ConstantLatency
-    from pdserve.sim.planner import PlanInputs, burst_clocks, plan, sample_goodput
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.latency.hardware import load_hardware
+    from pdserve.latency.base import ConstantLatency
+    from pdserve.search.planner import PlanInputs, burst_clocks, plan, sample_goodput
 
     inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
                         workload=WorkloadConfig(num_requests=200, input_len=fixed(64), output_len=fixed(8)),
@@ -177,7 +178,7 @@ def test_burst_clocks_and_sample_goodput_of_a_constant_model():
 
 
 def test_load_plan_rate_and_size():
-    from pdserve.sim.calibrate import LOAD_MAX_REQUESTS, load_plan
+    from pdserve.validate.calibrate import LOAD_MAX_REQUESTS, load_plan
 
     assert load_plan(1.0, 2) == (LOAD_MAX_REQUESTS, 0.5)  # half the prediction, 12 requests
     count, rate = load_plan(0.02, 2)  # a slow deployment: 4 requests within the span cap
@@ -192,7 +193,7 @@ def test_load_calibration_fits_factors_request_by_request():
     scaled simulation matches the measurement, not at the raw ratio."""
     from pdserve.bench.records import RequestRecord
     from pdserve.bench.standin import StandinConfig, StandinProcess
-    from pdserve.sim.calibrate import check_plausible, fit_load, load_replay
+    from pdserve.validate.calibrate import check_plausible, fit_load, load_replay
 
     server = StandinConfig(first_token_s=0.04, prefill_s_per_token=0.0, inter_token_s=0.02)
     n, out = 6, 5
@@ -224,10 +225,10 @@ def test_load_clocks_replay_the_workload_on_the_calibration_seed():
     from pdserve.bench.lengths import fixed
     from pdserve.bench.metrics import Slo
     from pdserve.bench.workload import WorkloadConfig
-    from pdserve.sim.geometry import load_model_spec
-    from pdserve.sim.hardware import load_hardware
-    from pdserve.sim.latency import ConstantLatency
-    from pdserve.sim.planner import PlanInputs, load_clocks, plan
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.latency.hardware import load_hardware
+    from pdserve.latency.base import ConstantLatency
+    from pdserve.search.planner import PlanInputs, load_clocks, plan
 
     inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
                         workload=WorkloadConfig(num_requests=200, input_len=fixed(64), output_len=fixed(8)),
@@ -242,7 +243,7 @@ def test_load_clocks_replay_the_workload_on_the_calibration_seed():
 def test_validate_recalibrates_before_each_point_on_a_live_server(tmp_path):
     """--validate-recalibrate: one server, a calibration burst (with its own prompt salt) before each
     bench point, each point at the rate its own prediction gives, the point's content salted."""
-    from pdserve.sim.calibrate import burst_requests
+    from pdserve.validate.calibrate import burst_requests
 
     seen = []
 
@@ -254,7 +255,7 @@ def test_validate_recalibrates_before_each_point_on_a_live_server(tmp_path):
                            extra_serve_args=("--dtype", "float32"))
     bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", *LOOSE_SLOS,
              "--prompt-format", "ids", "--seed", "0"]
-    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
+    row = vrun.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
                      recalibrate=True)[0]
     assert "error" not in row, row.get("error")
     assert len(seen) == 2 and all(c.measured_ttft_s > 0 for c in seen)
@@ -275,12 +276,12 @@ def test_plan_load_calibrator_recovers_known_factors_and_reports_elasticity(monk
     from pdserve.bench.lengths import parse_length_spec
     from pdserve.bench.metrics import Slo
     from pdserve.bench.workload import WorkloadConfig
-    from pdserve.sim import calibrate
-    from pdserve.sim.geometry import load_model_spec
-    from pdserve.sim.hardware import load_hardware
-    from pdserve.sim.plan_calibrator import plan_calibrator
-    from pdserve.sim.planner import PlanInputs, load_clocks, plan, sample_goodput
-    from pdserve.sim.profiled import ProfiledLatency
+    from pdserve.validate import calibrate
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.latency.hardware import load_hardware
+    from pdserve.validate.plan_calibrator import plan_calibrator
+    from pdserve.search.planner import PlanInputs, load_clocks, plan, sample_goodput
+    from pdserve.latency.profiled import ProfiledLatency
 
     profile = ProfiledLatency((0.05, 1e-3, 1e-7), (0.03, 0.004, 0.0), decode_batch_base=((1, 0.03), (4, 0.045)))
     inputs = PlanInputs(model=load_model_spec("tiny"), hardware=load_hardware("a100-80g"), gpus=2,
@@ -323,9 +324,9 @@ def test_window_check_reads_the_live_servers_step_logs(tmp_path):
     """--validate-recalibrate with a live model: the server writes its engine step logs, and each
     point's calibration and bench windows are read from them (steps of both phases counted), the
     drift and window prediction computed from them, and the bounds and verdict reported."""
-    from pdserve.sim.calibrate import burst_requests
-    from pdserve.sim.profiled import ProfiledLatency
-    from pdserve.sim.validate_windows import LiveModel, SplitCalibrator
+    from pdserve.validate.calibrate import burst_requests
+    from pdserve.latency.profiled import ProfiledLatency
+    from pdserve.validate.windows import LiveModel, SplitCalibrator
 
     def measure(config, url, round_, load):
         burst_requests(url, (0.01, 0.005), 16, 4, burst=1, repeats=1, content_salt=round_)
@@ -342,7 +343,7 @@ def test_window_check_reads_the_live_servers_step_logs(tmp_path):
                            extra_serve_args=("--dtype", "float32"))
     bench = ["--num-requests", "4", "--input-len", "16", "--output-len", "4", *LOOSE_SLOS,
              "--prompt-format", "ids", "--seed", "0"]
-    row = v.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
+    row = vrun.validate([config], "tiny", bench, tolerance=0.15, calibrator=calibrator, keep_dir=tmp_path,
                      recalibrate=True, live=live, max_points=2)[0]
     assert "error" not in row, row.get("error")
     assert row["method"] == "windows" and 1 <= len(row["points"]) <= 2

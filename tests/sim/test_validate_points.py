@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 
-from pdserve.sim import validate_points as vp
-from pdserve.sim.plan_report import bracket_ranking, measured_interval
-from pdserve.sim.validate import LocalConfig, validate
+from pdserve.validate import points as vp
+from pdserve.search.plan_report import bracket_ranking, measured_interval
+from pdserve.validate.run import validate
+from pdserve.validate.runtime import LocalConfig
 
 
 def _point(k: int, rate: float, passed: bool) -> dict:
@@ -104,7 +105,7 @@ def test_recalibrate_needs_a_tolerance_and_a_calibrator():
 
 
 def test_the_plan_table_shows_each_point():
-    from pdserve.sim.plan_report import validation_lines
+    from pdserve.search.plan_report import validation_lines
 
     cal = {"prefill_factor": 1.1, "decode_factor": 0.9}
     points = [{**_point(0, 0.87, True), "calibration": cal}]
@@ -126,7 +127,7 @@ def test_a_machine_that_slowed_between_the_points_gives_the_hull():
 
 
 def test_goodput_elasticity_of_a_power_law():
-    from pdserve.sim.calibrate import goodput_elasticity
+    from pdserve.validate.calibrate import goodput_elasticity
 
     assert abs(goodput_elasticity(lambda scale: 0.2 * scale ** -3.0) - 3.0) < 1e-9
     assert goodput_elasticity(lambda scale: 0.0 if scale > 1 else 0.2) is None
@@ -149,7 +150,7 @@ def test_stability_says_whether_the_machine_held_still():
 
 
 def test_the_plan_table_says_when_a_check_is_not_conclusive():
-    from pdserve.sim.plan_report import validation_lines
+    from pdserve.search.plan_report import validation_lines
 
     c0 = {"prefill_factor": 1.0, "decode_factor": 1.0, "goodput_elasticity": 3.0}
     c1 = {"prefill_factor": 1.2, "decode_factor": 1.0, "goodput_elasticity": 3.0}

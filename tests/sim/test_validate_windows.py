@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim import validate_windows as vw
-from pdserve.sim.plan_report import bracket_ranking, measured_interval, validation_lines
-from pdserve.sim.profiled import ProfiledLatency
-from pdserve.sim.step_clock import StepSpeed
-from pdserve.sim.validate import LocalConfig
+from pdserve.validate import windows as vw
+from pdserve.search.plan_report import bracket_ranking, measured_interval, validation_lines
+from pdserve.latency.profiled import ProfiledLatency
+from pdserve.validate.step_clock import StepSpeed
+from pdserve.validate.runtime import LocalConfig
 
 T = 0.15
 G0 = 2.0  # goodput at the profile's machine speed (speed factor 1)

@@ -27,8 +27,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.profiled import ProfiledLatency
-from pdserve.sim.step_clock import step_speed
+from pdserve.latency.profiled import ProfiledLatency
+from pdserve.validate.step_clock import step_speed
 
 MIN_STEPS = 20  # a class mean of 20 steps at +-15% per step is good to about +-3.5%
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.records import RequestRecord
-from pdserve.sim.profiled import ProfiledLatency
+from pdserve.latency.profiled import ProfiledLatency
 
 
 @dataclass(frozen=True)

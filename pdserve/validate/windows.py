@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.engine.step_log import StepRecord, read_steps
-from pdserve.sim.profiled import ProfiledLatency
-from pdserve.sim.served_shape import served_profile
-from pdserve.sim.step_clock import StepSpeed, drift, step_speed
-from pdserve.sim.validate import LocalConfig, bench_ladder, serving
-from pdserve.sim.validate_points import bench_point
+from pdserve.latency.profiled import ProfiledLatency
+from pdserve.validate.served_shape import served_profile
+from pdserve.validate.step_clock import StepSpeed, drift, step_speed
+from pdserve.validate.runtime import LocalConfig, bench_ladder, serving
+from pdserve.validate.points import bench_point
 
 AIMS = (0.5, 0.8, 2.0)  # fractions of T: the aim at a side before its first, second and third miss
 # a window check's calibration load: this fraction of the latest calibrated prediction, at most this

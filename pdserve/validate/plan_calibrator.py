@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from pdserve.sim import calibrate
-from pdserve.sim.planner import bench_sample, burst_clocks, load_clocks, sample_goodput
-from pdserve.sim.profiled import ProfiledLatency
-from pdserve.sim.validate_windows import LiveModel, SplitCalibrator
+from pdserve.validate import calibrate
+from pdserve.search.planner import bench_sample, burst_clocks, load_clocks, sample_goodput
+from pdserve.latency.profiled import ProfiledLatency
+from pdserve.validate.windows import LiveModel, SplitCalibrator
 
 
 @dataclasses.dataclass(frozen=True)

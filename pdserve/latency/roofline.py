@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.ledger.phase import attention_flops, linear_flops
-from pdserve.sim.geometry import ModelSpec, load_model_spec
-from pdserve.sim.hardware import HardwareProfile, load_hardware
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.geometry import ModelSpec, load_model_spec
+from pdserve.latency.hardware import HardwareProfile, load_hardware
+from pdserve.latency.base import LatencyModel
 
 
 @dataclass(frozen=True)

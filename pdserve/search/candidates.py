@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 from pdserve.bench.metrics import Slo
 from pdserve.ledger.placement import fits_on_gpus
-from pdserve.sim.geometry import ModelSpec
-from pdserve.sim.hardware import HardwareProfile
+from pdserve.latency.geometry import ModelSpec
+from pdserve.latency.hardware import HardwareProfile
 from pdserve.sim.requests import SimRequests
-from pdserve.sim.latency import LatencyModel
-from pdserve.sim.roofline import RooflineLatency
+from pdserve.latency.base import LatencyModel
+from pdserve.latency.roofline import RooflineLatency
 
 POWERS = (1, 2, 4, 8, 16)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from pdserve.sim.phase_search import Score
-from pdserve.sim.planner import PlanResult
-from pdserve.sim.plans import ColocatedPlan, DisaggPlan
+from pdserve.search.phase_search import Score
+from pdserve.search.planner import PlanResult
+from pdserve.search.plans import ColocatedPlan, DisaggPlan
 
 
 def _phase(score: Score, replicas: int) -> dict:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdserve.sim.latency import LatencyModel, causal_pairs
+from pdserve.latency.base import LatencyModel, causal_pairs
 
 
 @dataclass(frozen=True)

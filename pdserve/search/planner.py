@@ -23,13 +23,13 @@ from pdserve.bench.metrics import Slo
 from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
 from pdserve.ledger.margin import MarginTerms, net_margin_s
-from pdserve.sim.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
-from pdserve.sim.geometry import ModelSpec
+from pdserve.search.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
+from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import GoodputSearch, goodput_rps, ladder_around
-from pdserve.sim.hardware import HardwareProfile
-from pdserve.sim.latency import LatencyModel
-from pdserve.sim.phase_search import Score, SearchSpace, score_all
-from pdserve.sim.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
+from pdserve.latency.hardware import HardwareProfile
+from pdserve.latency.base import LatencyModel
+from pdserve.search.phase_search import Score, SearchSpace, score_all
+from pdserve.search.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
 from pdserve.sim.requests import SimRequests, build_requests
 from pdserve.sim.simulator import SimConfig, simulate
 from pdserve.sim.transfer import LinkSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pdserve.ledger.phase import BlockGeometry
 from pdserve.model.config import ModelConfig, load_config
-from pdserve.sim.hardware import PROFILE_DIR
+from pdserve.latency.hardware import PROFILE_DIR
 
 EXAMPLE_CONFIGS = ("llama-13b-class", "llama-70b-class")
 

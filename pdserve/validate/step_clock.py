@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.latency import causal_pairs
-from pdserve.sim.profiled import ProfiledLatency
+from pdserve.latency.base import causal_pairs
+from pdserve.latency.profiled import ProfiledLatency
 
 ROUNDS = 4
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from pdserve.sim.validate import LocalConfig, bench_ladder, bracket, serving
+from pdserve.validate.runtime import LocalConfig, bench_ladder, bracket, serving
 
 PointCalibrator = Callable[[LocalConfig, str, int], "tuple[dict, float]"]  # (config, url, point) -> (details, rps)
 

@@ -25,7 +25,7 @@ from pdserve.ledger.placement import (
     payload_demand_bytes_per_s,
     stage_packing_violations,
 )
-from pdserve.sim.phase_search import Score
+from pdserve.search.phase_search import Score
 
 
 @dataclass(frozen=True)

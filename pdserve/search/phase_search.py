@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from pdserve.bench.metrics import Attainment, Slo
-from pdserve.sim.candidates import (
+from pdserve.search.candidates import (
     Parallel,
     WorkloadShape,
     colocated_bound,
@@ -25,10 +25,10 @@ from pdserve.sim.candidates import (
     latency_for,
     prefill_bound,
 )
-from pdserve.sim.geometry import ModelSpec
+from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import decode_records, goodput_rps, ladder_around, prefill_records
-from pdserve.sim.hardware import HardwareProfile
-from pdserve.sim.latency import LatencyModel
+from pdserve.latency.hardware import HardwareProfile
+from pdserve.latency.base import LatencyModel
 from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.requests import SimRequests
 from pdserve.sim.simulator import SimConfig, simulate

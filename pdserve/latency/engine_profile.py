@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pdserve.sim.profiled import ProfiledLatency, fit_profile
+from pdserve.latency.profiled import ProfiledLatency, fit_profile
 
 DECODE_STEPS = 4
 DECODE_WARMUP_ROUNDS = 1

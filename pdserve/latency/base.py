@@ -14,20 +14,17 @@ Contract shared by every model (all times in seconds, all counts in tokens):
   frees up), while its result is ready after the full latency;
 - ``kv_bytes_per_token`` (0: transfers are free) and ``kv_capacity_tokens`` (None: unbounded).
 
-Three kinds: ``constant`` (queueing-theory checks), ``roofline`` (analytic, `roofline.py`) and
-``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`). Each loads from JSON.
+Kinds: ``constant`` (here; queueing-theory checks), ``roofline`` (analytic, `roofline.py`),
+``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`) and ``aic`` (NVIDIA's
+measured kernel data through aiconfigurator, `aic.py`). `load.py` reads any of them. This
+module imports nothing of its siblings; they import it.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
-
-LATENCY_KINDS = ("constant", "roofline", "profiled")
-
 
 def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
     """Query-key pairs of a prefill chunk: N*T0 + N(N+1)/2 (ledger `prefill_causal_pairs`)."""
@@ -91,36 +88,3 @@ class ConstantLatency(LatencyModel):
         if self.kv_capacity_tokens is not None:
             out["kv_capacity_tokens"] = self.kv_capacity_tokens
         return out
-
-
-def latency_from_dict(d: dict) -> LatencyModel:
-    """Build a latency model from its JSON form; raises ValueError on an unknown kind."""
-    kind = d.get("kind")
-    if kind == "constant":
-        return ConstantLatency(
-            prefill_ms=float(d["prefill_ms"]),
-            decode_step_ms=float(d["decode_step_ms"]),
-            kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
-            kv_capacity_tokens=_optional_int(d.get("kv_capacity_tokens")),
-        )
-    if kind == "profiled":
-        from pdserve.sim.profiled import ProfiledLatency
-
-        return ProfiledLatency.from_dict(d)
-    if kind == "roofline":
-        from pdserve.sim.roofline import roofline_from_dict
-
-        return roofline_from_dict(d)
-    raise ValueError(f"latency model kind must be one of {LATENCY_KINDS}, got {kind!r}")
-
-
-def load_latency_model(path: str | Path) -> LatencyModel:
-    """Read a latency model JSON file."""
-    try:
-        return latency_from_dict(json.loads(Path(path).read_text()))
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: malformed latency model ({exc})") from exc
-
-
-def _optional_int(value) -> int | None:
-    return None if value is None else int(value)
