@@ -22,7 +22,8 @@ class Mode(str, enum.Enum):
     def roles(self) -> frozenset[Role]:
         if self is Mode.COLOCATED:
             return frozenset({Role.COLOCATED})
-        return frozenset({Role.PREFILL, Role.DECODE})
+        # colocated workers join a disaggregated cluster while its disaggregation is switched off
+        return frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,12 @@ class RuntimeMetrics:
                                           "Transfers denied by a capability check (the runtime issues no transfer capabilities yet: stays 0)",
                                           registry=r)
         self.rollback_seconds = Histogram("pdserve_rollback_seconds",
-                                          "P/D to colocated rollback time (the runtime has no rollback path yet: never observed)",
+                                          "P/D to colocated rollback time (POST /admin/rollback)",
                                           buckets=LATENCY_BUCKETS_S, registry=r)
+        self.role_changes = Counter("pdserve_role_changes", "Worker role changes by direction (workers/roles.py)",
+                                    ["from_role", "to_role"], registry=r)
+        self.stale_messages = Counter("pdserve_stale_messages",
+                                      "Worker messages dropped for a retired or superseded epoch", registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token (sent to the client)", buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS_S, registry=r)
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)

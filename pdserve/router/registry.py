@@ -3,9 +3,11 @@
 Each worker is known under one role epoch at a time. Its life is a small state machine:
 
     REGISTERED --first load report--> LIVE --report--> LIVE
-    REGISTERED | LIVE --missed heartbeats | deregister | newer epoch--> RETIRED
+    LIVE --drain (a role change begins)--> DRAINING --report--> DRAINING
+    REGISTERED | LIVE | DRAINING --missed heartbeats | deregister | newer epoch--> RETIRED
 
-Only LIVE workers are offered to policies (a worker without a load report has unknown load).
+Only LIVE workers are offered to policies (a worker without a load report has unknown load; a
+DRAINING one finishes what it holds and then takes a new role under a newer epoch).
 A retired epoch stays retired: any later message carrying it, or an older one, raises
 `StaleEpochError`, so a late report from a dead incarnation can never resurrect it. Time comes
 from an injected clock so expiry is tested without sleeping.
@@ -32,6 +34,7 @@ from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 class WorkerState(str, enum.Enum):
     REGISTERED = "registered"
     LIVE = "live"
+    DRAINING = "draining"
     RETIRED = "retired"
 
 
@@ -40,6 +43,9 @@ _ALLOWED = {
     (WorkerState.REGISTERED, WorkerState.RETIRED),
     (WorkerState.LIVE, WorkerState.LIVE),
     (WorkerState.LIVE, WorkerState.RETIRED),
+    (WorkerState.LIVE, WorkerState.DRAINING),
+    (WorkerState.DRAINING, WorkerState.DRAINING),
+    (WorkerState.DRAINING, WorkerState.RETIRED),
 }
 
 
@@ -108,11 +114,17 @@ class Registry:
     def report_load(self, worker_id: str, role_epoch: int, load: WorkerLoad) -> None:
         """Record a load report; a report is also a heartbeat."""
         entry = self._current(worker_id, role_epoch)
-        state = transition(entry.state, WorkerState.LIVE)
+        state = transition(entry.state, WorkerState.DRAINING if entry.state is WorkerState.DRAINING else WorkerState.LIVE)
         prefix = entry.prefix_hashes if load.prefix_hashes is None else load.prefix_hashes
         self._entries[worker_id] = WorkerEntry(entry.info, state, self._clock(), load, prefix)
         if entry.state is WorkerState.REGISTERED:
             self.membership_generation += 1
+
+    def drain(self, worker_id: str, role_epoch: int) -> None:
+        """Stop offering the worker to policies: a role change begins (workers/roles.py)."""
+        entry = self._current(worker_id, role_epoch)
+        self._entries[worker_id] = replace(entry, state=transition(entry.state, WorkerState.DRAINING))
+        self.membership_generation += 1
 
     def deregister(self, worker_id: str, role_epoch: int) -> RetiredWorker:
         self._current(worker_id, role_epoch)

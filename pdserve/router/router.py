@@ -13,6 +13,9 @@ answers; nothing here does I/O or sleeps. One call per event:
     takeover_holds(request, exclude) / retake(...)    decode-start fallback: candidates, and the
                                                       old route's holds swapped for the new one
     complete(request_id) / abort(request_id)          release every hold of the route
+    drain(worker) / set_disaggregation(enabled)       a role change begins (no new routes to the
+                                                      worker) / live disable: whole requests on
+                                                      the decode and colocated workers
 
 Every route decision is counted by (policy, result) in `RouterCounters`. In disaggregated mode
 each routed request also gets a P/D decision (pd_decision.py, over the same snapshot, before any
@@ -33,6 +36,7 @@ from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.messages import (
     BlockHold,
+    Role,
     RejectReason,
     RoutePlan,
     RouteRejection,
@@ -43,7 +47,8 @@ from pdserve.router.messages import (
 from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
 from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
-from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker
+from pdserve.router.errors import UnknownWorkerError
+from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.reservations import HoldRequest, ReservationLedger
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
 
@@ -86,6 +91,10 @@ class Router:
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()
         self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost)
+        # a disaggregated cluster with disaggregation switched off routes whole requests over its
+        # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
+        self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE))
+        self.disaggregation = config.mode is Mode.DISAGGREGATED
         self._route_total: Counter[tuple[str, str]] = Counter()
         self._retired: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
@@ -104,7 +113,20 @@ class Router:
     def report_load(self, worker_id: str, role_epoch: int, load: WorkerLoad) -> None:
         self._registry.report_load(worker_id, role_epoch, load)
         self._snapshots.note_load(worker_id, load)
+        self._whole.note_load(worker_id, load)
         self._ledger.apply_ack(worker_id, load.applied_grant_seq)
+
+    def drain(self, worker_id: str, role_epoch: int) -> None:
+        """Route nothing new to the worker: its role change begins (workers/roles.py)."""
+        self._registry.drain(worker_id, role_epoch)
+        self._events["drains"] += 1
+
+    def set_disaggregation(self, enabled: bool) -> None:
+        """Switch a disaggregated cluster between disaggregated routing and whole requests on its
+        decode and colocated workers (live disable). Routes already made keep their holds."""
+        if self.config.mode is not Mode.DISAGGREGATED and enabled:
+            raise ValueError("a colocated cluster has no disaggregation to enable")
+        self.disaggregation = enabled
 
     def deregister(self, worker_id: str, role_epoch: int) -> Retirement:
         return self._on_retired(self._registry.deregister(worker_id, role_epoch))
@@ -163,7 +185,8 @@ class Router:
 
     # ----- views and checks -----
     def snapshot(self) -> Snapshot:
-        return self._snapshots.build(self._registry, self._ledger.in_flight())
+        builder = self._snapshots if self.disaggregation or self.config.mode is Mode.COLOCATED else self._whole
+        return builder.build(self._registry, self._ledger.in_flight())
 
     def counters(self) -> RouterCounters:
         return RouterCounters(
@@ -178,6 +201,13 @@ class Router:
             num_orphaned=self._events["orphaned"],
             pd_decisions=dict(self._pd_total),
         )
+
+    def worker_state(self, worker_id: str) -> WorkerState | None:
+        """The registry state of the worker's current epoch, None when it is not registered."""
+        try:
+            return self._registry.entry(worker_id).state
+        except UnknownWorkerError:
+            return None
 
     def live_requests(self) -> tuple[str, ...]:
         return self._ledger.live_requests()

@@ -160,17 +160,20 @@ class SnapshotBuilder:
     total dirties one slot, and `current` rebuilds only those slots. A snapshot is published as
     read-only copies and reused as is while nothing changed."""
 
-    def __init__(self, colocated: bool, cost: CostModel | None = None):
+    def __init__(self, colocated: bool, cost: CostModel | None = None, roles: tuple[Role, ...] | None = None):
+        """`roles`: the worker roles this builder routes over (default: the mode's own). A
+        colocated builder puts every such worker in its one pool: a disaggregated cluster whose
+        disaggregation is switched off routes whole requests over its decode and colocated workers."""
         self._colocated = colocated
         self._cost = cost
-        self._roles = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
+        self._roles = roles or ((Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE))
         self._membership_gen = -1
         self.reset([], 0)
 
     def build(self, registry: Registry, in_flight: Mapping[str, InFlight]) -> Snapshot:
         if registry.membership_generation != self._membership_gen:
             entries = registry.live(self._roles)
-            num_prefill = sum(e.info.role in (Role.PREFILL, Role.COLOCATED) for e in entries)
+            num_prefill = len(entries) if self._colocated else sum(e.info.role in (Role.PREFILL, Role.COLOCATED) for e in entries)
             self.reset(sorted(entries, key=lambda e: (e.info.role is Role.DECODE, e.info.worker_id)), num_prefill)
             self._membership_gen = registry.membership_generation
         return self.current(in_flight)

@@ -31,6 +31,7 @@ class LaunchConfig:
     layerwise_threshold_tokens: int = 256
     heartbeat_s: float = 0.25
     lease_s: float = 30.0
+    capability_key: str | None = None  # the router's public key (hex), given to every worker
 
 
 def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | None = None) -> list[WorkerConfig]:
@@ -48,7 +49,7 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             worker_id=worker_id, role=role, router_address=router_address, host_id=host,
             engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
-            exit_with_parent=True,
+            exit_with_parent=True, capability_key=launch.capability_key,
         ))
     return configs
 
@@ -78,6 +79,10 @@ class LocalCluster:
         cfg = next(c for c in self.configs if c.worker_id == worker_id)
         self._spawn(replace(cfg, epoch=epoch))
         self._reported.discard(worker_id)
+
+    def set_role(self, worker_id: str, role: str) -> None:
+        """The worker changed role (workers/roles.py): a restart brings it back in that role."""
+        self.configs = [replace(c, role=role) if c.worker_id == worker_id else c for c in self.configs]
 
     def dead(self) -> list[str]:
         gone = [wid for wid, p in self.procs.items() if p.poll() is not None and wid not in self._reported]  # each death once

@@ -39,6 +39,7 @@ class TransferPlan(msgspec.Struct, frozen=True):
     dest_address: tuple[str, int]  # handoff listener (host, port)
     dest_shm_name: str | None = None
     dest_num_blocks: int = 0
+    capability: bytes | None = None  # the router's signed permission for this transfer (handoff/capability.py)
 
 
 # ---- router -> worker ---------------------------------------------------------------------
@@ -84,6 +85,14 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     reason: str = "abort"
 
 
+class ChangeRole(msgspec.Struct, frozen=True, tag=True):
+    """Drain, then serve as `role` under `epoch` (> the current one) and register again
+    (workers/roles.py). The router sends it once it routes nothing new to the worker."""
+
+    role: str
+    epoch: int
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
@@ -125,6 +134,7 @@ class Load(msgspec.Struct, frozen=True):
     leases_expired: int = 0  # K/V reclaimed because the router stopped renewing (since start)
     local_prefills: int = 0  # decode worker: Generate requests still prefilling here (workers/local_prefill.py)
     local_prefill_tokens: int = 0  # their prompt tokens not yet computed
+    role_state: str = "serving"  # "serving" | "draining": a role change is under way (workers/roles.py)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -187,7 +197,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases
+ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole
 ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -138,6 +138,10 @@ class RayCluster:
             raise RuntimeError(f"model directory {model_dir} is missing on node(s) {sorted(missing)}: "
                                "put the checkpoint at the same path on every node (e.g. a shared filesystem)")
 
+    def set_role(self, worker_id: str, role: str) -> None:
+        """The worker changed role (workers/roles.py): a restart brings it back in that role."""
+        self.configs[worker_id] = replace(self.configs[worker_id], role=role)
+
     def _placed_config(self, worker_id: str) -> WorkerConfig:
         # Ray does not hand out specific cores, so the local launcher's affinity does not apply.
         where = self.placements[worker_id]

@@ -71,5 +71,11 @@ class RestartSchedule:
         life.epoch, life.started_s, life.due_s = epoch, now, None
         self.num_restarts += 1
 
+    def note_epoch(self, worker_id: str, epoch: int) -> None:
+        """A live worker moved to a newer epoch (a role change): its next restart goes above it."""
+        life = self.lives.get(worker_id)
+        if life is not None and epoch > life.epoch:
+            life.epoch = epoch
+
     def waiting(self) -> list[str]:
         return sorted(wid for wid, life in self.lives.items() if life.due_s is not None)

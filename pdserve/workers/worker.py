@@ -10,6 +10,8 @@ K/V that is not yet safe (a decode reservation before its transfer published, a 
 pinned source copy) is leased (handoff/leases.py): the router renews the leases of its live
 requests; a lease nobody renewed for `lease_s` means the request's router is gone, and the
 worker aborts the request and reclaims its blocks (counted in `Load.leases_expired`).
+The role is not fixed for life: `ChangeRole` drains the worker and switches it to another role
+under a new epoch, then it registers again (roles.py; the same process, engine and K/V pool).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -38,6 +41,7 @@ from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
+from pdserve.workers.roles import RoleSwitch, sides
 
 log = logging.getLogger("pdserve.worker")
 
@@ -58,6 +62,7 @@ class WorkerConfig:
     layerwise_threshold_tokens: int = 256
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
+    capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -69,16 +74,17 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         pin_threads(config)
         self.config, self.id, self.epoch = config, config.worker_id, config.epoch
-        shm = f"pdserve-{config.worker_id}-{os.getpid()}"  # every pool is shared: pull transfers read it
+        # every pool is shared (pull transfers read it): mode 0600 and an unguessable name (docs/security.md)
+        shm = f"pdserve-{config.worker_id}-{os.getpid()}-{secrets.token_hex(16)}"
         reap_dead_pools(config.worker_id)
         self.engine = Engine(_with_shm(config.engine, shm))
         self.lock = threading.RLock()
         self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop
         self.trace = TraceSink(path=config.trace_path, keep=False)
         self.engine.step_log = StepLog(config.step_log_path) if config.step_log_path else None
-        self.prefill = PrefillSide(self) if config.role in ("prefill", "colocated") else None
-        self.decode = DecodeSide(self) if config.role in ("decode", "colocated") else None
-        self.local_prefills = LocalPrefills(config.role)  # Generate on a decode worker (local_prefill.py)
+        self.roles = RoleSwitch(config.role, config.epoch)  # role changes (roles.py)
+        self.prefill, self.decode = None, None
+        self._build_sides()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
@@ -97,10 +103,10 @@ class Worker:
 
     def register(self) -> None:
         eng = self.engine
-        print(f"pdserve worker {self.id} (epoch {self.epoch}, {self.config.role}): {cpu_summary()}; "
+        print(f"pdserve worker {self.id} (epoch {self.epoch}, {self.role}): {cpu_summary()}; "
               f"compute {eng.numerics['compute_dtype']}, products {eng.numerics['products']}", file=sys.stderr, flush=True)
         self.send(m.Register(
-            worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.config.role, pid=os.getpid(),
+            worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.role, pid=os.getpid(),
             num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
             prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
@@ -139,6 +145,7 @@ class Worker:
                 leases_expired=self.leases_reclaimed,
                 local_prefills=local_prefills,
                 local_prefill_tokens=local_tokens,
+                role_state=self.roles.state.value,
             )
             hashes = tuple(list(eng.blocks.cached)[:4096])
         return m.Heartbeat(self.id, self.epoch, load, hashes)
@@ -170,6 +177,8 @@ class Worker:
                 timeout_ms = 0
             self.drain_events()
             self.expire_leases()
+            if self.roles.draining and self._quiet():
+                self._switch_role()
             if self.engine.has_unfinished():
                 self.step()
         self.close()
@@ -191,6 +200,8 @@ class Worker:
                 self.decode.on_start(msg)
             elif isinstance(msg, m.Abort):
                 self.abort(msg.request_id)
+            elif isinstance(msg, m.ChangeRole):
+                self.change_role(msg)
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:
@@ -203,6 +214,56 @@ class Worker:
             self.local_prefills.accept(msg.request_id)
             self.engine.add_request(msg.request_id, list(msg.prompt_ids), msg.params, seed=msg.seed,
                                     resume_output_ids=msg.resume_output_ids)
+
+    @property
+    def role(self) -> str:
+        return self.roles.role
+
+    def _build_sides(self) -> None:
+        """The sides the current role needs, under the current epoch (at start and after a switch)."""
+        has_prefill, has_decode = sides(self.role)
+        self.prefill = PrefillSide(self) if has_prefill else None
+        self.decode = DecodeSide(self) if has_decode else None
+        self.local_prefills = LocalPrefills(self.role)  # Generate on a decode worker (local_prefill.py)
+
+    def change_role(self, msg: m.ChangeRole) -> None:
+        """Begin a role change (roles.py): what the router could not drain is aborted now (the
+        router recovers it when the new epoch registers); the switch waits until no handoff
+        thread still touches this worker's blocks."""
+        self.roles.request(msg.role, msg.epoch)
+        log.warning("worker %s: role change %s -> %s (epoch %d -> %d)", self.id, self.role, msg.role, self.epoch, msg.epoch)
+        for rid in self._held_requests():
+            self.abort(rid)
+
+    def _held_requests(self) -> list[str]:
+        held = set(self.engine.seqs) | set(self.engine.imports)
+        if self.decode is not None:
+            held |= set(self.decode.requests) | self.decode.decoding
+        if self.prefill is not None:
+            held |= set(self.prefill.plans)
+        return sorted(held)
+
+    def _quiet(self) -> bool:
+        """Nothing runs here and no transfer thread still reads or writes this worker's blocks."""
+        with self.lock:
+            if self.engine.has_unfinished() or self.engine.imports:
+                return False
+            if self.prefill is not None and (self.prefill.started or self.prefill.plans or self.engine.prefilled):
+                return False
+            return self.decode is None or (not self.decode.requests and not self.decode.decoding)
+
+    def _switch_role(self) -> None:
+        """Take the target role under the new epoch and register again (the router's registry
+        retires the old epoch: every later message of it is dropped)."""
+        with self.lock:
+            if self.decode is not None:
+                self.decode.close()
+            old, new = self.roles.finish()
+            self.epoch = self.roles.epoch
+            self._build_sides()
+        self.leases = LeaseTable(self.config.lease_s)
+        self.register()
+        log.warning("worker %s: now %s under epoch %d (was %s)", self.id, new, self.epoch, old)
 
     def expire_leases(self) -> None:
         """Reclaim the K/V of requests whose router stopped renewing their leases (every 0.2 s)."""
@@ -264,14 +325,14 @@ class Worker:
 
 def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink the K/V pool segments earlier incarnations of this worker left behind when they
-    were killed (kill -9 skips the unlink): `pdserve-<worker>-<pid>` whose pid is gone."""
+    were killed (kill -9 skips the unlink): `pdserve-<worker>-<pid>[-<token>]` whose pid is gone."""
     prefix, reaped = f"pdserve-{worker_id}-", []
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return reaped
     for name in names:
-        pid = name[len(prefix):]
+        pid = name[len(prefix):].split("-", 1)[0]
         if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(shm_dir, name))

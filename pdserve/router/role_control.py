@@ -1,0 +1,106 @@
+"""Worker role changes driven from the router process, and live disable/enable of disaggregation.
+
+Contract: `change_role(backend, worker_id, role)` is the one mechanism every role change uses
+(live disable, the rollback drill, Splitwise lending and role changes):
+
+    1. the registry marks the worker DRAINING: no policy is offered it any more;
+    2. the requests whose route uses it finish (or, after `drain_timeout_s`, are left to the
+       worker, which aborts them when the switch begins: the router recovers each through the
+       decode-start fallback chain once the new epoch registers and the old one is retired);
+    3. `ChangeRole(role, epoch + 1)` goes to the worker, which switches once no handoff thread
+       touches its blocks and registers again under the new epoch (workers/roles.py);
+    4. the change counts in `pdserve_role_changes_total{from_role,to_role}` and the launcher
+       learns the new role and epoch (a later restart brings the worker back in it).
+
+`set_disaggregation(backend, enabled)`: disabled, new requests run whole on the decode workers at
+once, and every prefill worker changes role to colocated (so all workers serve); enabled, those
+workers change back to prefill and the router routes disaggregated again. Every change returns a
+`RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from pdserve.router.registry import WorkerState
+from pdserve.workers import messages as m
+
+POLL_S = 0.02
+
+
+class RoleChangeFailed(RuntimeError):
+    """A role change that did not complete (the worker never registered in its new role)."""
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    worker_id: str
+    from_role: str
+    to_role: str
+    from_epoch: int
+    to_epoch: int
+    drain_s: float  # time until the worker's routes ended (or the drain timed out)
+    left_to_abort: int  # requests still on the worker when the drain timed out
+    total_s: float  # until the worker was LIVE in its new role
+
+
+def holders(backend, worker_id: str) -> list[str]:
+    """Requests whose route still uses the worker."""
+    return [rid for rid, live in backend.live.items()
+            if not live.done and worker_id in {live.prefill_id, live.decode_id, *live.owners}]
+
+
+async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float = 30.0,
+                      register_timeout_s: float = 30.0) -> RoleChange:
+    """Drain `worker_id` and switch it to `role` under its next epoch (module contract)."""
+    reg = backend.registered.get(worker_id)
+    if reg is None:
+        raise RoleChangeFailed(f"{worker_id} is not registered")
+    if reg.role == role:
+        return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, 0.0)
+    t0 = time.monotonic()
+    backend.router.drain(worker_id, reg.epoch)
+    while holders(backend, worker_id) and time.monotonic() - t0 < drain_timeout_s:
+        await asyncio.sleep(POLL_S)
+    drain_s, left = time.monotonic() - t0, len(holders(backend, worker_id))
+    epoch = reg.epoch + 1
+    await backend._send(worker_id, m.ChangeRole(role, epoch))
+    await _until_live(backend, worker_id, epoch, register_timeout_s)
+    backend.metrics.role_changes.labels(reg.role, role).inc()
+    backend.on_role_changed(worker_id, role, epoch)
+    return RoleChange(worker_id, reg.role, role, reg.epoch, epoch, drain_s, left, time.monotonic() - t0)
+
+
+async def _until_live(backend, worker_id: str, epoch: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reg = backend.registered.get(worker_id)
+        if reg is not None and reg.epoch >= epoch and backend.router.worker_state(worker_id) is WorkerState.LIVE:
+            return
+        if time.monotonic() > deadline:
+            raise RoleChangeFailed(f"{worker_id} did not register under epoch {epoch} within {timeout_s:.0f}s")
+        await asyncio.sleep(POLL_S)
+
+
+def origin_prefill_workers(backend) -> list[str]:
+    """Workers launched as prefill workers (the ones live disable turns colocated)."""
+    return sorted(wid for wid, role in backend.origin_roles.items() if role == "prefill")
+
+
+async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30.0) -> list[RoleChange]:
+    """Live disable / enable (module contract); returns the role changes it made, in order."""
+    router = backend.router
+    changes = []
+    if not enabled:
+        router.set_disaggregation(False)  # new requests run whole on decode workers from now on
+        for wid in origin_prefill_workers(backend):
+            if wid in backend.registered:
+                changes.append(await change_role(backend, wid, "colocated", drain_timeout_s))
+        return changes
+    for wid in origin_prefill_workers(backend):
+        if wid in backend.registered:
+            changes.append(await change_role(backend, wid, "prefill", drain_timeout_s))
+    router.set_disaggregation(True)
+    return changes

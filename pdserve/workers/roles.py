@@ -1,0 +1,71 @@
+"""A worker's role, its role epoch, and the drained switch from one role to another.
+
+Contract: one mechanism serves every role change the runtime makes — Splitwise lending and
+role changes, live disable/enable of disaggregation and the rollback drill. A switch is a small
+state machine:
+
+    SERVING --request(role, epoch)--> DRAINING --finish() once quiet--> SERVING (role, epoch)
+
+While DRAINING the worker still serves what it holds (the router routes nothing new to it); the
+worker aborts what the router could not drain in time, waits until no handoff thread still reads
+or writes its blocks, and only then takes the new role under the new epoch and registers again.
+The epoch is the one the handoff's identity fence carries (DecodeEndpoint, TransferPlan's
+dest_epoch), so a transfer fenced under the old role is rejected, and the router's registry drops
+every later message of the old epoch. Illegal requests (an unknown role, an epoch that does not
+advance, a second switch while one drains) raise `RoleChangeError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class RoleChangeError(ValueError):
+    """A role change the worker cannot take (the router sent an illegal one)."""
+
+
+class RoleState(str, enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+def sides(role: str) -> tuple[bool, bool]:
+    """(has a prefill side, has a decode side) for a role: what the worker builds for it."""
+    if role not in ROLES:
+        raise RoleChangeError(f"unknown role {role!r}; expected one of {ROLES}")
+    return role in ("prefill", "colocated"), role in ("decode", "colocated")
+
+
+@dataclass
+class RoleSwitch:
+    role: str
+    epoch: int
+    state: RoleState = RoleState.SERVING
+    target: tuple[str, int] | None = None
+    num_changes: int = 0
+
+    def request(self, role: str, epoch: int) -> None:
+        """Begin draining toward `role` under `epoch`."""
+        sides(role)
+        if self.state is not RoleState.SERVING:
+            raise RoleChangeError(f"a switch to {self.target} is still draining")
+        if epoch <= self.epoch:
+            raise RoleChangeError(f"a role change must advance the epoch: {epoch} <= {self.epoch}")
+        self.state, self.target = RoleState.DRAINING, (role, epoch)
+
+    @property
+    def draining(self) -> bool:
+        return self.state is RoleState.DRAINING
+
+    def finish(self) -> tuple[str, str]:
+        """Take the target role and epoch; returns (old role, new role)."""
+        if self.state is not RoleState.DRAINING or self.target is None:
+            raise RoleChangeError("no role change is draining")
+        old = self.role
+        (self.role, self.epoch), self.target = self.target, None
+        self.state = RoleState.SERVING
+        self.num_changes += 1
+        return old, self.role
