@@ -1,8 +1,8 @@
 """Presenting a plan: the JSON summary, a readable table, and the goodput-vs-rate plot.
 
 Contract: `plan_summary` is the one JSON shape `pdserve plan --json` prints (decision,
-colocated, disaggregated, net_margin, search statistics); `plan_table` renders the same facts
-for a terminal; `plot_plan` draws joint attainment vs offered rate for the top candidates of
+decided_by and its reason, colocated, disaggregated, net_margin, search statistics); `plan_table`
+renders the same facts for a terminal, the deciding test on the line under the decision; `plot_plan` draws joint attainment vs offered rate for the top candidates of
 each kind with the attainment target and each curve's goodput marked.
 """
 
@@ -47,8 +47,12 @@ def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
 def plan_summary(result: PlanResult) -> dict:
     """The `pdserve plan --json` object."""
     inputs, margin = result.inputs, result.margin
+    verdict = result.verdict
     return {
         "decision": result.decision,
+        "decided_by": verdict.decided_by if verdict else None,
+        "decision_reason": verdict.explain(inputs.margin) if verdict else None,
+        "goodput_per_gpu_gain": verdict.goodput_gain if verdict else None,
         "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
         "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
         "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),
@@ -64,6 +68,8 @@ def plan_summary(result: PlanResult) -> dict:
 def plan_table(summary: dict) -> str:
     """A readable multi-line rendering of `plan_summary`."""
     lines = [f"decision: {summary['decision'].upper()}  ({summary['model']} on {summary['gpus']} x {summary['hardware']})"]
+    if summary.get("decided_by"):
+        lines.append(f"decided by {summary['decided_by']}: {summary['decision_reason']}")
     colo, dis = summary["colocated"], summary["disaggregated"]
     lines.append(f"{'plan':<16}{'layout':<44}{'goodput rps':>12}{'per GPU':>10}{'sim rps':>10}")
     if colo:
@@ -77,7 +83,8 @@ def plan_table(summary: dict) -> str:
         lines.append(f"K/V demand {dis['kv_demand_bytes_per_s'] / 1e9:.3g} GB/s vs link {dis['link_capacity_bytes_per_s'] / 1e9:.3g} GB/s: "
                      + ("ok" if dis["link_ok"] else "INFEASIBLE"))
     if summary["net_margin"]:
-        lines.append(f"net margin dT = {summary['net_margin']['delta_t_s'] * 1e3:.1f} ms/request")
+        lines.append(f"net margin dT = {summary['net_margin']['delta_t_s'] * 1e3:+.1f} ms/request at matched load "
+                     "(> 0: a request finishes sooner disaggregated)")
     lines.append(f"{summary['num_candidates']} candidates, {summary['num_simulated']} simulated, {summary['search_s']:.1f} s")
     if summary.get("validation") is not None:
         lines.extend(validation_lines(summary["validation"]))

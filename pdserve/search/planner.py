@@ -3,10 +3,10 @@
 Contract: `plan(inputs)` scores every colocated (TP x PP x chunk budget), prefill and decode
 candidate (`phase_search.py`), builds the best colocated, high-affinity and low-affinity
 deployments (`plans.py`), re-simulates the winners end to end (with K/V transfer) for their
-system goodput, and computes the net margin dT (ledger `net_margin_s`) at matched load.
-Disaggregation is recommended only when a K/V-feasible disaggregated plan's goodput per GPU
-beats the best colocated plan's by more than `margin` (a fraction); the runner-up is the best
-plan of the other kind.
+system goodput, and computes the net margin dT (ledger `net_margin_s`) and the disaggregated
+deployment's attainment gates at matched load. `decision.decide` is the one rule that turns
+goodput per GPU and dT into the verdict (and names the test that decided); the runner-up is the
+best plan of the other kind.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo
 from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
+from pdserve.bench.metrics import attainment
 from pdserve.ledger.margin import MarginTerms, net_margin_s
+from pdserve.search.decision import Verdict, decide
 from pdserve.search.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
 from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import GoodputSearch, goodput_rps, ladder_around
@@ -70,6 +72,7 @@ class PlanResult:
     margin: MarginTerms | None
     elapsed_s: float
     inputs: PlanInputs = field(repr=False)
+    verdict: Verdict | None = None
 
     @property
     def net_margin_s(self) -> float | None:
@@ -97,9 +100,11 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
     colo, options = _build_plans(inputs, requests, scores)
     disagg = _pick_disagg(options)
     end_to_end = _verify(inputs, colo, disagg, progress)
-    margin = _margin(inputs, colo, disagg) if colo and disagg else None
-    return PlanResult(_decide(inputs, colo, disagg), colo, disagg, tuple(options), scores, end_to_end, margin,
-                      time.perf_counter() - started, inputs)
+    margin, gates = _margin(inputs, colo, disagg) if colo and disagg else (None, (False, False))
+    verdict = decide(colo.goodput_per_gpu if colo else None, disagg.goodput_per_gpu if disagg else None,
+                     bool(disagg and disagg.link_ok), inputs.margin, margin, gates)
+    return PlanResult(verdict.decision, colo, disagg, tuple(options), scores, end_to_end, margin,
+                      time.perf_counter() - started, inputs, verdict)
 
 
 def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
@@ -127,14 +132,6 @@ def _build_plans(inputs: PlanInputs, requests: SimRequests, scores) -> tuple[Col
 def _pick_disagg(options: list[DisaggPlan]) -> DisaggPlan | None:
     """Best goodput per GPU among K/V-feasible plans (an infeasible one only if nothing else)."""
     return max(options, key=lambda p: (p.link_ok, p.goodput_per_gpu, -p.gpus), default=None)
-
-
-def _decide(inputs: PlanInputs, colo: ColocatedPlan | None, disagg: DisaggPlan | None) -> str:
-    if disagg is None or not disagg.link_ok or disagg.goodput_rps <= 0:
-        return "colocate"
-    if colo is None or colo.goodput_rps <= 0:
-        return "disaggregate"
-    return "disaggregate" if disagg.goodput_per_gpu > colo.goodput_per_gpu * (1 + inputs.margin) else "colocate"
 
 
 def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
@@ -219,8 +216,9 @@ def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_t
     return median(r.ttft_s for r in records), median(r.tpot_s for r in records)
 
 
-def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> MarginTerms:
-    """dT terms at matched offered load: 80% of the smaller planned goodput (both plans in SLO)."""
+def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> tuple[MarginTerms, tuple[bool, bool]]:
+    """dT terms at matched offered load (80% of the smaller planned goodput: both plans in SLO),
+    and whether the disaggregated deployment passes the (TTFT, TPOT) attainment gates there."""
     rate = MARGIN_LOAD * (min(colo.goodput_rps, disagg.goodput_rps) or max(colo.goodput_rps, disagg.goodput_rps))
     colo_cfg, pm, _ = deployment(inputs, colo)
     colo_e2e = fmean(r.e2e_s for r in simulate(_e2e_requests(inputs, colo_cfg), rate, colo_cfg, pm).records if r.success)
@@ -228,4 +226,7 @@ def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> Marg
     result = simulate(_e2e_requests(inputs, dis_cfg), rate, dis_cfg, pm, dm)
     dis_e2e = fmean(r.e2e_s for r in result.records if r.success)
     exposed = result.mean_transfer_exposed_s
-    return MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
+    terms = MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
+    got, p = attainment(result.records, inputs.slo), inputs.slo.attainment
+    gates = (got.ttft >= p, got.tpot >= p) if inputs.definition == "phase" else (got.joint >= p, got.joint >= p)
+    return terms, gates
