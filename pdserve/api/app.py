@@ -7,6 +7,8 @@ Routes:
     GET  /health                                      200 when backend.healthy(), else 503
     GET  /metrics                                     the backend's Prometheus text
     GET  /workers                                     backend.workers() as JSON
+    /admin/*                                          live disable, rollback, release state (admin.py;
+                                                      only with --admin-token)
 
 Life cycle of a generation request: validate (protocol.py) -> id `cmpl-<hex>` / `chatcmpl-<hex>`
 -> submit and wait for the first event (lifecycle.py; a `Rejection` here answers 429/503 with
@@ -37,12 +39,17 @@ from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize,
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
 
 
-def create_app(backend: Backend) -> FastAPI:
-    """An app serving `backend`; the caller owns the backend's start and close."""
+def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
+    """An app serving `backend`; the caller owns the backend's start and close. With
+    `admin_token`, the /admin endpoints are mounted (admin.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     started = int(time.time())
     install_error_handlers(app)
+    if admin_token is not None:
+        from pdserve.api.admin import install_admin_routes
+
+        install_admin_routes(app, backend, admin_token)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -50,6 +50,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")
     p.add_argument("--lease-s", type=float, default=30.0,
                    help="K/V reserved or pinned for a request is reclaimed when the router stops renewing it this long")
+    p.add_argument("--admin-token", default=None, metavar="T",
+                   help="mount /admin/* (live disable of disaggregation, rollback, release state) behind "
+                        "'Authorization: Bearer T'; off without it")
     p.add_argument("--no-restart", action="store_true",
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
 
@@ -72,7 +75,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
         restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-        pd_profile=args.pd_profile,
+        pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
     )
 
 

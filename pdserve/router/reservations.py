@@ -96,6 +96,10 @@ class ReservationLedger:
     def live_requests(self) -> tuple[str, ...]:
         return tuple(self._routes)
 
+    def num_staging(self) -> int:
+        """Routes still RESERVED: a prefill staging hold waits on an unpublished transfer."""
+        return sum(1 for r in self._routes.values() if r.prefill is not None)
+
     def has_route(self, request_id: str) -> bool:
         return request_id in self._routes
 

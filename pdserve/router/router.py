@@ -95,6 +95,8 @@ class Router:
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
         self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE))
         self.disaggregation = config.mode is Mode.DISAGGREGATED
+        self.handoff_enabled = self.disaggregation  # off after a rollback: no transfer plan is issued
+        self.route_epoch = 1  # advanced by a rollback; capabilities bind it
         self._route_total: Counter[tuple[str, str]] = Counter()
         self._retired: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
@@ -208,6 +210,10 @@ class Router:
             return self._registry.entry(worker_id).state
         except UnknownWorkerError:
             return None
+
+    def staging_holds(self) -> int:
+        """Routes whose prefill staging hold waits on an unpublished transfer."""
+        return self._ledger.num_staging()
 
     def live_requests(self) -> tuple[str, ...]:
         return self._ledger.live_requests()

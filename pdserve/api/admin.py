@@ -1,0 +1,78 @@
+"""Admin endpoints: live disable/enable of disaggregation, the rollback drill, the release state.
+
+Contract: mounted only when the server is given `--admin-token T`; every call must carry
+`Authorization: Bearer T` (compared in constant time; a missing or wrong token answers 401 with
+the OpenAI error body, and the token is never logged). The backend must run a router
+(`pdserve serve`); the work itself is router/release.py's:
+
+    GET  /admin/state                                   release state, disaggregation, route epoch
+    POST /admin/disaggregation  {"enabled": false|true} switch a running cluster to whole requests
+                                                        on the same workers, or back
+    POST /admin/rollback                                the spec's rollback order, each step timed
+
+Answers: 200 with the operation's record; 400 for a malformed body; 409 when another admin
+operation runs or the release state does not allow the move (e.g. enabling on a colocated
+cluster, rolling back twice); 503 when a worker did not complete its role change in time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.api.errors import ApiError
+from pdserve.router.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController
+from pdserve.router.role_control import RoleChangeFailed
+
+
+class DisaggregationBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool
+
+
+def _authorize(request: Request, token: str) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'",
+                       type="authentication_error", code="invalid_admin_token")
+
+
+async def _run(operation):
+    try:
+        return await operation
+    except ReleaseBusy as exc:
+        raise ApiError(409, str(exc), type="conflict_error", code="admin_busy") from None
+    except (IllegalReleaseTransition, ValueError) as exc:
+        raise ApiError(409, str(exc), type="conflict_error", code="illegal_release_transition") from None
+    except RoleChangeFailed as exc:
+        raise ApiError(503, str(exc), type="service_unavailable_error", code="role_change_failed") from None
+
+
+def install_admin_routes(app: FastAPI, backend, token: str) -> None:
+    """Mount /admin/* for a router-backed `backend` (module contract)."""
+    if not token:
+        raise ValueError("--admin-token must not be empty")
+    if getattr(backend, "router", None) is None:
+        raise ValueError("admin endpoints need a router-backed cluster (pdserve serve)")
+    control = ReleaseController(backend)
+    app.state.release = control
+
+    def authorized(request: Request) -> None:
+        _authorize(request, token)
+
+    guard = [Depends(authorized)]  # a dependency: checked before the body is read
+
+    @app.get("/admin/state", tags=["admin"], dependencies=guard)
+    async def admin_state() -> dict:
+        return control.view()
+
+    @app.post("/admin/disaggregation", tags=["admin"], dependencies=guard)
+    async def admin_disaggregation(body: DisaggregationBody) -> dict:
+        return await _run(control.set_disaggregation(body.enabled))
+
+    @app.post("/admin/rollback", tags=["admin"], dependencies=guard)
+    async def admin_rollback() -> dict:
+        return await _run(control.rollback())

@@ -1,0 +1,154 @@
+"""Live disable/enable of disaggregation and the rollback drill on a running 1P1D cluster (tiny
+model), through the admin HTTP endpoints: requests in flight when the switch happens finish with
+the tokens a single engine produces, the prefill worker changes role under a new epoch (the
+handoff fence's), later requests run whole, the rollback runs the spec's order, and nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pdserve.api.app import create_app
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.ledger.release import ROLLBACK_ORDER, rollback_order_error
+from pdserve.workers import messages as m
+from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+
+TOKEN = "s3cret-admin"
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+PROMPTS = [prompt(40 + 7 * i, 500 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    engine = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    return [list(engine.generate([list(p)], PARAMS)[0].output_ids) for p in PROMPTS]
+
+
+def admin(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pdserve",
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+async def run_all(backend, tag: str) -> list:
+    results = await asyncio.wait_for(
+        asyncio.gather(*(collect(backend, f"{tag}{i}", p, PARAMS) for i, p in enumerate(PROMPTS))), 120)
+    return results
+
+
+def routes(backend, tag: str) -> list[tuple[str, str]]:
+    return [(line["prefill"], line["decode"]) for line in backend.trace.recent if line["request_id"].startswith(tag)]
+
+
+def roles(backend) -> dict[str, tuple[str, int, str]]:
+    return {w.id: (w.role, w.epoch, w.state) for w in backend.workers()}
+
+
+async def _switch_scenario():
+    async with cluster(config()) as (backend, _):
+        app = create_app(backend, admin_token=TOKEN)
+        async with admin(app) as client:
+            in_flight = asyncio.create_task(run_all(backend, "a"))
+            await asyncio.sleep(0.2)
+            off = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
+            during = await in_flight
+            after_off = await run_all(backend, "b")
+            roles_off, routes_off = roles(backend), routes(backend, "b")
+            again = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
+            on = (await client.post("/admin/disaggregation", json={"enabled": True})).json()
+            after_on = await run_all(backend, "c")
+            state = (await client.get("/admin/state")).json()
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        return dict(off=off, during=during, after_off=after_off, roles_off=roles_off, routes_off=routes_off, again=again,
+                    on=on, after_on=after_on, routes_on=routes(backend, "c"), roles_on=roles(backend), state=state,
+                    metrics=backend.metrics_text().decode())
+
+
+def test_disable_and_enable_switch_a_running_cluster_without_losing_a_token(expected):
+    r = asyncio.run(_switch_scenario())
+    for results in (r["during"], r["after_off"], r["after_on"]):
+        assert all(isinstance(event, FinishEvent) for _, event in results)
+        assert [ids for ids, _ in results] == expected
+    assert r["off"]["state"] == "PINNED"
+    assert [(c["worker_id"], c["from_role"], c["to_role"], c["from_epoch"], c["to_epoch"]) for c in r["off"]["role_changes"]] \
+        == [("prefill-0", "prefill", "colocated", 1, 2)]
+    assert r["roles_off"] == {"prefill-0": ("colocated", 2, "live"), "decode-0": ("decode", 1, "live")}
+    assert all(p == d for p, d in r["routes_off"])  # whole requests: no handoff
+    assert r["again"] == {"state": "PINNED", "role_changes": []}  # already off: nothing to do
+    assert r["on"]["state"] == "ACTIVE"
+    assert [(c["from_role"], c["to_role"], c["to_epoch"]) for c in r["on"]["role_changes"]] == [("colocated", "prefill", 3)]
+    assert r["roles_on"]["prefill-0"] == ("prefill", 3, "live")
+    assert r["routes_on"] == [("prefill-0", "decode-0")] * len(PROMPTS)
+    assert [h["state"] for h in r["state"]["history"]] == ["ACTIVE", "PINNED", "ACTIVE"]
+    assert 'pdserve_role_changes_total{from_role="prefill",to_role="colocated"} 1.0' in r["metrics"]
+    assert 'pdserve_role_changes_total{from_role="colocated",to_role="prefill"} 1.0' in r["metrics"]
+
+
+async def _rollback_scenario():
+    async with cluster(config()) as (backend, _):
+        app = create_app(backend, admin_token=TOKEN)
+        async with admin(app) as client:
+            in_flight = asyncio.create_task(run_all(backend, "a"))
+            await asyncio.sleep(0.2)
+            rolled = (await client.post("/admin/rollback")).json()
+            during = await in_flight
+            after = await run_all(backend, "b")
+            twice = await client.post("/admin/rollback")
+            # a message of the prefill worker's retired epoch is dropped and counted
+            await backend._on_message(m.Heartbeat("prefill-0", 1, m.Load(0, 0, 0, 0, 0)))
+            state = (await client.get("/admin/state")).json()
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        return dict(rolled=rolled, during=during, after=after, twice=twice, state=state, routes=routes(backend, "b"),
+                    handoff=backend.router.handoff_enabled, metrics=backend.metrics_text().decode())
+
+
+def test_rollback_runs_the_spec_order_under_load_and_every_request_finishes(expected):
+    r = asyncio.run(_rollback_scenario())
+    steps = r["rolled"]["steps"]
+    assert [s["name"] for s in steps] == list(ROLLBACK_ORDER)
+    assert rollback_order_error([s["name"] for s in steps]) is None
+    assert all(a["at_s"] <= b["at_s"] for a, b in zip(steps, steps[1:]))
+    assert r["rolled"]["state"] == "ROLLED_BACK" and r["state"]["state"] == "ROLLED_BACK"
+    assert steps[1]["detail"] == {"route_epoch": 2}
+    assert steps[6]["detail"] == {"unpublished": 0, "staging_holds": 0}
+    for results in (r["during"], r["after"]):
+        assert [ids for ids, _ in results] == expected
+    assert all(p == d for p, d in r["routes"]) and r["handoff"] is False
+    assert r["twice"].status_code == 409 and r["twice"].json()["error"]["code"] == "illegal_release_transition"
+    assert "pdserve_stale_messages_total 1.0" in r["metrics"]
+    assert "pdserve_rollback_seconds_count 1.0" in r["metrics"]
+
+
+async def _auth_scenario():
+    async with cluster(config()) as (backend, _):
+        app = create_app(backend, admin_token=TOKEN)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://pdserve") as anon:
+            missing = await anon.post("/admin/disaggregation", json={"enabled": False})
+            wrong = await anon.get("/admin/state", headers={"Authorization": "Bearer nope"})
+        async with admin(app) as client:
+            malformed = await client.post("/admin/disaggregation", json={"enabled": "sometimes", "extra": 1})
+            state = (await client.get("/admin/state")).json()
+        plain = create_app(backend)  # no token: no admin endpoints at all
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://pdserve") as c:
+            unmounted = await c.get("/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})
+        return missing, wrong, malformed, state, unmounted, roles(backend)
+
+
+def test_admin_endpoints_need_the_token_and_refuse_bad_bodies_without_changing_anything():
+    missing, wrong, malformed, state, unmounted, after = asyncio.run(_auth_scenario())
+    for answer in (missing, wrong):
+        assert answer.status_code == 401
+        assert answer.json()["error"]["code"] == "invalid_admin_token"
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    assert unmounted.status_code == 404
+    assert state["state"] == "ACTIVE" and state["disaggregation"] is True
+    assert after == {"prefill-0": ("prefill", 1, "live"), "decode-0": ("decode", 1, "live")}
