@@ -107,7 +107,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
     backend.start()
     try:
-        launcher.start(backend.address if not config.ray else _reachable(backend.address))
+        launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         supervisor = asyncio.create_task(launcher.supervise())
         with frozen_heap():  # the router, app and tokenizer leave the collector's scans
@@ -133,11 +133,11 @@ class _Launcher:
         self.schedule = RestartSchedule(config.restart)
         self.clock = time.monotonic
 
-    def start(self, router_address: str) -> None:
+    def start(self, router_address: str, capability_key: str | None = None) -> None:
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
-                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s)
+                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key)
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

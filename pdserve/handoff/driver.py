@@ -11,11 +11,14 @@ Contract:
     only after this returns.
   * `serve_destination` runs on the decode worker: frames in, `DecodeEndpoint.handle`, answers
     out, until the transfer is terminal. A dead or silent link aborts the unpublished transfer.
+    With a `LinkGuard` (guard.py) nothing reaches the endpoint or lands before the link's
+    manifest passed the capability check.
 Neither loop knows which transport it drives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +26,7 @@ from typing import Callable
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkAck, ChunkFrame, ManifestFrame, PublishAck
+from pdserve.handoff.guard import LinkGuard
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, ReceiverLink, SenderLink
@@ -80,9 +84,9 @@ def _absorb(src: SourceTransfer, link: SenderLink, timeout_s: float) -> bool:
 
 
 def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = DriveConfig(),
-                 cancelled: Callable[[], bool] = lambda: False) -> SourceTransfer:
+                 cancelled: Callable[[], bool] = lambda: False, capability: bytes | None = None) -> SourceTransfer:
     try:
-        _drive(src, link, config, cancelled)
+        _drive(src, link, config, cancelled, capability)
     except LinkClosed:
         _abort_source(src, link, RejectReason.TRANSPORT_FAILURE)
     except HandoffError as err:
@@ -90,8 +94,9 @@ def drive_source(src: SourceTransfer, link: SenderLink, config: DriveConfig = Dr
     return src
 
 
-def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig, cancelled: Callable[[], bool]) -> None:
-    link.send(ManifestFrame(src.manifest))
+def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig, cancelled: Callable[[], bool],
+           capability: bytes | None) -> None:
+    link.send(ManifestFrame(src.manifest, capability))  # the link's first manifest carries the capability
     sealed, last_progress, deadline = False, time.monotonic(), time.monotonic() + config.give_up_s
     while src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
         if cancelled():
@@ -157,12 +162,14 @@ def await_peer_close(link: SenderLink, timeout_s: float) -> bool:
 
 
 def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id: str,
-                      config: DriveConfig = DriveConfig(), until: Callable[[], bool] | None = None) -> TxnState:
-    """Answer frames until `transfer_id` is terminal (or `until()` holds); returns its final state."""
+                      config: DriveConfig = DriveConfig(), until: Callable[[], bool] | None = None,
+                      guard: LinkGuard | None = None) -> TxnState:
+    """Answer frames until `transfer_id` is terminal (or `until()` holds); returns its final state.
+    With a `guard` every frame is screened by the capability check first (guard.py)."""
     txn = endpoint.transfers[transfer_id]
     done = until or (lambda: txn.state in (TxnState.PUBLISHED, TxnState.ABORTED))
     last_frame = time.monotonic()
-    landing = GrantedLanding(endpoint)
+    landing = guard.landing if guard is not None else GrantedLanding(endpoint)
     try:
         while not done():
             frame = landing.recv(link, config.ack_timeout_s / 10)
@@ -171,9 +178,20 @@ def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id:
                     raise LinkClosed("source silent")
                 continue
             last_frame = time.monotonic()
-            for answer in endpoint.handle(frame, link.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None):
+            for answer in answer_frame(endpoint, link, frame, guard):
                 link.send(answer)
     except LinkClosed:
         if txn.state < TxnState.PUBLISHED:
             endpoint.abort(transfer_id, RejectReason.TRANSPORT_FAILURE)
     return txn.state
+
+
+def answer_frame(endpoint: DecodeEndpoint, link: ReceiverLink, frame, guard: LinkGuard | None = None, lock=None) -> list:
+    """The destination's answers to one received frame: the guard's, else the endpoint's (under
+    `lock`, the worker's, when given)."""
+    landed = link.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None
+    screened = guard.screen(frame) if guard is not None else None
+    if screened is not None:
+        return screened
+    with lock if lock is not None else contextlib.nullcontext():
+        return endpoint.handle(frame, landed)

@@ -152,6 +152,15 @@ class DecodeEndpoint:
         self._bad_chunks[txn.transfer_id] = self._bad_chunks.get(txn.transfer_id, 0) + 1
         return self._bad_chunks[txn.transfer_id] > self.max_bad_chunks
 
+    def refuse(self, transfer_id: str, reason: RejectReason) -> PublishAck:
+        """A refusal from outside the frame protocol (the link's capability check, guard.py): traced,
+        the unpublished transfer aborted (blocks back once no write is in flight), the source told."""
+        txn = self.transfers[transfer_id]
+        self._emit_reject(txn, reason, None)
+        if txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+            txn.abort(reason, self.blocks)
+        return self._publish_ack(txn, False, reason)
+
     # -- ownership -----------------------------------------------------------------------------
     def abort(self, transfer_id: str, reason: RejectReason) -> None:
         """Abort an unpublished transfer (raises ALREADY_PUBLISHED after publication)."""

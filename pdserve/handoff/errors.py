@@ -2,7 +2,9 @@
 
 Contract: every refusal in the handoff protocol raises `HandoffError` with a `RejectReason`, so
 callers and tests branch on `.reason`, never on message text. Reasons are grouped by the fence
-they belong to (identity, tensor ABI, coverage, bytes, ordering, ownership, transport).
+they belong to (identity, tensor ABI, coverage, bytes, ordering, ownership, transport,
+capabilities). Every `capability_*` reason is a denial by the memory owner's capability check
+(handoff/capability.py) and is counted in `pdserve_capability_denials_total{reason}`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ class RejectReason(str, Enum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     SUPERSEDED = "superseded"
     CANCELLED = "cancelled"
+    # transfer capabilities (handoff/capability.py): denied before any memory is touched
+    CAPABILITY_MISSING = "capability_missing"
+    CAPABILITY_MALFORMED = "capability_malformed"
+    CAPABILITY_FORGED = "capability_forged"
+    CAPABILITY_REVOKED = "capability_revoked"
+    CAPABILITY_EXPIRED = "capability_expired"
+    CAPABILITY_MISMATCH = "capability_mismatch"
+    CAPABILITY_REGION = "capability_region"
+    CAPABILITY_BYTES = "capability_bytes"
+    CAPABILITY_REPLAYED = "capability_replayed"
+    CAPABILITY_REPLAY_FULL = "capability_replay_full"
+
+
+CAPABILITY_DENIALS = tuple(r for r in RejectReason if r.value.startswith("capability_"))
 
 
 class HandoffError(Exception):

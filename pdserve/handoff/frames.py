@@ -8,7 +8,8 @@ placed, or its payload follows on a byte stream), `SealFrame` (the checksum of e
 Every frame names its transfer id and generation so late frames can be fenced.
 Link-level frames (never seen by the protocol): `StagingHello` (shm sender -> receiver: my
 credit window), `StagingOffer` (receiver -> sender: the staging segment of that size) and
-`SourcePoolHello` (pull sender -> receiver: my pool's segment).
+`SourcePoolHello` (pull sender -> receiver: my pool's segment, sent with the first chunk) and
+`SourceBlockGrant` (pull sender -> receiver: the source blocks of the current transfer it may read).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdserve.handoff.manifest import HandoffManifest, IdentityFence
 
 class ManifestFrame(msgspec.Struct, frozen=True, tag=True):
     manifest: HandoffManifest
+    capability: bytes | None = None  # the router's signed permission (handoff/capability.py), on a link's first manifest
 
 
 class ChunkFrame(msgspec.Struct, frozen=True, tag=True):
@@ -76,8 +78,13 @@ class SourcePoolHello(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
 
 
+class SourceBlockGrant(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+    blocks: tuple[int, ...]  # source blocks of this transfer the pull receiver may now copy from
+
+
 Frame = (ManifestFrame | ChunkFrame | SealFrame | ChunkAck | PublishAck | AbortFrame | StagingHello | StagingOffer
-         | SourcePoolHello)
+         | SourcePoolHello | SourceBlockGrant)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

@@ -32,6 +32,7 @@ from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, 
 from pdserve.engine.block_manager import prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
+from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.leases import renewals
 from pdserve.router.errors import UnknownRequestError
@@ -105,6 +106,7 @@ class ClusterBackend:
         self._block_size = 16
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
+        self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -293,6 +295,8 @@ class ClusterBackend:
             reserved.dest_blocks, reserved.num_visible_blocks, "shm" if same_host else "tcp",
             tuple(dest.handoff_address), dest.shm_name, dest.num_blocks,
         )
+        transfer = self.capabilities.issue(transfer, plan.prefill_id, src.epoch, dest.abi_hash, same_host and src.shm_name is not None,
+                                           dest.bytes_per_token * dest.block_size)
         live.owners = {plan.prefill_id, plan.decode_id}
         self.metrics.kv_transfer_attempts.inc()
         grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0

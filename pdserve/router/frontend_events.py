@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.handoff.errors import CAPABILITY_DENIALS
 from pdserve.router import recovery
 from pdserve.router.contract import FinishEvent, TokenEvent
 from pdserve.router.errors import UnknownRequestError
@@ -102,6 +103,8 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
     if live.kv_failed:
         return  # the other side's report of the same failure
     metrics.kv_transfer_failures.labels(f"{msg.side}:{msg.reason or 'aborted'}").inc()
+    if msg.reason in CAPABILITY_DENIALS:  # the memory owner's check refused the transfer (counted once)
+        metrics.capability_denials.labels(msg.reason).inc()
     backend.router.transfer_ended(failed=True)
     live.kv_failed = True
     live.note(kv_failure=f"{msg.side}:{msg.reason or 'aborted'}")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.handoff.errors import CAPABILITY_DENIALS
 from pdserve.ledger.goodput import attainment, joint_attainment
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -115,8 +116,10 @@ class RuntimeMetrics:
         self.fallbacks = Counter("pdserve_fallback", "Decode-start fallbacks by outcome (router/recovery.py)", ["outcome"], registry=r)
         self.publication_rejects = Counter("pdserve_kv_publication_rejects", "Stale or duplicate publications refused", ["reason"], registry=r)
         self.capability_denials = Counter("pdserve_capability_denials",
-                                          "Transfers denied by a capability check (the runtime issues no transfer capabilities yet: stays 0)",
-                                          registry=r)
+                                          "Transfers denied by a capability check, by reason (handoff/capability.py)",
+                                          ["reason"], registry=r)
+        for reason in CAPABILITY_DENIALS:  # every reason is exposed, at 0 until a denial
+            self.capability_denials.labels(reason.value)
         self.rollback_seconds = Histogram("pdserve_rollback_seconds",
                                           "P/D to colocated rollback time (POST /admin/rollback)",
                                           buckets=LATENCY_BUCKETS_S, registry=r)

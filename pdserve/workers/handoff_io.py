@@ -14,6 +14,13 @@ Contract:
   write is over (quiescence). The final state is reported through `on_done`.
 Link preamble: one byte, b"P" (shm pull: the destination copies from this worker's shared pool),
 b"S" (shm staging, when the pool is private) or b"T" (tcp), then frames.
+Capabilities (docs/security.md): with a `Verifier` (the router's public key from the launch
+config), the sender checks the plan's capability before it opens a link (its memory is read, its
+bytes leave the process) and sends it in the link's first manifest; the listener lands nothing
+before that manifest's capability verified against its own reservation (handoff/guard.py), and
+then only the admitted transfer's chunks inside the capability's blocks. A denial ends the
+transfer with its `capability_*` reason on the side that denied (and, told by a refused
+`PublishAck`, on the source), reported through `on_done` like any failed transfer.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ import numpy as np
 
 from pdserve.engine.kv_abi import CacheIdentity
 from pdserve.engine.kv_pool import KvPool
+from pdserve.handoff.capability import PULL, PUSH, Verifier
 from pdserve.handoff.credits import ByteCredits
-from pdserve.handoff.driver import DriveConfig, await_peer_close, drive_source
+from pdserve.handoff.driver import DriveConfig, answer_frame, await_peer_close, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
-from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
+from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.frames import Frame, ManifestFrame
+from pdserve.handoff.guard import LinkGuard, source_expectation
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.gate import LayerGate
@@ -65,8 +75,9 @@ def transfer_blocks(src_blocks: list[int], plan: TransferPlan) -> list[int]:
 class HandoffSender:
     def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
                  on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20,
-                 max_concurrent: int = 4, prefill_chunk_tokens: int | None = None):
+                 max_concurrent: int = 4, prefill_chunk_tokens: int | None = None, verifier: Verifier | None = None):
         self.worker_id, self.epoch = worker_id, epoch
+        self.verifier = verifier  # None: this worker runs without capabilities (tests, benches)
         # transfer chunks no longer than a prefill chunk: each becomes sendable as soon as the prefill
         # chunk(s) writing it passed its layer (aligned unless the destination already had a prefix)
         self.max_chunk_blocks = max(1, prefill_chunk_tokens // pool.abi.block_size) if prefill_chunk_tokens else None
@@ -126,24 +137,37 @@ class HandoffSender:
         with self.slots:  # a few transfers at a time: dozens of threads only fight for the GIL
             self._transfer(request_id, src, plan)
 
-    def _transfer(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
-        t0 = time.monotonic()
+    def _direction(self, plan: TransferPlan) -> str:
+        return PULL if plan.transport == "shm" and self.pool.shm_name is not None else PUSH
+
+    def _connect(self, src: SourceTransfer, plan: TransferPlan):
+        """The transfer's link once its capability verified, else None with the source aborted."""
         try:
-            link = self._open_link(plan, src.credits.capacity_bytes)
+            if self.verifier is not None:
+                self.verifier.verify(plan.capability, source_expectation(
+                    src.manifest, self.worker_id, self.epoch, self.pool.abi.abi_hash, self._direction(plan)))
+            return self._open_link(plan, src.credits.capacity_bytes)
+        except HandoffError as err:
+            log.warning("handoff %s denied at the source: %s", src.manifest.transfer_id, err)
+            src.abort(err.reason)
         except OSError as exc:
             log.warning("handoff link to %s failed: %r", plan.dest_worker, exc)
-            link = None
+            src.abort(RejectReason.TRANSPORT_FAILURE)
+        return None
+
+    def _transfer(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
+        t0 = time.monotonic()
+        link = self._connect(src, plan)
         physical = 0
-        if link is None:
-            src.abort(_transport_failure())
-        else:
+        if link is not None:
             cancel = self.cancels[request_id]
             try:
-                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0), cancelled=cancel.is_set)
+                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0), cancelled=cancel.is_set,
+                             capability=plan.capability)
             except Exception as exc:  # noqa: BLE001 - a broken link must still end the transaction
                 log.warning("handoff %s failed: %r", src.manifest.transfer_id, exc)
                 if src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
-                    src.abort(_transport_failure())
+                    src.abort(RejectReason.TRANSPORT_FAILURE)
             finally:
                 if src.state is TxnState.ABORTED:  # the peer may still copy out of our blocks (pull)
                     await_peer_close(link, PEER_CLOSE_WAIT_S)
@@ -166,10 +190,8 @@ class HandoffSender:
         return TcpSenderLink(sock)
 
 
-def _transport_failure():
-    from pdserve.handoff.errors import RejectReason
-
-    return RejectReason.TRANSPORT_FAILURE
+def _land_nothing(frame) -> None:
+    return None
 
 
 class _FirstFrameLink(ReceiverLink):
@@ -197,9 +219,10 @@ class _FirstFrameLink(ReceiverLink):
 
 class HandoffListener:
     def __init__(self, endpoint: DecodeEndpoint, lock: threading.RLock, host: str,
-                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0):
+                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0, verifier: Verifier | None = None):
         self.endpoint, self.lock, self.on_done = endpoint, lock, on_done
         self.give_up_s = give_up_s
+        self.verifier = verifier  # None: no capability check (tests, benches); `pdserve serve` always sets one
         self.sock = socket.create_server((host, 0))
         self.address = (host, self.sock.getsockname()[1])
         threading.Thread(target=self._accept_loop, daemon=True, name="handoff-listener").start()
@@ -221,7 +244,7 @@ class HandoffListener:
                 link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw)
             else:
                 link = TcpReceiverLink(conn, self.endpoint.raw)
-            first = GrantedLanding(self.endpoint, self.lock).recv(link, 30.0)
+            first = link.recv(30.0, _land_nothing)  # the link's first frame names its transfer; it lands nothing
         except (OSError, LinkClosed):
             conn.close()
             return
@@ -229,13 +252,15 @@ class HandoffListener:
             link.close()
             return
         transfer_id = first.manifest.transfer_id
-        state = self._answer(_FirstFrameLink(link, first), transfer_id)
+        guard = None if self.verifier is None else \
+            LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock)
+        state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
         link.close()
         self.on_done(transfer_id, state)
 
-    def _answer(self, link: ReceiverLink, transfer_id: str) -> TxnState:
+    def _answer(self, link: ReceiverLink, transfer_id: str, guard: LinkGuard | None) -> TxnState:
         txn = self.endpoint.transfers[transfer_id]
-        landing = GrantedLanding(self.endpoint, self.lock)
+        landing = guard.landing if guard is not None else GrantedLanding(self.endpoint, self.lock)
         last = time.monotonic()
         try:
             while txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
@@ -245,17 +270,16 @@ class HandoffListener:
                         raise LinkClosed("source silent")
                     continue
                 last = time.monotonic()
-                landed = link.landed_checksum(frame) if isinstance(frame, ChunkFrame) else None
-                with self.lock:
-                    answers = self.endpoint.handle(frame, landed)
-                for answer in answers:
+                for answer in answer_frame(self.endpoint, link, frame, guard, self.lock):
                     link.send(answer)
         except Exception as exc:  # noqa: BLE001 - any failure on this link ends the unpublished transfer
             if not isinstance(exc, (LinkClosed, OSError)):
                 log.warning("handoff listener for %s failed: %r", transfer_id, exc)
             with self.lock:
                 if txn.state < TxnState.PUBLISHED:
-                    self.endpoint.abort(transfer_id, _transport_failure())
+                    self.endpoint.abort(transfer_id, RejectReason.TRANSPORT_FAILURE)
+        if txn.terminal_reason is not None and txn.terminal_reason.value.startswith("capability_"):
+            log.warning("handoff %s denied at the destination: %s", transfer_id, txn.terminal_reason.value)
         return txn.state
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import time
 
 from pdserve.engine.outputs import PrefillProgress, RequestOutput
 from pdserve.engine.sequence import SeqMode
+from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.streaming import ScheduleConfig, choose_schedule
@@ -35,7 +36,8 @@ class PrefillSide:
         self.engine = worker.engine
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))),
-                                    prefill_chunk_tokens=self.engine.config.max_num_batched_tokens)
+                                    prefill_chunk_tokens=self.engine.config.max_num_batched_tokens,
+                                    verifier=verifier_from_hex(worker.config.capability_key))
         self.plans: dict[str, m.Prefill] = {}
         self.started: dict[str, SourceTransfer] = {}
         self.prefill_end: dict[str, float] = {}

@@ -14,6 +14,7 @@ import time
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.sequence import SamplingParams
+from pdserve.handoff.errors import CAPABILITY_DENIALS
 from pdserve.ledger.checks import load_fixture, run_check
 from pdserve.ledger.checks.runtime_release import with_exposed_metrics
 from pdserve.ledger.trace import parse_jsonl
@@ -65,7 +66,9 @@ def test_live_metrics_pass_the_release_check_and_count_the_manifests_bytes(tmp_p
     assert sample(text, "pdserve_kv_transfer_exposed_seconds_count") == 4
     assert sample(text, "pdserve_workers_live", 'role="prefill"') == sample(text, "pdserve_workers_live", 'role="decode"') == 1
     assert sample(text, "pdserve_slo_attainment", 'clock="ttft"') is not None
-    assert sample(text, "pdserve_capability_denials_total") == 0 and sample(text, "pdserve_rollback_seconds_count") == 0
+    assert sample(text, "pdserve_rollback_seconds_count") == 0
+    assert [sample(text, "pdserve_capability_denials_total", f'reason="{r.value}"') for r in CAPABILITY_DENIALS] \
+        == [0] * len(CAPABILITY_DENIALS)  # capabilities are on, and every transfer's verified
     assert all(e.attempt >= 1 for e in events if e.request != "?")  # attempts count from 1 everywhere
     assert len(lines) == 4 and all(r["ttft_s"] is not None and r["kv_published_s"] is not None for r in lines)
     with open(os.path.join(trace_dir, "requests.jsonl")) as f:

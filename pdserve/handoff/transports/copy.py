@@ -18,7 +18,7 @@ block after the destination accepted it or after publication. The cost is a seco
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -158,7 +158,8 @@ class ShmReceiverLink(SegmentReceiverLink):
     def _on_hello(self, hello: StagingHello) -> None:
         if self._shm is not None or not 0 < hello.window_bytes <= self.max_staging_bytes:
             raise LinkClosed(f"refused staging of {hello.window_bytes} B")
-        self._shm = shared_memory.SharedMemory(name=f"pdstage-{uuid.uuid4().hex[:12]}", create=True,
+        # owner-only (Python creates segments 0600) under an unguessable name: see docs/security.md
+        self._shm = shared_memory.SharedMemory(name=f"pdstage-{secrets.token_hex(16)}", create=True,
                                                size=hello.window_bytes)
         self.staging = np.ndarray((hello.window_bytes,), dtype=np.uint8, buffer=self._shm.buf)
         self.channel.send_frame(StagingOffer(self._shm.name, hello.window_bytes))

@@ -30,7 +30,7 @@ def forget_attached(shm: shared_memory.SharedMemory) -> None:
 
 
 class SegmentReceiverLink(ReceiverLink):
-    HELLO: type  # the link-level handshake frame this receiver answers
+    HELLO: type | tuple[type, ...]  # the link-level handshake frame(s) this receiver answers
     owns_segment = False  # True: this side created the segment and unlinks it on close
 
     def __init__(self, channel: SocketChannel, dst_raw: np.ndarray):
