@@ -40,7 +40,6 @@ class TransferPlan(msgspec.Struct, frozen=True):
     dest_shm_name: str | None = None
     dest_num_blocks: int = 0
     capability: bytes | None = None  # the router's signed permission for this transfer (handoff/capability.py)
-    capability: bytes | None = None  # the router's signed permission for this transfer (handoff/capability.py)
 
 
 # ---- router -> worker ---------------------------------------------------------------------

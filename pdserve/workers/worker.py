@@ -63,7 +63,6 @@ class WorkerConfig:
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
     capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
-    capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
 
 
 def pin_threads(config: WorkerConfig) -> None:
