@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.api.errors import ApiError
+from pdserve.api.openapi_doc import errors
 from pdserve.router.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController
 from pdserve.router.role_control import RoleChangeFailed
 
@@ -65,14 +66,14 @@ def install_admin_routes(app: FastAPI, backend, token: str) -> None:
 
     guard = [Depends(authorized)]  # a dependency: checked before the body is read
 
-    @app.get("/admin/state", tags=["admin"], dependencies=guard)
+    @app.get("/admin/state", tags=["admin"], dependencies=guard, responses=errors(401))
     async def admin_state() -> dict:
         return control.view()
 
-    @app.post("/admin/disaggregation", tags=["admin"], dependencies=guard)
+    @app.post("/admin/disaggregation", tags=["admin"], dependencies=guard, responses=errors(400, 401, 409, 503))
     async def admin_disaggregation(body: DisaggregationBody) -> dict:
         return await _run(control.set_disaggregation(body.enabled))
 
-    @app.post("/admin/rollback", tags=["admin"], dependencies=guard)
+    @app.post("/admin/rollback", tags=["admin"], dependencies=guard, responses=errors(401, 409, 503))
     async def admin_rollback() -> dict:
         return await _run(control.rollback())

@@ -27,10 +27,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.api.backend import Backend, ErrorEvent
+from pdserve.api import openapi_doc
 from pdserve.api.errors import from_event_code, install_error_handlers
+from pdserve.api.openapi_doc import METRICS_RESPONSE, errors
 from pdserve.api.lifecycle import ClientDisconnected, RequestStream, until_disconnected
+from pdserve.api.choices import Choices
+from pdserve.api.logprob_format import TokenNames
 from pdserve.api.protocol import (
-    ChatCompletionRequest, CompletionRequest, ParsedRequest, ServedModel, parse_chat, parse_completion,
+    DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ParsedRequest, ServedModel, parse_chat,
+    parse_completion,
 )
 from pdserve.api.relay import EventStreamResponse, collect, sse_events
 from pdserve.api.responses import ChatFormat, ResponseFormat
@@ -39,33 +44,36 @@ from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize,
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
 
 
-def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
+def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> FastAPI:
     """An app serving `backend`; the caller owns the backend's start and close. With
-    `admin_token`, the /admin endpoints are mounted (admin.py)."""
+    `admin_token`, the /admin endpoints are mounted (admin.py). `max_logprobs` caps the top
+    logprobs a request may ask for (serve --max-logprobs)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
+    app.state.max_logprobs = max_logprobs
     started = int(time.time())
     install_error_handlers(app)
+    openapi_doc.install(app)
     if admin_token is not None:
         from pdserve.api.admin import install_admin_routes
 
         install_admin_routes(app, backend, admin_token)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=errors(400, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        parsed = parse_completion(body, served_model(backend))
+        parsed = parse_completion(body, served_model(backend, max_logprobs))
         return await generate(backend, request, parsed, new_format(ResponseFormat, "cmpl", backend, parsed))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors(400, 404, 429, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        parsed = parse_chat(body, served_model(backend))
+        parsed = parse_chat(body, served_model(backend, max_logprobs))
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=errors(400, 404))
     async def tokenize_route(body: TokenizeRequest) -> dict:
         return tokenize(body, served_model(backend))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, 404))
     async def detokenize_route(body: DetokenizeRequest) -> dict:
         return detokenize(body, served_model(backend))
 
@@ -75,12 +83,12 @@ def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
                 "max_model_len": backend.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "No healthy worker pool (body: {\"status\": \"unhealthy\"})"}})
     async def health() -> JSONResponse:
         ok = backend.healthy()
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSE)
     async def metrics() -> Response:
         return Response(backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
@@ -91,8 +99,8 @@ def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
     return app
 
 
-def served_model(backend: Backend) -> ServedModel:
-    return ServedModel(backend.model_name, backend.max_model_len, backend.tokenizer())
+def served_model(backend: Backend, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> ServedModel:
+    return ServedModel(backend.model_name, backend.max_model_len, backend.tokenizer(), max_logprobs)
 
 
 def new_format(kind: type[ResponseFormat], id_prefix: str, backend: Backend, parsed: ParsedRequest) -> ResponseFormat:
@@ -103,6 +111,7 @@ def new_format(kind: type[ResponseFormat], id_prefix: str, backend: Backend, par
 async def generate(backend: Backend, request: Request, parsed: ParsedRequest, fmt: ResponseFormat) -> Response:
     """Submit one request and answer with the whole result or an event stream."""
     stream = RequestStream(backend, parsed.to_generation(fmt.request_id))
+    choices = Choices(parsed, fmt, TokenNames(backend.tokenizer()))
     streaming_started = False
     try:
         first = await until_disconnected(request, stream.open())
@@ -110,9 +119,9 @@ async def generate(backend: Backend, request: Request, parsed: ParsedRequest, fm
             raise from_event_code(first.message, first.code)
         if parsed.stream:
             streaming_started = True  # from here the response owns the stream's close()
-            return EventStreamResponse(stream, sse_events(stream, first, fmt))
-        result = await until_disconnected(request, collect(stream, first))
-        return JSONResponse(fmt.response(result.text, result.token_ids, result.finish_reason, result.usage))
+            return EventStreamResponse(stream, sse_events(stream, first, fmt, choices))
+        result = await until_disconnected(request, collect(stream, first, choices))
+        return JSONResponse(fmt.response(result.choices, result.usage))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
