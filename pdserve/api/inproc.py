@@ -304,7 +304,8 @@ class InProcessBackend:
         live.num_output_tokens = len(output.output_ids)
         if output.new_token_ids or output.new_text:
             live.clock.first_tokens()
-            live.sink.push(TokenEvent(tuple(output.new_token_ids), output.new_text))
+            live.sink.push(TokenEvent(tuple(output.new_token_ids), output.new_text, output.index, output.finish_reason,
+                                      output.logprobs, output.prompt_logprobs))
         if output.finished:
             del self._live[output.request_id]
             reason = output.finish_reason or "stop"

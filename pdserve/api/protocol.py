@@ -9,14 +9,25 @@ then check what types cannot (served model name, unsupported features, prompt le
 Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
 choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_generation_prompt`
 (default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
-400 when set to a non-default value: n > 1, best_of > 1, echo, logprobs, suffix, presence and
+400 when set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and
 frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
 Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0.
+
+Logprobs (values: log_softmax of the raw logits, engine/logprobs.py): completions `logprobs: k`,
+chat `logprobs: true` with `top_logprobs: k`; k above the server's `max_logprobs` (serve
+`--max-logprobs`, default 20) is a 400, and so is `top_logprobs` without `logprobs: true` (as
+vLLM). Completions `echo: true` returns the prompt before the output, with the prompt tokens'
+logprobs when `logprobs` is set (the first prompt token's is null); `max_tokens: 0` is allowed
+only with echo (the prompt alone comes back). Chat `echo` is vLLM's: when the last message has the
+response's role (assistant, or the last message's own role when `add_generation_prompt` is
+false), its content is put before the generated content. vLLM's `prompt_logprobs` extension is
+not served: with `stream: true` it is the 400 vLLM answers, otherwise a 400 naming completions'
+`echo` + `logprobs` instead. `n` independent choices share the prompt (engine/fork.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +39,8 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 128  # choices per request
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -45,7 +58,7 @@ class _CommonRequest(StrictBody):
     """Fields shared by both endpoints; None means "use the default" as in OpenAI's API."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with completions' echo
     temperature: Annotated[Finite, Field(ge=0)] | None = None
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -55,7 +68,8 @@ class _CommonRequest(StrictBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension; not served (see the module contract)
     presence_penalty: Finite | None = None
     frequency_penalty: Finite | None = None
     logit_bias: dict[str, Any] | None = None
@@ -66,7 +80,7 @@ class CompletionRequest(_CommonRequest):
     prompt: Any  # str | list[int], or a list holding exactly one of those; checked in parse_completion
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     suffix: str | None = None
 
 
@@ -85,7 +99,8 @@ class ChatCompletionRequest(_CommonRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False  # vLLM's: the last message's content leads the answer when its role is the answer's
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -102,6 +117,15 @@ class ServedModel:
     name: str
     max_model_len: int
     tokenizer: Any  # pdserve.model.tokenizer.Tokenizer | None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a choice's text starts with before the generated output."""
+
+    text: str
+    prompt_ids: tuple[int, ...] = ()  # completions: the prompt, whose logprobs lead the choice's when asked for
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,12 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    echo: Echo | None = None
+    drop_output: bool = False  # max_tokens 0: the engine samples one token nobody sees
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
     def to_generation(self, request_id: str) -> GenerationRequest:
         return GenerationRequest(request_id=request_id, prompt_ids=self.prompt_ids, params=self.params)
@@ -122,17 +152,54 @@ class ParsedRequest:
 def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequest:
     check_model(body.model, served)
     _reject_unsupported(_common_unsupported(body) + _completion_unsupported(body))
+    _check_logprobs_k(body.logprobs, served, "logprobs")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
     prompt_ids = _completion_prompt_ids(body.prompt, served)
-    return _finish(body, served, prompt_ids, body.max_tokens, "prompt")
+    echo = Echo(_prompt_text(body.prompt, prompt_ids, served), tuple(prompt_ids)) if body.echo else None
+    parsed = _finish(body, served, prompt_ids, body.max_tokens, "prompt", body.logprobs)
+    if echo is not None and body.logprobs is not None:
+        parsed = replace(parsed, params=replace(parsed.params, prompt_logprobs=body.logprobs))
+    return replace(parsed, echo=echo)
 
 
 def parse_chat(body: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
     check_model(body.model, served)
     _reject_unsupported(_common_unsupported(body) + _chat_unsupported(body))
-    prompt_ids = chat_prompt_ids(template_messages(body.messages), served.tokenizer, body.add_generation_prompt,
-                                 body.chat_template_kwargs)
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    _check_logprobs_k(k, served, "top_logprobs")
+    messages = template_messages(body.messages)
+    prompt_ids = chat_prompt_ids(messages, served.tokenizer, body.add_generation_prompt, body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _finish(body, served, prompt_ids, max_tokens, "messages")
+    if max_tokens == 0:
+        raise bad_request("max_tokens must be at least 1", param="max_completion_tokens")
+    parsed = _finish(body, served, prompt_ids, max_tokens, "messages", k)
+    return replace(parsed, echo=_chat_echo(body, messages))
+
+
+def _chat_echo(body: ChatCompletionRequest, messages: list[dict[str, str]]) -> Echo | None:
+    """vLLM's chat echo: the last message leads the answer when it has the answer's role."""
+    role = "assistant" if body.add_generation_prompt else messages[-1]["role"]
+    if not body.echo or messages[-1]["role"] != role or not messages[-1]["content"]:
+        return None
+    return Echo(messages[-1]["content"])
+
+
+def _prompt_text(prompt: Any, prompt_ids: list[int], served: ServedModel) -> str:
+    """The prompt as echo returns it: the text sent, or the ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return served.tokenizer.decode(prompt_ids, skip_special_tokens=False) if served.tokenizer is not None else ""
+
+
+def _check_logprobs_k(k: int | None, served: ServedModel, param: str) -> None:
+    if k is not None and k > served.max_logprobs:
+        raise bad_request(f"{param} must be at most {served.max_logprobs} (this server's --max-logprobs); got {k}",
+                          param=param)
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -150,8 +217,9 @@ def _reject_unsupported(problems: list[tuple[str, str]]) -> None:
 
 def _common_unsupported(body: _CommonRequest) -> list[tuple[str, str]]:
     problems = []
-    if body.n is not None and body.n != 1:
-        problems.append(("n", "n > 1 is not supported" if body.n > 1 else "n must be 1"))
+    if body.prompt_logprobs is not None:
+        problems.append(("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`" if body.stream
+                         else "prompt_logprobs is not supported; use completions with echo and logprobs"))
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0):
             problems.append((name, f"{name} is not supported (only 0)"))
@@ -164,12 +232,8 @@ def _common_unsupported(body: _CommonRequest) -> list[tuple[str, str]]:
 
 def _completion_unsupported(body: CompletionRequest) -> list[tuple[str, str]]:
     problems = []
-    if body.echo:
-        problems.append(("echo", "echo is not supported"))
     if body.best_of is not None and body.best_of != 1:
         problems.append(("best_of", "best_of > 1 is not supported"))
-    if body.logprobs is not None:
-        problems.append(("logprobs", "logprobs is not supported"))
     if body.suffix:
         problems.append(("suffix", "suffix is not supported"))
     return problems
@@ -177,8 +241,6 @@ def _completion_unsupported(body: CompletionRequest) -> list[tuple[str, str]]:
 
 def _chat_unsupported(body: ChatCompletionRequest) -> list[tuple[str, str]]:
     problems = []
-    if body.logprobs or body.top_logprobs:
-        problems.append(("logprobs", "logprobs is not supported"))
     if body.tools or body.functions or body.tool_choice not in (None, "none"):
         problems.append(("tools", "tools and function calling are not supported"))
     if body.function_call not in (None, "none"):
@@ -234,12 +296,13 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 # ---- sampling -----------------------------------------------------------------------------
 def _finish(body: _CommonRequest, served: ServedModel, prompt_ids: list[int], max_tokens: int | None,
-            prompt_param: str) -> ParsedRequest:
+            prompt_param: str, logprobs: int | None) -> ParsedRequest:
     _check_length(prompt_ids, served, prompt_param)
-    params = _sampling_params(body, max_tokens)
+    drop_output = max_tokens == 0  # the prompt alone: one token is sampled and dropped
+    params = _sampling_params(body, 1 if drop_output else max_tokens, logprobs)
     stream = bool(body.stream)
     include_usage = stream and body.stream_options is not None and body.stream_options.include_usage
-    return ParsedRequest(tuple(prompt_ids), params, stream, include_usage, body.return_token_ids)
+    return ParsedRequest(tuple(prompt_ids), params, stream, include_usage, body.return_token_ids, drop_output=drop_output)
 
 
 def _check_length(prompt_ids: list[int], served: ServedModel, param: str) -> None:
@@ -253,7 +316,7 @@ def _check_length(prompt_ids: list[int], served: ServedModel, param: str) -> Non
         )
 
 
-def _sampling_params(body: _CommonRequest, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(body: _CommonRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     params = SamplingParams(
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
@@ -263,6 +326,8 @@ def _sampling_params(body: _CommonRequest, max_tokens: int | None) -> SamplingPa
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        n=body.n or 1,
     )
     try:
         params.validate()

@@ -1,6 +1,7 @@
 """Turns one request's backend events into an HTTP answer: a whole JSON body or an SSE stream.
 
-Contract: both paths start from the first event, already read by `RequestStream.open()`.
+Contract: both paths start from the first event, already read by `RequestStream.open()`, and fold
+events into the request's `Choices` (choices.py: n choices, echo, logprobs).
 - `collect` reads to the terminal event; an ErrorEvent raises `ApiError` (status from its code).
 - `sse_events` yields the OpenAI stream (see responses.py) and then `data: [DONE]`. An ErrorEvent
   after the stream began becomes one `data: {"error": {...}}` event before `[DONE]`, so a client
@@ -22,48 +23,45 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationEvent, TokenEvent
+from pdserve.api.choices import Choices
 from pdserve.api.errors import from_event_code
 from pdserve.api.lifecycle import RequestStream
-from pdserve.api.responses import DONE_EVENT, ResponseFormat, Usage, sse
+from pdserve.api.responses import DONE_EVENT, FullChoice, ResponseFormat, Usage, sse
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Collected:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
+    choices: list[FullChoice]
     usage: Usage
 
 
-async def collect(stream: RequestStream, first: GenerationEvent) -> Collected:
+async def collect(stream: RequestStream, first: GenerationEvent, choices: Choices) -> Collected:
     """Aggregate the whole output; raise `ApiError` on an ErrorEvent."""
-    pieces: list[str] = []
-    token_ids: list[int] = []
     event = first
     while isinstance(event, TokenEvent):
-        pieces.append(event.text)
-        token_ids.extend(event.token_ids)
+        choices.take(event)
         event = await stream.next()
     if isinstance(event, ErrorEvent):
         raise from_event_code(event.message, event.code)
-    pieces.append(event.text)
-    usage = Usage(event.prompt_tokens, event.completion_tokens)
-    return Collected("".join(pieces), token_ids, event.finish_reason, usage)
+    choices.finish(event)
+    return Collected(choices.whole(), choices.usage(event))
 
 
-async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: ResponseFormat,
+                     choices: Choices) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response; closes `stream` when it ends."""
     try:
-        for chunk in fmt.opening():
+        for chunk in fmt.opening(len(choices.choices)):
             yield sse(chunk)
         event = first
         while isinstance(event, TokenEvent):
-            if event.text or event.token_ids:
-                yield sse(fmt.delta(event.text, event.token_ids))
+            piece = choices.take(event)
+            if piece is not None:
+                yield sse(fmt.delta(piece.text, piece.token_ids, piece.index, piece.logprobs))
             event = await _next_or_error(stream)
-        for chunk in _ending(event, fmt):
+        for chunk in _ending(event, fmt, choices):
             yield chunk
         yield DONE_EVENT
     finally:
@@ -79,12 +77,12 @@ async def _next_or_error(stream: RequestStream) -> GenerationEvent:
         return ErrorEvent(f"the backend failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-def _ending(event: FinishEvent | ErrorEvent, fmt: ResponseFormat) -> list[bytes]:
+def _ending(event: FinishEvent | ErrorEvent, fmt: ResponseFormat, choices: Choices) -> list[bytes]:
     if isinstance(event, ErrorEvent):
         return [sse(_stream_error(event))]
-    chunks = [sse(fmt.closing(event.text, event.finish_reason))]
+    chunks = [sse(fmt.closing(p.text, choices.choices[p.index].finish_reason, p.index)) for p in choices.finish(event)]
     if fmt.include_usage:
-        chunks.append(sse(fmt.usage_chunk(Usage(event.prompt_tokens, event.completion_tokens))))
+        chunks.append(sse(fmt.usage_chunk(choices.usage(event))))
     return chunks
 
 

@@ -2,9 +2,11 @@
 
 Contract: a `ResponseFormat` is made once per request (id, model, created time, whether choices
 carry `token_ids`) and turns output pieces into JSON-ready dicts. Streams are, in order:
-`opening()` chunks (chat: one chunk with the assistant role), `delta()` chunks for output text,
-one `closing()` chunk with the finish_reason, and `usage_chunk()` (choices []) when the client
-asked for `stream_options.include_usage`. `sse()` frames one event as `data: <json>\\n\\n`.
+`opening()` chunks (chat: one chunk with the assistant role per choice), `delta()` chunks for
+output text, one `closing()` chunk per choice with its finish_reason, and `usage_chunk()`
+(choices []) when the client asked for `stream_options.include_usage`. Every choice carries its
+`index` (n > 1) and `logprobs` (the object `logprobs_body` builds, or null).
+`sse()` frames one event as `data: <json>\\n\\n`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+
+from pdserve.api.logprob_format import TokenNames, chat_logprobs, completion_logprobs
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -31,6 +35,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class FullChoice:
+    """One choice of a whole (non-streamed) response."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+@dataclass(frozen=True)
 class ResponseFormat:
     """Completion (`text_completion`) bodies; `ChatFormat` overrides the choice shapes."""
 
@@ -44,23 +59,31 @@ class ResponseFormat:
     chunk_object_name = "text_completion"
 
     # ---- whole response ---------------------------------------------------------------------
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: Usage) -> dict:
-        choice = {"index": 0, **self._full_choice(text), "logprobs": None, "finish_reason": finish_reason}
-        self._add_ids(choice, token_ids)
-        return {**self._header(self.object_name), "choices": [choice], "usage": usage.as_dict()}
+    def response(self, choices: list[FullChoice], usage: Usage) -> dict:
+        return {**self._header(self.object_name), "choices": [self._whole(c) for c in choices], "usage": usage.as_dict()}
+
+    def _whole(self, c: FullChoice) -> dict:
+        choice = {"index": c.index, **self._full_choice(c.text), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        self._add_ids(choice, c.token_ids)
+        return choice
+
+    @staticmethod
+    def logprobs_body(entries: list, names: TokenNames, offset: int) -> dict:
+        """The choice's `logprobs` object for these entries (logprob_format.py)."""
+        return completion_logprobs(entries, names, offset)
 
     def _full_choice(self, text: str) -> dict:
         return {"text": text}
 
     # ---- stream -----------------------------------------------------------------------------
-    def opening(self) -> list[dict]:
+    def opening(self, n: int = 1) -> list[dict]:
         return []
 
-    def delta(self, text: str, token_ids: tuple[int, ...] | list[int]) -> dict:
-        return self._chunk(self._delta_choice(text), None, token_ids)
+    def delta(self, text: str, token_ids: tuple[int, ...] | list[int], index: int = 0, logprobs: dict | None = None) -> dict:
+        return self._chunk(self._delta_choice(text), None, token_ids, index, logprobs)
 
-    def closing(self, text: str, finish_reason: str) -> dict:
-        return self._chunk(self._delta_choice(text), finish_reason, None)
+    def closing(self, text: str, finish_reason: str, index: int = 0) -> dict:
+        return self._chunk(self._delta_choice(text), finish_reason, None, index)
 
     def usage_chunk(self, usage: Usage) -> dict:
         return {**self._header(self.chunk_object_name), "choices": [], "usage": usage.as_dict()}
@@ -68,8 +91,8 @@ class ResponseFormat:
     def _delta_choice(self, text: str) -> dict:
         return {"text": text}
 
-    def _chunk(self, body: dict, finish_reason: str | None, token_ids) -> dict:
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(self, body: dict, finish_reason: str | None, token_ids, index: int = 0, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             self._add_ids(choice, token_ids)
         elif self.return_token_ids:
@@ -96,8 +119,12 @@ class ChatFormat(ResponseFormat):
     def _full_choice(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
 
-    def opening(self) -> list[dict]:
-        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, None, [])]
+    def opening(self, n: int = 1) -> list[dict]:
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, None, [], i) for i in range(n)]
+
+    @staticmethod
+    def logprobs_body(entries: list, names: TokenNames, offset: int) -> dict:
+        return chat_logprobs(entries, names)
 
     def _delta_choice(self, text: str) -> dict:
         return {"delta": {"content": text}} if text else {"delta": {}}

@@ -107,6 +107,14 @@ class BlockManager:
                 else:
                     self.free.append(block)
 
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference on blocks already in use (a forked sequence reads them too)."""
+        for block in blocks:
+            if self.refcount[block] <= 0:
+                raise PoolIntegrityError(f"block {block} shared with refcount {self.refcount[block]}")
+        for block in blocks:
+            self.refcount[block] += 1
+
     # ---- reservations ---------------------------------------------------------------------
     def can_reserve(self, n: int) -> bool:
         return n <= self.num_free - self.num_reserved

@@ -7,6 +7,8 @@ Phase entry points for disaggregation:
         K/V kept) -> export(request_id) -> [handoff moves the blocks] -> release_prefilled()
     decode worker:  can_reserve_import() / reserve_import() -> [handoff writes the blocks]
         -> commit_import() (now RUNNING, decoding) or cancel_import() (abort path)
+n > 1 requests fork after the prompt (fork.py); log-probabilities come from the raw logits of
+the rows that sampled a token or score a prompt position (logprobs.py).
 Bad requests raise `InvalidRequest` before any state changes; other requests keep running.
 """
 
@@ -23,11 +25,13 @@ import torch
 from pdserve.engine.block_manager import BlockManager, chain_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.fork import Groups, import_growth_blocks, sequence_key, share_prompt, wants_fork
+from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
 from pdserve.engine.outputs import ImportReservation, KvExport, PrefillProgress, RequestOutput
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, sample_one, sequence_seed
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams, Sequence, SeqMode, SeqStatus
 from pdserve.engine.step_log import StepLog, step_record
@@ -79,6 +83,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.prefilled: dict[str, Sequence] = {}
         self.imports: dict[str, ImportReservation] = {}
+        self.groups = Groups()  # the live sequences of n > 1 requests (fork.py)
         self._arrivals = itertools.count()
         self.step_log: StepLog | None = None  # when set, every step that ran is recorded (step_log.py)
 
@@ -109,10 +114,12 @@ class Engine:
         produced elsewhere (recompute fallback): their K/V is recomputed here, sampling goes on
         at the next output index, so a seeded request yields the same tokens as uninterrupted."""
         self.validate(prompt_ids, params)
-        if request_id in self.seqs or request_id in self.prefilled or request_id in self.imports:
+        if self._in_use(request_id):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if len(prompt_ids) + len(resume_output_ids) >= self.max_model_len:
             raise InvalidRequest("prompt plus resumed output fills the context")
+        if resume_output_ids and params.n > 1:
+            raise InvalidRequest("an n > 1 request cannot resume from one sequence's output")
         seed = seed if seed is not None else params.seed if params.seed is not None else new_seed()
         seq = Sequence(request_id, tuple(prompt_ids), params, seed, mode=mode, arrival=next(self._arrivals))
         seq.output_ids.extend(resume_output_ids)
@@ -122,15 +129,24 @@ class Engine:
             self.stops.skip_first(seq, token)
         self.scheduler.add(seq)
 
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.seqs or request_id in self.prefilled or request_id in self.imports or request_id in self.groups
+
     def abort(self, request_id: str, keep_blocks: bool = False) -> bool:
-        """Stop a request wherever it is; its blocks go back to the pool. False if unknown.
-        `keep_blocks` (a handoff still reads them): a prefill-only request stops computing but its
-        blocks stay pinned as a source copy until `release_prefilled`."""
+        """Stop a request wherever it is (every sequence of an n > 1 request); its blocks go back
+        to the pool. False if unknown. `keep_blocks` (a handoff still reads them): a prefill-only
+        request stops computing but its blocks stay pinned as a source copy until
+        `release_prefilled`."""
         if request_id in self.imports:
             self.cancel_import(request_id)
             return True
         if keep_blocks and self._pin(request_id):
             return True
+        if request_id in self.groups:
+            return any([self._abort_one(seq.request_id) for seq in self.groups.pop(request_id)])
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None) or self.prefilled.pop(request_id, None)
         if seq is None:
             return False
@@ -179,10 +195,36 @@ class Engine:
         for seq in plan.decode:
             seq.num_computed += 1
         self._register_full_blocks([s for s in [*plan.decode, *(q for q, _ in plan.prefill)] if not s.finished])
+        num_sampled = len(batch.sampled)
+        self._score_prompts(batch.prompt_rows, logits[num_sampled:])
+        logits = logits[:num_sampled]  # [R, V]
         indices = [len(s.output_ids) for s in batch.sampled]
         tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
-        # a sequence aborted while the forward ran (other threads) gets no token
-        return [self._postprocess(seq, tok) for seq, tok in zip(batch.sampled, tokens) if not seq.finished]
+        outputs = []
+        for r, (seq, tok) in enumerate(zip(batch.sampled, tokens)):
+            if seq.finished:  # aborted while the forward ran (other threads): no token
+                continue
+            if wants_fork(seq):
+                outputs += self._fork(seq, logits[r], tok)
+            else:
+                outputs.append(self._postprocess(seq, tok, self._logprobs(seq, logits[r : r + 1], [tok])))
+        return outputs
+
+    @staticmethod
+    def _logprobs(seq: Sequence, logits, tokens: list[int]) -> tuple[TokenLogprobs, ...]:
+        """logits: [k, V] raw rows that sampled `tokens` -> their logprobs, if the request asked."""
+        k = seq.params.logprobs
+        return () if k is None else tuple(token_logprobs(logits, tokens, k))
+
+    @staticmethod
+    def _score_prompts(prompt_rows, logits) -> None:
+        """logits: [Q, V], the prompt-logprob rows in `prompt_rows` order (runner.py)."""
+        at = 0
+        for seq, first, rows in prompt_rows:
+            if not seq.finished:
+                targets = list(seq.prompt_ids[first + 1 : first + 1 + rows])
+                seq.prompt_logprobs += token_logprobs(logits[at : at + rows], targets, seq.params.prompt_logprobs)
+            at += rows
 
     def kv_blocks(self, request_id: str) -> list[int]:
         """Block table of a running or prefilled request (its prompt K/V lives there)."""
@@ -203,33 +245,94 @@ class Engine:
                 self.blocks.register(seq.block_table[j], h, block_tokens)
                 seq.block_hashes.append(h)
 
-    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
+    def _postprocess(self, seq: Sequence, token: int, logprobs: tuple[TokenLogprobs, ...] = (),
+                     forks: tuple[tuple[int, int], ...] | None = None) -> RequestOutput:
+        """Append a sampled token and report it. `forks`: a prefill-only n > 1 request's sequences
+        that go on; while any does, its K/V stays for export even if sequence 0 itself ended."""
         seq.output_ids.append(token)
         new_text, reason = self.stops.update(seq, token)
-        prefilled = False
-        if reason is not None:
+        prefilled, done = False, reason is not None
+        if forks is not None and reason is None:
+            forks = ((0, token), *forks)
+        if seq.mode is SeqMode.PREFILL_ONLY and (reason is None or forks):
+            if reason is None:
+                new_text += self.stops.flush(seq)  # the decode worker continues after this text
+            self.scheduler.running.remove(seq)
+            seq.transition(SeqStatus.PREFILLED)
+            self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)
+            prefilled, done = True, False
+        elif reason is not None:
             self.scheduler.remove(seq)
             seq.finish(reason)
             del self.seqs[seq.request_id]
             self.stops.forget(seq.request_id)
-        elif seq.mode is SeqMode.PREFILL_ONLY:
-            new_text += self.stops.flush(seq)  # the decode worker continues after this text
-            self.scheduler.running.remove(seq)
-            seq.transition(SeqStatus.PREFILLED)
-            self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)
-            prefilled = True
+            done = self.groups.finish(seq)
+        return self._output(seq, token, new_text, done, reason, prefilled, logprobs, forks or ())
+
+    def _output(self, seq: Sequence, token: int, new_text: str, done: bool, reason: str | None, prefilled: bool,
+                logprobs: tuple[TokenLogprobs, ...], forks: tuple[tuple[int, int], ...]) -> RequestOutput:
+        first_of_prompt = seq.index == 0 and len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.caller_id,
             new_token_ids=(token,),
             output_ids=tuple(seq.output_ids),
             new_text=new_text,
             text=seq.text,
-            finished=reason is not None,
+            finished=done,
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_ids),
             num_cached_tokens=seq.num_cached_tokens,
             prefilled=prefilled,
+            index=seq.index,
+            logprobs=logprobs,
+            prompt_logprobs=tuple(seq.prompt_logprobs) if first_of_prompt else None,
+            forks=forks,
         )
+
+    # ---- n > 1 (fork.py) ------------------------------------------------------------------
+    def _fork(self, seq: Sequence, row, token0: int) -> list[RequestOutput]:
+        """row: [V] raw logits of the prompt's last position -> the first token of each of the n
+        sequences; sequence 0 (`seq`, which sampled `token0`) reports first, then the others."""
+        n, params = seq.params.n, seq.params
+        tokens = [token0] + [sample_one(row, params, sequence_seed(seq.seed, i), 0) for i in range(1, n)]
+        scored = self._logprobs(seq, row.expand(n, -1), tokens)  # [n, V] rows: one per sequence
+        lps = [(lp,) for lp in scored] if scored else [()] * n
+        if seq.mode is SeqMode.PREFILL_ONLY:
+            return self._fork_at_prefill(seq, tokens, lps)
+        children = [self._new_child(seq, i) for i in range(1, n)]
+        for member in (seq, *children):
+            self.groups.add(member)
+        return [self._postprocess(member, tokens[member.index], lps[member.index]) for member in (seq, *children)]
+
+    def _new_child(self, parent: Sequence, index: int) -> Sequence:
+        child = Sequence(sequence_key(parent.request_id, index), parent.prompt_ids, parent.params,
+                         sequence_seed(parent.seed, index), parent.mode, parent.arrival, index=index,
+                         group=parent.request_id)
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.seqs[child.request_id] = child
+        self.stops.start(child)
+        if share_prompt(self.blocks, self.pool, parent, child, parent.num_computed):
+            self.scheduler.running.append(child)
+        else:
+            self.scheduler.add(child)  # no block for its copy: it is recomputed like a preempted one
+        return child
+
+    def _fork_at_prefill(self, seq: Sequence, tokens: list[int], lps: list) -> list[RequestOutput]:
+        """Report each first token; only sequence 0 keeps the K/V, which goes to the decode worker
+        with the (index, token) of every sequence that did not end here."""
+        outputs, forks = [], []
+        for i in range(1, len(tokens)):
+            child = Sequence(sequence_key(seq.request_id, i), seq.prompt_ids, seq.params, 0, seq.mode, index=i,
+                             group=seq.request_id, output_ids=[tokens[i]])
+            self.stops.start(child)
+            text, reason = self.stops.update(child, tokens[i])
+            text += self.stops.flush(child) if reason is None else ""
+            self.stops.forget(child.request_id)
+            outputs.append(self._output(child, tokens[i], text, False, reason, False, lps[i], ()))
+            if reason is None:
+                forks.append((i, tokens[i]))
+        outputs.append(self._postprocess(seq, tokens[0], lps[0], tuple(forks)))
+        return outputs
 
     # ---- prefill side of a handoff --------------------------------------------------------
     def export(self, request_id: str) -> KvExport:
@@ -264,22 +367,27 @@ class Engine:
         self.stops.forget(request_id)
 
     # ---- decode side of a handoff ---------------------------------------------------------
-    def _import_needs(self, num_prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
+    def _import_needs(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> tuple[int, int]:
+        """(prompt blocks, growth blocks) for n sequences decoding over one imported prompt."""
+        prompt_blocks, growth = self._growth(num_prompt_tokens, max_tokens)
+        return prompt_blocks, import_growth_blocks(n, growth, num_prompt_tokens, self.abi.block_size)
+
+    def _growth(self, num_prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
         bs = self.abi.block_size
         prompt_blocks = -(-num_prompt_tokens // bs)
         final = min(num_prompt_tokens + max_tokens, self.max_model_len)
         return prompt_blocks, max(0, -(-final // bs) - prompt_blocks)
 
-    def can_reserve_import(self, num_prompt_tokens: int, max_tokens: int) -> bool:
-        prompt_blocks, growth = self._import_needs(num_prompt_tokens, max_tokens)
+    def can_reserve_import(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> bool:
+        prompt_blocks, growth = self._import_needs(num_prompt_tokens, max_tokens, n)
         return self.blocks.can_reserve(prompt_blocks + growth)
 
     def reserve_import(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> ImportReservation:
         """Hold destination blocks for an incoming prompt K/V plus its decode growth."""
         self.validate(prompt_ids, params)
-        if request_id in self.seqs or request_id in self.imports:
+        if self._in_use(request_id):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        prompt_blocks, growth = self._import_needs(len(prompt_ids), params.max_tokens)
+        prompt_blocks, growth = self._import_needs(len(prompt_ids), params.max_tokens, params.n)
         if not self.blocks.can_reserve(prompt_blocks + growth):
             raise InvalidRequest(f"no K/V capacity for {prompt_blocks + growth} blocks")  # caller checks first
         hashes = self.blocks.hashes_for(prompt_ids)
@@ -296,19 +404,46 @@ class Engine:
         self.blocks.release(list(res.block_ids))
         self.blocks.release_reservation(request_id)
 
-    def commit_import(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams, seed: int) -> None:
-        """Admit a published handoff: decode continues from the imported blocks."""
+    def commit_import(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams, seed: int,
+                      forks: tuple[tuple[int, int], ...] = ()) -> None:
+        """Admit a published handoff: decode continues from the imported blocks. `forks` (n > 1):
+        the (index, first token) of each sequence to continue, all over the one imported prompt."""
         res = self.imports.pop(request_id)
-        seq = Sequence(request_id, tuple(prompt_ids), params, seed, SeqMode.IMPORTED, next(self._arrivals))
-        seq.block_table = list(res.block_ids)
+        entries = forks or ((0, first_token),)
+        arrival = next(self._arrivals)
+        head = self._imported(request_id, prompt_ids, params, seed, arrival, entries[0])
+        head.block_table = list(res.block_ids)
+        head.transition(SeqStatus.RUNNING)
+        self._register_full_blocks([head])
+        members = [head]
+        if params.n > 1:
+            # the import's growth capacity is split: each continuing sequence reserves its own
+            self.blocks.release_reservation(request_id)
+            for entry in entries[1:]:
+                child = self._imported(request_id, prompt_ids, params, seed, arrival, entry)
+                if not share_prompt(self.blocks, self.pool, head, child, len(prompt_ids)):
+                    raise InvalidRequest("no block for a forked sequence's copy")  # the reservation covered it
+                members.append(child)
+            growth = self._growth(len(prompt_ids), params.max_tokens)[1]
+            for member in members:
+                self.groups.add(member)
+                self.blocks.reserve(member.request_id, min(growth, self.blocks.num_free - self.blocks.num_reserved))
+        for member in members:
+            self.seqs[member.request_id] = member
+            self.stops.start(member)
+            self.stops.skip_first(member, member.output_ids[0])
+            self.scheduler.add(member)
+
+    @staticmethod
+    def _imported(request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int, arrival: int,
+                  entry: tuple[int, int]) -> Sequence:
+        """Sequence `index` of an imported request, its first token sampled by the prefill worker."""
+        index, token = entry
+        seq = Sequence(sequence_key(request_id, index), tuple(prompt_ids), params, sequence_seed(seed, index),
+                       SeqMode.IMPORTED, arrival, index=index, group=request_id if params.n > 1 else "")
         seq.num_computed = len(prompt_ids)
-        seq.output_ids.append(first_token)
-        seq.transition(SeqStatus.RUNNING)
-        self.seqs[request_id] = seq
-        self.stops.start(seq)
-        self.stops.skip_first(seq, first_token)
-        self._register_full_blocks([seq])
-        self.scheduler.add(seq)
+        seq.output_ids.append(token)
+        return seq
 
     # ---- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.logprobs import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class RequestOutput:
+    """One sequence's progress in one step. For an n > 1 request each of its sequences reports
+    on its own (`index`); `finish_reason` is that sequence's end, `finished` the request's (its
+    last sequence ended). With n = 1 the two go together."""
+
     request_id: str
     new_token_ids: tuple[int, ...]  # produced by this step
     output_ids: tuple[int, ...]  # all output so far
     new_text: str
     text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finished: bool  # the request is done: no sequence of it runs any more
+    finish_reason: str | None  # this sequence's end: "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_cached_tokens: int
     prefilled: bool = False  # prefill-only request holding its K/V for export
+    index: int = 0  # which of the request's n sequences
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt positions 1.., on sequence 0's first output
+    forks: tuple[tuple[int, int], ...] = ()  # prefilled n > 1 request: (index, first token) of sequences that go on
 
 
 @dataclass(frozen=True)

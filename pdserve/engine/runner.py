@@ -2,8 +2,10 @@
 
 Contract: rows are laid out decode-first (one per decoding sequence), then each prefill chunk.
 A sequence is sampled when this step computes its last known token (every decode row; a prefill
-chunk only when it completes the prompt, or the recompute of prompt + outputs). The runner
-never changes sequence state: the engine applies results after the model returns.
+chunk only when it completes the prompt, or the recompute of prompt + outputs). After the R
+sampled rows come the rows whose logits give prompt logprobs (`prompt_rows`: requests that asked
+for them, prompt positions not yet scored). The runner never changes sequence state: the engine
+applies results after the model returns.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class StepBatch:
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttnMetadata
-    logits_rows: torch.Tensor  # [R] int64
+    logits_rows: torch.Tensor  # [R + Q] int64: R sampled rows, then Q prompt-logprob rows
     sampled: list[Sequence]  # R sequences, in logits_rows order
+    prompt_rows: tuple[tuple[Sequence, int, int], ...] = ()  # (sequence, first prompt position, rows), in order
 
 
 def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.float32) -> StepBatch:
@@ -54,6 +57,7 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
         if start + rows == seq.num_tokens:
             logits_rows.append(len(tokens) - 1)
             sampled.append(seq)
+    prompt_rows = _prompt_logprob_rows(plan, logits_rows, len(plan.decode))
     meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), decode=decode, prefills=tuple(prefills))
     return StepBatch(
         token_ids=torch.tensor(tokens, dtype=torch.int64),
@@ -61,7 +65,24 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
         meta=meta,
         logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
         sampled=sampled,
+        prompt_rows=prompt_rows,
     )
+
+
+def _prompt_logprob_rows(plan: StepPlan, logits_rows: list[int], q_start: int) -> tuple[tuple[Sequence, int, int], ...]:
+    """Append the flat rows of prompt positions still to be scored; `q_start` is the first
+    prefill row. Position p's logits score prompt token p + 1, so positions run up to P - 2."""
+    out = []
+    for seq, rows in plan.prefill:
+        start = seq.num_computed
+        if seq.params.prompt_logprobs is not None:
+            first = max(start, len(seq.prompt_logprobs))
+            end = min(start + rows, len(seq.prompt_ids) - 1)
+            if end > first:
+                logits_rows.extend(range(q_start + first - start, q_start + end - start))
+                out.append((seq, first, end - first))
+        q_start += rows
+    return tuple(out)
 
 
 def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> PrefillSlice:

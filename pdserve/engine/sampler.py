@@ -3,7 +3,8 @@
 Contract: the token sampled for output position i of a request depends only on its logits, its
 sampling parameters, its seed and i. Randomness comes from a generator seeded with (seed, i), so
 the same seed gives the same tokens whatever the batch mates, across preemption and recompute,
-and across a prefill -> decode handoff (the decode worker needs only the seed and i).
+and across a prefill -> decode handoff (the decode worker needs only the seed and i). The n
+sequences of one request draw from per-sequence seeds (`sequence_seed`).
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p.
 """
 
@@ -22,6 +23,14 @@ def position_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
     return (z ^ (z >> 31)) & _MASK64
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of output sequence `index` of an n > 1 request with seed `seed`. Sequence 0 keeps
+    the request's seed, so choice 0 of n equals the n = 1 answer; the others are mixed apart.
+    Every worker derives the same value, so a forked sequence samples the same tokens wherever
+    it runs (prefill worker, decode worker, colocated)."""
+    return seed if index == 0 else position_seed(seed ^ 0x5DEECE66D, -(index + 1)) & _MASK64
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

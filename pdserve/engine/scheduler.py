@@ -9,6 +9,8 @@ Contract, per `schedule()` call:
    a prompt is split at the same positions in every step mix and on every worker role: its K/V
    bits do not depend on its batch mates. Admission looks up the prefix cache; a chunk is trimmed
    only when blocks run short, and admission stops (FCFS) at the first sequence that cannot start.
+   A request that asks for prompt logprobs takes no prefix hit until its prompt is scored: the
+   logits of cached positions were never kept.
 3. Nothing here touches tensors; the runner turns the plan into a batch.
 """
 
@@ -160,6 +162,8 @@ class Scheduler:
         tokens = seq.tokens
         hashes = self.blocks.hashes_for(tokens)
         limit = (len(tokens) - 1) // self.blocks.block_size  # always compute >= 1 row for logits
+        if needs_prompt_logits(seq):
+            limit = 0  # a cached block has no logits: positions still to be scored are computed
         hit_blocks = self.blocks.acquire_prefix(hashes, tokens, limit)
         seq.block_table = hit_blocks
         seq.block_hashes = hashes[: len(hit_blocks)]
@@ -171,3 +175,8 @@ class Scheduler:
             self.release_blocks(seq)
             seq.num_computed = 0
         return rows
+
+
+def needs_prompt_logits(seq: Sequence) -> bool:
+    """The request wants prompt logprobs and some prompt position is not scored yet."""
+    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1

@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probabilities per output token (0: the sampled token's only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed in prefill)
+    n: int = 1  # independent output sequences over one prompt (engine/fork.py)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -44,6 +47,12 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InvalidRequest(f"{name} must be a non-negative integer or None, got {value!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise InvalidRequest(f"n must be a positive integer, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +99,15 @@ class Sequence:
     text: str = ""
     num_released_chars: int = 0  # leading chars of `text` already reported to the caller
     text_cut: bool = False  # a stop string ended the text
+    index: int = 0  # which of the request's n output sequences this is (engine/fork.py)
+    group: str = ""  # the caller's request id; "" means `request_id` (every sequence of an n = 1 request)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token from position 1, as computed
+
+    @property
+    def caller_id(self) -> str:
+        """The id the caller knows this sequence's request by (a forked sequence has its own
+        engine key, `<request id>#n<index>`)."""
+        return self.group or self.request_id
 
     @property
     def tokens(self) -> list[int]:

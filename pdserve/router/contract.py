@@ -33,6 +33,10 @@ class GenerationRequest:
 class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
+    index: int = 0  # which of an n > 1 request's sequences
+    finish_reason: str | None = None  # set when this sequence ended with these tokens (the request may go on)
+    logprobs: tuple = ()  # engine.logprobs.TokenLogprobs per token, when asked for
+    prompt_logprobs: tuple | None = None  # prompt positions 1.., once, when asked for
 
 
 @dataclass(frozen=True)

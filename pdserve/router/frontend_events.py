@@ -50,9 +50,13 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
         live.first_token_s = now
         backend.metrics.ttft.observe(now - live.arrival_s)
     live.last_token_s = now
-    live.output_ids.extend(item.token_ids)
+    if item.index == 0:  # n > 1: sequence 0's tokens are the ones a recompute resumes from
+        live.output_ids.extend(item.token_ids)
+    if item.forks:
+        live.forks = tuple(item.forks)
     if item.token_ids or item.text:
-        live.queue.put_nowait(TokenEvent(tuple(item.token_ids), item.text))
+        live.queue.put_nowait(TokenEvent(tuple(item.token_ids), item.text, item.index, item.finish_reason,
+                                         tuple(item.logprobs), item.prompt_logprobs))
     if item.finished:
         if live.disaggregated and worker_id == live.prefill_id:
             await backend._send(live.decode_id, m.Abort(live.engine_id, "finished_at_prefill"))

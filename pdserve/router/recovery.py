@@ -63,7 +63,7 @@ async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -
             live.owners.discard(lost)
         if not live.started_decode and live.first_token_s is not None:
             live.started_decode = True
-            await backend._send(live.decode_id, m.StartDecode(live.engine_id, live.output_ids[0], live.seed))
+            await backend._send(live.decode_id, m.StartDecode(live.engine_id, live.output_ids[0], live.seed, live.forks))
         if action is DecodeStartAction.WAIT:
             _arm_wait(backend, live, decision.wait_s)
         return decision

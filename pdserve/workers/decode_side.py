@@ -5,7 +5,8 @@ Life cycle of one request here:
         endpoint's reservation -> Reserved(ok, blocks, reservation id) to the router
     handoff link (listener thread) -> chunks land, validate, one atomic publish
     StartDecode(first token, seed) and PUBLISHED, in either order -> endpoint.admit (only a
-        PUBLISHED handle is admitted) -> engine.commit_import: decoding starts
+        PUBLISHED handle is admitted) -> engine.commit_import: decoding starts (n > 1: the
+        sequences StartDecode names fork over the one imported prompt, engine/fork.py)
     finish or abort -> endpoint.retire; an unpublished transfer aborts through the endpoint,
         which returns every reserved block (the adapter cancels the engine reservation).
 """
@@ -45,7 +46,7 @@ class DecodeSide:
     def on_reserve(self, msg: m.ReserveKv) -> None:
         eng, rid = self.engine, msg.request_id
         with self.worker.lock:
-            if not eng.can_reserve_import(len(msg.prompt_ids), msg.params.max_tokens):
+            if not eng.can_reserve_import(len(msg.prompt_ids), msg.params.max_tokens, msg.params.n):
                 self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, False, "no_kv_capacity"))
                 return
             res = eng.reserve_import(rid, list(msg.prompt_ids), msg.params)
@@ -96,7 +97,8 @@ class DecodeSide:
         self.published.discard(rid)
         with self.worker.lock:
             handle = self.endpoint.admit(rid)  # only a PUBLISHED handle is admitted
-            self.engine.commit_import(rid, list(order.prompt_ids), start.first_token, order.params, start.seed)
+            self.engine.commit_import(rid, list(order.prompt_ids), start.first_token, order.params, start.seed,
+                                      start.forks)
             self.blocks.committed(handle.reservation_id)
         self.decoding.add(rid)
 

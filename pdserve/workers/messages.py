@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sequence import SamplingParams
 
 FIRST_ATTEMPT = 1  # transfer attempts count from 1 within a generation (the ledger's manifest check)
@@ -78,6 +79,7 @@ class StartDecode(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     first_token: int
     seed: int
+    forks: tuple[tuple[int, int], ...] = ()  # n > 1: (index, first token) of each sequence to decode
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -153,6 +155,10 @@ class TokenItem(msgspec.Struct, frozen=True):
     prompt_tokens: int
     cached_tokens: int
     prefilled: bool = False
+    index: int = 0  # which of an n > 1 request's sequences; `finished` is the request's, `finish_reason` this sequence's
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per token, only when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt positions 1.., once, from the prefill
+    forks: tuple[tuple[int, int], ...] = ()  # prefilled n > 1 request: the sequences the decode worker forks
 
 
 class Tokens(msgspec.Struct, frozen=True, tag=True):

@@ -308,7 +308,7 @@ class Worker:
             return
         items = tuple(
             m.TokenItem(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
-                        o.num_cached_tokens, o.prefilled)
+                        o.num_cached_tokens, o.prefilled, o.index, o.logprobs, o.prompt_logprobs, o.forks)
             for o in outputs
         )
         self.send(m.Tokens(self.id, self.epoch, items))

@@ -41,17 +41,21 @@ BAD_COMPLETIONS = [
     pytest.param(b"{not json", "not valid JSON", None, id="malformed-json"),
     pytest.param(b"[1, 2]", "must be a JSON object", None, id="body-not-object"),
     pytest.param({**GOOD, "max_tokens": "5"}, "valid integer", "max_tokens", id="max-tokens-string"),
-    pytest.param({**GOOD, "max_tokens": -3}, "greater than or equal to 1", "max_tokens", id="negative-max-tokens"),
-    pytest.param({**GOOD, "max_tokens": 0}, "greater than or equal to 1", "max_tokens", id="zero-max-tokens"),
+    pytest.param({**GOOD, "max_tokens": -3}, "greater than or equal to 0", "max_tokens", id="negative-max-tokens"),
+    pytest.param({**GOOD, "max_tokens": 0}, "0 is allowed only with echo", "max_tokens", id="zero-max-tokens"),
     pytest.param({**GOOD, "temperature": "hot"}, "valid number", "temperature", id="temperature-string"),
     pytest.param({**GOOD, "temperature": -0.5}, "greater than or equal to 0", "temperature", id="negative-temperature"),
     pytest.param({**GOOD, "stream": "yes"}, "valid boolean", "stream", id="stream-string"),
     pytest.param({**GOOD, "top_p": 0}, "greater than 0", "top_p", id="top-p-zero"),
     pytest.param({**GOOD, "top_p": 1.5}, "less than or equal to 1", "top_p", id="top-p-above-one"),
-    pytest.param({**GOOD, "n": 2}, "n > 1 is not supported", "n", id="n-2"),
+    pytest.param({**GOOD, "n": 0}, "greater than or equal to 1", "n", id="n-0"),
+    pytest.param({**GOOD, "n": 129}, "less than or equal to 128", "n", id="n-too-many"),
     pytest.param({**GOOD, "best_of": 3}, "best_of", "best_of", id="best-of"),
-    pytest.param({**GOOD, "logprobs": 2}, "logprobs is not supported", "logprobs", id="logprobs"),
-    pytest.param({**GOOD, "echo": True}, "echo is not supported", "echo", id="echo"),
+    pytest.param({**GOOD, "logprobs": 21}, "at most 20", "logprobs", id="logprobs-above-max"),
+    pytest.param({**GOOD, "logprobs": -1}, "greater than or equal to 0", "logprobs", id="logprobs-negative"),
+    pytest.param({**GOOD, "prompt_logprobs": 1, "stream": True}, "not available when `stream=True`",
+                 "prompt_logprobs", id="prompt-logprobs-stream"),
+    pytest.param({**GOOD, "prompt_logprobs": 1}, "use completions with echo", "prompt_logprobs", id="prompt-logprobs"),
     pytest.param({**GOOD, "presence_penalty": 0.5}, "presence_penalty", "presence_penalty", id="presence-penalty"),
     pytest.param({**GOOD, "frequency_penalty": 1}, "frequency_penalty", "frequency_penalty", id="frequency-penalty"),
     pytest.param({**GOOD, "logit_bias": {"5": 1}}, "logit_bias", "logit_bias", id="logit-bias"),
@@ -87,8 +91,14 @@ BAD_CHATS = [
                  id="too-long"),
     pytest.param({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools",
                  id="tools"),
-    pytest.param({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "logprobs",
-                 id="logprobs"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+                 "at most 20", "top_logprobs", id="top-logprobs-above-max"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                 "`logprobs` must be set to true", "top_logprobs", id="top-logprobs-without-logprobs"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "echo": True, "stream": True, "prompt_logprobs": 1},
+                 "not available when `stream=True`", "prompt_logprobs", id="echo-stream-prompt-logprobs"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+                 "greater than or equal to 1", "max_completion_tokens", id="zero-max-completion-tokens"),
     pytest.param({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "greater than",
                  "max_completion_tokens", id="negative-max-completion-tokens"),
 ]
@@ -112,8 +122,8 @@ def test_unknown_route_and_method(server):
 
 
 def test_openai_client_raises_typed_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="at most 20"):
+        client.completions.create(model=MODEL, prompt="x", logprobs=21)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="top_p"):

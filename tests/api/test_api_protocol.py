@@ -58,8 +58,9 @@ def test_chat_template_and_max_completion_tokens():
 
 @pytest.mark.parametrize("fields, status, fragment", [
     ({"model": "other"}, 404, "does not exist"),
-    ({"n": 3}, 400, "n > 1 is not supported"),
-    ({"n": 0}, 400, "n must be 1"),
+    ({"best_of": 2}, 400, "best_of > 1 is not supported"),
+    ({"max_tokens": 0}, 400, "only with echo"),
+    ({"logprobs": 21}, 400, "at most 20"),
     ({"suffix": "x"}, 400, "suffix"),
     ({"prompt": "x" * 64}, 400, "maximum context length is 64"),
     ({"prompt": [True]}, 400, "list of token ids"),

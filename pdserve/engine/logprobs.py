@@ -1,0 +1,50 @@
+"""Log-probabilities of sampled and prompt tokens, from the raw logits.
+
+Contract: a token's log-probability is `log_softmax` of the model's raw next-token logits (fp32,
+before temperature, top-k or top-p: vLLM's default "raw_logprobs"), taken at the position that
+predicts it. `TokenLogprobs` carries the chosen token's value and, when asked for k > 0, the k
+most likely tokens of that position, most likely first (ties: lower id first). It is small on
+purpose: it crosses the worker -> router wire once per token, and only for requests that asked.
+Prompt logprobs cover prompt positions 1..P-1 (position 0 has no predecessor; the API reports it
+as null); the logits of position p predict the token at p + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # the k most likely tokens at this position, most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V] -> log-probabilities [R, V] fp32 (the one formula)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """logits: [R, V] raw; token_ids: R chosen ids -> one TokenLogprobs per row, top-k when k > 0."""
+    if not token_ids:
+        return []
+    lp = log_probs(logits)  # [R, V]
+    chosen = lp[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.int64)].tolist()
+    if k <= 0:
+        return [TokenLogprobs(t, v) for t, v in zip(token_ids, chosen)]
+    top_ids, top_vals = _top_k(lp, min(k, lp.shape[-1]))
+    return [TokenLogprobs(t, v, tuple(ids), tuple(vals)) for t, v, ids, vals in zip(token_ids, chosen, top_ids, top_vals)]
+
+
+def _top_k(lp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """lp: [R, V] -> per row the k largest (ids, values), larger first, equal values by lower id."""
+    values, ids = torch.topk(lp, k, dim=-1)  # [R, k]
+    ids, order = torch.sort(ids, dim=-1)  # ids ascending, then a stable sort by value descending
+    values = torch.gather(values, -1, order)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return torch.gather(ids, -1, order).tolist(), values.tolist()
