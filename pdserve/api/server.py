@@ -66,6 +66,7 @@ class ServeConfig:
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
     pd_profile: str | None = None  # a `pdserve profile` JSON: the router's cost model (else CostModel's placeholders)
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
@@ -204,7 +205,7 @@ async def serve(config: ServeConfig) -> None:
     from pdserve.api.app import create_app
 
     async with cluster(config) as (backend, _):
-        app = create_app(backend)
+        app = create_app(backend, max_logprobs=config.max_logprobs)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         await server.serve()

@@ -53,6 +53,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None, metavar="T",
                    help="mount /admin/* (live disable of disaggregation, rollback, release state) behind "
                         "'Authorization: Bearer T'; off without it")
+    p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                   help="the most top logprobs a request may ask for (completions logprobs, chat top_logprobs); more is a 400")
     p.add_argument("--no-restart", action="store_true",
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
 
@@ -76,6 +78,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
+        max_logprobs=getattr(args, "max_logprobs", 20),
     )
 
 
