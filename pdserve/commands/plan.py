@@ -19,9 +19,13 @@ from pdserve.commands.simulate import add_slo_args, add_workload_args
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="placement search: colocate or disaggregate, parallelism, replicas")
-    p.add_argument("--model", required=True, help="tiny | small | llama-13b-class | llama-70b-class | DIR | config.json")
-    p.add_argument("--hardware", default="a100-80g", help="a100-80g | h100 | h200 | PROFILE.json")
-    p.add_argument("--latency-model", metavar="FILE.json", help="use this latency model (e.g. a profile fit) for tp1pp1 only")
+    p.add_argument("--model", required=True,
+                   help="tiny | small | llama-13b-class | llama-70b-class | DIR | config.json | HF id aiconfigurator ships")
+    p.add_argument("--hardware", default=None,
+                   help="a100-80g | h100 | h200 | PROFILE.json (default: the aic system's, else a100-80g)")
+    p.add_argument("--latency-model", metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]",
+                   help="FILE.json: this latency model (e.g. a profile fit) for tp1pp1 only; aic:h200_sxm (etc.): "
+                        "aiconfigurator's measured step times for every TP x PP shape (pip install 'pdserve[aic]')")
     p.add_argument("--gpus", type=int, required=True, help="GPU budget")
     p.add_argument("--gpus-per-node", type=int, help="override the hardware profile's GPUs per node")
     p.add_argument("--link-gbps", type=float, help="inter-node K/V link per GPU, Gbit/s (default: the profile's NIC)")
@@ -75,22 +79,38 @@ def plan_inputs(args: argparse.Namespace):
     from pdserve.bench.metrics import Slo
     from pdserve.latency.geometry import load_model_spec
     from pdserve.latency.hardware import load_hardware
-    from pdserve.latency.load import load_latency_model
+    from pdserve.latency.spec import resolve_latency
     from pdserve.search.planner import PlanInputs
 
     if args.trace is None and (args.input_len is None and args.input_dist is None):
         raise SystemExit("pdserve plan: give --input-len/--input-dist and --output-len, or --trace")
-    hardware = load_hardware(args.hardware)
+    hardware = load_hardware(args.hardware or _hardware_of(args.latency_model))
     if args.gpus_per_node:
         hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    model = load_model_spec(args.model)
+    fixed, family = resolve_latency(args.latency_model, model) if args.latency_model else (None, None)
     return PlanInputs(
-        model=load_model_spec(args.model), hardware=hardware, gpus=args.gpus, workload=workload_config(args),
+        model=model, hardware=hardware, gpus=args.gpus, workload=workload_config(args),
         slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment), target_rps=args.target_rate,
         link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
         chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
-        fixed_model=load_latency_model(args.latency_model) if args.latency_model else None,
+        fixed_model=fixed, family=family,
+        latency_label=args.latency_model if family else ("file" if fixed else "roofline"),
     )
+
+
+def _hardware_of(latency_model: str | None) -> str:
+    """The built-in hardware profile (node size, NIC) matching an aic system; a100-80g otherwise."""
+    from pdserve.latency.aic import HARDWARE_OF, AicSpec
+
+    if not latency_model or not latency_model.startswith("aic:"):
+        return "a100-80g"
+    system = AicSpec.parse(latency_model).system
+    if system not in HARDWARE_OF:
+        raise ValueError(f"no built-in hardware profile for aic system {system!r}: give --hardware "
+                         f"({', '.join(sorted(HARDWARE_OF))} have one)")
+    return HARDWARE_OF[system]
 
 
 def run_plan(args: argparse.Namespace) -> int:

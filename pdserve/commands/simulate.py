@@ -53,7 +53,12 @@ def link_bytes_per_s(gbps: float | None) -> float:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser("simulate", help="simulate a deployment under a latency model (discrete events)")
-    sim.add_argument("--latency-model", required=True, metavar="FILE.json", help="constant, roofline or profiled model")
+    sim.add_argument("--latency-model", required=True, metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]",
+                     help="constant, roofline or profiled model JSON; or aiconfigurator's measured step times "
+                          "(e.g. aic:h200_sxm; needs --model, and --tp/--pp for the instance shape)")
+    sim.add_argument("--model", help="with aic:...: a config.json, DIR or Hugging Face id aiconfigurator ships")
+    sim.add_argument("--tp", type=int, default=1, help="with aic:...: tensor-parallel degree of every instance")
+    sim.add_argument("--pp", type=int, default=1, help="with aic:...: pipeline-parallel degree of every instance")
     sim.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     sim.add_argument("--replicas", type=int, default=1, help="colocated instances")
     sim.add_argument("--prefill", type=int, default=1, help="prefill instances (disaggregated)")
@@ -98,14 +103,13 @@ def sim_config(args: argparse.Namespace):
 def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.cli_args import workload_config
     from pdserve.bench.metrics import Slo, summarize
-    from pdserve.latency.load import load_latency_model
     from pdserve.sim.requests import build_requests
     from pdserve.sim.simulator import simulate
 
     if args.trace is None and args.input_len is None and args.input_dist is None:
         raise SystemExit("pdserve simulate: give --input-len, --input-dist or --trace")
     try:
-        model = load_latency_model(args.latency_model)
+        model = _latency_model(args)
         requests = build_requests(workload_config(args), prefix_cache=args.prefix_cache)
         if args.sweep:
             _emit(_sweep(args, requests, model), args.json)
@@ -121,6 +125,17 @@ def run_simulate(args: argparse.Namespace) -> int:
                   offered_rate=args.rate, sim_wall_s=wall_s)
     _emit(report, args.json)
     return 0
+
+
+def _latency_model(args: argparse.Namespace):
+    """The --latency-model file, or the aic:... model of one --tp x --pp instance of --model."""
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.latency.spec import resolve_latency
+
+    if args.tp < 1 or args.pp < 1:
+        raise ValueError("--tp and --pp must be at least 1")
+    fixed, family = resolve_latency(args.latency_model, load_model_spec(args.model) if args.model else None)
+    return fixed if family is None else family(args.tp, args.pp)
 
 
 def _sweep(args: argparse.Namespace, requests, model) -> dict:

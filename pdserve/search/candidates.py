@@ -26,6 +26,7 @@ from pdserve.latency.hardware import HardwareProfile
 from pdserve.sim.requests import SimRequests
 from pdserve.latency.base import LatencyModel
 from pdserve.latency.roofline import RooflineLatency
+from pdserve.latency.spec import LatencyFamily
 
 POWERS = (1, 2, 4, 8, 16)
 
@@ -61,8 +62,10 @@ class WorkloadShape:
                    max(p + o for p, o in zip(requests.prompt_tokens, requests.output_tokens)))
 
 
-def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape: WorkloadShape) -> list[Parallel]:
-    """Every TP x PP shape within `max_gpus` that divides the model and fits in memory."""
+def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape: WorkloadShape,
+                    family: LatencyFamily | None = None) -> list[Parallel]:
+    """Every TP x PP shape within `max_gpus` that divides the model and fits in memory (K/V
+    capacity from `family`'s model of the shape; the roofline's when None)."""
     g = model.geometry
     out = []
     for tp in POWERS:
@@ -72,13 +75,14 @@ def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape:
                 continue
             if g.layers % pp or not fits_on_gpus(model.total_weight_bytes, par.gpus, int(hw.usable_memory_bytes)):
                 continue
-            if latency_for(model, hw, par).kv_capacity_tokens >= shape.max_tokens:
+            if latency_for(model, hw, par, family).kv_capacity_tokens >= shape.max_tokens:
                 out.append(par)
     return out
 
 
-def latency_for(model: ModelSpec, hw: HardwareProfile, par: Parallel) -> RooflineLatency:
-    return RooflineLatency(model, hw, par.tp, par.pp)
+def latency_for(model: ModelSpec, hw: HardwareProfile, par: Parallel, family: LatencyFamily | None = None) -> LatencyModel:
+    """The latency model of one `par` instance: `family`'s (e.g. aiconfigurator's), else the roofline."""
+    return family(par.tp, par.pp) if family is not None else RooflineLatency(model, hw, par.tp, par.pp)
 
 
 def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo) -> tuple[float, float]:

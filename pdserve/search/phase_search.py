@@ -29,6 +29,7 @@ from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import decode_records, goodput_rps, ladder_around, prefill_records
 from pdserve.latency.hardware import HardwareProfile
 from pdserve.latency.base import LatencyModel
+from pdserve.latency.spec import LatencyFamily
 from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.requests import SimRequests
 from pdserve.sim.simulator import SimConfig, simulate
@@ -70,12 +71,13 @@ class SearchSpace:
     max_seqs: int = 256
     prefill_policy: PrefillPolicy = PrefillPolicy()
     fixed_model: LatencyModel | None = None  # a measured profile replaces the roofline (tp=pp=1)
+    family: LatencyFamily | None = None  # a model per shape (aiconfigurator) replaces the roofline
 
     def latency(self, par: Parallel) -> LatencyModel:
         """The latency model of one instance of shape `par`."""
         if self.fixed_model is not None:
             return self.fixed_model
-        return latency_for(self.model, self.hardware, par)
+        return latency_for(self.model, self.hardware, par, self.family)
 
     @property
     def shape(self) -> WorkloadShape:

@@ -53,7 +53,9 @@ def plan_summary(result: PlanResult) -> dict:
         "decided_by": verdict.decided_by if verdict else None,
         "decision_reason": verdict.explain(inputs.margin) if verdict else None,
         "goodput_per_gpu_gain": verdict.goodput_gain if verdict else None,
+        "net_margin_agrees": verdict.agrees if verdict else None,
         "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
+        "latency_model": inputs.latency_label,
         "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
         "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),
         "disaggregated": disagg_summary(result.disaggregated, result.end_to_end.get("disaggregated")),
@@ -67,7 +69,8 @@ def plan_summary(result: PlanResult) -> dict:
 
 def plan_table(summary: dict) -> str:
     """A readable multi-line rendering of `plan_summary`."""
-    lines = [f"decision: {summary['decision'].upper()}  ({summary['model']} on {summary['gpus']} x {summary['hardware']})"]
+    lines = [f"decision: {summary['decision'].upper()}  ({summary['model']} on {summary['gpus']} x {summary['hardware']}, "
+             f"{summary.get('latency_model', 'roofline')} step times)"]
     if summary.get("decided_by"):
         lines.append(f"decided by {summary['decided_by']}: {summary['decision_reason']}")
     colo, dis = summary["colocated"], summary["disaggregated"]
@@ -84,7 +87,7 @@ def plan_table(summary: dict) -> str:
                      + ("ok" if dis["link_ok"] else "INFEASIBLE"))
     if summary["net_margin"]:
         lines.append(f"net margin dT = {summary['net_margin']['delta_t_s'] * 1e3:+.1f} ms/request at matched load "
-                     "(> 0: a request finishes sooner disaggregated)")
+                     "(> 0: a request finishes sooner disaggregated; reported, the decision is goodput per GPU)")
     lines.append(f"{summary['num_candidates']} candidates, {summary['num_simulated']} simulated, {summary['search_s']:.1f} s")
     if summary.get("validation") is not None:
         lines.extend(validation_lines(summary["validation"]))

@@ -3,10 +3,10 @@
 Contract: `plan(inputs)` scores every colocated (TP x PP x chunk budget), prefill and decode
 candidate (`phase_search.py`), builds the best colocated, high-affinity and low-affinity
 deployments (`plans.py`), re-simulates the winners end to end (with K/V transfer) for their
-system goodput, and computes the net margin dT (ledger `net_margin_s`) and the disaggregated
-deployment's attainment gates at matched load. `decision.decide` is the one rule that turns
-goodput per GPU and dT into the verdict (and names the test that decided); the runner-up is the
-best plan of the other kind.
+system goodput, and computes the net margin dT (ledger `net_margin_s`) at matched load.
+`decision.decide` is the one rule (goodput per GPU beyond `margin`, K/V feasibility first); it
+names the test that decided and reports dT beside it. The runner-up is the best plan of the
+other kind.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo
 from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
-from pdserve.bench.metrics import attainment
 from pdserve.ledger.margin import MarginTerms, net_margin_s
 from pdserve.search.decision import Verdict, decide
 from pdserve.search.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
@@ -30,6 +29,7 @@ from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import GoodputSearch, goodput_rps, ladder_around
 from pdserve.latency.hardware import HardwareProfile
 from pdserve.latency.base import LatencyModel
+from pdserve.latency.spec import LatencyFamily
 from pdserve.search.phase_search import Score, SearchSpace, score_all
 from pdserve.search.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
 from pdserve.sim.requests import SimRequests, build_requests
@@ -59,6 +59,8 @@ class PlanInputs:
     route_delta_s: float = 0.0
     failure_penalty_s: float = 0.0
     fixed_model: LatencyModel | None = None  # e.g. a `pdserve profile` fit: single-GPU shapes only
+    family: LatencyFamily | None = None  # a latency model per TP x PP shape (aic:...); None: the roofline
+    latency_label: str = "roofline"  # what timed the steps, for the report
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
     requests = build_requests(inputs.workload)
     decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs)
     space = _space(inputs, requests, decode_requests)
-    shapes = [Parallel(1, 1)] if inputs.fixed_model else parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests))
+    shapes = [Parallel(1, 1)] if inputs.fixed_model else parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests),
+                                                                      inputs.family)
     if not shapes:
         raise ValueError(f"{inputs.model.name} does not fit on {inputs.gpus} x {inputs.hardware.name} with this workload")
     scores = {
@@ -100,20 +103,20 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
     colo, options = _build_plans(inputs, requests, scores)
     disagg = _pick_disagg(options)
     end_to_end = _verify(inputs, colo, disagg, progress)
-    margin, gates = _margin(inputs, colo, disagg) if colo and disagg else (None, (False, False))
+    margin = _margin(inputs, colo, disagg) if colo and disagg else None
     verdict = decide(colo.goodput_per_gpu if colo else None, disagg.goodput_per_gpu if disagg else None,
-                     bool(disagg and disagg.link_ok), inputs.margin, margin, gates)
+                     bool(disagg and disagg.link_ok), inputs.margin, margin)
     return PlanResult(verdict.decision, colo, disagg, tuple(options), scores, end_to_end, margin,
                       time.perf_counter() - started, inputs, verdict)
 
 
 def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
     return SearchSpace(inputs.model, inputs.hardware, requests, decode_requests, inputs.slo, inputs.definition,
-                       inputs.max_seqs, fixed_model=inputs.fixed_model)
+                       inputs.max_seqs, fixed_model=inputs.fixed_model, family=inputs.family)
 
 
 def _latency(inputs: PlanInputs, par: Parallel) -> LatencyModel:
-    return inputs.fixed_model or latency_for(inputs.model, inputs.hardware, par)
+    return inputs.fixed_model or latency_for(inputs.model, inputs.hardware, par, inputs.family)
 
 
 def _build_plans(inputs: PlanInputs, requests: SimRequests, scores) -> tuple[ColocatedPlan | None, list[DisaggPlan]]:
@@ -216,9 +219,8 @@ def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_t
     return median(r.ttft_s for r in records), median(r.tpot_s for r in records)
 
 
-def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> tuple[MarginTerms, tuple[bool, bool]]:
-    """dT terms at matched offered load (80% of the smaller planned goodput: both plans in SLO),
-    and whether the disaggregated deployment passes the (TTFT, TPOT) attainment gates there."""
+def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> MarginTerms:
+    """dT terms at matched offered load: 80% of the smaller planned goodput (both plans in SLO)."""
     rate = MARGIN_LOAD * (min(colo.goodput_rps, disagg.goodput_rps) or max(colo.goodput_rps, disagg.goodput_rps))
     colo_cfg, pm, _ = deployment(inputs, colo)
     colo_e2e = fmean(r.e2e_s for r in simulate(_e2e_requests(inputs, colo_cfg), rate, colo_cfg, pm).records if r.success)
@@ -226,7 +228,4 @@ def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> tupl
     result = simulate(_e2e_requests(inputs, dis_cfg), rate, dis_cfg, pm, dm)
     dis_e2e = fmean(r.e2e_s for r in result.records if r.success)
     exposed = result.mean_transfer_exposed_s
-    terms = MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
-    got, p = attainment(result.records, inputs.slo), inputs.slo.attainment
-    gates = (got.ttft >= p, got.tpot >= p) if inputs.definition == "phase" else (got.joint >= p, got.joint >= p)
-    return terms, gates
+    return MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
