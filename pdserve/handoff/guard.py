@@ -85,6 +85,7 @@ class LinkGuard:
         self.transfer_id, self.direction = transfer_id, direction
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.landing = GuardedLanding(endpoint, lock)
+        self.refused = False  # a denial ended the transfer on this link
 
     @property
     def admitted(self) -> bool:
@@ -114,5 +115,6 @@ class LinkGuard:
         self.landing.transfer_id = self.transfer_id
 
     def _refuse(self, err: HandoffError) -> list[Frame]:
+        self.refused = True
         with self.lock:
             return [self.endpoint.refuse(self.transfer_id, err.reason)]

@@ -194,6 +194,18 @@ def _land_nothing(frame) -> None:
     return None
 
 
+def _hang_up(link: ReceiverLink, timeout_s: float) -> None:
+    """Half-close after a refusal, then discard what the source still sends until it hangs up
+    (closing with unread bytes would reset the connection and could drop the refusal)."""
+    try:
+        link.channel.sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            link.recv(0.05, _land_nothing)
+    except (LinkClosed, OSError):
+        pass
+
+
 class _FirstFrameLink(ReceiverLink):
     """Replays the manifest frame the listener read to learn the transfer id."""
 
@@ -255,6 +267,8 @@ class HandoffListener:
         guard = None if self.verifier is None else \
             LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock)
         state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
+        if guard is not None and guard.refused:
+            _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
         link.close()
         self.on_done(transfer_id, state)
 

@@ -56,8 +56,10 @@ def test_a_restarted_worker_reaps_only_its_dead_incarnations_pools(tmp_path):
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
-    names = [f"pdserve-decode-0-{dead_pid}", f"pdserve-decode-0-{os.getpid()}", f"pdserve-decode-1-{dead_pid}", "other"]
+    token = "ab" * 16  # pools are named pdserve-<worker>-<pid>-<token> (unguessable, docs/security.md)
+    dead = [f"pdserve-decode-0-{dead_pid}", f"pdserve-decode-0-{dead_pid}-{token}"]
+    names = dead + [f"pdserve-decode-0-{os.getpid()}-{token}", f"pdserve-decode-1-{dead_pid}-{token}", "other"]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    assert reap_dead_pools("decode-0", str(tmp_path)) == [f"pdserve-decode-0-{dead_pid}"]
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    assert sorted(reap_dead_pools("decode-0", str(tmp_path))) == sorted(dead)
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
