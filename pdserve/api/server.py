@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
@@ -30,6 +28,7 @@ from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
+from pdserve.router.calibration import AUTO, NONE, cost_profile
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
@@ -65,8 +64,10 @@ class ServeConfig:
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
-    pd_profile: str | None = None  # a `pdserve profile` JSON: the router's cost model (else CostModel's placeholders)
+    pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
+    # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
+    admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
@@ -82,8 +83,13 @@ class ServeConfig:
 def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
-    cost = CostModel.from_abi(abi) if config.pd_profile is None else CostModel.from_profile(
-        abi, json.loads(Path(config.pd_profile).read_text()), config.engine.max_num_batched_tokens)
+    source = config.pd_profile
+    if source == AUTO and (config.mode != "disaggregated" or config.pd_decision != "margin"):
+        source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
+    max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len)
+    cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(
+        abi, profile, config.engine.max_num_batched_tokens)
     pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
                   layerwise_min_tokens=config.layerwise_threshold_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
@@ -106,6 +112,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
+    backend.on_role_changed = launcher.note_role
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
@@ -166,6 +173,11 @@ class _Launcher:
                 await loop.run_in_executor(None, self.impl.restart, wid, epoch)
                 self.schedule.mark_restarted(wid, epoch, self.clock())
 
+    def note_role(self, worker_id: str, role: str, epoch: int) -> None:
+        """A worker changed role under `epoch`: a restart starts it in that role, above that epoch."""
+        self.impl.set_role(worker_id, role)
+        self.schedule.note_epoch(worker_id, epoch)
+
     @property
     def num_restarts(self) -> int:
         return self.schedule.num_restarts
@@ -205,7 +217,7 @@ async def serve(config: ServeConfig) -> None:
     from pdserve.api.app import create_app
 
     async with cluster(config) as (backend, _):
-        app = create_app(backend, max_logprobs=config.max_logprobs)
+        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         await server.serve()

@@ -35,8 +35,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "only when the spec's net margin says the remote prefill pays (default)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
                    help="prompts shorter than N tokens always prefill on their decode worker (applies first, with always or margin)")
-    p.add_argument("--pd-profile", default=None, metavar="FILE.json",
-                   help="the router's cost model from a `pdserve profile` fit (what the margin decides with)")
+    p.add_argument("--pd-profile", default="auto", metavar="auto|FILE.json|none",
+                   help="the router's cost model (what the margin decides with): auto (default) times the served "
+                        "engine on this machine at start and fits it; FILE a `pdserve profile` fit; none: placeholders")
     p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")
     p.add_argument("--slo-tpot-ms", type=float, default=5000.0, help="SLO-aware routing: TPOT target")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker process")

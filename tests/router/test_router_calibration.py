@@ -1,0 +1,40 @@
+"""The router's cost model source (router/calibration.py): fitted on this machine at start when the
+per-request margin decides, read from a `pdserve profile` file, or the placeholders on request."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.api.server import ServeConfig, router_for
+from pdserve.engine.config import EngineConfig
+from pdserve.model.default import resolve_model
+from pdserve.router.calibration import cost_profile, profile_points
+
+TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)
+
+
+def test_profile_points_stay_inside_the_chunk_and_the_context():
+    assert profile_points(512, 4096) == {"prompt_lens": (64, 256, 512), "batches": (1, 8), "contexts": (64, 256), "repeats": 2}
+    points = profile_points(2048, 200)
+    assert max(points["prompt_lens"]) == 184 and max(points["contexts"]) <= 184
+
+
+def test_auto_fits_the_served_engine_and_the_router_decides_with_it(tmp_path):
+    model_dir = resolve_model("tiny")
+    fitted = cost_profile("auto", TINY, 1, model_dir, 512)
+    assert fitted["kind"] == "profiled" and len(fitted["prefill_coef"]) == 3 and len(fitted["decode_coef"]) == 3
+    assert all(c >= 0 for c in fitted["prefill_coef"] + fitted["decode_coef"])
+    assert sum(fitted["prefill_coef"]) > 0 and sum(fitted["decode_coef"]) > 0
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(fitted))
+    router = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile=str(path)), model_dir)
+    placeholders = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile="none"), model_dir)
+    assert router.config.cost.prefill_s_per_token != placeholders.config.cost.prefill_s_per_token
+    assert router.config.cost.decode_step_base_s == fitted["decode_coef"][0]
+
+
+def test_only_the_margin_pays_for_a_fit_at_start():
+    model_dir = resolve_model("tiny")
+    always = router_for(ServeConfig(engine=TINY, pd_decision="always"), model_dir)  # "auto" without margin: none
+    none = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile="none"), model_dir)
+    assert always.config.cost == none.config.cost
