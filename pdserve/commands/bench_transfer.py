@@ -23,6 +23,13 @@ end; transfer chunks stream over TCP as the gate covers them. exposed = publish_
 prefill_end; the fraction divides it by the serialized transfer time of the same prompt (all
 layers ready, reserve -> publish). `exposed_fraction_unchunked` is the same with the prompt
 prefilled in one chunk (only whole layers stream).
+Capabilities (docs/security.md): each round also runs the three big handoffs and the small TCP one
+with a transfer capability (`*_cap_gbps`): the router's signature, the source's check before it
+sends and the destination's check of the link's manifest before anything lands, all inside the
+timing, so `*_gbps` and `*_cap_gbps` of one run compare the same links on the same machine
+(`--no-capabilities` skips them). `capability_sign_us` / `capability_verify_us` are the medians of
+2000 signatures and checks of one capability for the small prompt (128 blocks);
+`capability_us_per_transfer` = one signature + two checks (source and destination).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def register(subparsers) -> None:
     parser.add_argument("--prefill-s", type=float, default=0.25, help="simulated prefill time of the 2048-token prompt")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                         help="chunked-prefill size of the simulated prefill (default: the engine's)")
+    parser.add_argument("--no-capabilities", action="store_true",
+                        help="skip the handoffs with transfer capabilities (run by default beside those without)")
     parser.set_defaults(func=run)
 
 
@@ -86,14 +95,15 @@ class _Memcpy:
 class _Peer:
     """The destination worker: a spawned `transfer_peer` process and this side's persistent links."""
 
-    def __init__(self, abi, num_blocks: int, identity):
+    def __init__(self, abi, num_blocks: int, identity, public_key_hex: str | None = None):
         import multiprocessing
 
         from pdserve.commands import transfer_peer
 
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=transfer_peer.serve, args=(child, abi, num_blocks, identity), daemon=True)
+        self.proc = ctx.Process(target=transfer_peer.serve, args=(child, abi, num_blocks, identity, public_key_hex),
+                                daemon=True)
         self.proc.start()
         self.tcp_address, self.unix_path = self.recv()
         self.links: dict = {}
@@ -168,7 +178,9 @@ class _Rig:
 
         from pdserve.engine.kv_abi import CacheIdentity
         from pdserve.engine.kv_pool import KvPool
+        from pdserve.handoff.capability import Verifier
         from pdserve.handoff.kvbytes import pool_bytes
+        from pdserve.router.capabilities import CapabilityIssuer
 
         self.abi, self.num_tokens, self.blocks_per_chunk = abi, num_tokens, blocks_per_chunk
         self.num_blocks = -(-num_tokens // abi.block_size)
@@ -177,7 +189,9 @@ class _Rig:
         self.src.tensor.copy_(torch.randn(self.src.tensor.shape).to(self.src.tensor.dtype))
         self.raw = pool_bytes(self.src)
         self.nbytes = self.num_blocks * abi.bytes_per_block
-        self.peer = _Peer(abi, self.num_blocks, self.identity)
+        self.issuer = CapabilityIssuer()  # the router's role; the source and the peer hold its public key
+        self.verifier = Verifier(bytes.fromhex(self.issuer.public_key_hex), self.issuer.key_epoch)
+        self.peer = _Peer(abi, self.num_blocks, self.identity, self.issuer.public_key_hex)
         self.num_handoffs = 0
 
     def close(self) -> None:
@@ -185,7 +199,25 @@ class _Rig:
         self.src.close(unlink=True)
 
 
-def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: bool = False) -> dict:
+def _authorize(rig: _Rig, kind: str, manifest) -> bytes:
+    """A transfer's capability as the runtime makes and checks it outside the link: the router
+    signs it, the source verifies it before sending (the destination checks the link's manifest)."""
+    from pdserve.handoff.capability import PULL, PUSH
+    from pdserve.handoff.guard import source_expectation
+    from pdserve.workers.messages import TransferPlan
+
+    f = manifest.fence
+    plan = TransferPlan(manifest.transfer_id, f.generation, f.attempt, f.tenant, f.destination_worker, f.destination_epoch,
+                        f.reservation_id, manifest.dst_blocks, 0, "shm" if kind != "tcp" else "tcp", ("127.0.0.1", 0))
+    token = rig.issuer.issue(plan, f.source_worker, f.source_epoch, rig.abi.abi_hash, kind == "shm",
+                             rig.abi.bytes_per_block).capability
+    direction = PULL if kind == "shm" else PUSH
+    rig.verifier.verify(token, source_expectation(manifest, f.source_worker, f.source_epoch, rig.abi.abi_hash, direction))
+    return token
+
+
+def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: bool = False,
+                  capabilities: bool = False) -> dict:
     """One reserve -> publish handoff; returns timestamps (time.perf_counter) of its milestones."""
     from pdserve.handoff.credits import ByteCredits
     from pdserve.handoff.destination import ReserveRequest
@@ -202,18 +234,19 @@ def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: boo
     gate = LayerGate(rig.abi.num_layers, clock=time.perf_counter)
     req = ReserveRequest(tid, "t", "r0", 1, 0, "p0", 1, "dg", rig.num_tokens, rig.num_blocks)
     t0 = time.perf_counter()
-    peer.conn.send(("handoff", kind, req, check))
+    peer.conn.send(("handoff", kind, req, check, capabilities))
     reservation_id, dst_blocks = peer.recv()
     fence = IdentityFence("t", "r0", 1, 0, "p0", 1, "d0", 1, reservation_id)
     manifest = build_manifest(tid, fence, PromptSpan("dg", rig.num_tokens, 0), rig.identity, rig.abi,
                               list(dst_blocks), rig.blocks_per_chunk, schedule)
     src_blocks = list(range(rig.num_blocks))
     src = SourceTransfer(manifest, rig.raw, src_blocks, ByteCredits(WINDOW_BYTES), gate, NullSink())
+    token = _authorize(rig, kind, manifest) if capabilities else None
     if producer is None:
         gate.mark_all_ready()
     else:
         threading.Thread(target=producer, args=(gate,)).start()
-    drive_source(src, link, DriveConfig(ack_timeout_s=2.0))
+    drive_source(src, link, DriveConfig(ack_timeout_s=2.0), capability=token)
     t_end = time.perf_counter()
     _, dst_state, digests = peer.recv()
     assert src.state is TxnState.PUBLISHED and dst_state == "PUBLISHED", (src.terminal_reason, dst_state)
@@ -230,9 +263,31 @@ def _check_exact(rig: _Rig, src_blocks: list[int], digests: list[int]) -> None:
         raise AssertionError("published destination bytes differ from the source")
 
 
-def handoff_s(rig: _Rig, kind: str, check: bool = False) -> float:
-    m = _handoff_once(rig, kind, "serialized", check=check)
+def handoff_s(rig: _Rig, kind: str, check: bool = False, capabilities: bool = False) -> float:
+    m = _handoff_once(rig, kind, "serialized", check=check, capabilities=capabilities)
     return m["end"] - m["start"]
+
+
+def capability_costs(num_blocks: int = 128, n: int = 2000) -> tuple[float, float]:
+    """Median microseconds of one signature and of one check of a capability for `num_blocks`."""
+    from pdserve.handoff.capability import PUSH, Expectation, Verifier
+    from pdserve.router.capabilities import CapabilityIssuer
+    from pdserve.workers.messages import TransferPlan
+
+    issuer = CapabilityIssuer()
+    verifier = Verifier(bytes.fromhex(issuer.public_key_hex), issuer.key_epoch)
+    blocks = tuple(range(7, 7 + num_blocks))
+    plan = TransferPlan("req-0/g1", 1, 1, "tenant", "decode-0", 3, "res", blocks, 0, "tcp", ("127.0.0.1", 0))
+    expect = Expectation("tenant", "prefill-0", 2, "decode-0", 3, "req-0/g1", 1, "abi", PUSH, blocks, num_blocks * 4096)
+    sign_ns, verify_ns = [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        token = issuer.issue(plan, "prefill-0", 2, "abi", False, 4096).capability
+        t1 = time.perf_counter_ns()
+        verifier.verify(token, expect)
+        verify_ns.append(time.perf_counter_ns() - t1)
+        sign_ns.append(t1 - t0)
+    return statistics.median(sign_ns) / 1e3, statistics.median(verify_ns) / 1e3
 
 
 def exposed_s(rig: _Rig, kind: str, prefill_s: float, chunk_tokens: int) -> float:
@@ -256,14 +311,15 @@ def exposed_s(rig: _Rig, kind: str, prefill_s: float, chunk_tokens: int) -> floa
     return max(0.0, m["end"] - m["prefill_end"])
 
 
-def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float, chunk_tokens: int) -> dict[str, list[float]]:
+def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float, chunk_tokens: int,
+            capabilities: bool = True) -> dict[str, list[float]]:
     """Interleave every measurement in each round; the last round also checks exactness."""
     for kind in ("shm", "staging", "tcp"):  # warm-up: links, staging and pools paged in
-        handoff_s(big, kind)
-    handoff_s(small, "tcp")
+        handoff_s(big, kind, capabilities=capabilities)
+    handoff_s(small, "tcp", capabilities=capabilities)
     bench_socket(big.peer, big.nbytes)
-    samples: dict[str, list[float]] = {k: [] for k in ("memcpy", "copy2", "socket", "shm", "staging", "tcp", "small", "exposed",
-                                                   "exposed_unchunked")}
+    names = ("memcpy", "copy2", "socket", "shm", "staging", "tcp", "small", "exposed", "exposed_unchunked")
+    samples: dict[str, list[float]] = {k: [] for k in names + (_CAP_SAMPLES if capabilities else ())}
     for r in range(runs):
         last = r == runs - 1
         samples["memcpy"].append(memcpy.once())
@@ -273,9 +329,27 @@ def _rounds(big: _Rig, small: _Rig, memcpy: _Memcpy, runs: int, prefill_s: float
         samples["socket"].append(bench_socket(big.peer, big.nbytes))
         samples["tcp"].append(handoff_s(big, "tcp", check=last))
         samples["small"].append(handoff_s(small, "tcp", check=last))
+        if capabilities:  # the same handoffs, each under a capability, in the same round
+            for kind in ("shm", "staging", "tcp"):
+                samples[f"{kind}_cap"].append(handoff_s(big, kind, check=last, capabilities=True))
+            samples["small_cap"].append(handoff_s(small, "tcp", check=last, capabilities=True))
         samples["exposed"].append(exposed_s(small, "tcp", prefill_s, chunk_tokens))
         samples["exposed_unchunked"].append(exposed_s(small, "tcp", prefill_s, small.num_tokens))
     return samples
+
+
+_CAP_SAMPLES = ("shm_cap", "staging_cap", "tcp_cap", "small_cap")
+
+
+def _capability_figures(s: dict[str, list[float]], big_bytes: int, small_bytes: int) -> dict:
+    sign_us, verify_us = capability_costs()
+    out = {"capability_sign_us": sign_us, "capability_verify_us": verify_us,
+           "capability_us_per_transfer": sign_us + 2 * verify_us}
+    if "small_cap" in s:
+        out.update({f"{k}_cap_gbps": _gbps(big_bytes, s[f"{k}_cap"]) for k in ("shm", "staging", "tcp")})
+        out.update(small_tcp_cap_gbps=_gbps(small_bytes, s["small_cap"]),
+                   small_tcp_cap_overhead_us=(statistics.median(s["small_cap"]) - statistics.median(s["small"])) * 1e6)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
     big = _Rig(big_abi, 64 * MIB // big_abi.bytes_per_token, blocks_per_chunk=64)  # 4 MiB chunks: one per layer
     small = _Rig(small_abi, 2048, blocks_per_chunk=32)  # 512 KiB chunks = one 512-token prefill chunk, 4 per layer
     try:
-        s = _rounds(big, small, _Memcpy(64 * MIB), args.runs, args.prefill_s, args.prefill_chunk_tokens)
+        s = _rounds(big, small, _Memcpy(64 * MIB), args.runs, args.prefill_s, args.prefill_chunk_tokens,
+                    capabilities=not args.no_capabilities)
     finally:
         big.close()
         small.close()
@@ -301,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
                prefill_s=args.prefill_s, prefill_chunk_tokens=args.prefill_chunk_tokens, exposed_s=exposed,
                serialized_transfer_s=serialized_s, exposed_fraction=exposed / serialized_s,
                exposed_fraction_unchunked=statistics.median(s["exposed_unchunked"]) / serialized_s)
+    out.update(_capability_figures(s, big.nbytes, small.nbytes))
     out["samples_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in s.items()}
     _print(out, args.json)
     return 0

@@ -1,13 +1,16 @@
 """The decode side of `pdserve bench-transfer`, run in its own (spawned) process like a real worker.
 
-Contract: `serve(conn, abi, num_blocks, identity)` owns a destination `KvPool`, a `DecodeEndpoint`
-and two listeners (TCP loopback, Unix socket); it sends their addresses on `conn`, then answers
-commands until "stop":
+Contract: `serve(conn, abi, num_blocks, identity, public_key_hex)` owns a destination `KvPool`, a
+`DecodeEndpoint` and two listeners (TCP loopback, Unix socket); it sends their addresses on `conn`,
+then answers commands until "stop":
   ("accept", kind)                accept the source's persistent link of `kind` ("tcp", "shm" (pull),
                                   "staging", "raw")
-  ("handoff", kind, req, digest)  reserve `req`, reply the reservation, serve the transfer until it
-                                  is terminal, reply ("done", state, per-layer digests or None),
-                                  then retire the request (its blocks return to the pool)
+  ("handoff", kind, req, digest, guarded)
+                                  reserve `req`, reply the reservation, serve the transfer until it
+                                  is terminal (guarded: its manifest's capability is checked first,
+                                  as a worker's listener does, with the issuer's public key), reply
+                                  ("done", state, per-layer digests or None), then retire the
+                                  request (its blocks return to the pool)
   ("sink", nbytes)                raw-socket peer: recv_into a preallocated buffer, reply "done"
 Imports stay inside `serve` so registering the CLI never loads torch.
 """
@@ -29,14 +32,16 @@ def _listeners() -> tuple[socket.socket, socket.socket, str]:
     return listen_local(), unix, path
 
 
-def serve(conn, abi, num_blocks: int, identity) -> None:
+def serve(conn, abi, num_blocks: int, identity, public_key_hex: str | None = None) -> None:
     from pdserve.engine.kv_pool import KvPool
+    from pdserve.handoff.capability import verifier_from_hex
     from pdserve.handoff.endpoint import DecodeEndpoint
     from pdserve.handoff.reservations import PooledDestinationBlocks
     from pdserve.handoff.trace import NullSink
 
     pool = KvPool(abi, num_blocks)
     endpoint = DecodeEndpoint("d0", 1, pool, PooledDestinationBlocks(num_blocks), identity, trace=NullSink())
+    verifier = verifier_from_hex(public_key_hex)
     tcp, unix, path = _listeners()
     conn.send((tcp.getsockname(), path))
     links, raw, sink = {}, None, None
@@ -49,7 +54,7 @@ def serve(conn, abi, num_blocks: int, identity) -> None:
                     links[msg[1]] = _receiver(msg[1], tcp, unix, endpoint)
                 conn.send("ok")
             elif msg[0] == "handoff":
-                _handoff(conn, endpoint, links[msg[1]], msg[2], msg[3])
+                _handoff(conn, endpoint, links[msg[1]], msg[2], msg[3], verifier if msg[4] else None, msg[1])
             elif msg[0] == "sink":
                 sink = sink if sink is not None and sink.size == msg[1] else _touched(msg[1])
                 _sink(raw, sink)
@@ -83,13 +88,16 @@ def _receiver(kind: str, tcp: socket.socket, unix: socket.socket, endpoint):
     return TcpReceiverLink(_accept(tcp), endpoint.raw)
 
 
-def _handoff(conn, endpoint, link, request, want_digest: bool) -> None:
+def _handoff(conn, endpoint, link, request, want_digest: bool, verifier, kind: str) -> None:
+    from pdserve.handoff.capability import PULL, PUSH
     from pdserve.handoff.driver import DriveConfig, serve_destination
+    from pdserve.handoff.guard import LinkGuard
     from pdserve.handoff.kvbytes import chunk_checksum
 
     reservation = endpoint.reserve(request)
     conn.send((reservation.reservation_id, reservation.prompt_blocks))
-    state = serve_destination(endpoint, link, request.transfer_id, DriveConfig(ack_timeout_s=2.0))
+    guard = None if verifier is None else LinkGuard(verifier, endpoint, request.transfer_id, PULL if kind == "shm" else PUSH)
+    state = serve_destination(endpoint, link, request.transfer_id, DriveConfig(ack_timeout_s=2.0), guard=guard)
     digests = None
     if want_digest and state.name == "PUBLISHED":
         blocks = list(endpoint.directory.lookup(request.request_id).block_table)
