@@ -58,7 +58,8 @@ def spec_from_geometry(geo: HfGeometry, name: str, source: str | None, dtype_byt
     """Planner view of a config.json's dense geometry."""
     geometry = BlockGeometry(layers=geo.layers, d_model=geo.d_model, d_ff=geo.d_ff, q_heads=geo.q_heads,
                              kv_heads=geo.kv_heads, head_dim=geo.head_dim, dtype_bytes=dtype_bytes)
-    return ModelSpec(name=name, geometry=geometry, total_weight_bytes=geo.num_params() * dtype_bytes, source=source)
+    weight_bytes = geo.num_params() * geo.weight_bytes_per_param(dtype_bytes)
+    return ModelSpec(name=name, geometry=geometry, total_weight_bytes=weight_bytes, source=source)
 
 
 def load_model_spec(model: str, dtype_bytes: int = 2) -> ModelSpec:

@@ -8,6 +8,9 @@ shapes and the parameter count, without asking whether pdserve's engine can run 
 refused with a ValueError naming the key, as is a config missing a required key; errors name
 `source`.
 
+FP8 checkpoints (``quantization_config.quant_method`` fp8 / fbgemm_fp8) store one byte per
+weight (`weight_bytes_per_param`); their K/V stays in the model's 16-bit dtype.
+
 Parameter count: embeddings, plus the LM head unless tied, plus per layer q/k/v/o (and their
 biases when ``attention_bias``), per-head q/k norms when the architecture has them (Qwen3),
 gate/up/down and two norms, plus the final norm.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
             "moe_intermediate_size")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+FP8_METHODS = ("fp8", "fbgemm_fp8")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class HfGeometry:
     tied_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    fp8_weights: bool = False
+
+    def weight_bytes_per_param(self, dtype_bytes: int) -> int:
+        return 1 if self.fp8_weights else dtype_bytes
 
     def num_params(self) -> int:
         d, q, kv = self.d_model, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
@@ -72,6 +80,7 @@ def geometry_of(config: dict, source: str) -> HfGeometry:
         tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         attention_bias=bool(text.get("attention_bias", False)),
         qk_norm=str(archs[0]) in QK_NORM_ARCHITECTURES,
+        fp8_weights=str((config.get("quantization_config") or {}).get("quant_method", "")).lower() in FP8_METHODS,
     )
 
 

@@ -79,3 +79,10 @@ def test_missing_or_bad_keys_are_named(tmp_path):
         load_model_spec(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="unknown model"):
         load_model_spec(str(tmp_path / "absent.json"))
+
+
+def test_fp8_checkpoints_store_one_byte_per_weight_and_keep_16_bit_kv(tmp_path):
+    fp8 = {**QWEN3_32B, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    spec = load_model_spec(str(_write(tmp_path, fp8)))
+    assert spec.total_weight_bytes == 65_524_246_528 // 2
+    assert spec.kv_bytes_per_token == 64 * 2 * 8 * 128 * 2
