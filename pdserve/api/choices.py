@@ -39,7 +39,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     entries: list = field(default_factory=list)  # TokenLogprobs, or a bare prompt id (null logprob)
     finish_reason: str | None = None
-    num_chars: int = 0  # characters of text so far (completions' text_offset continues from here)
+    num_chars: int = 0  # characters of the token strings so far (completions' text_offset continues from here)
     echoed: bool = False
 
 
@@ -79,7 +79,7 @@ class Choices:
         choice.pieces.append(text)
         choice.token_ids.extend(token_ids)
         choice.entries.extend(entries)
-        choice.num_chars += len(text)
+        choice.num_chars += sum(len(self.names(e if isinstance(e, int) else e.token_id)) for e in entries)
         return Piece(choice.index, text, token_ids, body)
 
     def finish(self, event: FinishEvent) -> list[Piece]:

@@ -8,7 +8,8 @@ the body, as OpenAI's echo does.
 - completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; `top_logprobs` holds
   one {token string: logprob} dict per token, the k most likely plus the chosen token (with k = 0
   the chosen token alone, as vLLM); `text_offset` is each token's character offset in the
-  choice's text, continuing from `offset` (a stream's earlier text).
+  concatenated token strings (the choice's text, echo included, wherever the tokens decode
+  alone as they do together), continuing from `offset` (a stream's earlier tokens).
 - chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}]}`, `bytes` the token string's UTF-8 bytes.
 """
