@@ -11,9 +11,20 @@ terms. TP adds two ring all-reduces of the activations per layer, 2(tp-1)/tp * r
 each plus a collective latency; PP adds (pp-1) point-to-point activation hops. Links are NVLink
 when the instance fits in one node, else the inter-node NIC.
 
-Pipeline parallelism: a prefill traverses every stage (full latency) but frees the first stage
-after latency/pp; decode keeps pp micro-batches in flight, so each step of a batch B costs the
-full-stack time of a micro-batch of ceil(B/pp) sequences.
+Pipeline parallelism (docs/planner.md, "Pipeline parallelism and its costs"): an instance keeps pp
+micro-batches in flight, one per stage; a cycle (every micro-batch advances one stage) lasts pp
+times the slowest stage's step, and every sequence gets one token per cycle.
+
+- prefill: a prompt traverses every stage (full latency, plus pp - 1 hops) and frees the first
+  stage after latency / pp (`pipeline_stages`), so back-to-back equal prefills fill the pipe;
+- decode: the batch B splits into pp micro-batches of ceil(B/pp); each stage re-reads its
+  weights for each of them, so a cycle costs the full-stack time of one micro-batch (PP adds
+  K/V memory, not decode speed), plus the scheduler's step overhead once per micro-batch
+  ((pp - 1) more than without PP: the driver schedules micro-batches one after another);
+- colocated (chunked prefill beside decode): the prefill chunk cannot be spread over the
+  micro-batches, so one micro-batch carries the whole chunk with its ceil(B/pp) decodes and
+  the others wait on it: the cycle is the full-stack time of that heaviest micro-batch (the
+  bubble), plus the per-micro-batch overhead. Without this, PP looked like free compute.
 """
 
 from __future__ import annotations
@@ -82,19 +93,24 @@ class RooflineLatency(LatencyModel):
         kv_tokens = sum(c + 2 * n for n, c in zip(new_tokens, cached_tokens))
         return self.iteration_s(rows, pairs, kv_tokens)
 
+    @property
+    def pipeline_overhead_s(self) -> float:
+        """Scheduler overhead of the pp - 1 extra micro-batches in one pipeline cycle."""
+        return (self.pp - 1) * self.hardware.step_overhead_s
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
             return 0.0
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
-        return self.iteration_s(micro, ctx, ctx + micro)
+        return self.iteration_s(micro, ctx, ctx + micro) + self.pipeline_overhead_s
 
     def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
         """Both decode_step_s values of a segment in one call (the simulator's hot path)."""
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
         row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
-        base = fixed + comm * micro
+        base = fixed + comm * micro + self.pipeline_overhead_s
         compute, memory = row_f * micro + pair_f * ctx, weight_b + kv_b * (ctx + micro)
         d0 = base + (compute if compute > memory else memory)
         compute, memory = compute + pair_f * micro, memory + kv_b * micro
@@ -102,10 +118,16 @@ class RooflineLatency(LatencyModel):
 
     def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
                      batch: int, context_tokens: int) -> float:
-        share = 1.0 / self.pp
-        rows = (chunk_tokens + batch) * share
-        kv_tokens = chunk_kv_tokens + context_tokens + batch
-        return self.iteration_s(rows, (chunk_pairs + context_tokens) * share, kv_tokens * share)
+        if self.pp == 1:
+            return self.iteration_s(chunk_tokens + batch, chunk_pairs + context_tokens,
+                                    chunk_kv_tokens + context_tokens + batch)
+        # the heaviest micro-batch (the chunk and its share of the decodes) paces the cycle
+        micro = -(-batch // self.pp) if batch > 0 else 0
+        share = micro / batch if batch > 0 else 0.0
+        rows = chunk_tokens + micro
+        pairs = chunk_pairs + context_tokens * share
+        kv_tokens = chunk_kv_tokens + (context_tokens + batch) * share
+        return self.iteration_s(rows, pairs, kv_tokens) + self.pipeline_overhead_s
 
     def to_dict(self) -> dict:
         return {"kind": "roofline", "model": self.model.name, "hardware": self.hardware.name, "tp": self.tp, "pp": self.pp}
