@@ -91,7 +91,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(
         abi, profile, config.engine.max_num_batched_tokens)
     pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
-                  layerwise_min_tokens=config.layerwise_threshold_tokens)
+                  layerwise_min_tokens=config.layerwise_threshold_tokens, chunk_tokens=config.engine.max_num_batched_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     return Router(RouterConfig(Mode(config.mode), checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,

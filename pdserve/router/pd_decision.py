@@ -11,11 +11,14 @@ where the policy reads none: "never", and "always" without a prompt floor):
     mode "margin"                  the spec's net margin, decided by the ledger's `should_enable_pd`
                                    (one formula, shared with the planner and the release check)
 
-The four terms, in seconds per request, from the router's cost model (`CostModel`, fitted by
-`pdserve profile` when the server is given one) and the live load reports:
+The four terms, in seconds per request, from the router's cost model (`CostModel`, fitted on this
+machine at start or by `pdserve profile`: router/calibration.py) and the live load reports:
 
-    interference saved  a local prefill of u_D tokens (its uncached prompt at D) stalls each of
-                        the B decodes running at D: prefill_s(u_D) x B
+    interference saved  a local prefill of u_D tokens (its uncached prompt at D) runs in chunks of
+                        the step budget left beside the B decodes running at D; each mixed step
+                        takes decode_step_s(B) + prefill_s(chunk). Counted against the SLOs (the
+                        ledger's `slo_interference_s`): B x each step's time beyond the TPOT target,
+                        plus the local TTFT (the steps' total) beyond the TTFT target
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
-from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd
+from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd, slo_interference_s
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import RouteRequest
@@ -53,6 +56,7 @@ class PdPolicy:
     safety_margin_s: float = 0.0
     stream_layers: int = 1
     layerwise_min_tokens: int = 256
+    chunk_tokens: int = 512  # the decode worker's per-step token budget (its max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,9 +121,22 @@ def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks:
     )
 
 
-def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> MarginTerms:
+def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[float]:
+    """The mixed steps a local prefill of u_D tokens takes at D: chunks of the budget the B
+    running decode rows leave, each step also carrying those rows."""
+    batch, todo = facts.decode_batch, facts.local_compute_tokens
+    chunk = max(1, policy.chunk_tokens - batch)
+    decode_s = float(cost.decode_step_s(batch)) if batch else 0.0
+    steps = [decode_s + float(cost.prefill_s(chunk))] * (todo // chunk)
+    if todo % chunk:
+        steps.append(decode_s + float(cost.prefill_s(todo % chunk)))
+    return steps
+
+
+def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> MarginTerms:
     return MarginTerms(
-        interference_saved_s=float(cost.prefill_s(facts.local_compute_tokens)) * facts.decode_batch,
+        interference_saved_s=slo_interference_s(facts.decode_batch, local_steps_s(facts, policy, cost), tpot_slo_s,
+                                                ttft_slo_s),
         transfer_exposed_s=exposed_s(facts, policy, cost),
         route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)),
         failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
@@ -145,7 +162,7 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
         return PdDecision(False, "min_prompt_tokens")
     if policy.mode == "always":
         return PINNED["always"]
-    terms = margin_terms(facts, policy, cost)
+    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s)
     remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
     ttft_gate = remote_ttft_s <= ttft_slo_s
     tpot_gate = float(cost.decode_step_s(facts.decode_batch + 1)) <= tpot_slo_s

@@ -10,7 +10,7 @@ from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.pd_decision import PdFacts, PdPolicy, decide_pd, exposed_s, facts_for, margin_terms
+from pdserve.router.pd_decision import PdFacts, PdPolicy, decide_pd, exposed_s, facts_for, local_steps_s, margin_terms
 from pdserve.router.router import Router
 
 # round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token
@@ -23,12 +23,15 @@ FACTS = PdFacts(prompt_tokens=512, local_compute_tokens=512, remote_compute_toke
 
 
 def test_the_four_terms_have_their_spec_values():
-    terms = margin_terms(FACTS, MARGIN, COST)
-    assert terms.interference_saved_s == pytest.approx(0.522 * 8, abs=1e-12)  # prefill_s(512) x 8 decodes
+    terms = margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
+    # the local prefill runs as a 504-token chunk beside 8 decodes (28 + 514 ms) and the last 8 tokens
+    # (28 + 18 ms); each decode is late by 442 ms in the first step and not at all in the second
+    assert local_steps_s(FACTS, MARGIN, COST) == pytest.approx([0.542, 0.046], abs=1e-12)
+    assert terms.interference_saved_s == pytest.approx(8 * 0.442, abs=1e-12)
     assert terms.transfer_exposed_s == pytest.approx(0.0522, abs=1e-12)  # serialized: all of 1 ms + 51.2 kB / 1 MB/s
     assert terms.route_delta_s == pytest.approx(0.256, abs=1e-12)  # P's 256 queued tokens
     assert terms.failure_penalty_s == pytest.approx(0.25 * 0.522, abs=1e-12)  # rate x recompute
-    assert net_margin_s(terms) == pytest.approx(4.176 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
+    assert net_margin_s(terms) == pytest.approx(3.536 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
 
 
 def test_a_layerwise_stream_exposes_only_its_last_layer():
@@ -41,7 +44,7 @@ def test_a_layerwise_stream_exposes_only_its_last_layer():
 def test_margin_disaggregates_a_long_prompt_beside_a_busy_decode_batch():
     decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert decision.disaggregate and decision.reason == "margin"
-    assert decision.net_margin_s == pytest.approx(3.7373, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.0973, abs=1e-12)
     assert decision.ttft_gate and decision.tpot_gate  # 0.8302 s <= 2 s, 29 ms <= 100 ms
 
 
@@ -49,6 +52,23 @@ def test_margin_prefills_locally_beside_an_idle_decode_worker():
     decision = decide_pd(PdFacts(**{**vars(FACTS), "decode_batch": 0}), MARGIN, COST, 2.0, 0.1)
     assert not decision.disaggregate and decision.reason == "margin"
     assert decision.terms.interference_saved_s == 0.0  # nothing running at D to stall
+
+
+def test_a_short_prompt_whose_steps_stay_within_tpot_prefills_locally_beside_a_busy_batch():
+    short = PdFacts(**{**vars(FACTS), "prompt_tokens": 48, "local_compute_tokens": 48, "remote_compute_tokens": 48,
+                       "transfer_bytes": 4800})
+    decision = decide_pd(short, MARGIN, COST, 2.0, 0.1)  # one step of 28 + 58 ms <= 100 ms: no decode is late
+    assert decision.terms.interference_saved_s == 0.0 and not decision.disaggregate
+    assert decide_pd(short, MARGIN, COST, 2.0, 0.08).disaggregate is False  # 6 ms x 8 late < transfer + queue + failures
+    assert decide_pd(PdFacts(**{**vars(short), "prefill_pending_tokens": 0, "failure_rate": 0.0}), MARGIN, COST,
+                     2.0, 0.07).disaggregate  # 16 ms x 8 late > the 5.8 ms transfer
+
+
+def test_the_local_ttft_beyond_its_target_counts_as_interference():
+    idle_long = PdFacts(**{**vars(FACTS), "decode_batch": 0, "prompt_tokens": 2048, "local_compute_tokens": 2048,
+                           "remote_compute_tokens": 2048})
+    terms = margin_terms(idle_long, MARGIN, COST, 1.0, 0.1)  # 4 chunks of 522 ms: 2.088 s, 1.088 s over the target
+    assert terms.interference_saved_s == pytest.approx(1.088, abs=1e-12)
 
 
 def test_a_failed_gate_keeps_the_prefill_local():
@@ -85,7 +105,7 @@ def test_the_decision_is_the_ledger_s_should_enable_pd(batch, pending, u, rate, 
     facts = PdFacts(u, u, u, u * 100, False, batch, pending, rate)
     policy = PdPolicy("margin", safety_margin_s=safety)
     decision = decide_pd(facts, policy, COST, 5.0, tpot)
-    terms = margin_terms(facts, policy, COST)
+    terms = margin_terms(facts, policy, COST, 5.0, tpot)
     assert isinstance(decision.terms, MarginTerms) and decision.terms == terms
     assert decision.disaggregate == should_enable_pd(terms, safety, decision.ttft_gate, decision.tpot_gate)
 
