@@ -40,7 +40,7 @@ from pdserve.handoff.errors import HandoffError, RejectReason
 
 SIGNATURE_BYTES = 64
 NONCE_BYTES = 16
-DEFAULT_TTL_S = 120.0  # a transfer may start only after its prefill: queueing counts against it
+DEFAULT_TTL_S = 300.0  # a transfer may start only after its prefill: queueing counts against it
 MAX_TTL_S = 600.0
 PUSH, PULL = "push", "pull"
 
