@@ -3,7 +3,8 @@
 Contract: `load_model_spec` accepts a built-in name (``tiny``, ``small``), a checkpoint
 directory, a bare Hugging Face ``config.json`` (so users can plan for models they have not
 downloaded), an example config shipped in `profiles/` by name (``llama-13b-class``,
-``llama-70b-class``), or a Hugging Face id (``Qwen/Qwen3-32B``) whose config aiconfigurator
+``llama-70b-class``, and OPT's ``opt-13b``, ``opt-66b``, ``opt-175b`` for the DistServe
+comparison), or a Hugging Face id (``Qwen/Qwen3-32B``) whose config aiconfigurator
 ships (when it is installed). Files are read by `hf_geometry` (geometry keys only, any dense
 architecture, MoE refused), not by the engine's config parser: the planner plans for models the
 engine cannot run. Only the built-in names import `pdserve.model.default`, which loads torch.
@@ -23,7 +24,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.latency.hardware import PROFILE_DIR
 from pdserve.latency.hf_geometry import HfGeometry, geometry_of
 
-EXAMPLE_CONFIGS = ("llama-13b-class", "llama-70b-class")
+EXAMPLE_CONFIGS = ("llama-13b-class", "llama-70b-class", "opt-13b", "opt-66b", "opt-175b")
 
 
 @dataclass(frozen=True)

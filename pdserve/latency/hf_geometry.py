@@ -8,6 +8,10 @@ shapes and the parameter count, without asking whether pdserve's engine can run 
 refused with a ValueError naming the key, as is a config missing a required key; errors name
 `source`.
 
+Non-gated MLPs (OPT's ``ffn_dim``, GPT-2's ``n_inner``: two matrices of d x ffn) are stored as
+the gated d_ff with the same weights and FLOPs, round(2 * ffn / 3), since the ledger's block
+geometry counts three d x d_ff matrices.
+
 FP8 checkpoints (``quantization_config.quant_method`` fp8 / fbgemm_fp8) store one byte per
 weight (`weight_bytes_per_param`); their K/V stays in the model's 16-bit dtype.
 
@@ -72,7 +76,7 @@ def geometry_of(config: dict, source: str) -> HfGeometry:
         architecture=str(archs[0]),
         layers=_int(text, ("num_hidden_layers", "n_layer", "num_layers"), source),
         d_model=d_model,
-        d_ff=_int(text, ("intermediate_size", "ffn_dim", "n_inner"), source),
+        d_ff=_d_ff(text, source),
         q_heads=q_heads,
         kv_heads=kv_heads,
         head_dim=_positive(head_dim, "head_dim", source),
@@ -82,6 +86,13 @@ def geometry_of(config: dict, source: str) -> HfGeometry:
         qk_norm=str(archs[0]) in QK_NORM_ARCHITECTURES,
         fp8_weights=str((config.get("quantization_config") or {}).get("quant_method", "")).lower() in FP8_METHODS,
     )
+
+
+def _d_ff(d: dict, source: str) -> int:
+    """The gated MLP width; a non-gated one (two matrices) as its weight-equivalent gated width."""
+    if d.get("intermediate_size") is None and (d.get("ffn_dim") or d.get("n_inner")):
+        return round(2 * _int(d, ("ffn_dim", "n_inner"), source) / 3)
+    return _int(d, ("intermediate_size",), source)
 
 
 def _refuse_moe(d: dict, source: str) -> None:

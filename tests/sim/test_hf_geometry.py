@@ -86,3 +86,11 @@ def test_fp8_checkpoints_store_one_byte_per_weight_and_keep_16_bit_kv(tmp_path):
     spec = load_model_spec(str(_write(tmp_path, fp8)))
     assert spec.total_weight_bytes == 65_524_246_528 // 2
     assert spec.kv_bytes_per_token == 64 * 2 * 8 * 128 * 2
+
+
+def test_opt_non_gated_mlp_keeps_its_weights(tmp_path):
+    opt_13b = {"architectures": ["OPTForCausalLM"], "hidden_size": 5120, "num_attention_heads": 40,
+               "num_hidden_layers": 40, "ffn_dim": 20480, "vocab_size": 50272, "tie_word_embeddings": True}
+    g = load_model_spec(str(_write(tmp_path, opt_13b))).geometry
+    assert (g.kv_heads, g.head_dim, g.d_ff) == (40, 128, 13653)  # 2 x 20480 / 3, rounded
+    assert 3 * g.d_model * g.d_ff == pytest.approx(2 * 5120 * 20480, rel=1e-4)
