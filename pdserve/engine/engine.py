@@ -267,11 +267,13 @@ class Engine:
             del self.seqs[seq.request_id]
             self.stops.forget(seq.request_id)
             done = self.groups.finish(seq)
-        return self._output(seq, token, new_text, done, reason, prefilled, logprobs, forks or ())
+        with_prompt = seq.index == 0 and len(seq.output_ids) == 1 and forks is None  # a prefill fork sends it first
+        return self._output(seq, token, new_text, done, reason, prefilled, logprobs, forks or (), with_prompt)
 
     def _output(self, seq: Sequence, token: int, new_text: str, done: bool, reason: str | None, prefilled: bool,
-                logprobs: tuple[TokenLogprobs, ...], forks: tuple[tuple[int, int], ...]) -> RequestOutput:
-        first_of_prompt = seq.index == 0 and len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None
+                logprobs: tuple[TokenLogprobs, ...], forks: tuple[tuple[int, int], ...], with_prompt: bool) -> RequestOutput:
+        """`with_prompt`: this is the request's first output, which carries the prompt logprobs."""
+        with_prompt = with_prompt and seq.params.prompt_logprobs is not None
         return RequestOutput(
             request_id=seq.caller_id,
             new_token_ids=(token,),
@@ -285,7 +287,7 @@ class Engine:
             prefilled=prefilled,
             index=seq.index,
             logprobs=logprobs,
-            prompt_logprobs=tuple(seq.prompt_logprobs) if first_of_prompt else None,
+            prompt_logprobs=tuple(seq.prompt_logprobs) if with_prompt else None,
             forks=forks,
         )
 
@@ -319,16 +321,18 @@ class Engine:
 
     def _fork_at_prefill(self, seq: Sequence, tokens: list[int], lps: list) -> list[RequestOutput]:
         """Report each first token; only sequence 0 keeps the K/V, which goes to the decode worker
-        with the (index, token) of every sequence that did not end here."""
+        with the (index, token) of every sequence that did not end here. Sequence 0 reports last
+        (its output says whether the request ended or was prefilled); the prompt logprobs ride
+        on the first output, sequence 1's."""
         outputs, forks = [], []
         for i in range(1, len(tokens)):
             child = Sequence(sequence_key(seq.request_id, i), seq.prompt_ids, seq.params, 0, seq.mode, index=i,
-                             group=seq.request_id, output_ids=[tokens[i]])
+                             group=seq.request_id, output_ids=[tokens[i]], prompt_logprobs=seq.prompt_logprobs)
             self.stops.start(child)
             text, reason = self.stops.update(child, tokens[i])
             text += self.stops.flush(child) if reason is None else ""
             self.stops.forget(child.request_id)
-            outputs.append(self._output(child, tokens[i], text, False, reason, False, lps[i], ()))
+            outputs.append(self._output(child, tokens[i], text, False, reason, False, lps[i], (), i == 1))
             if reason is None:
                 forks.append((i, tokens[i]))
         outputs.append(self._postprocess(seq, tokens[0], lps[0], tuple(forks)))

@@ -151,7 +151,7 @@ def handoff(src, dst, rid: str, ids: list[int], params: SamplingParams) -> tuple
 
 def test_n_forked_over_one_imported_prompt_equals_colocated(gqa_ckpt, engine_factory):
     ids = prompt(45, 5)
-    base = SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=21, n=3, logprobs=2)
+    base = SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=21, n=3, logprobs=2, prompt_logprobs=1)
     probe = run(engine_factory(gqa_ckpt), "r", ids, base)
     # sequence 1 ends at its first token (a stop token id), so the decode worker forks fewer sequences
     params = SamplingParams(**{**base.__dict__, "stop_token_ids": (tokens(probe[1])[0],)})
@@ -163,6 +163,9 @@ def test_n_forked_over_one_imported_prompt_equals_colocated(gqa_ckpt, engine_fac
     assert first[-1].forks == tuple((i, tokens(colocated[i])[0]) for i in going_on)
     for o in first:  # the first token's logprobs come from the prefill worker, bitwise as colocated
         assert o.logprobs == colocated[o.index][0].logprobs and o.new_token_ids == colocated[o.index][0].new_token_ids
+    # the prompt logprobs ride on the first output each side reports (colocated: sequence 0's)
+    assert first[0].prompt_logprobs == colocated[0][0].prompt_logprobs and len(first[0].prompt_logprobs) == 44
+    assert all(o.prompt_logprobs is None for o in first[1:])
     assert sorted(rest) == going_on and going_on
     for i in going_on:
         assert tokens(rest[i]) == tokens(colocated[i])[1:]
