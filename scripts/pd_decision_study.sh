@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Per-request P/D decision on a mixed workload (issue "Per-request P/D decision"): 1P1D with
+# --pd-decision always | never | margin, the same seeded trace and offered rate, interleaved runs.
+# Usage: scripts/pd_decision_study.sh OUT_DIR [MODEL] [DTYPE]
+#   1. the trace: N requests, half 32-128-token prompts, half 1024-2048-token prompts (shuffled,
+#      seeded), outputs 64-128 tokens
+#   2. SLOs as the goodput study derives them: on one colocated replica, isolated requests at the
+#      long median (1536) -> TTFT = 5 x isolated TTFT, TPOT = 2 x isolated TPOT
+#   3. RUNS rounds; each round serves the three modes in a rotated order and sends the trace at
+#      RATE req/s (Poisson, the same seed) -> good request throughput (requests meeting both clocks
+#      per second, vLLM's per-run goodput) and joint attainment; medians over rounds in summary.json
+# Knobs (env): N (24), RATE (0.15), RUNS (3), EXTRA_SERVE_ARGS.
+set -euo pipefail
+out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
+mkdir -p "$out"
+PD=${PD:-.venv/bin/pdserve}
+PORT=${PORT:-8013}
+N=${N:-24}; RATE=${RATE:-0.15}; RUNS=${RUNS:-3}
+engine_args=(--model "$model" --dtype "$dtype" --kv-cache-mb 512)
+# shellcheck disable=SC2206
+engine_args+=(${EXTRA_SERVE_ARGS:-})
+
+python3 - "$out/mixed.jsonl" "$N" <<'PY'
+import json, random, sys
+path, n = sys.argv[1], int(sys.argv[2])
+rng = random.Random(7)
+kinds = ["short"] * (n // 2) + ["long"] * (n - n // 2)
+rng.shuffle(kinds)
+with open(path, "w") as f:
+    for kind in kinds:
+        prompt = rng.randint(32, 128) if kind == "short" else rng.randint(1024, 2048)
+        f.write(json.dumps({"prompt_len": prompt, "output_len": rng.randint(64, 128)}) + "\n")
+PY
+
+start_server() {  # name, serve args...
+  local name=$1; shift
+  $PD serve "${engine_args[@]}" --port "$PORT" "$@" > "$out/$name.server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1200); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
+  echo "server $name did not come up" >&2; return 1
+}
+stop_server() { kill -INT "$SERVER"; wait "$SERVER" || true; }
+
+start_server calibrate --mode colocated --replicas 1
+$PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests 3 --rate 0.05 --arrival constant --input-len 1536 \
+  --output-len 32 --prompt-format ids --slo-ttft-ms 1e9 --slo-tpot-ms 1e9 --json "$out/calibrate.json" --quiet \
+  > "$out/calibrate.log"
+stop_server
+read -r TTFT TPOT < <(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(round(5*d['p50_ttft_ms'],1), round(2*d['p50_tpot_ms'],1))" "$out/calibrate.json")
+echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N}" | tee "$out/slos.json"
+
+modes=(always never margin)
+for run in $(seq 1 "$RUNS"); do
+  for k in 0 1 2; do
+    mode=${modes[$(( (k + run - 1) % 3 ))]}
+    start_server "$mode.$run" --mode disaggregated --prefill 1 --decode 1 --pd-decision "$mode" \
+      --trace-dir "$out/$mode.$run.trace" --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT"
+    $PD bench --endpoint "http://127.0.0.1:$PORT" --trace "$out/mixed.jsonl" --rate "$RATE" --arrival poisson \
+      --seed 11 --prompt-format ids --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT" --json "$out/$mode.$run.json" \
+      --quiet > "$out/$mode.$run.log"
+    stop_server
+  done
+done
+
+python3 - "$out" "$RUNS" <<'PY'
+import json, statistics, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+rows = {}
+for mode in ("always", "never", "margin"):
+    reports = [json.load(open(f"{out}/{mode}.{r}.json")) for r in range(1, runs + 1)]
+    good = [d["good_request_throughput"] for d in reports]
+    rows[mode] = {"good_request_throughput": good, "median": statistics.median(good),
+                  "joint_attainment": [d.get("attainment_joint", d.get("joint_attainment")) for d in reports]}
+best = max(rows["always"]["median"], rows["never"]["median"])
+worst = min(rows["always"]["median"], rows["never"]["median"])
+m = rows["margin"]["median"]
+rows["margin_vs_best"] = m / best if best else None
+rows["margin_vs_worst"] = m / worst if worst else None
+json.dump(rows, open(f"{out}/summary.json", "w"), indent=1)
+print(json.dumps(rows, indent=1))
+PY
