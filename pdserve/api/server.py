@@ -113,6 +113,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
     backend.on_role_changed = launcher.note_role
+    backend.on_key_rotated = launcher.note_key
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
@@ -172,6 +173,10 @@ class _Launcher:
             for wid, epoch in self.schedule.due(self.clock()):
                 await loop.run_in_executor(None, self.impl.restart, wid, epoch)
                 self.schedule.mark_restarted(wid, epoch, self.clock())
+
+    def note_key(self, public_key_hex: str, key_epoch: int) -> None:
+        """The router revoked its capability key: restarts carry the new one."""
+        self.impl.set_capability_key(public_key_hex, key_epoch)
 
     def note_role(self, worker_id: str, role: str, epoch: int) -> None:
         """A worker changed role under `epoch`: a restart starts it in that role, above that epoch."""

@@ -98,6 +98,9 @@ class ClusterBackend:
         self.restarts = restarts  # the launcher starts dead workers again (workers/supervisor.py)
         self.away: set[str] = set()  # workers lost and not registered again yet
         self.registered: dict[str, m.Register] = {}
+        self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
+        self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's
+        self.on_key_rotated: Callable[[str, int], None] = lambda key, epoch: None  # the launcher's
         self.loads: dict[str, m.Load] = {}
         self.live: dict[str, InFlight] = {}
         self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
@@ -285,6 +288,8 @@ class ClusterBackend:
             await self._send(plan.decode_id, m.Generate(req.request_id, req.prompt_ids, req.params, live.seed,
                                                         grant_seq=plan.decode_hold.grant_seq))
             return
+        if not self.router.handoff_enabled:  # rolled back: the router routes whole requests only
+            raise RouteLost("handoff_disabled")
         live.generation = next(self._gen)
         live.transfer_id = f"{req.request_id}/g{live.generation}"
         reserved = await self._reserve(live, plan)
@@ -360,6 +365,7 @@ class ClusterBackend:
             self._on_register(msg)
             return
         if not self._current(msg):
+            self.metrics.stale_messages.inc()
             return  # a retired epoch or an unknown worker: late message, rejected
         await ev.dispatch(self, msg)
 
@@ -368,6 +374,7 @@ class ClusterBackend:
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
                                                      reg.model_hash, reg.abi_hash))
         self.registered[reg.worker_id] = reg
+        self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
         self._block_size = reg.block_size
         self._prefix_root = root_hash(reg.prefix_identity) if reg.prefix_identity else None
@@ -382,6 +389,15 @@ class ClusterBackend:
             if time.monotonic() >= next_renewal:
                 next_renewal = time.monotonic() + self.lease_renew_s
                 await self.renew_leases()
+
+    async def revoke_capabilities(self) -> int:
+        """A new capability key: every worker verifies with it from now on (outstanding
+        capabilities of the old key fail), and restarted workers get it. Returns the key epoch."""
+        public_key_hex, key_epoch = self.capabilities.rotate()
+        for wid in list(self.registered):
+            await self._send(wid, m.CapabilityKey(public_key_hex, key_epoch))
+        self.on_key_rotated(public_key_hex, key_epoch)
+        return key_epoch
 
     async def renew_leases(self) -> None:
         """Extend the K/V leases of every live request on the workers its route uses."""
@@ -412,7 +428,9 @@ class ClusterBackend:
             "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
             "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         }
-        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "live", load_dict, reg.cpu)
+        state = self.router.worker_state(reg.worker_id)
+        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
+                          load_dict, reg.cpu)
 
     def report_load(self, hb: m.Heartbeat) -> None:
         self.loads[hb.worker_id] = hb.load

@@ -127,7 +127,7 @@ async def _rollback_steps(backend, drain_timeout_s: float) -> list[Step]:
     done(ROLLBACK_ORDER[3], role_changes=[f"{c.worker_id}:{c.from_role}->{c.to_role}@{c.to_epoch}" for c in changes])
     router.handoff_enabled = False
     done(ROLLBACK_ORDER[4], handoff=False)
-    done(ROLLBACK_ORDER[5], revoked=_revoke(backend))
+    done(ROLLBACK_ORDER[5], key_epoch=await backend.revoke_capabilities())
     done(ROLLBACK_ORDER[6], **await _reclaimed(backend, drain_timeout_s))
     done(ROLLBACK_ORDER[7])
     return steps
@@ -152,15 +152,6 @@ async def _drain_or_abort(backend, timeout_s: float) -> dict:
         await recovery.decide(backend, live, "rollback", lost=source)
         await backend._send(source, m.Abort(engine_id, "rollback"))  # the source cancels its transfer
     return {"in_flight": drained_from, "aborted": len(aborted)}
-
-
-def _revoke(backend) -> bool:
-    """Replace the capability key (workers learn the new public key; outstanding capabilities fail)."""
-    issuer = getattr(backend, "capabilities", None)
-    if issuer is None or not hasattr(issuer, "revoke"):
-        return False
-    issuer.revoke()
-    return True
 
 
 async def _reclaimed(backend, timeout_s: float) -> dict:

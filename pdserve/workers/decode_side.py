@@ -13,7 +13,6 @@ Life cycle of one request here:
 
 from __future__ import annotations
 
-from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.destination import ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
@@ -33,7 +32,7 @@ class DecodeSide:
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
                                         on_done=lambda tid, state: worker.events.put(("dest_done", (tid, state))),
-                                        verifier=verifier_from_hex(worker.config.capability_key))
+                                        verifier=worker.verifier)
         self.requests: dict[str, m.ReserveKv] = {}  # request id -> its reservation order
         self.first: dict[str, m.StartDecode] = {}
         self.published: set[str] = set()

@@ -80,6 +80,10 @@ class LocalCluster:
         self._spawn(replace(cfg, epoch=epoch))
         self._reported.discard(worker_id)
 
+    def set_capability_key(self, public_key_hex: str, key_epoch: int) -> None:
+        """The router revoked its key: a restarted worker verifies with the new one."""
+        self.configs = [replace(c, capability_key=public_key_hex, capability_key_epoch=key_epoch) for c in self.configs]
+
     def set_role(self, worker_id: str, role: str) -> None:
         """The worker changed role (workers/roles.py): a restart brings it back in that role."""
         self.configs = [replace(c, role=role) if c.worker_id == worker_id else c for c in self.configs]

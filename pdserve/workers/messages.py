@@ -95,6 +95,14 @@ class ChangeRole(msgspec.Struct, frozen=True, tag=True):
     epoch: int
 
 
+class CapabilityKey(msgspec.Struct, frozen=True, tag=True):
+    """The router's new capability public key (a revocation): capabilities of older key epochs
+    stop verifying at once (handoff/capability.py `Verifier.install`)."""
+
+    public_key_hex: str
+    key_epoch: int
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
@@ -203,7 +211,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole
+ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey
 ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,7 +20,6 @@ import time
 
 from pdserve.engine.outputs import PrefillProgress, RequestOutput
 from pdserve.engine.sequence import SeqMode
-from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.streaming import ScheduleConfig, choose_schedule
@@ -37,7 +36,7 @@ class PrefillSide:
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))),
                                     prefill_chunk_tokens=self.engine.config.max_num_batched_tokens,
-                                    verifier=verifier_from_hex(worker.config.capability_key))
+                                    verifier=worker.verifier)
         self.plans: dict[str, m.Prefill] = {}
         self.started: dict[str, SourceTransfer] = {}
         self.prefill_end: dict[str, float] = {}
@@ -86,7 +85,7 @@ class PrefillSide:
     def after_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             msg = self.plans.get(out.request_id)
-            if msg is None:
+            if msg is None or out.index != 0:  # n > 1: sequence 0's output says whether the request goes on
                 continue
             plan = msg.plan
             self.prefill_end[out.request_id] = time.monotonic()

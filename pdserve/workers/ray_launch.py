@@ -138,6 +138,11 @@ class RayCluster:
             raise RuntimeError(f"model directory {model_dir} is missing on node(s) {sorted(missing)}: "
                                "put the checkpoint at the same path on every node (e.g. a shared filesystem)")
 
+    def set_capability_key(self, public_key_hex: str, key_epoch: int) -> None:
+        """The router revoked its key: a restarted worker verifies with the new one."""
+        self.configs = {wid: replace(c, capability_key=public_key_hex, capability_key_epoch=key_epoch)
+                        for wid, c in self.configs.items()}
+
     def set_role(self, worker_id: str, role: str) -> None:
         """The worker changed role (workers/roles.py): a restart brings it back in that role."""
         self.configs[worker_id] = replace(self.configs[worker_id], role=role)

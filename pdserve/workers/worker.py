@@ -33,6 +33,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
+from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
@@ -63,6 +64,7 @@ class WorkerConfig:
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
     capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
+    capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -83,6 +85,8 @@ class Worker:
         self.trace = TraceSink(path=config.trace_path, keep=False)
         self.engine.step_log = StepLog(config.step_log_path) if config.step_log_path else None
         self.roles = RoleSwitch(config.role, config.epoch)  # role changes (roles.py)
+        # one verifier for both sides (and the sides of later roles); the router's key moves it on
+        self.verifier = verifier_from_hex(config.capability_key, config.capability_key_epoch)
         self.prefill, self.decode = None, None
         self._build_sides()
         self.ctx = zmq.Context.instance()
@@ -202,6 +206,9 @@ class Worker:
                 self.abort(msg.request_id)
             elif isinstance(msg, m.ChangeRole):
                 self.change_role(msg)
+            elif isinstance(msg, m.CapabilityKey):
+                if self.verifier is not None:
+                    self.verifier.install(bytes.fromhex(msg.public_key_hex), msg.key_epoch)
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:

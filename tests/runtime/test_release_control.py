@@ -104,10 +104,15 @@ async def _rollback_scenario():
             # a message of the prefill worker's retired epoch is dropped and counted
             await backend._on_message(m.Heartbeat("prefill-0", 1, m.Load(0, 0, 0, 0, 0)))
             state = (await client.get("/admin/state")).json()
+            handoff = backend.router.handoff_enabled
+            # enabled again after the rollback: handoffs verify under the new key (epoch 2)
+            again = (await client.post("/admin/disaggregation", json={"enabled": True})).json()
+            later = await run_all(backend, "c")
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
         return dict(rolled=rolled, during=during, after=after, twice=twice, state=state, routes=routes(backend, "b"),
-                    handoff=backend.router.handoff_enabled, metrics=backend.metrics_text().decode())
+                    handoff=handoff, metrics=backend.metrics_text().decode(), again=again, later=later,
+                    later_routes=routes(backend, "c"))
 
 
 def test_rollback_runs_the_spec_order_under_load_and_every_request_finishes(expected):
@@ -118,8 +123,13 @@ def test_rollback_runs_the_spec_order_under_load_and_every_request_finishes(expe
     assert all(a["at_s"] <= b["at_s"] for a, b in zip(steps, steps[1:]))
     assert r["rolled"]["state"] == "ROLLED_BACK" and r["state"]["state"] == "ROLLED_BACK"
     assert steps[1]["detail"] == {"route_epoch": 2}
+    assert steps[5]["detail"] == {"key_epoch": 2}
     assert steps[6]["detail"] == {"unpublished": 0, "staging_holds": 0}
-    for results in (r["during"], r["after"]):
+    assert r["again"]["state"] == "ACTIVE"
+    assert r["later_routes"] == [("prefill-0", "decode-0")] * len(PROMPTS)
+    assert "pdserve_capability_denials_total" not in [line.split("{")[0] for line in r["metrics"].splitlines()
+                                                      if not line.startswith("#") and not line.endswith(" 0.0")]
+    for results in (r["during"], r["after"], r["later"]):
         assert [ids for ids, _ in results] == expected
     assert all(p == d for p, d in r["routes"]) and r["handoff"] is False
     assert r["twice"].status_code == 409 and r["twice"].json()["error"]["code"] == "illegal_release_transition"
