@@ -6,7 +6,8 @@ Contract:
     transfer's `ManifestFrame` passes, and only if the capability it carries verifies against
     the destination's own reservation (tenant, source worker and epoch, transfer id and
     generation; this worker and epoch; its pool's K/V ABI; the link's direction), the blocks the
-    manifest would write and the bytes those writes cover. After admission, frames of any other
+    manifest would write and the bytes those writes cover (`on_admit` then runs: a staging link
+    creates and offers its segment only now). After admission, frames of any other
     transfer are dropped and `landing` (a `GrantedLanding`) refuses to write a chunk of another
     transfer or outside the capability's blocks. A denial aborts the unpublished transfer
     (its blocks go back once no write is in flight) and answers the source with a refused
@@ -20,6 +21,7 @@ Verification itself is handoff/capability.py; this module only knows the protoco
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 from pdserve.handoff.capability import Expectation, Verifier
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
@@ -80,8 +82,10 @@ class GuardedLanding(GrantedLanding):
 
 
 class LinkGuard:
-    def __init__(self, verifier: Verifier, endpoint: DecodeEndpoint, transfer_id: str, direction: str, lock=None):
+    def __init__(self, verifier: Verifier, endpoint: DecodeEndpoint, transfer_id: str, direction: str, lock=None,
+                 on_admit: Callable[[], None] | None = None):
         self.verifier, self.endpoint = verifier, endpoint
+        self.on_admit = on_admit  # e.g. a staging link offers its segment only now
         self.transfer_id, self.direction = transfer_id, direction
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.landing = GuardedLanding(endpoint, lock)
@@ -113,6 +117,8 @@ class LinkGuard:
         claims = self.verifier.verify(frame.capability, expect)
         self.landing.regions = frozenset(claims.regions)
         self.landing.transfer_id = self.transfer_id
+        if self.on_admit is not None:
+            self.on_admit()
 
     def _refuse(self, err: HandoffError) -> list[Frame]:
         self.refused = True

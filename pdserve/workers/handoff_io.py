@@ -252,8 +252,8 @@ class HandoffListener:
             kind = conn.recv(1)
             if kind == b"P":
                 link = ShmPullReceiverLink(SocketChannel(conn), self.endpoint.raw)
-            elif kind == b"S":
-                link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw)
+            elif kind == b"S":  # under capabilities the staging segment exists only once the link is admitted
+                link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw, deferred=self.verifier is not None)
             else:
                 link = TcpReceiverLink(conn, self.endpoint.raw)
             first = link.recv(30.0, _land_nothing)  # the link's first frame names its transfer; it lands nothing
@@ -265,7 +265,8 @@ class HandoffListener:
             return
         transfer_id = first.manifest.transfer_id
         guard = None if self.verifier is None else \
-            LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock)
+            LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
+                      on_admit=getattr(link, "open_staging", None))
         state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
         if guard is not None and guard.refused:
             _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes

@@ -94,6 +94,7 @@ def test_a_capability_transfer_publishes_bitwise_identical_kv(rig):
     plan = msgspec.structs.replace(plan, capability=signed(plan, world))
     ends = run(sender, plan, request, world, done, expect_both=True)
     assert ends["source"].state is TxnState.PUBLISHED and ends["destination"] is TxnState.PUBLISHED
+    assert [e.reason for e in world.trace.of("reject")] == []
     assert published_bytes_equal(world, request.request_id)
     listener.close()
     world.assert_no_leaks()
@@ -133,9 +134,12 @@ DENIALS = {
 
 
 @pytest.mark.parametrize("case", list(DENIALS))
-def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig, case):
+def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig, case, monkeypatch):
     world, transport, _ = rig
     make, reason = DENIALS[case]
+    offered = []  # staging segments the destination created (none may exist before admission)
+    real_open = ShmReceiverLink.open_staging
+    monkeypatch.setattr(ShmReceiverLink, "open_staging", lambda link: (offered.append(link), real_open(link)))
     sender, listener, plan, request, done = open_pair(world, transport, source_checks=False)  # the bad token reaches D
     plan = msgspec.structs.replace(plan, capability=make(plan, world, listener))
     before = world.dst_pool.tensor.clone()
@@ -147,6 +151,7 @@ def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig
     assert torch.equal(world.dst_pool.tensor.view(torch.uint8), before.view(torch.uint8))  # bitwise untouched
     assert not world.blocks.is_reserved(plan.reservation_id) and world.blocks.num_free == free_before + 8  # 6 + growth 2
     assert [e.reason for e in world.trace.of("reject")] == [reason.value]
+    assert offered == []
     listener.close()
     world.assert_no_leaks()
 

@@ -5,7 +5,7 @@ Contract: used when both workers share memory. The sender never writes the desti
     bytes; the receiver copies them into the blocks `landing(frame)` names, or drops them.
   * `ShmSenderLink` / `ShmReceiverLink` (same host, other process): the receiver owns a POSIX
     shared-memory *staging* area as large as the sender's credit window (offered in-band after
-    the sender's `StagingHello`). The sender copies a chunk to the frame's credit range
+    the sender's `StagingHello`; with `deferred`, only once the link's capability was checked). The sender copies a chunk to the frame's credit range
     `[offset, offset + nbytes)` of staging (a first send hashes and copies it in one pass via
     `stage`), then sends the frame on a `SocketChannel`; the
     receiver, when `landing(frame)` admits the chunk, copies staging into its reserved blocks and
@@ -24,7 +24,8 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from pdserve.engine.kv_pool import KvPool
-from pdserve.handoff.frames import ChunkFrame, Frame, StagingHello, StagingOffer
+from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.frames import ChunkFrame, Frame, PublishAck, StagingHello, StagingOffer
 from pdserve.handoff.kvbytes import (checksum_and_gather, chunk_nbytes, copy_chunk, gather_chunk, pool_bytes,
                                      scatter_and_checksum)
 from pdserve.handoff.transports.base import ChunkPayload, Landing, LinkClosed, ReceiverLink, SenderLink
@@ -100,6 +101,8 @@ class ShmSenderLink(SenderLink):
 
     def _wait_for_offer(self) -> None:
         frame = self.channel.recv_frame(self.offer_timeout_s)
+        if isinstance(frame, PublishAck) and not frame.published:  # refused before any staging was offered
+            raise HandoffError(_reason(frame.reason), "refused before staging was offered")
         if not isinstance(frame, StagingOffer):
             raise LinkClosed(f"expected a staging offer, got {type(frame).__name__}")
         self._take_offer(frame)
@@ -150,19 +153,29 @@ class ShmReceiverLink(SegmentReceiverLink):
     HELLO = StagingHello
     owns_segment = True
 
-    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES):
+    def __init__(self, channel: SocketChannel, dst_raw: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES,
+                 deferred: bool = False):
         super().__init__(channel, dst_raw)
         self.max_staging_bytes = max_staging_bytes
         self.staging: np.ndarray | None = None
+        self.deferred = deferred  # True: no staging exists or is offered until `open_staging` (a capability check)
+        self._window = 0
 
     def _on_hello(self, hello: StagingHello) -> None:
-        if self._shm is not None or not 0 < hello.window_bytes <= self.max_staging_bytes:
+        if self._window or not 0 < hello.window_bytes <= self.max_staging_bytes:
             raise LinkClosed(f"refused staging of {hello.window_bytes} B")
+        self._window = hello.window_bytes
+        if not self.deferred:
+            self.open_staging()
+
+    def open_staging(self) -> None:
+        """Create the staging segment the sender asked for and offer it (once)."""
+        if not self._window or self._shm is not None:
+            return
         # owner-only (Python creates segments 0600) under an unguessable name: see docs/security.md
-        self._shm = shared_memory.SharedMemory(name=f"pdstage-{secrets.token_hex(16)}", create=True,
-                                               size=hello.window_bytes)
-        self.staging = np.ndarray((hello.window_bytes,), dtype=np.uint8, buffer=self._shm.buf)
-        self.channel.send_frame(StagingOffer(self._shm.name, hello.window_bytes))
+        self._shm = shared_memory.SharedMemory(name=f"pdstage-{secrets.token_hex(16)}", create=True, size=self._window)
+        self.staging = np.ndarray((self._window,), dtype=np.uint8, buffer=self._shm.buf)
+        self.channel.send_frame(StagingOffer(self._shm.name, self._window))
 
     def _land(self, frame: ChunkFrame, blocks: list[int] | None) -> int | None:
         if blocks is None or self.staging is None or frame.offset + frame.nbytes > self.staging.size:
@@ -172,3 +185,10 @@ class ShmReceiverLink(SegmentReceiverLink):
 
     def _drop_views(self) -> None:
         self.staging = None
+
+
+def _reason(text: str | None) -> RejectReason:
+    try:
+        return RejectReason(text)
+    except ValueError:
+        return RejectReason.TRANSPORT_FAILURE
