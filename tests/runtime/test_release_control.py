@@ -162,3 +162,19 @@ def test_admin_endpoints_need_the_token_and_refuse_bad_bodies_without_changing_a
     assert unmounted.status_code == 404
     assert state["state"] == "ACTIVE" and state["disaggregation"] is True
     assert after == {"prefill-0": ("prefill", 1, "live"), "decode-0": ("decode", 1, "live")}
+
+
+def test_a_short_drill_under_steady_load_ends_every_request_and_leaks_nothing():
+    from pdserve.api.chaos import ChaosSpec
+    from pdserve.api.drill import healthy, run_drill
+
+    spec = ChaosSpec(duration_s=16.0, kill_every_s=16.0, rate=2.0, max_in_flight=8, max_prompt=96, max_output=16,
+                     hang_s=60.0, settle_s=120.0, seed=3)
+    report = asyncio.run(run_drill(config(), spec))
+    assert [(op["op"], op["status"], op.get("state")) for op in report["operations"]] == [
+        ("disable", 200, "PINNED"), ("enable", 200, "ACTIVE"), ("rollback", 200, "ROLLED_BACK")]
+    assert [name for name, _ in report["operations"][2]["steps"]] == list(ROLLBACK_ORDER)
+    assert report["hung"] == 0 and report["cut"] == 0 and report["requests"] > 0
+    assert report["completed"] + report["error"] == report["requests"]
+    assert not report["leaked_workers"] and report["router_holds_clean"] and healthy(report)
+    assert report["roles_after"] == {"prefill-0": ("colocated", 4), "decode-0": ("decode", 1)}
