@@ -29,6 +29,8 @@ from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.router.calibration import AUTO, NONE, cost_profile
+from pdserve.router.role_control import run_pool_controller
+from pdserve.router.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
@@ -68,6 +70,7 @@ class ServeConfig:
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
+    splitwise: Thresholds | None = None  # mode "splitwise": the pool controller's marks (default: from the SLOs)
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
@@ -77,14 +80,18 @@ class ServeConfig:
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
             return ClusterShape.colocated(self.replicas)
-        return ClusterShape.disaggregated(self.num_prefill, self.num_decode)
+        return ClusterShape.disaggregated(self.num_prefill, self.num_decode)  # "splitwise" starts disaggregated
+
+    def pool_thresholds(self) -> Thresholds:
+        """Splitwise's marks: a prompt pool is pressed at a quarter of the TTFT target queued per worker."""
+        return self.splitwise or Thresholds(prompt_high_s=self.slo_ttft_s / 4, prompt_low_s=self.slo_ttft_s / 16)
 
 
 def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     source = config.pd_profile
-    if source == AUTO and (config.mode != "disaggregated" or config.pd_decision != "margin"):
+    if source == AUTO and (config.mode == "colocated" or config.pd_decision != "margin"):
         source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len)
@@ -94,7 +101,8 @@ def router_for(config: ServeConfig, model_dir) -> Router:
                   layerwise_min_tokens=config.layerwise_threshold_tokens, chunk_tokens=config.engine.max_num_batched_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
-    return Router(RouterConfig(Mode(config.mode), checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
+    mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED
+    return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
                                heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd))
 
@@ -108,7 +116,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     trace = f"{config.trace_dir}/requests.jsonl" if config.trace_dir else None
     bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
     launcher = _launcher(config)
-    supervisor = None
+    supervisor = pools = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
@@ -119,11 +127,15 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         supervisor = asyncio.create_task(launcher.supervise())
+        if config.mode == "splitwise":
+            pools = asyncio.create_task(run_pool_controller(backend, PoolController(config.pool_thresholds())))
         with frozen_heap():  # the router, app and tokenizer leave the collector's scans
             yield backend, launcher
     finally:
         if supervisor is not None:
             supervisor.cancel()
+        if pools is not None:
+            pools.cancel()
         await backend.close()
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
 

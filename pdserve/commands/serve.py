@@ -12,7 +12,11 @@ DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Deployment flags shared by `serve` and `demo`; defaults mirror `ServeConfig`."""
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--mode", choices=["disaggregated", "colocated", "splitwise"], default="disaggregated",
+                   help="splitwise: disaggregated, and a pool controller moves workers between the prompt and "
+                        "the token pool as load shifts (router/splitwise.py)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="splitwise: workers in all, half prompt (prefill) and half token (decode) at start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--replicas", type=int, default=2, help="colocated workers (colocated)")
@@ -60,6 +64,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
 
 
+def _split(args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) workers: --workers N in splitwise mode splits N in half, else --prefill/--decode."""
+    workers = getattr(args, "workers", None)
+    if workers is None:
+        return args.prefill, args.decode
+    if args.mode != "splitwise" or workers < 2:
+        raise ValueError("--workers N (N >= 2) goes with --mode splitwise")
+    return workers // 2, workers - workers // 2
+
+
 def serve_config(args: argparse.Namespace, port: int | None = None):
     from pdserve.api.server import ServeConfig
     from pdserve.workers.supervisor import RestartPolicy
@@ -70,7 +84,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
     return ServeConfig(
-        mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, replicas=args.replicas, engine=engine,
+        mode=args.mode, num_prefill=_split(args)[0], num_decode=_split(args)[1], replicas=args.replicas, engine=engine,
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
         policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,

@@ -16,18 +16,24 @@ Contract: `change_role(backend, worker_id, role)` is the one mechanism every rol
 once, and every prefill worker changes role to colocated (so all workers serve); enabled, those
 workers change back to prefill and the router routes disaggregated again. Every change returns a
 `RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
+
+`run_pool_controller(backend, controller)`: `pdserve serve --mode splitwise` runs Splitwise's pool
+controller (splitwise.py) over the live load reports and carries out its moves with `change_role`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from pdserve.router.registry import WorkerState
+from pdserve.router.splitwise import PoolController, PoolSignals
 from pdserve.workers import messages as m
 
 POLL_S = 0.02
+log = logging.getLogger("pdserve.router")
 
 
 class RoleChangeFailed(RuntimeError):
@@ -104,3 +110,35 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
             changes.append(await change_role(backend, wid, "prefill", drain_timeout_s))
     router.set_disaggregation(True)
     return changes
+
+
+def pool_signals(backend) -> PoolSignals | None:
+    """The controller's observation from the latest load reports; None while any worker is not
+    LIVE (a role change or a restart is under way: its pool is in flux)."""
+    cost, prompt, kv = backend.router.config.cost, {}, {}
+    for wid, reg in backend.registered.items():
+        load = backend.loads.get(wid)
+        if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
+            return None
+        if reg.role == "prefill":
+            prompt[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+        elif reg.role == "decode":
+            kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
+    return PoolSignals(prompt, kv)
+
+
+async def run_pool_controller(backend, controller: PoolController, period_s: float = 0.5,
+                              drain_timeout_s: float = 30.0) -> None:
+    """Observe the pools every `period_s` and carry out the controller's moves (splitwise.py)."""
+    while True:
+        await asyncio.sleep(period_s)
+        signals = pool_signals(backend)
+        move = None if signals is None else controller.observe(signals, time.monotonic())
+        if move is None:
+            continue
+        try:
+            change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
+            log.warning("splitwise: %s %s -> %s under epoch %d (%s; drained in %.2fs)", change.worker_id,
+                        change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
+        except RoleChangeFailed as exc:
+            log.error("splitwise: move of %s failed: %s", move.worker_id, exc)

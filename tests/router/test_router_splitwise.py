@@ -1,0 +1,50 @@
+"""Splitwise's pool controller (router/splitwise.py): hysteresis, cooldown, a worker left in each
+pool, the least loaded worker moved."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.splitwise import Move, PoolController, PoolSignals, Thresholds
+
+T = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=3, cooldown_s=10.0)
+PROMPT_PRESSED = PoolSignals({"p0": 3.0, "p1": 2.5}, {"d0": 0.2, "d1": 0.1, "d2": 0.3})
+TOKEN_PRESSED = PoolSignals({"p0": 0.1, "p1": 0.0}, {"d0": 0.9, "d1": 0.7})
+CALM = PoolSignals({"p0": 1.0, "p1": 1.0}, {"d0": 0.6, "d1": 0.6})
+
+
+def test_a_lasting_prompt_backlog_moves_the_least_loaded_decode_worker():
+    c = PoolController(T)
+    assert [c.observe(PROMPT_PRESSED, t) for t in (0.0, 1.0)] == [None, None]  # not lasting yet
+    move = c.observe(PROMPT_PRESSED, 2.0)
+    assert move == Move("d1", "prefill", move.reason) and "prompt queue 2.75s" in move.reason
+
+
+def test_a_lasting_token_pressure_moves_the_idlest_prefill_worker():
+    c = PoolController(T)
+    moves = [c.observe(TOKEN_PRESSED, float(t)) for t in range(3)]
+    assert moves[:2] == [None, None] and (moves[2].worker_id, moves[2].to_role) == ("p1", "decode")
+
+
+def test_a_calm_observation_resets_the_streak_and_a_move_starts_a_cooldown():
+    c = PoolController(T)
+    for t, signals in enumerate([PROMPT_PRESSED, PROMPT_PRESSED, CALM, PROMPT_PRESSED, PROMPT_PRESSED]):
+        assert c.observe(signals, float(t)) is None  # the calm one broke the streak
+    assert c.observe(PROMPT_PRESSED, 5.0) is not None
+    assert all(c.observe(PROMPT_PRESSED, 5.0 + dt) is None for dt in (1.0, 2.0, 3.0, 9.9))  # cooling down
+    assert c.observe(PROMPT_PRESSED, 15.1) is not None and len(c.moves) == 2
+
+
+def test_pressure_on_both_pools_moves_nothing_and_each_pool_keeps_a_worker():
+    c = PoolController(T)
+    both = PoolSignals({"p0": 5.0}, {"d0": 0.95})
+    assert all(c.observe(both, float(t)) is None for t in range(6))
+    alone = PoolSignals({"p0": 5.0}, {"d0": 0.1})  # pressed prompt pool, but a single decode worker
+    assert all(c.observe(alone, float(t)) is None for t in range(6))
+
+
+def test_marks_must_be_ordered():
+    with pytest.raises(ValueError):
+        Thresholds(prompt_high_s=1.0, prompt_low_s=2.0)
+    with pytest.raises(ValueError):
+        Thresholds(kv_high=0.5, kv_low=0.6)
