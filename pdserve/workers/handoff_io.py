@@ -197,6 +197,7 @@ def _land_nothing(frame) -> None:
 def _hang_up(link: ReceiverLink, timeout_s: float) -> None:
     """Half-close after a refusal, then discard what the source still sends until it hangs up
     (closing with unread bytes would reset the connection and could drop the refusal)."""
+    link.handshakes_closed = True  # a pull source's pool announced now is never mapped
     try:
         link.channel.sock.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + timeout_s

@@ -140,6 +140,9 @@ def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig
     offered = []  # staging segments the destination created (none may exist before admission)
     real_open = ShmReceiverLink.open_staging
     monkeypatch.setattr(ShmReceiverLink, "open_staging", lambda link: (offered.append(link), real_open(link)))
+    mapped = []  # source pools the destination attached to (none after a refusal)
+    real_hello = ShmPullReceiverLink._on_hello
+    monkeypatch.setattr(ShmPullReceiverLink, "_on_hello", lambda link, hello: (mapped.append(hello), real_hello(link, hello)))
     sender, listener, plan, request, done = open_pair(world, transport, source_checks=False)  # the bad token reaches D
     plan = msgspec.structs.replace(plan, capability=make(plan, world, listener))
     before = world.dst_pool.tensor.clone()
@@ -151,7 +154,7 @@ def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig
     assert torch.equal(world.dst_pool.tensor.view(torch.uint8), before.view(torch.uint8))  # bitwise untouched
     assert not world.blocks.is_reserved(plan.reservation_id) and world.blocks.num_free == free_before + 8  # 6 + growth 2
     assert [e.reason for e in world.trace.of("reject")] == [reason.value]
-    assert offered == []
+    assert offered == [] and mapped == []
     listener.close()
     world.assert_no_leaks()
 

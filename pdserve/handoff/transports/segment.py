@@ -3,7 +3,7 @@
 Contract: a `SegmentReceiverLink` is a destination link whose chunk bytes sit in a POSIX
 shared-memory segment (the receiver's own staging area, or the source's pool) while frames travel
 on a `SocketChannel`. `recv` answers the link's own handshake frame (`HELLO`, never returned to the
-caller) by `_on_hello`, then for a `ChunkFrame` asks `landing(frame)` for blocks and lets `_land`
+caller) by `_on_hello` (ignored once `handshakes_closed`: a refused link maps nothing more), then for a `ChunkFrame` asks `landing(frame)` for blocks and lets `_land`
 copy the admitted chunk into this worker's pool, returning the checksum of the bytes now there
 (or None: fenced, duplicate or malformed, and the pool is not touched). `close` drops the views
 and the segment, and unlinks it only when this side created it.
@@ -38,6 +38,7 @@ class SegmentReceiverLink(ReceiverLink):
         self.channel, self.dst_raw = channel, dst_raw
         self._shm: shared_memory.SharedMemory | None = None
         self._landed: tuple[ChunkFrame, int] | None = None  # the last chunk this link wrote, hashed
+        self.handshakes_closed = False  # after a refusal: handshake frames are read and ignored (nothing mapped)
 
     def _on_hello(self, hello) -> None:
         raise NotImplementedError
@@ -52,7 +53,8 @@ class SegmentReceiverLink(ReceiverLink):
         self._landed = None
         frame = self.channel.recv_frame(timeout_s)
         while isinstance(frame, self.HELLO):  # the link's own handshake; callers never see it
-            self._on_hello(frame)
+            if not self.handshakes_closed:
+                self._on_hello(frame)
             frame = self.channel.recv_frame(timeout_s)
         if isinstance(frame, ChunkFrame):
             checksum = self._land(frame, landing(frame))
