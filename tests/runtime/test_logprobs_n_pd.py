@@ -23,6 +23,7 @@ CASES = [  # (prompt, params): the first token of each comes from the prefill wo
     (prompt(300, 2), SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=3, logprobs=0,
                                      prompt_logprobs=2)),  # the same prompt again: the prefix cache has it
     (prompt(37, 4), SamplingParams(max_tokens=7, ignore_eos=True, temperature=1.0, seed=5, n=3, logprobs=1)),
+    (prompt(37, 5), SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=6, n=3)),  # all end at prefill
 ]
 HTTP_BODY = {"model": "tiny", "prompt": list(prompt(50, 6)), "max_tokens": 4, "echo": True, "logprobs": 2, "n": 2,
              "seed": 9, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
@@ -67,7 +68,7 @@ def test_logprobs_and_n_over_the_handoff_equal_colocated():
         assert pd_per == co_per  # tokens, logprobs (the first from the prefill worker) and finishes, bitwise
         for steps in pd_per.values():
             assert sum(len(ids) for ids, _, _ in steps) == s.max_tokens
-            assert all(len(lps) == len(ids) for ids, lps, _ in steps)
+            assert all(len(lps) == (len(ids) if s.logprobs is not None else 0) for ids, lps, _ in steps)
         if s.prompt_logprobs is not None:
             assert pd_prompt == co_prompt and len(pd_prompt) == len(p) - 1
             assert [lp.token_id for lp in pd_prompt] == list(p[1:])
