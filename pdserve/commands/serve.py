@@ -97,12 +97,24 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
     )
 
 
+def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
+    """`--config FILE` merged under the flags the user set (commands/deploy_config.py)."""
+    if getattr(args, "config", None) is None:
+        return args
+    from pdserve.commands import deploy_config
+
+    file_config = deploy_config.load(args.config)
+    return deploy_config.apply(args, file_config, deploy_config.explicit_flags(args.serve_parser, args))
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible API over prefill/decode worker pools")
     add_cluster_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.set_defaults(func=run)
+    p.add_argument("--config", default=None, metavar="FILE.json",
+                   help="a serve configuration (`pdserve plan --emit-config`); flags set here override it")
+    p.set_defaults(func=run, serve_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.api.server import serve
 
     try:
+        args = with_config_file(args)
         config = serve_config(args)
         config.shape()
     except ValueError as exc:

@@ -1,0 +1,74 @@
+"""The serve configuration a plan deploys: `pdserve plan --emit-config FILE` writes it,
+`pdserve serve --config FILE` runs it, and command-line flags given explicitly override it.
+
+Contract: one JSON object, `{"pdserve_serve_config": 1, ...}` with these keys (all optional but
+the version): mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, replicas (worker
+counts), max_num_batched_tokens (the chunk budget), max_num_seqs (batch limit), policy,
+pd_decision, reserve ("static"), prefill_runahead (0), and per-role parallelism prefill_tp,
+prefill_pp, decode_tp, decode_pp, tp, pp (1). `check_runnable` refuses what this runtime cannot
+run, naming what is missing (tensor or pipeline parallelism, dynamic reservations, runahead
+prefill); `apply(args, config, explicit)` sets every argparse destination the file names unless
+the user set that flag (a value other than its default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+VERSION_KEY = "pdserve_serve_config"
+# file key -> argparse destination of `pdserve serve`
+ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "replicas": "replicas",
+          "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs", "policy": "policy",
+          "pd_decision": "pd_decision"}
+PARALLEL_KEYS = ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "tp", "pp")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load(path: str | Path) -> dict:
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if not isinstance(config, dict) or config.get(VERSION_KEY) != 1:
+        raise ConfigError(f"--config {path}: not a pdserve serve configuration (needs \"{VERSION_KEY}\": 1)")
+    unknown = set(config) - {VERSION_KEY, "source", "reserve", "prefill_runahead", *ARG_OF, *PARALLEL_KEYS}
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys {sorted(unknown)}")
+    check_runnable(config)
+    return config
+
+
+def check_runnable(config: dict) -> None:
+    """Raise ConfigError naming every feature the configuration needs and this runtime lacks."""
+    missing = [f"{key} {config[key]} (tensor/pipeline parallelism: workers here run TP 1, PP 1)"
+               for key in PARALLEL_KEYS if int(config.get(key, 1)) != 1]
+    if config.get("reserve", "static") != "static":
+        missing.append(f"reserve {config['reserve']} (only static reservations)")
+    if int(config.get("prefill_runahead", 0)) not in (0, 1):
+        missing.append(f"prefill_runahead {config['prefill_runahead']} (no KV-Runahead prefill)")
+    if missing:
+        raise ConfigError("this runtime cannot run the configuration: " + "; ".join(missing))
+
+
+def explicit_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
+    """The destinations whose value differs from the parser's default: flags the user set."""
+    return {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
+
+
+def apply(args: argparse.Namespace, config: dict, explicit: set[str]) -> argparse.Namespace:
+    """`args` with every value the file names, except flags the user gave."""
+    merged = vars(args).copy()
+    for key, dest in ARG_OF.items():
+        if key in config and dest not in explicit:
+            merged[dest] = config[key]
+    return argparse.Namespace(**merged)
+
+
+def write(path: str | Path, config: dict) -> None:
+    """Write what the plan says, runnable here or not (`pdserve serve --config` refuses the latter)."""
+    Path(path).write_text(json.dumps({VERSION_KEY: 1, **config}, indent=2) + "\n")

@@ -1,0 +1,67 @@
+"""`pdserve serve --config FILE` (commands/deploy_config.py): a configuration file sets the
+deployment, flags the user sets override it, and what this runtime cannot run is refused with
+what is missing named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pdserve.api.server import cluster
+from pdserve.cli import build_parser
+from pdserve.commands import deploy_config
+from pdserve.commands.serve import serve_config, with_config_file
+
+
+def write(tmp_path, **config) -> str:
+    path = tmp_path / "serve.json"
+    deploy_config.write(path, config)
+    return str(path)
+
+
+def parse(*argv):
+    return with_config_file(build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_file_sets_the_deployment_and_set_flags_override_it(tmp_path):
+    path = write(tmp_path, mode="disaggregated", prefill=2, decode=1, max_num_batched_tokens=128, policy="jsq",
+                 max_num_seqs=16, pd_decision="always")
+    args = parse("--config", path, "--policy", "prefix", "--max-num-seqs", "8")
+    config = serve_config(args)
+    assert (config.mode, config.num_prefill, config.num_decode, config.policy, config.pd_decision) == (
+        "disaggregated", 2, 1, "prefix", "always")
+    assert config.engine.max_num_batched_tokens == 128 and config.engine.max_num_seqs == 8
+
+
+@pytest.mark.parametrize("key, value, named", [("prefill_tp", 2, "prefill_tp 2"), ("decode_pp", 4, "decode_pp 4"),
+                                               ("reserve", "dynamic", "reserve dynamic"),
+                                               ("prefill_runahead", 2, "prefill_runahead 2")])
+def test_what_the_runtime_lacks_is_refused_by_name(tmp_path, key, value, named):
+    path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, **{key: value})
+    with pytest.raises(deploy_config.ConfigError, match=named):
+        parse("--config", path)
+
+
+def test_a_file_that_is_not_a_serve_configuration_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"mode": "colocated"}))
+    with pytest.raises(deploy_config.ConfigError, match="not a pdserve serve configuration"):
+        parse("--config", str(bad))
+    bad.write_text(json.dumps({"pdserve_serve_config": 1, "gpus": 8}))
+    with pytest.raises(deploy_config.ConfigError, match="unknown keys"):
+        parse("--config", str(bad))
+    with pytest.raises(deploy_config.ConfigError):
+        parse("--config", str(tmp_path / "missing.json"))
+
+
+def test_a_served_configuration_matches_the_file(tmp_path):
+    path = write(tmp_path, mode="disaggregated", prefill=2, decode=1, max_num_batched_tokens=128, pd_decision="always")
+
+    async def served():
+        config = serve_config(parse("--config", path, "--kv-cache-mb", "32"))
+        async with cluster(config) as (backend, _):
+            return sorted((w.role, w.state) for w in backend.workers())
+
+    assert asyncio.run(served()) == [("decode", "live"), ("prefill", "live"), ("prefill", "live")]
