@@ -90,18 +90,26 @@ def test_malformed_source_blocks_leave_the_pool_untouched(world, bad):
     finish(world, src)
 
 
-def test_unknown_or_short_source_pool_is_refused(world):
-    a, b = socket.socketpair()
-    receiver = ShmPullReceiverLink(SocketChannel(b), world.endpoint.raw)
-    SocketChannel(a).send_frame(SourcePoolHello("pd-no-such-pool", 4))
-    with pytest.raises(LinkClosed, match="no-such-pool"):
+def test_unknown_short_or_early_source_pool_is_refused(world):
+    manifest, src = open_transfer(world, reserve_request(world, num_tokens=37))
+    a0, b0 = socket.socketpair()
+    receiver = ShmPullReceiverLink(SocketChannel(b0), world.endpoint.raw)
+    SocketChannel(a0).send_frame(SourcePoolHello(world.src_pool.shm_name, world.src_pool.num_blocks))
+    with pytest.raises(LinkClosed, match="before any manifest"):  # no pool is mapped before the link's manifest
         receiver.recv(1.0, world.endpoint.landing_blocks)
+    assert receiver.src_raw is None
     receiver.close()
-    a2, b2 = socket.socketpair()
-    receiver = ShmPullReceiverLink(SocketChannel(b2), world.endpoint.raw)
-    SocketChannel(a2).send_frame(SourcePoolHello(world.src_pool.shm_name, world.src_pool.num_blocks * 100))
-    with pytest.raises(LinkClosed, match="announced"):
-        receiver.recv(1.0, world.endpoint.landing_blocks)
-    receiver.close()
-    a.close()
-    a2.close()
+    for name, num_blocks, match in (("pd-no-such-pool", 4, "no-such-pool"),
+                                    (world.src_pool.shm_name, world.src_pool.num_blocks * 100, "announced")):
+        a, b = socket.socketpair()
+        receiver = ShmPullReceiverLink(SocketChannel(b), world.endpoint.raw)
+        channel = SocketChannel(a)
+        channel.send_frame(ManifestFrame(manifest))
+        assert isinstance(receiver.recv(1.0, world.endpoint.landing_blocks), ManifestFrame)
+        channel.send_frame(SourcePoolHello(name, num_blocks))
+        with pytest.raises(LinkClosed, match=match):
+            receiver.recv(1.0, world.endpoint.landing_blocks)
+        receiver.close()
+        a.close()
+    a0.close()
+    finish(world, src)

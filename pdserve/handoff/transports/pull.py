@@ -87,6 +87,8 @@ class ShmPullReceiverLink(SegmentReceiverLink):
             if hello.transfer_id == self.transfer:
                 self.granted |= frozenset(hello.blocks)
             return
+        if self.transfer is None:  # only a link whose manifest came first (and was checked) maps a pool
+            raise LinkClosed("source pool announced before any manifest")
         if self._shm is not None:
             raise LinkClosed("source pool announced twice")
         shape = (self.dst_raw.shape[0], 2, hello.num_blocks) + self.dst_raw.shape[3:]
