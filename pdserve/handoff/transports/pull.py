@@ -5,8 +5,8 @@ shared-memory segment (mode 0600, unguessable name). The sender reveals the segm
 its first chunk (`SourcePoolHello`: segment and size), after the link's manifest, and grants the
 receiver, per transfer, exactly the source blocks that transfer's chunks name
 (`SourceBlockGrant`, sent before the first chunk that needs them; a manifest of another transfer
-id starts an empty grant). The receiver maps the segment read-only, never writes it, and copies
-only granted blocks. A `ChunkFrame` carries the chunk's source blocks;
+id starts an empty grant). The receiver refuses a pool announced before any manifest, maps the
+segment read-only, never writes it, and copies only granted blocks. A `ChunkFrame` carries the chunk's source blocks;
 when `landing(frame)` admits the chunk, the receiver copies those blocks of the given layer into
 its landing blocks and hashes the bytes now in its own pool in the same pass (`landed_checksum`).
 The source computed the chunk's checksum from its blocks when it issued the chunk, so a source
