@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_pool import KvPool
-from pdserve.engine.scheduler import StepPlan
+from pdserve.engine.scheduler import StepPlan, needs_prompt_logits
 from pdserve.engine.sequence import Sequence
 from pdserve.model.attention import AttnMetadata, DecodeBatch, DecodeGroup, PrefillSlice
 from pdserve.model.llama import LlamaModel
@@ -75,7 +75,7 @@ def _prompt_logprob_rows(plan: StepPlan, logits_rows: list[int], q_start: int) -
     out = []
     for seq, rows in plan.prefill:
         start = seq.num_computed
-        if seq.params.prompt_logprobs is not None:
+        if needs_prompt_logits(seq):
             first = max(start, len(seq.prompt_logprobs))
             end = min(start + rows, len(seq.prompt_ids) - 1)
             if end > first:

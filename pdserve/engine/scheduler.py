@@ -178,5 +178,8 @@ class Scheduler:
 
 
 def needs_prompt_logits(seq: Sequence) -> bool:
-    """The request wants prompt logprobs and some prompt position is not scored yet."""
-    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1
+    """The request wants prompt logprobs, some prompt position is not scored yet, and no output
+    token exists: they travel with the first one, so a sequence that already has outputs (a
+    recompute after preemption or a fallback, a decode worker's import) never scores again."""
+    return (seq.params.prompt_logprobs is not None and not seq.output_ids
+            and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1)

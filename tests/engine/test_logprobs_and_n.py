@@ -184,3 +184,18 @@ def test_abort_reaches_every_sequence_and_returns_the_blocks(gqa_ckpt, engine_fa
     eng.assert_no_leaks()
     with pytest.raises(Exception, match="cannot resume"):
         eng.add_request("z", [5, 6, 7], SamplingParams(n=2), resume_output_ids=(9,))
+
+
+def test_a_resumed_request_does_not_score_its_prompt_again(gqa_ckpt, engine_factory):
+    """Prompt logprobs travel with the first output token; a recompute that resumes after it
+    (the router's fallback) takes the prefix hit and sends none."""
+    eng = engine_factory(gqa_ckpt)
+    ids = prompt(40, 7)
+    run(eng, "warm", ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    eng.add_request("r", ids, params, resume_output_ids=(9,))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].num_cached_tokens == 32 and all(o.prompt_logprobs is None for o in outs)
+    assert len(tokens(outs)) == 3
