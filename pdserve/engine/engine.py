@@ -25,11 +25,11 @@ import torch
 from pdserve.engine.block_manager import BlockManager, chain_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequest
-from pdserve.engine.fork import Groups, import_growth_blocks, sequence_key, share_prompt, wants_fork
-from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
+from pdserve.engine.fork import Groups, import_needs, sequence_key, share_prompt, wants_fork
+from pdserve.engine.logprobs import TokenLogprobs, requested_logprobs, score_prompt_rows
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
-from pdserve.engine.outputs import ImportReservation, KvExport, PrefillProgress, RequestOutput
+from pdserve.engine.outputs import ImportReservation, KvExport, PrefillProgress, RequestOutput, sequence_output
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample, sample_one, sequence_seed
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -196,7 +196,7 @@ class Engine:
             seq.num_computed += 1
         self._register_full_blocks([s for s in [*plan.decode, *(q for q, _ in plan.prefill)] if not s.finished])
         num_sampled = len(batch.sampled)
-        self._score_prompts(batch.prompt_rows, logits[num_sampled:])
+        score_prompt_rows(batch.prompt_rows, logits[num_sampled:])
         logits = logits[:num_sampled]  # [R, V]
         indices = [len(s.output_ids) for s in batch.sampled]
         tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
@@ -207,24 +207,8 @@ class Engine:
             if wants_fork(seq):
                 outputs += self._fork(seq, logits[r], tok)
             else:
-                outputs.append(self._postprocess(seq, tok, self._logprobs(seq, logits[r : r + 1], [tok])))
+                outputs.append(self._postprocess(seq, tok, requested_logprobs(seq.params.logprobs, logits[r : r + 1], [tok])))
         return outputs
-
-    @staticmethod
-    def _logprobs(seq: Sequence, logits, tokens: list[int]) -> tuple[TokenLogprobs, ...]:
-        """logits: [k, V] raw rows that sampled `tokens` -> their logprobs, if the request asked."""
-        k = seq.params.logprobs
-        return () if k is None else tuple(token_logprobs(logits, tokens, k))
-
-    @staticmethod
-    def _score_prompts(prompt_rows, logits) -> None:
-        """logits: [Q, V], the prompt-logprob rows in `prompt_rows` order (runner.py)."""
-        at = 0
-        for seq, first, rows in prompt_rows:
-            if not seq.finished:
-                targets = list(seq.prompt_ids[first + 1 : first + 1 + rows])
-                seq.prompt_logprobs += token_logprobs(logits[at : at + rows], targets, seq.params.prompt_logprobs)
-            at += rows
 
     def kv_blocks(self, request_id: str) -> list[int]:
         """Block table of a running or prefilled request (its prompt K/V lives there)."""
@@ -268,28 +252,7 @@ class Engine:
             self.stops.forget(seq.request_id)
             done = self.groups.finish(seq)
         with_prompt = seq.index == 0 and len(seq.output_ids) == 1 and forks is None  # a prefill fork sends it first
-        return self._output(seq, token, new_text, done, reason, prefilled, logprobs, forks or (), with_prompt)
-
-    def _output(self, seq: Sequence, token: int, new_text: str, done: bool, reason: str | None, prefilled: bool,
-                logprobs: tuple[TokenLogprobs, ...], forks: tuple[tuple[int, int], ...], with_prompt: bool) -> RequestOutput:
-        """`with_prompt`: this is the request's first output, which carries the prompt logprobs."""
-        with_prompt = with_prompt and seq.params.prompt_logprobs is not None
-        return RequestOutput(
-            request_id=seq.caller_id,
-            new_token_ids=(token,),
-            output_ids=tuple(seq.output_ids),
-            new_text=new_text,
-            text=seq.text,
-            finished=done,
-            finish_reason=reason,
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            prefilled=prefilled,
-            index=seq.index,
-            logprobs=logprobs,
-            prompt_logprobs=tuple(seq.prompt_logprobs) if with_prompt else None,
-            forks=forks,
-        )
+        return sequence_output(seq, token, new_text, done, reason, prefilled, logprobs, forks or (), with_prompt)
 
     # ---- n > 1 (fork.py) ------------------------------------------------------------------
     def _fork(self, seq: Sequence, row, token0: int) -> list[RequestOutput]:
@@ -297,7 +260,7 @@ class Engine:
         sequences; sequence 0 (`seq`, which sampled `token0`) reports first, then the others."""
         n, params = seq.params.n, seq.params
         tokens = [token0] + [sample_one(row, params, sequence_seed(seq.seed, i), 0) for i in range(1, n)]
-        scored = self._logprobs(seq, row.expand(n, -1), tokens)  # [n, V] rows: one per sequence
+        scored = requested_logprobs(params.logprobs, row.expand(n, -1), tokens)  # [n, V] rows: one per sequence
         lps = [(lp,) for lp in scored] if scored else [()] * n
         if seq.mode is SeqMode.PREFILL_ONLY:
             return self._fork_at_prefill(seq, tokens, lps)
@@ -332,7 +295,7 @@ class Engine:
             text, reason = self.stops.update(child, tokens[i])
             text += self.stops.flush(child) if reason is None else ""
             self.stops.forget(child.request_id)
-            outputs.append(self._output(child, tokens[i], text, False, reason, False, lps[i], (), i == 1))
+            outputs.append(sequence_output(child, tokens[i], text, False, reason, False, lps[i], (), i == 1))
             if reason is None:
                 forks.append((i, tokens[i]))
         outputs.append(self._postprocess(seq, tokens[0], lps[0], tuple(forks)))
@@ -371,19 +334,11 @@ class Engine:
         self.stops.forget(request_id)
 
     # ---- decode side of a handoff ---------------------------------------------------------
-    def _import_needs(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> tuple[int, int]:
-        """(prompt blocks, growth blocks) for n sequences decoding over one imported prompt."""
-        prompt_blocks, growth = self._growth(num_prompt_tokens, max_tokens)
-        return prompt_blocks, import_growth_blocks(n, growth, num_prompt_tokens, self.abi.block_size)
-
-    def _growth(self, num_prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
-        bs = self.abi.block_size
-        prompt_blocks = -(-num_prompt_tokens // bs)
-        final = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        return prompt_blocks, max(0, -(-final // bs) - prompt_blocks)
+    def _import_needs(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> tuple[int, int, int]:
+        return import_needs(num_prompt_tokens, max_tokens, n, self.abi.block_size, self.max_model_len)
 
     def can_reserve_import(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> bool:
-        prompt_blocks, growth = self._import_needs(num_prompt_tokens, max_tokens, n)
+        prompt_blocks, growth, _ = self._import_needs(num_prompt_tokens, max_tokens, n)
         return self.blocks.can_reserve(prompt_blocks + growth)
 
     def reserve_import(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> ImportReservation:
@@ -391,7 +346,7 @@ class Engine:
         self.validate(prompt_ids, params)
         if self._in_use(request_id):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        prompt_blocks, growth = self._import_needs(len(prompt_ids), params.max_tokens, params.n)
+        prompt_blocks, growth, _ = self._import_needs(len(prompt_ids), params.max_tokens, params.n)
         if not self.blocks.can_reserve(prompt_blocks + growth):
             raise InvalidRequest(f"no K/V capacity for {prompt_blocks + growth} blocks")  # caller checks first
         hashes = self.blocks.hashes_for(prompt_ids)
@@ -428,7 +383,7 @@ class Engine:
                 if not share_prompt(self.blocks, self.pool, head, child, len(prompt_ids)):
                     raise InvalidRequest("no block for a forked sequence's copy")  # the reservation covered it
                 members.append(child)
-            growth = self._growth(len(prompt_ids), params.max_tokens)[1]
+            growth = self._import_needs(len(prompt_ids), params.max_tokens)[2]
             for member in members:
                 self.groups.add(member)
                 self.blocks.reserve(member.request_id, min(growth, self.blocks.num_free - self.blocks.num_reserved))

@@ -34,11 +34,15 @@ def wants_fork(seq: Sequence) -> bool:
     return seq.params.n > 1 and seq.index == 0 and not seq.output_ids
 
 
-def import_growth_blocks(n: int, growth_per_sequence: int, num_prompt_tokens: int, block_size: int) -> int:
-    """Decode-side capacity for n sequences over one imported prompt: each grows on its own, and
-    every sequence but the first needs its own copy of a partial last prompt block."""
+def import_needs(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int, max_model_len: int) -> tuple[int, int, int]:
+    """(prompt blocks, growth blocks in all, growth blocks of one sequence) for n sequences decoding
+    over one imported prompt: each grows on its own, and every sequence but the first needs its
+    own copy of a partial last prompt block."""
+    prompt_blocks = -(-num_prompt_tokens // block_size)
+    final = min(num_prompt_tokens + max_tokens, max_model_len)
+    each = max(0, -(-final // block_size) - prompt_blocks)
     partial = 1 if num_prompt_tokens % block_size else 0
-    return n * growth_per_sequence + (n - 1) * partial
+    return prompt_blocks, n * each + (n - 1) * partial, each
 
 
 class Groups:

@@ -41,6 +41,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
     return [TokenLogprobs(t, v, tuple(ids), tuple(vals)) for t, v, ids, vals in zip(token_ids, chosen, top_ids, top_vals)]
 
 
+def requested_logprobs(k: int | None, logits: torch.Tensor, token_ids: list[int]) -> tuple[TokenLogprobs, ...]:
+    """logits: [R, V] raw rows that sampled `token_ids` -> their logprobs, or () when the request
+    did not ask (k is None)."""
+    return () if k is None else tuple(token_logprobs(logits, token_ids, k))
+
+
+def score_prompt_rows(prompt_rows, logits: torch.Tensor) -> None:
+    """logits: [Q, V], the prompt-logprob rows of a step in `prompt_rows` order ((sequence, first
+    position, rows), runner.py); each sequence's `prompt_logprobs` grows by its rows' scores."""
+    at = 0
+    for seq, first, rows in prompt_rows:
+        if not seq.finished:
+            targets = list(seq.prompt_ids[first + 1 : first + 1 + rows])
+            seq.prompt_logprobs += token_logprobs(logits[at : at + rows], targets, seq.params.prompt_logprobs)
+        at += rows
+
+
 def _top_k(lp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """lp: [R, V] -> per row the k largest (ids, values), larger first, equal values by lower id."""
     values, ids = torch.topk(lp, k, dim=-1)  # [R, k]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,20 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt positions 1.., on sequence 0's first output
     forks: tuple[tuple[int, int], ...] = ()  # prefilled n > 1 request: (index, first token) of sequences that go on
+
+
+def sequence_output(seq: Sequence, token: int, new_text: str, done: bool, reason: str | None, prefilled: bool,
+                    logprobs: tuple[TokenLogprobs, ...], forks: tuple[tuple[int, int], ...],
+                    with_prompt: bool) -> RequestOutput:
+    """The output of `seq` for the token it just appended. `with_prompt`: this is the request's
+    first output, which carries the prompt logprobs (when the request asked for them)."""
+    with_prompt = with_prompt and seq.params.prompt_logprobs is not None
+    return RequestOutput(
+        request_id=seq.caller_id, new_token_ids=(token,), output_ids=tuple(seq.output_ids), new_text=new_text,
+        text=seq.text, finished=done, finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids),
+        num_cached_tokens=seq.num_cached_tokens, prefilled=prefilled, index=seq.index, logprobs=logprobs,
+        prompt_logprobs=tuple(seq.prompt_logprobs) if with_prompt else None, forks=forks,
+    )
 
 
 @dataclass(frozen=True)
