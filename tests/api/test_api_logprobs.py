@@ -147,3 +147,32 @@ def test_n_choices_are_reproducible_and_streamed_by_index(client, backend):
                                           seed=7, logprobs=True, extra_body={"ignore_eos": True})
     assert [c.index for c in chat.choices] == [0, 1] and all(len(c.logprobs.content) == 4 for c in chat.choices)
     wait_idle(backend)
+
+
+def test_max_logprobs_flag_caps_requests_and_a_refusal_holds_nothing(backend):
+    from pdserve.api.app import create_app
+    from pdserve.cli import build_parser
+    from pdserve.commands.serve import serve_config
+    from tests.api.servers import ServerThread
+
+    assert serve_config(build_parser().parse_args(["serve", "--max-logprobs", "3"])).max_logprobs == 3
+    assert serve_config(build_parser().parse_args(["serve"])).max_logprobs == 20
+    srv = ServerThread(create_app(backend, max_logprobs=3)).start()
+    try:
+        url = f"{srv.url}/v1"
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
+        ok = httpx.post(f"{url}/completions", json={**body, "logprobs": 3})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 3
+        refused = [
+            httpx.post(f"{url}/completions", json={**body, "logprobs": 4}),
+            httpx.post(f"{url}/completions", json={**body, "echo": True, "logprobs": 4, "stream": True}),
+            httpx.post(f"{url}/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                        "logprobs": True, "top_logprobs": 4}),
+        ]
+        for resp in refused:
+            assert resp.status_code == 400 and "at most 3" in resp.json()["error"]["message"]
+            assert resp.json()["error"]["param"] in ("logprobs", "top_logprobs")
+        wait_idle(backend)  # nothing was admitted, nothing is held
+        assert httpx.post(f"{url}/completions", json=body).json()["usage"]["completion_tokens"] == 2
+    finally:
+        srv.stop()
