@@ -28,6 +28,7 @@ raises a ValueError listing what the database has.
 from __future__ import annotations
 
 import importlib.util
+from bisect import bisect_left
 import logging
 import math
 import shutil
@@ -75,6 +76,7 @@ def require_aic() -> None:
 def aic_family(spec: AicSpec, model: ModelSpec) -> Callable[[int, int], AicLatency]:
     """(tp, pp) -> the model's AicLatency on `spec`'s database (validated once, here)."""
     require_aic()
+    _silence_provenance_warnings()
     database, version = _database(spec)
     model_path = _model_path(model)
     memory = float(database.system_spec["gpu"]["mem_capacity"])
@@ -97,7 +99,7 @@ class AicLatency(LatencyModel):
         self._capacity = max(0, int(free // model.kv_bytes_per_token))
         self._decode_ms = lru_cache(maxsize=None)(self._decode_point_ms)
         self._prefill_ms = lru_cache(maxsize=None)(self._prefill_point_ms)
-        self._mixed_ms = lru_cache(maxsize=None)(self._mixed_point_ms)
+        self._mixed_s: dict[tuple[int, int, int, int], float] = {}
 
     @property
     def pipeline_stages(self) -> int:  # type: ignore[override]
@@ -122,43 +124,65 @@ class AicLatency(LatencyModel):
             return 0.0
         return _on_grid(lambda g: self._decode_ms(batch, g), context_tokens / batch) * 1e-3
 
+    def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
+        """Both steps of a segment from one bracket when they share its linear piece."""
+        if batch <= 0:
+            return 0.0, 0.0
+        x = context_tokens / batch
+        lo, hi = _bracket(x)
+        if lo < hi and x + 1 <= hi:
+            f_lo, f_hi = self._decode_ms(batch, lo), self._decode_ms(batch, hi)
+            slope = (f_hi - f_lo) / (hi - lo)
+            return (f_lo + slope * (x - lo)) * 1e-3, slope * 1e-3
+        return super().decode_segment_s(batch, context_tokens)
+
     def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
                      batch: int, context_tokens: int) -> float:
         if chunk_tokens <= 0:
             return self.decode_step_s(batch, context_tokens)
-        prompt = max(chunk_tokens, round(chunk_tokens / chunk_fraction)) if chunk_fraction > 0 else chunk_tokens
-        length = context_tokens / batch if batch else prompt
-        osl = max(1, round(2 * (length - prompt)))
-        return self._mixed_ms(chunk_tokens, batch, _grid_point(prompt), _grid_point(osl)) * 1e-3
+        # the simulator's hottest call: grid points by bisection, inline, then one dict lookup
+        prompt = max(chunk_tokens, chunk_tokens / chunk_fraction) if chunk_fraction > 0 else chunk_tokens
+        osl = 2 * (context_tokens / batch - prompt) if batch else 1
+        last = len(_GRID) - 1
+        key = (chunk_tokens, batch, _GRID[min(bisect_left(_GRID, prompt), last)],
+               _GRID[min(bisect_left(_GRID, osl), last)] if osl > 1 else 1)
+        step = self._mixed_s.get(key)
+        if step is None:
+            step = self._mixed_s[key] = self._mixed_point_ms(*key) * 1e-3
+        return step
 
     def to_dict(self) -> dict:
         return {"kind": "aic", "spec": str(self.spec), "version": self.version, "model": self.model.name,
                 "tp": self.tp, "pp": self.pp}
 
     def _decode_point_ms(self, batch: int, length: int) -> float:
-        with _quiet():
-            return self._handle.decode_step_latency(batch, max(1, length - 1), 1)
+        return self._handle.decode_step_latency(batch, max(1, length - 1), 1)
 
     def _prefill_point_ms(self, batch: int, prompt: int, prefix: int) -> float:
-        with _quiet():
-            return self._handle.predict_prefill_latency(batch, prompt, prefix)
+        return self._handle.predict_prefill_latency(batch, prompt, prefix)
 
     def _mixed_point_ms(self, chunk: int, batch: int, prompt: int, osl: int) -> float:
-        with _quiet():
-            return self._handle.mixed_step_latency(chunk, batch, max(prompt, chunk), osl, 0)
+        return self._handle.mixed_step_latency(chunk, batch, max(prompt, chunk), osl, 0)
+
+
+# integers up to 16, then 8 points per doubling up to 2 ** 24 tokens
+_GRID = tuple(sorted({*range(1, 17), *(round(2 ** (k / GRID_PER_DOUBLING)) for k in range(4 * GRID_PER_DOUBLING,
+                                                                                          24 * GRID_PER_DOUBLING + 1))}))
 
 
 def _bracket(x: float) -> tuple[int, int]:
-    """The grid points around x: integers up to 16, then 8 per doubling."""
-    if x <= 16:
-        return max(1, math.floor(x)), max(1, math.ceil(x))
-    k = math.log2(x) * GRID_PER_DOUBLING
-    return round(2 ** (math.floor(k) / GRID_PER_DOUBLING)), round(2 ** (math.ceil(k) / GRID_PER_DOUBLING))
+    """The grid points around x (both x when x is one)."""
+    i = bisect_left(_GRID, x)
+    if i == len(_GRID):
+        raise ValueError(f"aic latency model: {x:g} tokens is past the grid's {_GRID[-1]}")
+    hi = _GRID[i]
+    return (hi, hi) if hi == x or i == 0 else (_GRID[i - 1], hi)
 
 
 def _grid_point(x: float) -> int:
     """The grid point at or above x."""
-    return _bracket(x)[1]
+    i = bisect_left(_GRID, x)
+    return _GRID[min(i, len(_GRID) - 1)]
 
 
 def _on_grid(f: Callable[[int], float], x: float) -> float:
@@ -229,7 +253,8 @@ def _model_path(model: ModelSpec) -> str:
 
 
 class _quiet:
-    """aiconfigurator logs data-provenance warnings at WARNING on every load; keep stderr for ours."""
+    """Keep aiconfigurator's loggers at ERROR inside the block (it logs data-provenance warnings
+    at WARNING on every database load)."""
 
     NAMES = ("aiconfigurator", "aiconfigurator_core")
 
@@ -241,3 +266,10 @@ class _quiet:
     def __exit__(self, *exc):
         for logger, level in self._levels:
             logger.setLevel(level)
+
+
+def _silence_provenance_warnings() -> None:
+    """Its step queries warn too (once per new shape, e.g. an unknown attention lane); a level set
+    per query clears logging's caches every time, so the aic model sets it once per process."""
+    for name in _quiet.NAMES:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -80,6 +80,10 @@ def test_contract_invariants(qwen3_32b):
     tp1, tp4 = qwen3_32b(1, 1), qwen3_32b(4, 1)
     assert qwen3_32b(4, 1) is tp4  # one model per shape: its cache is shared
     assert tp4.decode_step_s(0, 0) == 0.0
+    for batch, context in ((12, 12 * 800), (64, 64 * 4095), (3, 3 * 16)):
+        d0, d1 = tp4.decode_segment_s(batch, context)
+        assert d0 == pytest.approx(tp4.decode_step_s(batch, context), rel=1e-12)
+        assert d0 + d1 == pytest.approx(tp4.decode_step_s(batch, context + batch), rel=1e-12)
     steps = [tp4.decode_step_s(b, b * 2000) for b in (1, 8, 64, 128)]
     assert steps == sorted(steps) and steps[0] > 0
     assert tp4.prefill_s(4000) < tp1.prefill_s(4000) and tp4.decode_step_s(8, 16000) < tp1.decode_step_s(8, 16000)
