@@ -3,7 +3,8 @@
 dT = interference saved - exposed (non-overlapped) transfer - routing delta - expected failure
 penalty. Enable only when dT exceeds the declared safety margin and both SLO gates pass.
 The interference a local prefill would cause is counted against the SLOs (`slo_interference_s`):
-the running decodes' steps beyond the TPOT objective and the request's own TTFT beyond its target.
+the running decodes' stall beyond their TPOT slack (TPOT as goodput counts it: a request's mean),
+and the request's own TTFT beyond its target.
 """
 
 from __future__ import annotations
@@ -25,13 +26,30 @@ def net_margin_s(terms: MarginTerms) -> float:
     return terms.interference_saved_s - terms.transfer_exposed_s - terms.route_delta_s - terms.failure_penalty_s
 
 
-def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: float, ttft_slo_s: float) -> float:
+def tpot_slack_s(tpot_slo_s: float, decode_step_s: float, decode_tokens: int, arrival_rate_rps: float) -> float:
+    """Stall one running decode absorbs from one local prefill before its TPOT (the per-request
+    mean, as goodput counts it) misses the objective: its headroom per token over its tokens,
+    shared by the 1 + lambda x lifetime prefills expected to land during its life."""
+    life_s = decode_tokens * decode_step_s
+    return max(0.0, tpot_slo_s - decode_step_s) * decode_tokens / (1.0 + arrival_rate_rps * life_s)
+
+
+def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: float, ttft_slo_s: float,
+                       wait_s: float = 0.0, arrival_rate_rps: float = 0.0, decode_step_s: float = 0.0,
+                       decode_tokens: int = 1) -> float:
     """SLO time a local prefill costs on its decode worker, run as the mixed steps `step_s` (each
-    holding a prompt chunk beside the B running decodes): every decode is late by each step's time
-    beyond the TPOT objective, and the request's first token by the steps' total beyond the TTFT
-    objective. Disaggregating saves exactly this."""
-    late_decodes = decode_batch * sum(max(0.0, s - tpot_slo_s) for s in step_s)
-    return late_decodes + max(0.0, sum(step_s) - ttft_slo_s)
+    holding a prompt chunk beside the B running decodes, whose own step is `decode_step_s`) after
+    `wait_s` of prompt work already queued there:
+      - each running decode waits the steps' prefill part; what exceeds its TPOT slack
+        (`tpot_slack_s` over `decode_tokens` tokens) is late;
+      - the request's first token is late by the wait and the steps beyond the TTFT objective.
+    `arrival_rate_rps` shares the slack among the prefills expected during a decode's life.
+    Disaggregating saves exactly this."""
+    busy_s = sum(step_s)
+    stall_s = busy_s - len(step_s) * decode_step_s if decode_batch else 0.0
+    slack_s = tpot_slack_s(tpot_slo_s, decode_step_s, decode_tokens, arrival_rate_rps)
+    late_decodes = decode_batch * max(0.0, stall_s - slack_s)
+    return late_decodes + max(0.0, wait_s + busy_s - ttft_slo_s)
 
 
 def should_enable_pd(terms: MarginTerms, safety_margin_s: float, ttft_gate_passes: bool, tpot_gate_passes: bool) -> bool:

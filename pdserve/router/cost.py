@@ -34,6 +34,10 @@ class CostModel:
     transfer_overhead_s: float = 1.0e-3
     kv_bytes_per_token: int = 32 * 2 * 32 * 128 * 2
     block_size_tokens: int = 16
+    # a profile's per-context-token decode cost and the context `decode_step_s_per_seq` assumes
+    # (`decode_step_at`); zero: a sequence costs the same whatever its context
+    decode_step_s_per_context_token: float = 0.0
+    decode_reference_tokens: int = 0
 
     def __post_init__(self) -> None:
         rates = (self.same_host_bytes_per_s, self.cross_host_bytes_per_s, self.block_size_tokens)
@@ -67,7 +71,8 @@ class CostModel:
         a_p, b_p, c_p = (float(x) for x in profile["prefill_coef"])
         a_d, b_d, c_d = (float(x) for x in profile["decode_coef"])
         return cls.from_abi(abi, prefill_overhead_s=a_p, prefill_s_per_token=b_p + c_p * (reference_tokens + 1) / 2,
-                            decode_step_base_s=a_d, decode_step_s_per_seq=b_d + c_d * reference_tokens)
+                            decode_step_base_s=a_d, decode_step_s_per_seq=b_d + c_d * reference_tokens,
+                            decode_step_s_per_context_token=c_d, decode_reference_tokens=reference_tokens)
 
     def queue_s(self, pending_prompt_tokens: Num) -> Num:
         """Time for a prefill worker to drain the prompt tokens already queued on it."""
@@ -78,6 +83,13 @@ class CostModel:
 
     def decode_step_s(self, batch: Num) -> Num:
         return self.decode_step_base_s + batch * self.decode_step_s_per_seq
+
+    def decode_step_at(self, batch: float, context_tokens: float) -> float:
+        """A decode step of `batch` sequences of `context_tokens` each (the profile's own form;
+        `decode_step_s` assumes the reference context)."""
+        per_seq = self.decode_step_s_per_seq + self.decode_step_s_per_context_token * (
+            context_tokens - self.decode_reference_tokens)
+        return self.decode_step_base_s + batch * per_seq
 
     def admission_delay_s(self, active_batch: Num) -> Num:
         """A new sequence joins a running decode batch at the next step boundary: one step."""

@@ -17,19 +17,27 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
     interference saved  a local prefill of u_D tokens (its uncached prompt at D) runs in chunks of
                         the step budget left beside the B decodes running at D; each mixed step
                         takes decode_step_s(B) + prefill_s(chunk). Counted against the SLOs (the
-                        ledger's `slo_interference_s`): B x each step's time beyond the TPOT target,
-                        plus the local TTFT (the steps' total) beyond the TTFT target
+                        ledger's `slo_interference_s`): B x the stall (the steps' prefill part)
+                        beyond each decode's TPOT slack (TPOT target - decode_step_s(B)) x its
+                        tokens, shared by the 1 + lambda x lifetime prefills landing during its
+                        life), plus the local TTFT (D's queued prompt work + the steps) beyond the TTFT
+                        target. D's step for its running decodes takes each to look like this
+                        request (`decode_step_at`: its prompt and half its output as context);
+                        lambda is the router's recent arrival rate
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
-    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus zero (a local
-                        prefill does not wait for P)
+    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the wait a local
+                        prefill has at D, queue_s(D's pending prompt tokens)
     failure penalty     the observed transfer-failure rate x the recompute cost prefill_s(prompt)
 
 Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + prefill_s(u_P) +
-exposed transfer) is within the TTFT target; TPOT passes when D's next decode step
-decode_step_s(B + 1) is within the TPOT target.
+exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
+mixed steps); TPOT passes when D's next decode step decode_step_s(B + 1) is within the TPOT
+target or no longer than the local route's longest mixed step. A gate vetoes disaggregation only
+where it would miss a target the local prefill meets: both routes decode at D.
 """
+
 
 from __future__ import annotations
 
@@ -77,6 +85,9 @@ class PdFacts:
     decode_batch: int  # decodes running at D that a local prefill would delay
     prefill_pending_tokens: int  # prompt tokens already queued at P
     failure_rate: float  # observed transfer failures / transfers ended
+    decode_pending_tokens: int = 0  # prompt tokens already queued at D (its local prefills)
+    arrival_rate_rps: float = 0.0  # the router's recent request arrival rate
+    decode_tokens: int = 1  # tokens a running decode makes (this request's expected output: the estimate)
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,8 @@ PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "neve
 
 
 def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
-              decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel) -> PdFacts:
+              decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel,
+              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0) -> PdFacts:
     """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
     bs = cost.block_size_tokens
     local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
@@ -117,8 +129,17 @@ def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks:
         remote_compute_tokens=int(demand.compute_tokens(request, prefill_hit_blocks, bs)),
         transfer_bytes=int(demand.transfer_tokens(request, decode_hit_blocks, bs)) * cost.kv_bytes_per_token,
         same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
-        failure_rate=failure_rate,
+        failure_rate=failure_rate, decode_pending_tokens=decode_pending_tokens, arrival_rate_rps=arrival_rate_rps,
+        decode_tokens=max(1, request.expected_output_tokens),
     )
+
+
+def running_step_s(facts: PdFacts, cost: CostModel) -> float:
+    """D's decode step for its B running sequences, each taken to look like this request (its
+    prompt and half its output as context): the profile's own form, not the reference context."""
+    if not facts.decode_batch:
+        return 0.0
+    return cost.decode_step_at(facts.decode_batch, facts.prompt_tokens + facts.decode_tokens / 2)
 
 
 def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[float]:
@@ -126,19 +147,25 @@ def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[flo
     running decode rows leave, each step also carrying those rows."""
     batch, todo = facts.decode_batch, facts.local_compute_tokens
     chunk = max(1, policy.chunk_tokens - batch)
-    decode_s = float(cost.decode_step_s(batch)) if batch else 0.0
+    decode_s = running_step_s(facts, cost)
     steps = [decode_s + float(cost.prefill_s(chunk))] * (todo // chunk)
     if todo % chunk:
         steps.append(decode_s + float(cost.prefill_s(todo % chunk)))
     return steps
 
 
+def local_wait_s(facts: PdFacts, cost: CostModel) -> float:
+    """Prompt work already queued at D that a local prefill waits behind."""
+    return float(cost.queue_s(facts.decode_pending_tokens))
+
+
 def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> MarginTerms:
     return MarginTerms(
-        interference_saved_s=slo_interference_s(facts.decode_batch, local_steps_s(facts, policy, cost), tpot_slo_s,
-                                                ttft_slo_s),
+        interference_saved_s=slo_interference_s(
+            facts.decode_batch, local_steps_s(facts, policy, cost), tpot_slo_s, ttft_slo_s, local_wait_s(facts, cost),
+            facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens),
         transfer_exposed_s=exposed_s(facts, policy, cost),
-        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)),
+        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - local_wait_s(facts, cost),
         failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
     )
 
@@ -163,9 +190,12 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     if policy.mode == "always":
         return PINNED["always"]
     terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s)
+    steps = local_steps_s(facts, policy, cost)
     remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
-    ttft_gate = remote_ttft_s <= ttft_slo_s
-    tpot_gate = float(cost.decode_step_s(facts.decode_batch + 1)) <= tpot_slo_s
+    remote_tpot_s = float(cost.decode_step_s(facts.decode_batch + 1))
+    # each gate: the disaggregated route meets the target, or does no worse than the local route
+    ttft_gate = remote_ttft_s <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
+    tpot_gate = remote_tpot_s <= max(tpot_slo_s, max(steps, default=0.0))
     enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
     margin_ok = net_margin_s(terms) > policy.safety_margin_s
     reason = "margin" if enable or not margin_ok else "gate"

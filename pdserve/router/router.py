@@ -25,6 +25,7 @@ at D, as a colocated worker would take); counted by decision in `pd_decisions`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -103,6 +104,8 @@ class Router:
         self._turns: Counter[str] = Counter()  # decisions per policy: round robin's cursor
         self._pd_total: Counter[str] = Counter()
         self._transfers: Counter[str] = Counter()  # "ended", "failed": the observed failure rate
+        self._clock = clock
+        self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
 
     # ----- workers -----
     def register(self, info: WorkerInfo) -> Retirement | None:
@@ -142,6 +145,7 @@ class Router:
         snapshot = self.snapshot()
         choice = POLICIES[name](snapshot, request, self._context(name))
         result = self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
+        self.arrivals.observe(self._clock())  # after the decision: it read the rate of the arrivals before it
         if isinstance(result, Refusal):
             self._route_total[(name, result.reason.value)] += 1
             return RouteRejection(request.request_id, name, result.reason, result.retry_after_s, result.detail)
@@ -263,7 +267,8 @@ class Router:
         ps, ds = choice.prefill_slot, choice.decode_slot
         facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
-                          self.transfer_failure_rate(), cfg.cost)
+                          self.transfer_failure_rate(), cfg.cost, int(snapshot.decode.pending_tokens[ds]),
+                          self.arrivals.rate(self._clock()))
         ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
         tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
         return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)
@@ -273,6 +278,32 @@ class Router:
         self._retired[retired.reason] += 1
         self._events["orphaned"] += len(orphaned)
         return Retirement(retired, orphaned)
+
+
+class ArrivalRate:
+    """Requests per second, exponentially weighted over `window_s`: each arrival adds 1/window
+    and the sum decays with time constant `window_s` (a steady Poisson stream of rate r settles
+    at r)."""
+
+    def __init__(self, window_s: float = 20.0):
+        self.window_s, self._value, self._at = window_s, 0.0, None
+
+    def _decay_to(self, now_s: float) -> None:
+        if self._at is not None:
+            self._value *= math.exp(-max(0.0, now_s - self._at) / self.window_s)
+        self._at = now_s
+
+    def observe(self, now_s: float) -> None:
+        self._decay_to(now_s)
+        self._value += 1.0 / self.window_s
+
+    def reset(self, rate_rps: float, now_s: float) -> None:
+        """Start from a known steady rate (tests, a planner's operating point)."""
+        self._value, self._at = rate_rps, now_s
+
+    def rate(self, now_s: float) -> float:
+        self._decay_to(now_s)
+        return self._value
 
 
 def _shortfall_reason(decode: HoldRequest, ledger: ReservationLedger, reported: Mapping[str, int]) -> RejectReason:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd
+from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd, tpot_slack_s
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
@@ -25,13 +25,13 @@ FACTS = PdFacts(prompt_tokens=512, local_compute_tokens=512, remote_compute_toke
 def test_the_four_terms_have_their_spec_values():
     terms = margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
     # the local prefill runs as a 504-token chunk beside 8 decodes (28 + 514 ms) and the last 8 tokens
-    # (28 + 18 ms); each decode is late by 442 ms in the first step and not at all in the second
+    # (28 + 18 ms): each decode waits 532 ms, and a one-token decode has 100 - 28 = 72 ms of TPOT slack
     assert local_steps_s(FACTS, MARGIN, COST) == pytest.approx([0.542, 0.046], abs=1e-12)
-    assert terms.interference_saved_s == pytest.approx(8 * 0.442, abs=1e-12)
+    assert terms.interference_saved_s == pytest.approx(8 * (0.532 - 0.072), abs=1e-12)
     assert terms.transfer_exposed_s == pytest.approx(0.0522, abs=1e-12)  # serialized: all of 1 ms + 51.2 kB / 1 MB/s
     assert terms.route_delta_s == pytest.approx(0.256, abs=1e-12)  # P's 256 queued tokens
     assert terms.failure_penalty_s == pytest.approx(0.25 * 0.522, abs=1e-12)  # rate x recompute
-    assert net_margin_s(terms) == pytest.approx(3.536 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
+    assert net_margin_s(terms) == pytest.approx(3.68 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
 
 
 def test_a_layerwise_stream_exposes_only_its_last_layer():
@@ -44,7 +44,7 @@ def test_a_layerwise_stream_exposes_only_its_last_layer():
 def test_margin_disaggregates_a_long_prompt_beside_a_busy_decode_batch():
     decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert decision.disaggregate and decision.reason == "margin"
-    assert decision.net_margin_s == pytest.approx(3.0973, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.2413, abs=1e-12)
     assert decision.ttft_gate and decision.tpot_gate  # 0.8302 s <= 2 s, 29 ms <= 100 ms
 
 
@@ -71,10 +71,31 @@ def test_the_local_ttft_beyond_its_target_counts_as_interference():
     assert terms.interference_saved_s == pytest.approx(1.088, abs=1e-12)
 
 
-def test_a_failed_gate_keeps_the_prefill_local():
-    decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.025)  # D's step is 29 ms
-    assert not decision.disaggregate and decision.reason == "gate" and decision.tpot_gate is False
-    assert decision.net_margin_s > 0
+def test_a_gate_vetoes_only_a_target_the_local_route_would_meet():
+    # 32 decodes at D make the margin large, but 5,000 tokens queued at P put the remote first token
+    # at 5.57 s, past the 2 s target, while a local prefill starts at once and ends in 0.636 s
+    busy_p = PdFacts(**{**vars(FACTS), "decode_batch": 32, "prefill_pending_tokens": 5000})
+    decision = decide_pd(busy_p, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert not decision.disaggregate and decision.reason == "gate" and decision.ttft_gate is False
+    assert decision.net_margin_s > 0 and decision.tpot_gate
+    # the same TTFT overrun when D is as late (a local prefill waits behind 6,000 queued tokens): no veto
+    both_late = PdFacts(**{**vars(busy_p), "decode_pending_tokens": 6000})
+    assert decide_pd(both_late, MARGIN, COST, 2.0, 0.1).ttft_gate
+    # a 25 ms TPOT target D's next step (61 ms) misses either way: no veto from TPOT
+    assert decide_pd(FACTS, MARGIN, COST, 2.0, 0.025).tpot_gate
+
+
+def test_a_long_decode_absorbs_a_stall_within_its_slack_shared_by_the_prefills_of_its_life():
+    # 100-token decodes have (100 - 28) ms x 100 = 7.2 s of TPOT slack; a 4,096-token local prefill
+    # (eight 504-token chunks and 64 tokens, 4.438 s) stalls each by 4.186 s: within it
+    long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
+                      "decode_tokens": 100})
+    assert sum(local_steps_s(long, MARGIN, COST)) == pytest.approx(4.438, abs=1e-12)
+    assert margin_terms(long, MARGIN, COST, 10.0, 0.1).interference_saved_s == 0.0
+    # at 1 request/s, 1 + 1 x 2.8 s = 3.8 prefills share a decode's life: 1.895 s each, 2.291 s late
+    busy = PdFacts(**{**vars(long), "arrival_rate_rps": 1.0})
+    assert tpot_slack_s(0.1, 0.028, 100, 1.0) == pytest.approx(7.2 / 3.8, abs=1e-12)
+    assert margin_terms(busy, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.186 - 7.2 / 3.8), abs=1e-9)
 
 
 def test_pinned_modes_and_the_prompt_floor():
