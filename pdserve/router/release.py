@@ -13,12 +13,15 @@ gates are the operator's. `rollback()` runs the spec's order (ledger's ROLLBACK_
 each step with its wall-clock timestamp and what it did:
 
     STOP_NEW_ROUTES            the router routes whole requests only (no route selects the handoff)
-    ADVANCE_ROUTE_EPOCH        the route epoch goes up: capabilities of the old one stop verifying
+    ADVANCE_ROUTE_EPOCH        the route epoch goes up (GET /admin/state); transfers already planned
+                               keep their fences (worker epochs) until the role changes and the
+                               key rotation below retire them
     DRAIN_OR_ABORT_TRANSFERS   unpublished transfers publish within the drain window, or are
                                aborted and their requests recomputed (decode-start fallback)
     ENABLE_COLOCATED_FALLBACK  every prefill worker changes role to colocated (workers/roles.py)
     DISABLE_CONNECTOR          the router issues no transfer plan any more
-    REVOKE_CAPABILITIES        the capability key is replaced: every outstanding capability fails
+    REVOKE_CAPABILITIES        the capability key is replaced and every worker installs the new
+                               public key: every outstanding capability fails
     RECLAIM_UNPUBLISHED        no route holds prefill staging or an unpublished reservation
     ROLLBACK_COMPLETE
 """
