@@ -154,7 +154,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     prefix_hashes: tuple[bytes, ...] = ()
 
 
-class TokenItem(msgspec.Struct, frozen=True):
+class TokenItem(msgspec.Struct, frozen=True, omit_defaults=True):  # fields left at their defaults (no logprobs, n = 1) are not sent
     request_id: str
     token_ids: tuple[int, ...]
     text: str
