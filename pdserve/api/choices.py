@@ -2,8 +2,9 @@
 
 Contract: `Choices.take(event)` folds one TokenEvent into its choice (`event.index`) and returns
 the streamed piece for it (text, ids, logprobs object), or None when nothing is to be sent;
-`finish(event)` closes every choice with the FinishEvent's reason where the choice had none of
-its own; `whole()` gives the whole response's choices and `usage(event)` its usage. The echo
+`closes(event)` says whether a stream closes that choice now (n > 1: a choice whose sequence
+ended while others run gets its finish_reason chunk at once, as vLLM sends it); `finish(event)`
+closes every other choice, with the FinishEvent's reason where the choice had none of its own; `whole()` gives the whole response's choices and `usage(event)` its usage. The echo
 leads each choice's first piece: completions' prompt text, with the prompt tokens' logprobs
 (first token null) when logprobs were asked for; chat's echoed message content. With
 `drop_output` (max_tokens 0) the sampled token is dropped: a choice is its echo alone,
@@ -41,6 +42,7 @@ class _Choice:
     finish_reason: str | None = None
     num_chars: int = 0  # characters of the token strings so far (completions' text_offset continues from here)
     echoed: bool = False
+    closed: bool = False  # its finish_reason chunk was streamed
 
 
 class Choices:
@@ -82,10 +84,21 @@ class Choices:
         choice.num_chars += sum(len(self.names(e if isinstance(e, int) else e.token_id)) for e in entries)
         return Piece(choice.index, text, token_ids, body)
 
+    def closes(self, event: TokenEvent) -> bool:
+        """n > 1: this event ended its choice; a stream closes it now (and not again at the end)."""
+        choice = self.choices[event.index]
+        if self.parsed.n == 1 or choice.finish_reason is None or choice.closed:
+            return False
+        choice.closed = True
+        return True
+
     def finish(self, event: FinishEvent) -> list[Piece]:
-        """The closing piece of each choice (its remaining echo and text), reasons settled."""
+        """The closing piece of each choice not closed yet (its remaining echo and text), reasons
+        settled."""
         closing = []
         for choice in self.choices:
+            if choice.closed:
+                continue
             reason = choice.finish_reason or event.finish_reason
             choice.finish_reason = "length" if self.parsed.drop_output else reason
             text = event.text if choice.index == 0 and not self.parsed.drop_output else ""

@@ -60,6 +60,8 @@ async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: Respons
             piece = choices.take(event)
             if piece is not None:
                 yield sse(fmt.delta(piece.text, piece.token_ids, piece.index, piece.logprobs))
+            if choices.closes(event):
+                yield sse(fmt.closing("", choices.choices[event.index].finish_reason, event.index))
             event = await _next_or_error(stream)
         for chunk in _ending(event, fmt, choices):
             yield chunk
