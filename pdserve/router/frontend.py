@@ -32,11 +32,11 @@ from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, 
 from pdserve.engine.block_manager import prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
+from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.inflight import InFlight, RequestTraceWriter
-from pdserve.router.leases import renewals
 from pdserve.router.errors import UnknownRequestError
-from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.workers import messages as m
@@ -381,63 +381,21 @@ class ClusterBackend:
         if old is not None and retirement is not None:
             asyncio.get_running_loop().create_task(ev.on_worker_lost(self, reg.worker_id, retirement.orphaned_request_ids))
 
+    # ---- upkeep (frontend_upkeep.py) -------------------------------------------------------
     async def _watchdog(self) -> None:
-        next_renewal = time.monotonic() + self.lease_renew_s
-        while True:
-            await asyncio.sleep(0.1)
-            await self.reap_lost_workers()
-            if time.monotonic() >= next_renewal:
-                next_renewal = time.monotonic() + self.lease_renew_s
-                await self.renew_leases()
+        await upkeep.watchdog(self)
 
     async def revoke_capabilities(self) -> int:
-        """A new capability key: every worker verifies with it from now on (outstanding
-        capabilities of the old key fail), and restarted workers get it. Returns the key epoch."""
-        public_key_hex, key_epoch = self.capabilities.rotate()
-        for wid in list(self.registered):
-            await self._send(wid, m.CapabilityKey(public_key_hex, key_epoch))
-        self.on_key_rotated(public_key_hex, key_epoch)
-        return key_epoch
+        return await upkeep.revoke_capabilities(self)
 
     async def renew_leases(self) -> None:
-        """Extend the K/V leases of every live request on the workers its route uses."""
-        for wid, request_ids in renewals(self.live.values()).items():
-            if wid in self.registered:
-                await self._send(wid, m.RenewLeases(request_ids))
+        await upkeep.renew_leases(self)
 
     async def reap_lost_workers(self) -> None:
-        """One watchdog pass: retire each worker whose process is gone or whose heartbeats
-        stopped, then move its requests on (frontend_events.on_worker_lost)."""
-        for wid in self.is_dead():
-            reg = self.registered.pop(wid, None)
-            self.away.add(wid)
-            if reg is not None:
-                retirement = self.router.deregister(wid, reg.epoch)
-                await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
-        for retirement in self.router.expire():
-            wid = retirement.worker.worker_id
-            self.registered.pop(wid, None)
-            self.away.add(wid)
-            await ev.on_worker_lost(self, wid, retirement.orphaned_request_ids)
+        await upkeep.reap_lost_workers(self)
 
     def _view(self, reg: m.Register) -> WorkerView:
-        load = self.loads.get(reg.worker_id)
-        load_dict = {} if load is None else {
-            "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
-            "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
-            "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
-            "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
-        }
-        state = self.router.worker_state(reg.worker_id)
-        return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
-                          load_dict, reg.cpu)
+        return upkeep.worker_view(self, reg)
 
     def report_load(self, hb: m.Heartbeat) -> None:
-        self.loads[hb.worker_id] = hb.load
-        hashes = frozenset(int.from_bytes(h[:8], "little") for h in hb.prefix_hashes)
-        load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
-                          hb.load.applied_grant_seq, hashes)
-        self.router.report_load(hb.worker_id, hb.epoch, load)
-        self.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
-        self.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
-        self.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)
+        upkeep.report_load(self, hb)

@@ -1,0 +1,88 @@
+"""The router process's upkeep of its workers: the watchdog, lease renewals, key revocation,
+load reports and `/workers` rows (split out of frontend.py; each function takes the
+`ClusterBackend`).
+
+Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers whose process
+is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
+`lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
+router's capability key and hands the new public key to every worker. `report_load` applies one
+heartbeat; `worker_view` is one row of GET /workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.router import frontend_events as ev
+from pdserve.router.contract import WorkerView
+from pdserve.router.leases import renewals
+from pdserve.router.messages import WorkerLoad
+from pdserve.workers import messages as m
+
+
+async def watchdog(backend) -> None:
+    next_renewal = time.monotonic() + backend.lease_renew_s
+    while True:
+        await asyncio.sleep(0.1)
+        await backend.reap_lost_workers()
+        if time.monotonic() >= next_renewal:
+            next_renewal = time.monotonic() + backend.lease_renew_s
+            await backend.renew_leases()
+
+
+async def revoke_capabilities(backend) -> int:
+    """A new capability key: every worker verifies with it from now on (outstanding
+    capabilities of the old key fail), and restarted workers get it. Returns the key epoch."""
+    public_key_hex, key_epoch = backend.capabilities.rotate()
+    for wid in list(backend.registered):
+        await backend._send(wid, m.CapabilityKey(public_key_hex, key_epoch))
+    backend.on_key_rotated(public_key_hex, key_epoch)
+    return key_epoch
+
+
+async def renew_leases(backend) -> None:
+    """Extend the K/V leases of every live request on the workers its route uses."""
+    for wid, request_ids in renewals(backend.live.values()).items():
+        if wid in backend.registered:
+            await backend._send(wid, m.RenewLeases(request_ids))
+
+
+async def reap_lost_workers(backend) -> None:
+    """One watchdog pass: retire each worker whose process is gone or whose heartbeats
+    stopped, then move its requests on (frontend_events.on_worker_lost)."""
+    for wid in backend.is_dead():
+        reg = backend.registered.pop(wid, None)
+        backend.away.add(wid)
+        if reg is not None:
+            retirement = backend.router.deregister(wid, reg.epoch)
+            await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+    for retirement in backend.router.expire():
+        wid = retirement.worker.worker_id
+        backend.registered.pop(wid, None)
+        backend.away.add(wid)
+        await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+
+
+def worker_view(backend, reg: m.Register) -> WorkerView:
+    load = backend.loads.get(reg.worker_id)
+    load_dict = {} if load is None else {
+        "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
+        "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
+        "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
+        "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
+    }
+    state = backend.router.worker_state(reg.worker_id)
+    return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
+                      load_dict, reg.cpu)
+
+
+def report_load(backend, hb: m.Heartbeat) -> None:
+    backend.loads[hb.worker_id] = hb.load
+    hashes = frozenset(int.from_bytes(h[:8], "little") for h in hb.prefix_hashes)
+    load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
+                      hb.load.applied_grant_seq, hashes)
+    backend.router.report_load(hb.worker_id, hb.epoch, load)
+    backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
+    backend.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
+    backend.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)
