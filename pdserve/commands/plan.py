@@ -95,7 +95,7 @@ def plan_inputs(args: argparse.Namespace):
         link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
         chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
-        fixed_model=fixed, family=family,
+        fixed_model=fixed, family=family, prefix_cache=args.prefix_cache,
         latency_label=args.latency_model if family else ("file" if fixed else "roofline"),
     )
 

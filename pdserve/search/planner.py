@@ -61,6 +61,7 @@ class PlanInputs:
     fixed_model: LatencyModel | None = None  # e.g. a `pdserve profile` fit: single-GPU shapes only
     family: LatencyFamily | None = None  # a latency model per TP x PP shape (aic:...); None: the roofline
     latency_label: str = "roofline"  # what timed the steps, for the report
+    prefix_cache: bool = False  # shared prefixes and earlier turns count as cache hits (`--prefix-cache`)
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ class PlanResult:
 def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None) -> PlanResult:
     """Search, combine, verify end to end and decide (see the module contract)."""
     started = time.perf_counter()
-    requests = build_requests(inputs.workload)
-    decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs)
+    requests = build_requests(inputs.workload, inputs.prefix_cache)
+    decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs, inputs.prefix_cache)
     space = _space(inputs, requests, decode_requests)
     shapes = [Parallel(1, 1)] if inputs.fixed_model else parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests),
                                                                       inputs.family)
@@ -150,17 +151,18 @@ def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
     return config, _latency(inputs, plan_.prefill.par), _latency(inputs, plan_.decode.par)
 
 
-def _more_requests(workload: WorkloadConfig, at_least: int) -> SimRequests:
+def _more_requests(workload: WorkloadConfig, at_least: int, prefix_cache: bool = False) -> SimRequests:
     """The workload grown to `at_least` requests (a trace is used as it is)."""
     if workload.trace_path is None and workload.num_requests < at_least:
         workload = dataclasses.replace(workload, num_requests=at_least)
-    return build_requests(workload)
+    return build_requests(workload, prefix_cache)
 
 
 def _e2e_requests(inputs: PlanInputs, config: SimConfig) -> SimRequests:
     """Enough requests that every instance, and every decode batch, sees a useful sample."""
     decode_instances = config.replicas if config.mode == "colocated" else config.decode_replicas
-    return _more_requests(inputs.workload, max(100 * config.instances, 8 * inputs.max_seqs * decode_instances))
+    return _more_requests(inputs.workload, max(100 * config.instances, 8 * inputs.max_seqs * decode_instances),
+                          inputs.prefix_cache)
 
 
 def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSearch]:
@@ -183,7 +185,7 @@ def bench_sample(inputs: PlanInputs, num_requests: int) -> SimRequests:
     workload = inputs.workload
     if workload.trace_path is None:
         workload = dataclasses.replace(workload, num_requests=num_requests)
-    return build_requests(workload)
+    return build_requests(workload, inputs.prefix_cache)
 
 
 def sample_goodput(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_requests: int) -> GoodputSearch:
@@ -205,7 +207,7 @@ def load_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_reque
     if workload.trace_path is None:
         workload = dataclasses.replace(workload, num_requests=num_requests)
     config, pm, dm = deployment(inputs, plan_)
-    return simulate(build_requests(workload), rate, config, pm, dm).records
+    return simulate(build_requests(workload, inputs.prefix_cache), rate, config, pm, dm).records
 
 
 def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_tokens: int, output_tokens: int,

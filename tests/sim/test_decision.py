@@ -63,3 +63,18 @@ def test_plan_report_holds_sign_and_decision_together(tmp_path, capsys, prefill_
         assert "it does not decide" in s["decision_reason"]
     # (20, 10): capacity favours disaggregation; (10, 2): it does not
     assert s["decision"] == {20: "disaggregate", 10: "colocate"}[prefill_ms]
+
+
+def test_plan_counts_a_cached_shared_prefix_when_asked():
+    from pdserve.cli import build_parser
+    from pdserve.commands.plan import plan_inputs
+    from pdserve.search.planner import bench_sample
+
+    argv = ["plan", "--model", "llama-13b-class", "--gpus", "1", "--input-len", "1024", "--output-len", "16",
+            "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--shared-prefix-len", "256"]
+    plain = plan_inputs(build_parser().parse_args(argv))
+    cached = plan_inputs(build_parser().parse_args([*argv, "--prefix-cache"]))
+    assert not plain.prefix_cache and cached.prefix_cache
+    assert set(bench_sample(plain, 8).cached_tokens) == {0}
+    sample = bench_sample(cached, 8)
+    assert set(sample.cached_tokens) == {256} and set(sample.prompt_tokens) == {1024 + 256}  # a warm system prefix
