@@ -84,7 +84,7 @@ class ClusterBackend:
         self.vocab_size = vocab_size
         self.metrics = RuntimeMetrics(lambda: router.counters().route_total, lambda: [w.role for w in self.registered.values()],
                                       lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s),
-                                      lambda: router.counters().pd_decisions)
+                                      lambda: router.counters().pd_decisions, router.kv_index_stats)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -223,7 +223,7 @@ class ClusterBackend:
         req = live.req
         hashes = self._block_hashes(req.prompt_ids)
         while True:
-            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), req.params.max_tokens, hashes))
+            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes))
             if not isinstance(result, RouteRejection):
                 break
             waits = admission_waits(result.reason.value, self.restarts, self.away)
@@ -261,9 +261,14 @@ class ClusterBackend:
                 self.release(live.req.request_id, completed=False)
                 raise
 
+    def output_demand(self, req: GenerationRequest) -> int:
+        """Output tokens to hold room for: n x max_tokens, and the partial block each fork copies."""
+        return req.params.n * req.params.max_tokens + (req.params.n - 1) * self._block_size
+
     def _could_ever_fit(self, req: GenerationRequest) -> bool:
         """False when even an empty decode worker could not hold the request: waiting is pointless."""
-        need = -(-min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) // self._block_size)
+        need = -(-(min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) + self.output_demand(req)
+                   - req.params.max_tokens) // self._block_size)
         pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated")]
         return bool(pools) and need <= max(pools)
 
