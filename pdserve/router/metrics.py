@@ -8,8 +8,9 @@ transfer attempts / failures / chunk resends, logical and physical bytes moved, 
 stale or duplicate publication rejects, capability denials; histograms hold TTFT (first token
 sent to the client), TPOT, transfer and exposed transfer seconds, rollback seconds; gauges hold
 live workers by role, SLO attainment and per-worker queue depth and free blocks. Values the
-router already keeps (route counts, registered workers, finished requests) are read at scrape
-time, so each has one source of truth.
+router already keeps (route counts, registered workers, finished requests, the cluster K/V
+index's entries, evictions, resyncs and memory estimate) are read at scrape time, so each has
+one source of truth.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.handoff.errors import CAPABILITY_DENIALS
 from pdserve.ledger.goodput import attainment, joint_attainment
+from pdserve.router.kv_index import KvIndexStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -90,13 +92,44 @@ class SloAttainment:
         yield family
 
 
+class KvIndexMetrics:
+    """The router's cluster K/V index (router/kv_index.py) at scrape time: entries, its memory
+    estimate, LRU evictions, resyncs asked for and applied."""
+
+    def __init__(self, read: Callable[[], KvIndexStats | None]):
+        self.read = read
+
+    def collect(self):
+        stats = self.read()
+        if stats is None:
+            return
+        yield _gauge("pdserve_kv_index_entries", "Cluster K/V index entries (block hash, worker)", stats.entries)
+        yield _gauge("pdserve_kv_index_memory_bytes", "Cluster K/V index memory estimate", stats.memory_bytes)
+        evictions = CounterMetricFamily("pdserve_kv_index_evictions", "Index entries evicted past its bound (LRU)")
+        evictions.add_metric([], stats.num_evictions)
+        yield evictions
+        resyncs = CounterMetricFamily("pdserve_kv_index_resyncs", "Full resyncs of a worker's prefix set, by stage",
+                                      labels=["stage"])
+        resyncs.add_metric(["requested"], stats.num_resyncs_requested)
+        resyncs.add_metric(["applied"], stats.num_resyncs_applied)
+        yield resyncs
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
 class RuntimeMetrics:
     def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  worker_roles: Callable[[], Iterable[str]] = tuple,
                  clock_samples: Callable[[], ClockSamples] = lambda: ((), ()),
                  slo_s: tuple[float, float] = (math.inf, math.inf),
-                 pd_counts: Callable[[], Mapping[str, int]] = dict) -> None:
+                 pd_counts: Callable[[], Mapping[str, int]] = dict,
+                 kv_index: Callable[[], KvIndexStats | None] = lambda: None) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(KvIndexMetrics(kv_index))
         r.register(RouteDecisions(route_counts))
         r.register(PdDecisions(pd_counts))
         r.register(WorkersLive(worker_roles))
@@ -125,6 +158,8 @@ class RuntimeMetrics:
                                           buckets=LATENCY_BUCKETS_S, registry=r)
         self.role_changes = Counter("pdserve_role_changes", "Worker role changes by direction (workers/roles.py)",
                                     ["from_role", "to_role"], registry=r)
+        self.pool_moves = Counter("pdserve_pool_moves", "Splitwise pool controller moves: lend, return, change "
+                                  "(a loan adopted as the worker's role)", ["kind"], registry=r)
         self.stale_messages = Counter("pdserve_stale_messages",
                                       "Worker messages dropped for a retired or superseded epoch", registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token (sent to the client)", buckets=LATENCY_BUCKETS_S, registry=r)

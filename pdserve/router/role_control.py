@@ -136,9 +136,13 @@ async def run_pool_controller(backend, controller: PoolController, period_s: flo
         move = None if signals is None else controller.observe(signals, time.monotonic())
         if move is None:
             continue
+        backend.metrics.pool_moves.labels(move.kind).inc()
+        if move.kind == "change":  # a loan became the worker's role: nothing moves
+            log.warning("splitwise: %s stays %s (%s)", move.worker_id, move.to_role, move.reason)
+            continue
         try:
             change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
-            log.warning("splitwise: %s %s -> %s under epoch %d (%s; drained in %.2fs)", change.worker_id,
+            log.warning("splitwise: %s %s %s -> %s under epoch %d (%s; drained in %.2fs)", move.kind, change.worker_id,
                         change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
         except RoleChangeFailed as exc:
             log.error("splitwise: move of %s failed: %s", move.worker_id, exc)

@@ -13,7 +13,12 @@ Hysteresis: a pool counts as pressed only after `hold` consecutive observations 
 mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`
 (the moved worker drains and registers again meanwhile); each pool keeps at least one worker.
 The worker moved is the other pool's least loaded. The controller only ever moves workers
-between `prefill` and `decode`; the roles they started in are kept by the router (`origin`).
+between `prefill` and `decode`.
+
+A move is first a loan (`kind` "lend"): the worker keeps its origin role, and once the pool that
+borrowed it has been calm (under its low mark) for `hold` observations it goes back ("return").
+A loan still needed after `adopt_after_s` is a lasting shift: the worker's origin becomes its
+new role ("change"; nothing moves, the loan is simply no longer returned).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Move:
     worker_id: str
     to_role: str
     reason: str
+    kind: str = "lend"  # "lend" | "return" | "change" (a loan adopted: no worker moves)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Thresholds:
     kv_low: float = 0.5
     hold: int = 3  # consecutive pressed observations before a move
     cooldown_s: float = 10.0
+    adopt_after_s: float = 120.0  # a loan still needed this long becomes a role change
 
     def __post_init__(self) -> None:
         if not (0 <= self.prompt_low_s < self.prompt_high_s and 0 <= self.kv_low < self.kv_high <= 1 and self.hold >= 1):
@@ -56,6 +63,8 @@ class PoolController:
     prompt_streak: int = 0
     token_streak: int = 0
     quiet_until_s: float = 0.0
+    calm_streak: dict[str, int] = field(default_factory=dict)  # per borrowing role
+    loans: dict[str, tuple[str, float]] = field(default_factory=dict)  # worker -> (origin role, since)
     moves: list[Move] = field(default_factory=list)
 
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
@@ -64,8 +73,39 @@ class PoolController:
         kv = max(signals.kv_used.values(), default=0.0)
         self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
         self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
+        self.calm_streak = {"prefill": self.calm_streak.get("prefill", 0) + 1 if prompt < t.prompt_low_s else 0,
+                            "decode": self.calm_streak.get("decode", 0) + 1 if kv < t.kv_low else 0}
         if now_s < self.quiet_until_s:
             return None
+        move = self._settle_loans(now_s) or self._lend(signals, prompt, kv)
+        if move is not None:
+            if move.kind != "change":
+                self.prompt_streak = self.token_streak = 0
+                self.quiet_until_s = now_s + t.cooldown_s
+            self._book(move, now_s)
+            self.moves.append(move)
+        return move
+
+    def _settle_loans(self, now_s: float) -> Move | None:
+        """The oldest loan that is over (its borrowing pool calm) or has become a lasting shift."""
+        t = self.thresholds
+        for worker, (origin, since) in sorted(self.loans.items(), key=lambda kv: kv[1][1]):
+            borrowed_as = "decode" if origin == "prefill" else "prefill"
+            if self.calm_streak.get(borrowed_as, 0) >= t.hold:
+                return Move(worker, origin, f"{borrowed_as} pool calm for {t.hold} observations", "return")
+            if now_s - since >= t.adopt_after_s:
+                return Move(worker, borrowed_as, f"lent for {now_s - since:.0f}s: a lasting shift", "change")
+        return None
+
+    def _book(self, move: Move, now_s: float) -> None:
+        if move.kind == "lend":
+            origin = "decode" if move.to_role == "prefill" else "prefill"
+            self.loans[move.worker_id] = (origin, now_s)
+        else:
+            self.loans.pop(move.worker_id, None)
+
+    def _lend(self, signals: PoolSignals, prompt: float, kv: float) -> Move | None:
+        t = self.thresholds
         move = None
         if self.prompt_streak >= t.hold and len(signals.kv_used) > 1:
             worker = min(signals.kv_used, key=lambda w: (signals.kv_used[w], w))
@@ -73,10 +113,6 @@ class PoolController:
         elif self.token_streak >= t.hold and len(signals.prompt_queue_s) > 1:
             worker = min(signals.prompt_queue_s, key=lambda w: (signals.prompt_queue_s[w], w))
             move = Move(worker, "decode", f"K/V in use {kv:.0%}, prompt queue {prompt:.2f}s per worker")
-        if move is not None:
-            self.prompt_streak = self.token_streak = 0
-            self.quiet_until_s = now_s + t.cooldown_s
-            self.moves.append(move)
         return move
 
 

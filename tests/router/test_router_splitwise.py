@@ -48,3 +48,23 @@ def test_marks_must_be_ordered():
         Thresholds(prompt_high_s=1.0, prompt_low_s=2.0)
     with pytest.raises(ValueError):
         Thresholds(kv_high=0.5, kv_low=0.6)
+
+
+def test_a_loan_goes_back_when_the_borrowing_pool_calms_and_a_lasting_one_is_adopted():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=1.0,
+                       adopt_after_s=30.0)
+    c = PoolController(marks)
+    assert [c.observe(PROMPT_PRESSED, t) for t in (0.0, 1.0)][1].kind == "lend"
+    assert c.loans == {"d1": ("decode", 1.0)}
+    calm = PoolSignals({"p0": 0.1, "p1": 0.2, "d1": 0.0}, {"d0": 0.2, "d2": 0.3})
+    assert c.observe(calm, 2.0) is None  # calm once: not yet
+    back = c.observe(calm, 3.0)
+    assert (back.worker_id, back.to_role, back.kind) == ("d1", "decode", "return") and c.loans == {}
+    # lent again, and the prompt backlog lasts past adopt_after_s: the loan becomes a role change
+    c = PoolController(marks)
+    c.observe(PROMPT_PRESSED, 0.0)
+    assert c.observe(PROMPT_PRESSED, 1.0).kind == "lend"
+    still = PoolSignals({"p0": 3.0, "p1": 2.5, "d1": 2.8}, {"d0": 0.2, "d2": 0.3})
+    moves = [c.observe(still, float(t)) for t in range(2, 40)]
+    changes = [m for m in moves if m is not None and m.kind == "change"]
+    assert len(changes) == 1 and (changes[0].worker_id, changes[0].to_role) == ("d1", "prefill") and "d1" not in c.loans
