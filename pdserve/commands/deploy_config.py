@@ -64,7 +64,7 @@ def apply(args: argparse.Namespace, config: dict, explicit: set[str]) -> argpars
     """`args` with every value the file names, except flags the user gave."""
     merged = vars(args).copy()
     for key, dest in ARG_OF.items():
-        if key in config and dest not in explicit:
+        if config.get(key) is not None and dest not in explicit:
             merged[dest] = config[key]
     return argparse.Namespace(**merged)
 

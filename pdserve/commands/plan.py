@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_slo_args(p, required=True)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--plot", metavar="PATH", help="write a goodput-vs-rate PNG here")
+    p.add_argument("--emit-config", metavar="FILE.json",
+                   help="write the chosen deployment as a serve configuration (`pdserve serve --config FILE`)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--validate", action="store_true", help="measure the top two configurations with the local runtime")
     v = p.add_argument_group("validation (--validate: the local runtime and `pdserve bench --sweep`)")
@@ -100,6 +102,21 @@ def plan_inputs(args: argparse.Namespace):
     )
 
 
+def serve_config_of(result) -> dict:
+    """The deployment the plan chose, as a serve configuration (commands/deploy_config.py)."""
+    inputs = result.inputs
+    common = {"max_num_seqs": inputs.max_seqs, "policy": "jsq", "reserve": "static", "prefill_runahead": 0,
+              "source": {"decision": result.decision, "gpus": inputs.gpus, "latency_model": inputs.latency_label}}
+    if result.decision == "colocate" and result.colocated is not None:
+        colo = result.colocated
+        return {"mode": "colocated", "replicas": colo.replicas, "tp": colo.score.par.tp, "pp": colo.score.par.pp,
+                "max_num_batched_tokens": colo.score.chunk_tokens or None, **common}
+    dis = result.disaggregated
+    return {"mode": "disaggregated", "prefill": dis.n_prefill, "decode": dis.n_decode, "pd_decision": "always",
+            "prefill_tp": dis.prefill.par.tp, "prefill_pp": dis.prefill.par.pp, "decode_tp": dis.decode.par.tp,
+            "decode_pp": dis.decode.par.pp, **common}
+
+
 def _hardware_of(latency_model: str | None) -> str:
     """The built-in hardware profile (node size, NIC) matching an aic system; a100-80g otherwise."""
     from pdserve.latency.aic import HARDWARE_OF, AicSpec
@@ -125,6 +142,10 @@ def run_plan(args: argparse.Namespace) -> int:
     summary = plan_summary(result)
     if args.plot:
         plot_plan(result, args.plot)
+    if args.emit_config:
+        from pdserve.commands import deploy_config
+
+        deploy_config.write(args.emit_config, serve_config_of(result))
     if args.validate:
         summary["validation"] = _validate(args, result, summary)
     print(json.dumps(summary) if args.json else plan_table(summary))

@@ -65,3 +65,30 @@ def test_a_served_configuration_matches_the_file(tmp_path):
             return sorted((w.role, w.state) for w in backend.workers())
 
     assert asyncio.run(served()) == [("decode", "live"), ("prefill", "live"), ("prefill", "live")]
+
+
+# a tiny-model fit of this shape (`pdserve profile --quick --model tiny`), fixed so the plan is too
+TINY_PROFILE = {"kind": "profiled", "prefill_coef": [0.0077, 2.7e-4, 0.0], "decode_coef": [0.009, 1.65e-4, 1.4e-7]}
+
+
+@pytest.mark.parametrize("tpot_ms, mode, roles", [(50, "colocated", [("colocated", "live")] * 2),
+                                                   (20, "disaggregated", [("decode", "live"), ("prefill", "live")])])
+def test_plan_emits_what_serve_runs(tmp_path, capsys, tpot_ms, mode, roles):
+    from pdserve.cli import main
+
+    profile, emitted = tmp_path / "tiny.json", tmp_path / "serve.json"
+    profile.write_text(json.dumps(TINY_PROFILE))
+    assert main(["plan", "--model", "tiny", "--latency-model", str(profile), "--gpus", "2", "--input-dist",
+                 "uniform:512,1024", "--output-len", "64", "--slo-ttft-ms", "2000", "--slo-tpot-ms", str(tpot_ms),
+                 "--num-requests", "100", "--chunk-budgets", "256", "--json", "--quiet",
+                 "--emit-config", str(emitted)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    config = json.loads(emitted.read_text())
+    assert config["mode"] == mode and config["source"]["decision"] == summary["decision"].lower()
+
+    async def served():
+        args = parse("--config", str(emitted), "--kv-cache-mb", "32", "--pd-profile", "none")
+        async with cluster(serve_config(args)) as (backend, _):
+            return sorted((w.role, w.state) for w in backend.workers())
+
+    assert asyncio.run(served()) == roles
