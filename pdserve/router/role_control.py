@@ -84,6 +84,8 @@ async def _until_live(backend, worker_id: str, epoch: int, timeout_s: float) -> 
     while True:
         reg = backend.registered.get(worker_id)
         if reg is not None and reg.epoch >= epoch and backend.router.worker_state(worker_id) is WorkerState.LIVE:
+            if reg.role != role:  # it died meanwhile and its supervisor started it again in its old role
+                raise RoleChangeFailed(f"{worker_id} came back as {reg.role} under epoch {reg.epoch}, not as {role}")
             return
         if time.monotonic() > deadline:
             raise RoleChangeFailed(f"{worker_id} did not register under epoch {epoch} within {timeout_s:.0f}s")
