@@ -10,6 +10,12 @@ run's p50 and p99, and the per-run p99s, because a shared machine's speed drifts
 The timed loops run with the start-up heap frozen (`pdserve.heap.frozen_heap`), as the serving
 process does once its workers have registered.
 Target: route p99 <= 200 us at 64 prefill x 64 decode workers.
+
+Block events (`--kv-events N`, N events per worker report; 0 skips it): at 64 x 64, `route`
+timed with the cluster K/V index taking a worker's block events (kv_index.py, through
+`Router.report_kv`) before every other decision and nothing before the rest, interleaved in
+one loop so both halves see the same machine; `kv_apply` is the report itself. Target: route
+p99 with events <= 1.2 x without.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 
 SIZES = ((8, 8), (64, 64))
 TARGET_P99_US = 200.0
+TARGET_EVENTS_RATIO = 1.2
+EVENTS_SIZE = (64, 64)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decisions", type=int, default=2000, help="timed decisions per policy and size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=5, help="repeat the whole measurement; rows report medians")
+    parser.add_argument("--kv-events", type=int, default=64,
+                        help="block events per worker report for the route-with-events comparison at 64x64 (0: skip)")
     parser.set_defaults(func=run)
 
 
@@ -41,17 +51,83 @@ def run(args: argparse.Namespace) -> int:
     kernels.warm_up()
     runs = [[row for size in SIZES for row in bench_size(*size, args.decisions, args.seed)] for _ in range(args.runs)]
     rows = [_median_row(same) for same in zip(*runs)]
+    events = bench_events(args) if args.kv_events > 0 else []
     if args.json:
-        report = {"target_p99_us": TARGET_P99_US, "runs": args.runs, "compiled_kernels": kernels.enabled, "results": rows}
+        report = {"target_p99_us": TARGET_P99_US, "runs": args.runs, "compiled_kernels": kernels.enabled, "results": rows,
+                  "kv_events": {"events_per_report": args.kv_events, "target_ratio": TARGET_EVENTS_RATIO, "results": events}}
         print(json.dumps(report, indent=2))
-    else:
-        print(f"median of {args.runs} runs; compiled kernels: {kernels.enabled}")
-        print(f"{'cluster':>7} {'policy':>12} {'what':>6} {'p50_us':>8} {'p99_us':>8} {'cpu_p50_us':>10} {'cpu_p99_us':>10}  p99 per run")
-        for r in rows:
-            times = f"{r['p50_us']:8.1f} {r['p99_us']:8.1f} {r['cpu_p50_us']:10.1f} {r['cpu_p99_us']:10.1f}"
-            per_run = " ".join(f"{v:.0f}" for v in r["p99_us_per_run"])
-            print(f"{r['cluster']:>7} {r['policy']:>12} {r['what']:>6} {times}  {per_run}")
+        return 0
+    _print_table(args.runs, kernels.enabled, rows)
+    if events:
+        _print_events(args.kv_events, events)
     return 0
+
+
+def _print_table(runs: int, compiled: bool, rows: list[dict]) -> None:
+    print(f"median of {runs} runs; compiled kernels: {compiled}")
+    print(f"{'cluster':>7} {'policy':>12} {'what':>6} {'p50_us':>8} {'p99_us':>8} {'cpu_p50_us':>10} {'cpu_p99_us':>10}  p99 per run")
+    for r in rows:
+        times = f"{r['p50_us']:8.1f} {r['p99_us']:8.1f} {r['cpu_p50_us']:10.1f} {r['cpu_p99_us']:10.1f}"
+        per_run = " ".join(f"{v:.0f}" for v in r["p99_us_per_run"])
+        print(f"{r['cluster']:>7} {r['policy']:>12} {r['what']:>6} {times}  {per_run}")
+
+
+def _print_events(per_report: int, rows: list[dict]) -> None:
+    print(f"\nroute with {per_report} block events per report before every other decision (64x64, interleaved)")
+    print(f"{'policy':>12} {'quiet_p50':>9} {'quiet_p99':>9} {'events_p50':>10} {'events_p99':>10} {'p99_ratio':>9} "
+          f"{'apply_p50':>9} {'apply_p99':>9}")
+    for r in rows:
+        print(f"{r['policy']:>12} {r['quiet_p50_us']:9.1f} {r['quiet_p99_us']:9.1f} {r['events_p50_us']:10.1f} "
+              f"{r['events_p99_us']:10.1f} {r['p99_ratio']:9.2f} {r['kv_apply_p50_us']:9.1f} {r['kv_apply_p99_us']:9.1f}")
+
+
+def bench_events(args: argparse.Namespace) -> list[dict]:
+    """Per policy: route p50/p99 with and without block events (medians over runs) and the p99 ratio."""
+    from pdserve.router.policies import POLICIES
+
+    rows = []
+    for policy in POLICIES:
+        runs = [_measure_events(*EVENTS_SIZE, policy, args.decisions, args.seed, args.kv_events) for _ in range(args.runs)]
+        row = {"cluster": "x".join(map(str, EVENTS_SIZE)), "policy": policy}
+        for key in runs[0]:
+            row[key] = statistics.median(r[key] for r in runs)
+        row["p99_ratio"] = row["events_p99_us"] / row["quiet_p99_us"]
+        row["p99_ratio_per_run"] = [r["events_p99_us"] / r["quiet_p99_us"] for r in runs]
+        rows.append(row)
+    return rows
+
+
+def _measure_events(num_prefill: int, num_decode: int, policy: str, decisions: int, seed: int, per_report: int) -> dict:
+    from pdserve.heap import frozen_heap
+    from pdserve.router.synthetic import EventFlow, random_load, random_router
+
+    router, workload = random_router(seed, num_prefill, num_decode, policy)
+    snapshot = router.snapshot()
+    members = snapshot.prefill.members, snapshot.decode.members
+    held = {w: frozenset(h) for m in members for w, h in zip(m.worker_ids, m.held_prefixes)}
+    flow, worker_ids = EventFlow(held, workload, per_report), tuple(held)
+    rng = random.Random(seed + 1)
+    requests = [workload.request(rng, f"r{i}") for i in range(2 * decisions)]
+    quiet: tuple[list[int], list[int]] = ([], [])
+    flowing: tuple[list[int], list[int]] = ([], [])
+    apply: tuple[list[int], list[int]] = ([], [])
+    with frozen_heap():
+        for i, request in enumerate(requests):
+            router.report_load(rng.choice(worker_ids), 1, random_load(rng, 20_000, None))
+            if i % 2:
+                worker_id = rng.choice(worker_ids)
+                delta = flow.report(rng, worker_id)
+                with _timed(apply):
+                    router.report_kv(worker_id, 1, delta)
+            with _timed(flowing if i % 2 else quiet):
+                result = router.route(request)
+            if hasattr(result, "decode_hold"):
+                router.complete(request.request_id)
+    router.assert_no_leaks()
+    stats = {}
+    for name, samples in (("quiet", quiet), ("events", flowing), ("kv_apply", apply)):
+        stats.update({f"{name}_{k}": v for k, v in _stats(samples[0], "").items()})
+    return stats
 
 
 def _median_row(same_row_per_run: tuple[dict, ...]) -> dict:

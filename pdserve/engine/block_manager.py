@@ -11,6 +11,14 @@ Contract:
   reference-counted; unreferenced cached blocks stay reusable until evicted, least recent first.
 - Reservations hold capacity (not specific blocks) for an owner, e.g. a handoff destination's
   expected decode growth; `can_allocate` for everyone else leaves reserved capacity untouched.
+- Every change of the prefix cache's key set is recorded, numbered, in `events` (kv_events.py):
+  STORED when `register` caches a hash, REMOVED when eviction uncaches it; `kv_report` hands
+  them out (or the whole key set as a resync) for the worker's heartbeat.
+- The root I of the hash chain is `root_hash(identity, tenant)`: the engine passes its
+  `CacheIdentity.identity_hash`, which covers the model and the K/V ABI digest (kv_abi.py), so
+  two pools share a block hash only if their K/V bytes mean the same. `tenant` is the seam for
+  per-tenant isolation (not implemented: every pool uses the default tenant, which leaves the
+  root as it was).
 """
 
 from __future__ import annotations
@@ -21,10 +29,15 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
+from pdserve.engine.kv_events import BlockEventKind, BlockEventLog, KvReport
+
+DEFAULT_TENANT = "default"
 
 
-def root_hash(identity: str) -> bytes:
-    return hashlib.blake2b(b"pdserve-prefix-root|" + identity.encode(), digest_size=16).digest()
+def root_hash(identity: str, tenant: str = DEFAULT_TENANT) -> bytes:
+    """The chain's root I for a cache identity (model + K/V ABI) and a tenant."""
+    salt = b"" if tenant == DEFAULT_TENANT else b"|tenant=" + tenant.encode()
+    return hashlib.blake2b(b"pdserve-prefix-root|" + identity.encode() + salt, digest_size=16).digest()
 
 
 def chain_hash(identity: bytes, parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
@@ -59,6 +72,7 @@ class BlockManager:
         self.reserved: dict[str, int] = {}
         self.num_prefix_hits = 0
         self.num_evictions = 0
+        self.events = BlockEventLog()  # numbered changes of `cached`'s key set (kv_events.py)
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -162,14 +176,21 @@ class BlockManager:
             return
         self.cached[block_hash] = block
         self.block_key[block] = (block_hash, tokens)
+        self.events.record(BlockEventKind.STORED, block_hash)
 
     def _uncache(self, block: int) -> None:
         key = self.block_key.pop(block, None)
         if key is not None and self.cached.get(key[0]) == block:
             del self.cached[key[0]]
+            self.events.record(BlockEventKind.REMOVED, key[0])
 
     def cached_hashes(self) -> set[bytes]:
         return set(self.cached)
+
+    def kv_report(self, resync: bool = False) -> KvReport:
+        """The prefix cache's events since the previous report, or (asked, or more than the
+        log holds) the whole key set as a resync."""
+        return self.events.take(self.cached, resync)
 
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self, tables: list[list[int]] | None = None) -> None:

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.router.cost import CostModel
+from pdserve.router.kv_index import DEFAULT_MAX_ENTRIES
 from pdserve.router.messages import Role
 from pdserve.router.pd_decision import PdPolicy
 
@@ -68,6 +69,7 @@ class RouterConfig:
     retry_after_s: float = 1.0  # suggested Retry-After when capacity is exhausted
     pd: PdPolicy = field(default_factory=PdPolicy)  # per-request P/D decision (disaggregated mode); "always" here,
     # `pdserve serve` defaults to "margin" (ServeConfig)
+    kv_index_max_entries: int = DEFAULT_MAX_ENTRIES  # cluster K/V index bound (router/kv_index.py; LRU past it)
 
     @property
     def heartbeat_timeout_s(self) -> float:

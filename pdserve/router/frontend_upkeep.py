@@ -6,7 +6,8 @@ Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers
 is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key and hands the new public key to every worker. `report_load` applies one
-heartbeat; `worker_view` is one row of GET /workers.
+heartbeat: its load, and its block events into the router's cluster K/V index (a gap sends the
+worker `ResyncKv`); `worker_view` is one row of GET /workers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 from pdserve.router import frontend_events as ev
 from pdserve.router.contract import WorkerView
+from pdserve.router.kv_index import KvDelta, KvOutcome
 from pdserve.router.leases import renewals
 from pdserve.router.messages import WorkerLoad
 from pdserve.workers import messages as m
@@ -79,10 +81,13 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
 
 def report_load(backend, hb: m.Heartbeat) -> None:
     backend.loads[hb.worker_id] = hb.load
-    hashes = frozenset(int.from_bytes(h[:8], "little") for h in hb.prefix_hashes)
     load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
-                      hb.load.applied_grant_seq, hashes)
+                      hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
+    if hb.kv is not None:
+        outcome = backend.router.report_kv(hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
+        if outcome is KvOutcome.RESYNC_NEEDED:
+            asyncio.get_running_loop().create_task(backend._send(hb.worker_id, m.ResyncKv()))
     backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
     backend.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
     backend.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)

@@ -11,8 +11,9 @@ lookup maps the request's hashes to rows up to the first hash nobody holds, appe
 gathers those rows and takes, per slot, the first row it lacks: that index is the slot's leading
 hit. O(len(hashes)) dictionary probes plus two vector operations over a [hits + 1, slots] block,
 whatever the pool size. `replace_slot` patches one column in place (only the difference of the
-two held sets is touched); rows nobody holds any more are recycled. Memory: one byte per (held
-hash, slot).
+two held sets is touched) and `patch_slot` applies a change given as additions and removals
+(the cluster K/V index's block events, router/kv_index.py); rows nobody holds any more are
+recycled. Memory: one byte per (held hash, slot).
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ class PrefixIndex:
 
     def replace_slot(self, slot: int, old: frozenset[int], new: frozenset[int]) -> None:
         """Patch one slot's held set in place (only the difference is touched)."""
+        self.patch_slot(slot, new - old, old - new)
+
+    def patch_slot(self, slot: int, added: Iterable[int], removed: Iterable[int]) -> None:
+        """One slot gained `added` and lost `removed` (a held-set change, router/kv_index.py)."""
         rows = self.rows
-        gone = [h for h in old - new if h in rows]
+        gone = [h for h in removed if h in rows]
         if gone:
             gone_rows = [rows[h] for h in gone]
             self.held[gone_rows, slot] = False
@@ -62,9 +67,9 @@ class PrefixIndex:
                 if not kept:  # nobody holds it any more: recycle the (now all-false) row
                     del rows[block_hash]
                     self._free.append(row)
-        added = [self._row_for(h) for h in new - old]
-        if added:
-            self.held[added, slot] = True  # after `_row_for`, which may have grown the matrix
+        added_rows = [self._row_for(h) for h in added]
+        if added_rows:
+            self.held[added_rows, slot] = True  # after `_row_for`, which may have grown the matrix
 
     def _row_for(self, block_hash: int) -> int:
         row = self.rows.get(block_hash)

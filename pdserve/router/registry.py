@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
 from pdserve.router.errors import (
@@ -61,7 +61,7 @@ class WorkerEntry:
     state: WorkerState
     last_seen_s: float
     load: WorkerLoad | None = None
-    prefix_hashes: frozenset[int] = frozenset()
+    prefix_hashes: Set[int] = frozenset()  # the K/V index's live set for this worker (set_prefixes)
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,15 @@ class Registry:
         """Record a load report; a report is also a heartbeat."""
         entry = self._current(worker_id, role_epoch)
         state = transition(entry.state, WorkerState.DRAINING if entry.state is WorkerState.DRAINING else WorkerState.LIVE)
-        prefix = entry.prefix_hashes if load.prefix_hashes is None else load.prefix_hashes
-        self._entries[worker_id] = WorkerEntry(entry.info, state, self._clock(), load, prefix)
+        self._entries[worker_id] = WorkerEntry(entry.info, state, self._clock(), load, entry.prefix_hashes)
         if entry.state is WorkerState.REGISTERED:
             self.membership_generation += 1
+
+    def set_prefixes(self, worker_id: str, held: Set[int]) -> None:
+        """The worker's prefix set is now `held` (the K/V index's live set; router/kv_index.py)."""
+        entry = self._entries.get(worker_id)
+        if entry is not None and entry.prefix_hashes is not held:
+            self._entries[worker_id] = replace(entry, prefix_hashes=held)
 
     def drain(self, worker_id: str, role_epoch: int) -> None:
         """Stop offering the worker to policies: a role change begins (workers/roles.py)."""

@@ -4,6 +4,9 @@ The process edge (zmq, HTTP) feeds it worker messages and request events and for
 answers; nothing here does I/O or sleeps. One call per event:
 
     register / heartbeat / report_load / deregister   worker membership (registry.py)
+    report_kv                                         a worker's block events into the cluster
+                                                      K/V index (kv_index.py), which feeds the
+                                                      snapshot's per-worker prefix sets
     expire()                                          retire silent workers, orphan their routes
     route(request)                                    policy over a snapshot -> plan with holds, or
                                                       an early rejection before any prefill work
@@ -35,6 +38,7 @@ from pdserve.router import kernels
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
+from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
 from pdserve.router.messages import (
     BlockHold,
     Role,
@@ -92,6 +96,7 @@ class Router:
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()
         self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost)
+        self._kv = KvIndex(config.kv_index_max_entries)  # who holds which prefix block (kv_index.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
         self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE))
@@ -117,9 +122,35 @@ class Router:
 
     def report_load(self, worker_id: str, role_epoch: int, load: WorkerLoad) -> None:
         self._registry.report_load(worker_id, role_epoch, load)
+        if load.prefix_hashes is not None:  # an in-process full set (synthetic clusters, tests)
+            self._note_held(self._kv.replace(worker_id, role_epoch, load.prefix_hashes))
         self._snapshots.note_load(worker_id, load)
         self._whole.note_load(worker_id, load)
         self._ledger.apply_ack(worker_id, load.applied_grant_seq)
+
+    def report_kv(self, worker_id: str, role_epoch: int, delta: KvDelta) -> KvOutcome:
+        """Apply a worker's block events (kv_index.py); RESYNC_NEEDED: send it `ResyncKv`."""
+        if not self._registry.is_current(worker_id, role_epoch):
+            return KvOutcome.IGNORED
+        applied: KvApplied = self._kv.apply(worker_id, role_epoch, delta)
+        self._note_held(applied.changes)
+        return applied.outcome
+
+    def kv_index_stats(self) -> KvIndexStats:
+        return self._kv.stats()
+
+    def kv_holders(self, block_hash: int) -> tuple[Location, ...]:
+        """Where the cluster K/V index places a block: (worker, tier, epoch) locations."""
+        return self._kv.holders(block_hash)
+
+    def _note_held(self, changes: tuple[HeldChange, ...]) -> None:
+        """Patch the prefix sets of the snapshot in use; the other builder rebuilds when next used."""
+        active = self._builder()
+        (self._whole if active is self._snapshots else self._snapshots).invalidate()
+        for change in changes:
+            held = self._kv.held(change.worker_id)
+            self._registry.set_prefixes(change.worker_id, held)
+            active.note_prefix(change.worker_id, held, change.added, change.removed)
 
     def drain(self, worker_id: str, role_epoch: int) -> None:
         """Route nothing new to the worker: its role change begins (workers/roles.py)."""
@@ -191,8 +222,10 @@ class Router:
 
     # ----- views and checks -----
     def snapshot(self) -> Snapshot:
-        builder = self._snapshots if self.disaggregation or self.config.mode is Mode.COLOCATED else self._whole
-        return builder.build(self._registry, self._ledger.in_flight())
+        return self._builder().build(self._registry, self._ledger.in_flight())
+
+    def _builder(self) -> SnapshotBuilder:
+        return self._snapshots if self.disaggregation or self.config.mode is Mode.COLOCATED else self._whole
 
     def counters(self) -> RouterCounters:
         return RouterCounters(
@@ -274,6 +307,7 @@ class Router:
         return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
+        self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
         self._retired[retired.reason] += 1
         self._events["orphaned"] += len(orphaned)

@@ -10,11 +10,13 @@ patches both in place (a copy per load report would cost as much as the decision
 not keep a snapshot across router calls. `SnapshotBuilder` rebuilds everything only when
 membership changes; a load report or a changed in-flight total patches one slot, and `build`
 applies the pending patches (reported load + in-flight holds) before it hands the view out.
+A slot's prefix set is the cluster K/V index's live set for that worker (router/kv_index.py);
+`note_prefix` patches the prefix index with each change the K/V index reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,7 +36,7 @@ class Members:
     worker_ids: tuple[str, ...]
     role_epochs: tuple[int, ...]
     host_ids: tuple[str, ...]
-    held_prefixes: tuple[frozenset[int], ...]
+    held_prefixes: tuple[Set[int], ...]  # live views of the K/V index's per-worker sets
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,25 @@ class SnapshotBuilder:
             return  # not LIVE in the current membership; the next rebuild reads it from the registry
         self._reported[slot] = (load.pending_prompt_tokens, load.active_batch, load.free_blocks)
         self._dirty.add(slot)
-        if load.prefix_hashes is not None and load.prefix_hashes != self._held[slot]:
-            self._prefix.replace_slot(slot, self._held[slot], load.prefix_hashes)
-            self._held[slot] = load.prefix_hashes
-            self._members = None
-            self._snapshot = None
-            self._stale_pools[:] = (True, True)  # the pools carry the members
+
+    def note_prefix(self, worker_id: str, held: Set[int], added: Iterable[int], removed: Iterable[int]) -> None:
+        """The worker's prefix set (`held`, already changed) gained `added` and lost `removed`."""
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            return
+        if held is self._held[slot]:
+            self._prefix.patch_slot(slot, added, removed)
+            return
+        self._prefix.replace_slot(slot, frozenset(self._held[slot]), frozenset(held))  # a new set object
+        self._held[slot] = held
+        self._members = None
+        self._snapshot = None
+        self._stale_pools[:] = (True, True)  # the pools carry the members
+
+    def invalidate(self) -> None:
+        """Rebuild everything from the registry at the next `build` (a builder not in use skips
+        the patches meanwhile)."""
+        self._membership_gen = -1
 
     def reset(self, entries: Sequence[WorkerEntry], num_prefill: int) -> None:
         """Rebuild slots, static members and the prefix index for a new membership."""
@@ -316,7 +331,7 @@ def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np
     return pool
 
 
-def _members(entries: Sequence[WorkerEntry], held: Sequence[frozenset[int]]) -> Members:
+def _members(entries: Sequence[WorkerEntry], held: Sequence[Set[int]]) -> Members:
     return Members(
         worker_ids=tuple(e.info.worker_id for e in entries),
         role_epochs=tuple(e.info.role_epoch for e in entries),

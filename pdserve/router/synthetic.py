@@ -3,6 +3,8 @@
 Prompts share prefixes the way chat traffic does: a handful of "documents" (system prompts,
 few-shot headers) form hash chains; a request continues one document's chain for a random
 number of blocks and then diverges. Each worker holds random leading parts of some documents.
+`EventFlow` then streams block events for those workers (as their heartbeats would), for the
+cluster K/V index (kv_index.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from pdserve.engine.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.kv_index import KvDelta
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
 
@@ -75,3 +79,34 @@ def random_router(
         router.register(WorkerInfo(worker_id, f"host{i % num_hosts}", role, 1, capacity, MODEL, ABI))
         router.report_load(worker_id, 1, random_load(rng, capacity, workload.held_prefixes(rng)))
     return router, workload
+
+
+class EventFlow:
+    """Seeded block events per worker: each report removes `events_per_report / 2` blocks the
+    worker holds and stores as many (a document block it lacks, else a fresh chain hash),
+    numbered on from the worker's full set (sequence 0)."""
+
+    def __init__(self, held: dict[str, frozenset[int]], workload: Workload, events_per_report: int = 64):
+        self.held = {w: list(keys) for w, keys in held.items()}
+        self.seq = dict.fromkeys(held, 0)
+        self.workload, self.half = workload, max(1, events_per_report // 2)
+
+    def report(self, rng: random.Random, worker_id: str) -> KvDelta:
+        held, events = self.held[worker_id], []
+        members = set(held)
+        for _ in range(self.half):
+            if held:
+                i = rng.randrange(len(held))
+                held[i], held[-1] = held[-1], held[i]
+                gone = held.pop()
+                members.discard(gone)
+                events.append((BlockEventKind.REMOVED, gone, KvTier.DEVICE))
+            doc = rng.choice(self.workload.documents)
+            key = doc[rng.randrange(len(doc))]
+            if key in members:
+                key = rng.getrandbits(62)
+            held.append(key)
+            members.add(key)
+            events.append((BlockEventKind.STORED, key, KvTier.DEVICE))
+        self.seq[worker_id] += len(events)
+        return KvDelta(self.seq[worker_id], tuple(events))

@@ -12,12 +12,16 @@ Request life cycle over these messages (disaggregated):
     router -> D: StartDecode(first token, seed)  D -> router: Tokens ... finished
 Colocated: router -> W: Generate;  W -> router: Tokens ... finished.
 Recompute fallback: router -> W: Generate(resume_output_ids=[tokens already streamed]).
+Prefix cache: each Heartbeat carries the block events since the previous one (`kv`, a numbered
+KvReport: engine/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
+by the next Heartbeat with the whole key set marked as a resync (router/kv_index.py).
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from pdserve.engine.kv_events import KvReport
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sequence import SamplingParams
 
@@ -107,6 +111,13 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class ResyncKv(msgspec.Struct, frozen=True, tag=True):
+    """The router's K/V index missed some of this worker's block events: send the whole prefix
+    cache key set (the next Heartbeat's `kv`, marked as a resync)."""
+
+    reason: str = "gap"
+
+
 class RenewLeases(msgspec.Struct, frozen=True, tag=True):
     """The router still wants these requests: extend their K/V leases (handoff/leases.py)."""
 
@@ -151,7 +162,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
     load: Load
-    prefix_hashes: tuple[bytes, ...] = ()
+    kv: KvReport | None = None  # prefix cache events since the previous heartbeat (engine/kv_events.py)
 
 
 class TokenItem(msgspec.Struct, frozen=True, omit_defaults=True):  # fields left at their defaults (no logprobs, n = 1) are not sent
@@ -211,7 +222,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey
+ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | ResyncKv
 ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -100,12 +100,15 @@ class Worker:
         self.leases = LeaseTable(config.lease_s)
         self.leases_reclaimed = 0
         self._next_lease_check = 0.0
+        self.kv_resync_wanted = True  # the first heartbeat of an epoch carries the whole prefix key set
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
         self.sock.send(m.encode(msg))
 
     def register(self) -> None:
+        with self.lock:
+            self.kv_resync_wanted = True  # a new epoch starts with an empty index entry at the router
         eng = self.engine
         print(f"pdserve worker {self.id} (epoch {self.epoch}, {self.role}): {cpu_summary()}; "
               f"compute {eng.numerics['compute_dtype']}, products {eng.numerics['products']}", file=sys.stderr, flush=True)
@@ -151,8 +154,9 @@ class Worker:
                 local_prefill_tokens=local_tokens,
                 role_state=self.roles.state.value,
             )
-            hashes = tuple(list(eng.blocks.cached)[:4096])
-        return m.Heartbeat(self.id, self.epoch, load, hashes)
+            kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
+            self.kv_resync_wanted = False
+        return m.Heartbeat(self.id, self.epoch, load, kv)
 
     def _integrity_ok(self) -> bool:
         """The pool check walks every block, so it runs only while the engine is idle (when the
@@ -209,6 +213,9 @@ class Worker:
             elif isinstance(msg, m.CapabilityKey):
                 if self.verifier is not None:
                     self.verifier.install(bytes.fromhex(msg.public_key_hex), msg.key_epoch)
+            elif isinstance(msg, m.ResyncKv):
+                with self.lock:
+                    self.kv_resync_wanted = True  # answered by the next heartbeat
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:
@@ -268,6 +275,7 @@ class Worker:
             old, new = self.roles.finish()
             self.epoch = self.roles.epoch
             self._build_sides()
+            self.applied_grant_seq = 0  # the router restarts a new epoch's grant sequence (reservations.py)
         self.leases = LeaseTable(self.config.lease_s)
         self.register()
         log.warning("worker %s: now %s under epoch %d (was %s)", self.id, new, self.epoch, old)

@@ -15,6 +15,7 @@ import asyncio
 import pytest
 
 from pdserve.engine.block_manager import prompt_block_hashes, root_hash
+from pdserve.engine.kv_events import BlockEvent, BlockEventKind, KvReport
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.contract import ErrorEvent, FinishEvent, Rejection
 from pdserve.router.router import Router
@@ -172,7 +173,8 @@ def test_reroute_to_the_decode_worker_whose_cache_sees_the_prompt():
         task, p, d, reserve = await started(h)
         holder = next(w for w in ("d0", "d1", "d2") if w != d)
         load = m.Load(0, 3, 3, 1000, 0, 0, 1000)  # busier than the third: only the cache draws it
-        h.backend.report_load(m.Heartbeat(holder, 1, load, tuple(hashes)))
+        resync = KvReport(len(hashes), tuple(BlockEvent(BlockEventKind.STORED, x) for x in hashes), resync=True)
+        h.backend.report_load(m.Heartbeat(holder, 1, load, resync))  # its whole prefix cache, as after a ResyncKv
         await h.kill(d)
         target, _ = await resumed(h, task, {holder})
         assert line(h)["fallback"] == "reroute" and line(h)["fallback_cause"] == f"worker_lost:{d}"

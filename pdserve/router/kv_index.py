@@ -1,0 +1,283 @@
+"""The cluster K/V index: which worker holds which prefix block, built from block events.
+
+Contract:
+- Each worker reports its prefix cache as numbered block events (engine/kv_events.py) in its
+  heartbeats. `apply(worker, epoch, delta)` applies a report whose numbers continue the last one
+  applied for that worker epoch; a report that skips numbers (or a worker epoch with no baseline
+  yet) changes nothing and answers RESYNC_NEEDED: the caller asks the worker for a resync (the
+  whole key set in one report), which replaces everything the index held for it. Further
+  reports before the resync answer AWAITING_RESYNC, and RESYNC_NEEDED again every
+  `resync_retry_reports` of them (a lost request is asked again). Reports already applied
+  (numbers at or below the last applied) and older epochs are ignored.
+- An entry is one (block hash, worker) pair with its tier, under the worker's current epoch.
+  `retire(worker, epoch)` drops every entry of that epoch (and older): a dead or re-registered
+  worker's blocks vanish with it; a report under a newer epoch does the same first.
+- At most `max_entries` entries after every call: past the bound the least recently stored
+  entries (any worker's) are evicted, counted in `num_evictions`; a later REMOVED for one is a
+  no-op.
+- `held(worker)` is the live set of block hashes the worker holds, mutated in place by later
+  calls (the same object for a worker epoch's whole life): the snapshot's per-slot prefix sets
+  are these views, patched by the `HeldChange`s every call returns (net additions and removals
+  per worker, evictions included).
+- Hashes are the routing keys: the first 8 bytes of the engine's 16-byte chain hash (`hash_key`).
+- `stats()` reports entries and a memory estimate (`BYTES_PER_ENTRY` per entry: the LRU map's
+  node, its key tuple and the per-worker set slot, measured with tracemalloc in the tests).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdserve.engine.kv_events import BlockEventKind, KvReport, KvTier
+
+DEFAULT_MAX_ENTRIES = 1 << 19  # 128 workers x 4,096 blocks
+BYTES_PER_ENTRY = 280  # estimate (see the contract); checked against tracemalloc in tests
+BYTES_PER_WORKER = 1024
+RESYNC_RETRY_REPORTS = 8
+
+Event = tuple[int, int, int]  # (BlockEventKind, hash key, KvTier), plain ints
+_STORED, _REMOVED = int(BlockEventKind.STORED), int(BlockEventKind.REMOVED)
+_TIERS = {int(t): t for t in KvTier}
+
+
+def hash_key(block_hash: bytes) -> int:
+    """The router's key for an engine chain hash (also what requests' block hashes are mapped to)."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+class KvOutcome(str, enum.Enum):
+    APPLIED = "applied"
+    RESYNCED = "resynced"
+    IGNORED = "ignored"  # already applied, or an older epoch
+    RESYNC_NEEDED = "resync_needed"  # ask the worker for a resync now
+    AWAITING_RESYNC = "awaiting_resync"  # asked already; nothing applied
+
+
+@dataclass(frozen=True)
+class KvDelta:
+    """One worker report in router terms: events numbered `last_seq - len(events) + 1 .. last_seq`."""
+
+    last_seq: int
+    events: tuple[Event, ...] = ()
+    resync: bool = False
+
+    @classmethod
+    def from_report(cls, report: KvReport) -> KvDelta:
+        events = tuple((int(e.kind), hash_key(e.block_hash), int(e.tier)) for e in report.events)
+        return cls(report.last_seq, events, report.resync)
+
+
+@dataclass(frozen=True)
+class Location:
+    worker_id: str
+    tier: KvTier
+    epoch: int
+
+
+@dataclass(frozen=True)
+class HeldChange:
+    """A worker's held set gained `added` and lost `removed` (net, over one call)."""
+
+    worker_id: str
+    added: tuple[int, ...]
+    removed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvApplied:
+    outcome: KvOutcome
+    changes: tuple[HeldChange, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvIndexStats:
+    entries: int
+    workers: int
+    max_entries: int
+    num_evictions: int
+    num_resyncs_requested: int
+    num_resyncs_applied: int
+    memory_bytes: int
+
+
+class _WorkerKv:
+    __slots__ = ("epoch", "applied_seq", "held", "waiting")
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.applied_seq: int | None = None  # None: no baseline, a resync is needed
+        self.held: set[int] = set()
+        self.waiting = 0  # reports seen since the resync was asked for
+
+
+class _Changes:
+    """Net additions and removals per worker over one call."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, set[int]] = {}
+        self.removed: dict[str, set[int]] = {}
+
+    def sets(self, worker_id: str) -> tuple[set[int], set[int]]:
+        """The worker's (added, removed) sets, to update inline on the hot path."""
+        return self.added.setdefault(worker_id, set()), self.removed.setdefault(worker_id, set())
+
+    def add(self, worker_id: str, key: int) -> None:
+        removed = self.removed.get(worker_id)
+        if removed is not None and key in removed:
+            removed.discard(key)
+        else:
+            self.added.setdefault(worker_id, set()).add(key)
+
+    def remove(self, worker_id: str, key: int) -> None:
+        added = self.added.get(worker_id)
+        if added is not None and key in added:
+            added.discard(key)
+        else:
+            self.removed.setdefault(worker_id, set()).add(key)
+
+    def result(self) -> tuple[HeldChange, ...]:
+        workers = sorted(self.added.keys() | self.removed.keys())
+        changes = (HeldChange(w, tuple(self.added.get(w, ())), tuple(self.removed.get(w, ()))) for w in workers)
+        return tuple(c for c in changes if c.added or c.removed)
+
+
+class KvIndex:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, resync_retry_reports: int = RESYNC_RETRY_REPORTS):
+        if max_entries < 1:
+            raise ValueError(f"the K/V index needs room for an entry, got max_entries={max_entries}")
+        self.max_entries = max_entries
+        self.resync_retry_reports = resync_retry_reports
+        self._lru: OrderedDict[tuple[int, str], int] = OrderedDict()  # (key, worker) -> tier; least recent first
+        self._workers: dict[str, _WorkerKv] = {}
+        self.num_evictions = 0
+        self.num_resyncs_requested = 0
+        self.num_resyncs_applied = 0
+
+    # ---- reports ------------------------------------------------------------------------
+    def apply(self, worker_id: str, epoch: int, delta: KvDelta) -> KvApplied:
+        changes = _Changes()
+        state = self._state(worker_id, epoch, changes)
+        if state is None:
+            return KvApplied(KvOutcome.IGNORED)
+        applied = state.applied_seq
+        if applied is not None and delta.last_seq <= applied and not (delta.resync and delta.last_seq == applied):
+            return KvApplied(KvOutcome.IGNORED, changes.result())
+        if delta.resync:
+            self._resync(worker_id, state, delta, changes)
+            return KvApplied(KvOutcome.RESYNCED, changes.result())
+        first = delta.last_seq - len(delta.events) + 1
+        if applied is None or first > applied + 1:
+            return KvApplied(self._ask(state), changes.result())
+        self._events(worker_id, state, delta.events[applied + 1 - first :], changes)
+        state.applied_seq = delta.last_seq
+        return KvApplied(KvOutcome.APPLIED, changes.result())
+
+    def replace(self, worker_id: str, epoch: int, hashes: Iterable[int]) -> tuple[HeldChange, ...]:
+        """An in-process full set (tests, synthetic clusters): like a resync, numbers untouched."""
+        changes = _Changes()
+        state = self._state(worker_id, epoch, changes)
+        if state is not None:
+            events = tuple((_STORED, key, 0) for key in hashes)
+            self._resync(worker_id, state, KvDelta(state.applied_seq or 0, events, True), changes, count=False)
+        return changes.result()
+
+    def retire(self, worker_id: str, epoch: int) -> tuple[HeldChange, ...]:
+        """Drop every entry of the worker's `epoch` or an older one."""
+        state = self._workers.get(worker_id)
+        if state is None or state.epoch > epoch:
+            return ()
+        del self._workers[worker_id]
+        for key in state.held:
+            del self._lru[(key, worker_id)]
+        return (HeldChange(worker_id, (), tuple(state.held)),) if state.held else ()
+
+    # ---- views --------------------------------------------------------------------------
+    def held(self, worker_id: str) -> set[int] | frozenset[int]:
+        state = self._workers.get(worker_id)
+        return frozenset() if state is None else state.held
+
+    def holders(self, key: int) -> tuple[Location, ...]:
+        """Where the block is held, by worker id."""
+        lru = self._lru
+        return tuple(Location(w, _TIERS[lru[(key, w)]], s.epoch) for w, s in sorted(self._workers.items()) if key in s.held)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def stats(self) -> KvIndexStats:
+        memory = len(self._lru) * BYTES_PER_ENTRY + len(self._workers) * BYTES_PER_WORKER
+        return KvIndexStats(len(self._lru), len(self._workers), self.max_entries, self.num_evictions,
+                            self.num_resyncs_requested, self.num_resyncs_applied, memory)
+
+    def check_invariants(self) -> None:
+        pairs = {(key, w) for w, s in self._workers.items() for key in s.held}
+        if pairs != self._lru.keys():
+            raise AssertionError("the LRU and the per-worker sets disagree")
+        if len(self._lru) > self.max_entries:
+            raise AssertionError(f"{len(self._lru)} entries > bound {self.max_entries}")
+
+    # ---- internals ----------------------------------------------------------------------
+    def _state(self, worker_id: str, epoch: int, changes: _Changes) -> _WorkerKv | None:
+        """The worker's state under `epoch` (a newer epoch retires the old one); None if older."""
+        state = self._workers.get(worker_id)
+        if state is not None and epoch < state.epoch:
+            return None
+        if state is None or epoch > state.epoch:
+            for change in self.retire(worker_id, epoch - 1):
+                for key in change.removed:
+                    changes.remove(worker_id, key)
+            state = self._workers[worker_id] = _WorkerKv(epoch)
+        return state
+
+    def _ask(self, state: _WorkerKv) -> KvOutcome:
+        state.applied_seq = None  # nothing applies until the resync
+        state.waiting += 1
+        if state.waiting % self.resync_retry_reports == 1 or self.resync_retry_reports == 1:
+            self.num_resyncs_requested += 1
+            return KvOutcome.RESYNC_NEEDED
+        return KvOutcome.AWAITING_RESYNC
+
+    def _resync(self, worker_id: str, state: _WorkerKv, delta: KvDelta, changes: _Changes, count: bool = True) -> None:
+        wanted = {key for _, key, _ in delta.events}
+        gone = [(_REMOVED, key, 0) for key in state.held if key not in wanted]
+        self._events(worker_id, state, gone + [(_STORED, key, tier) for _, key, tier in delta.events], changes)
+        state.applied_seq, state.waiting = delta.last_seq, 0
+        self.num_resyncs_applied += int(count)
+
+    def _events(self, worker_id: str, state: _WorkerKv, events, changes: _Changes) -> None:
+        """Apply events in order (one loop, inlined: this is the per-heartbeat cost), then the bound."""
+        lru, held = self._lru, state.held
+        added, removed = changes.sets(worker_id)
+        for kind, key, tier in events:
+            pair = (key, worker_id)
+            if kind == _STORED:
+                if pair in lru:
+                    lru.move_to_end(pair)
+                else:
+                    held.add(key)
+                    if key in removed:
+                        removed.discard(key)
+                    else:
+                        added.add(key)
+                lru[pair] = tier
+            elif kind == _REMOVED:
+                if lru.pop(pair, None) is not None:
+                    held.discard(key)
+                    if key in added:
+                        added.discard(key)
+                    else:
+                        removed.add(key)
+            elif pair in lru:  # DEMOTED / PROMOTED: the block moved tier
+                lru[pair] = tier
+        self._evict(changes)
+
+    def _evict(self, changes: _Changes) -> None:
+        lru = self._lru
+        while len(lru) > self.max_entries:
+            (key, owner), _ = lru.popitem(last=False)
+            self._workers[owner].held.discard(key)
+            changes.remove(owner, key)
+            self.num_evictions += 1
