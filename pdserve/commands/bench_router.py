@@ -113,7 +113,8 @@ def _measure_events(num_prefill: int, num_decode: int, policy: str, decisions: i
     snapshot = router.snapshot()
     members = snapshot.prefill.members, snapshot.decode.members
     held = {w: frozenset(h) for m in members for w, h in zip(m.worker_ids, m.held_prefixes)}
-    flow, shadow_flow, worker_ids, shadow = EventFlow(held, workload, per_report), EventFlow(held, workload, per_report), tuple(held), KvIndex()
+    flow, shadow_flow = EventFlow(held, workload, per_report), EventFlow(held, workload, per_report)
+    worker_ids, shadow = tuple(held), KvIndex()
     for worker_id, keys in held.items():
         shadow.replace(worker_id, 1, keys)
     rng = random.Random(seed + 1)

@@ -35,6 +35,7 @@ from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.inflight import InFlight, RequestTraceWriter
+from pdserve.router.kv_index import hash_key
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
@@ -281,7 +282,7 @@ class ClusterBackend:
     def _block_hashes(self, prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
         if self._prefix_root is None:
             return ()
-        return tuple(int.from_bytes(h[:8], "little") for h in prompt_block_hashes(self._prefix_root, prompt_ids, self._block_size))
+        return tuple(map(hash_key, prompt_block_hashes(self._prefix_root, prompt_ids, self._block_size)))  # kv_index.py's keys
 
     def _bytes_per_token(self) -> int:
         return next(iter(self.registered.values())).bytes_per_token if self.registered else 0

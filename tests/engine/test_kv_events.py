@@ -55,7 +55,8 @@ def test_every_event_is_numbered_and_a_full_log_turns_into_a_resync():
     blocks.register(b1, b"h1" * 8, (5, 6, 7, 8))  # already cached: no event
     report = blocks.kv_report()
     assert (report.first_seq, report.last_seq, report.resync) == (1, 2, False)
-    assert [(e.kind, e.block_hash) for e in report.events] == [(BlockEventKind.STORED, b"h0" * 8), (BlockEventKind.STORED, b"h1" * 8)]
+    stored = BlockEventKind.STORED
+    assert [(e.kind, e.block_hash) for e in report.events] == [(stored, b"h0" * 8), (stored, b"h1" * 8)]
     assert blocks.kv_report().events == () and blocks.kv_report().last_seq == 2  # nothing new
     blocks.release([b0, b1])
     taken = blocks.allocate(8)  # every free block, then the two cached ones: both evicted
@@ -66,7 +67,8 @@ def test_every_event_is_numbered_and_a_full_log_turns_into_a_resync():
         blocks.register(b, bytes([i]) * 16, (i,) * 4)  # 4 events > capacity 3: the log overflows
     report = blocks.kv_report()
     assert report.resync and report.last_seq == 8
-    assert {e.block_hash for e in report.events} == set(blocks.cached) and {e.kind for e in report.events} == {BlockEventKind.STORED}
+    assert {e.block_hash for e in report.events} == set(blocks.cached)
+    assert {e.kind for e in report.events} == {BlockEventKind.STORED}
     blocks.release(taken)
 
 
