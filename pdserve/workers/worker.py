@@ -155,8 +155,8 @@ class Worker:
                 role_state=self.roles.state.value,
             )
             kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
-            self.kv_resync_wanted = False
-        return m.Heartbeat(self.id, self.epoch, load, kv)
+            self.kv_resync_wanted, epoch = False, self.epoch  # the epoch these events belong to
+        return m.Heartbeat(self.id, epoch, load, kv)
 
     def _integrity_ok(self) -> bool:
         """The pool check walks every block, so it runs only while the engine is idle (when the
