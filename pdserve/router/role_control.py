@@ -73,13 +73,13 @@ async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float
     drain_s, left = time.monotonic() - t0, len(holders(backend, worker_id))
     epoch = reg.epoch + 1
     await backend._send(worker_id, m.ChangeRole(role, epoch))
-    await _until_live(backend, worker_id, epoch, register_timeout_s)
+    await _until_live(backend, worker_id, role, epoch, register_timeout_s)
     backend.metrics.role_changes.labels(reg.role, role).inc()
     backend.on_role_changed(worker_id, role, epoch)
     return RoleChange(worker_id, reg.role, role, reg.epoch, epoch, drain_s, left, time.monotonic() - t0)
 
 
-async def _until_live(backend, worker_id: str, epoch: int, timeout_s: float) -> None:
+async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         reg = backend.registered.get(worker_id)
