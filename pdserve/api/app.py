@@ -39,15 +39,18 @@ from pdserve.api.protocol import (
 )
 from pdserve.api.relay import EventStreamResponse, collect, sse_events
 from pdserve.api.responses import ChatFormat, ResponseFormat
+from pdserve.api.tenants import TenantResolver
 from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
 
 
-def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> FastAPI:
+def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+               api_keys: dict[str, str] | None = None) -> FastAPI:
     """An app serving `backend`; the caller owns the backend's start and close. With
     `admin_token`, the /admin endpoints are mounted (admin.py). `max_logprobs` caps the top
-    logprobs a request may ask for (serve --max-logprobs)."""
+    logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant),
+    generation needs a key and runs in its tenant (tenants.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     app.state.max_logprobs = max_logprobs
@@ -59,14 +62,18 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
 
         install_admin_routes(app, backend, admin_token)
 
-    @app.post("/v1/completions", responses=errors(400, 404, 429, 503))
+    tenants = TenantResolver(api_keys)  # whose prefix cache a request uses (tenants.py)
+
+    @app.post("/v1/completions", responses=errors(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         parsed = parse_completion(body, served_model(backend, max_logprobs))
+        parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
         return await generate(backend, request, parsed, new_format(ResponseFormat, "cmpl", backend, parsed))
 
-    @app.post("/v1/chat/completions", responses=errors(400, 404, 429, 503))
+    @app.post("/v1/chat/completions", responses=errors(400, 401, 404, 429, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         parsed = parse_chat(body, served_model(backend, max_logprobs))
+        parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
 
     @app.post("/tokenize", responses=errors(400, 404))

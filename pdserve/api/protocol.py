@@ -74,6 +74,7 @@ class _CommonRequest(StrictBody):
     frequency_penalty: Finite | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: salts prefix caching
 
 
 class CompletionRequest(_CommonRequest):
@@ -145,7 +146,8 @@ class ParsedRequest:
         return self.params.n
 
     def to_generation(self, request_id: str) -> GenerationRequest:
-        return GenerationRequest(request_id=request_id, prompt_ids=self.prompt_ids, params=self.params)
+        return GenerationRequest(request_id=request_id, prompt_ids=self.prompt_ids, params=self.params,
+                                 tenant=self.params.tenant)
 
 
 # ---- entry points -------------------------------------------------------------------------

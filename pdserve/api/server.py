@@ -70,6 +70,7 @@ class ServeConfig:
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
+    api_keys: str | None = None  # a KEY -> TENANT file: generation needs a key and runs in its tenant (api/tenants.py)
     splitwise: Thresholds | None = None  # mode "splitwise": the pool controller's marks (default: from the SLOs)
 
     def __post_init__(self) -> None:
@@ -234,7 +235,10 @@ async def serve(config: ServeConfig) -> None:
     from pdserve.api.app import create_app
 
     async with cluster(config) as (backend, _):
-        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs)
+        from pdserve.api.tenants import load_api_keys
+
+        keys = load_api_keys(config.api_keys) if config.api_keys else None
+        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         await server.serve()

@@ -16,9 +16,9 @@ Contract:
   them out (or the whole key set as a resync) for the worker's heartbeat.
 - The root I of the hash chain is `root_hash(identity, tenant)`: the engine passes its
   `CacheIdentity.identity_hash`, which covers the model and the K/V ABI digest (kv_abi.py), so
-  two pools share a block hash only if their K/V bytes mean the same. `tenant` is the seam for
-  per-tenant isolation (not implemented: every pool uses the default tenant, which leaves the
-  root as it was).
+  two pools share a block hash only if their K/V bytes mean the same. Each request's tenant
+  (`SamplingParams.tenant`: an API key's tenant or a `cache_salt`) picks its own root
+  (`root_for`), so K/V is never reused across tenants; the default tenant keeps the plain root.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.identity = root_hash(identity)
+        self._identity_name = identity
+        self._roots: dict[str, bytes] = {DEFAULT_TENANT: self.identity}  # tenant -> chain root
         self.enable_prefix_cache = enable_prefix_cache
         self.refcount = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
@@ -144,8 +146,15 @@ class BlockManager:
         self.reserved.pop(owner, None)
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def hashes_for(self, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
-        return prompt_block_hashes(self.identity, tokens, self.block_size)
+    def root_for(self, tenant: str = DEFAULT_TENANT) -> bytes:
+        """The chain root of `tenant`'s blocks: tenants never share a block hash, so never a hit."""
+        root = self._roots.get(tenant)
+        if root is None:
+            root = self._roots[tenant] = root_hash(self._identity_name, tenant)
+        return root
+
+    def hashes_for(self, tokens: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> list[bytes]:
+        return prompt_block_hashes(self.root_for(tenant), tokens, self.block_size)
 
     def match_prefix(self, hashes: list[bytes], tokens: list[int] | tuple[int, ...]) -> int:
         """Number of leading blocks cached with these exact hashes and token ids (no side effects)."""

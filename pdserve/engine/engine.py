@@ -224,8 +224,9 @@ class Engine:
             tokens = seq.tokens
             for j in range(len(seq.block_hashes), full):
                 block_tokens = tuple(tokens[j * bs : (j + 1) * bs])
-                parent = seq.block_hashes[-1] if seq.block_hashes else self.blocks.identity
-                h = chain_hash(self.blocks.identity, parent, block_tokens)
+                root = self.blocks.root_for(seq.params.tenant)
+                parent = seq.block_hashes[-1] if seq.block_hashes else root
+                h = chain_hash(root, parent, block_tokens)
                 self.blocks.register(seq.block_table[j], h, block_tokens)
                 seq.block_hashes.append(h)
 
@@ -349,7 +350,7 @@ class Engine:
         prompt_blocks, growth, _ = self._import_needs(len(prompt_ids), params.max_tokens, params.n)
         if not self.blocks.can_reserve(prompt_blocks + growth):
             raise InvalidRequest(f"no K/V capacity for {prompt_blocks + growth} blocks")  # caller checks first
-        hashes = self.blocks.hashes_for(prompt_ids)
+        hashes = self.blocks.hashes_for(prompt_ids, params.tenant)
         # like local admission, at least the last block moves: the transfer set is never empty
         visible = self.blocks.acquire_prefix(hashes, prompt_ids, limit=(len(prompt_ids) - 1) // self.abi.block_size)
         fresh = self.blocks.allocate(prompt_blocks - len(visible))

@@ -160,7 +160,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, first: bool) -> int:
         """Look up the prefix cache for a waiting sequence, then fit its first chunk."""
         tokens = seq.tokens
-        hashes = self.blocks.hashes_for(tokens)
+        hashes = self.blocks.hashes_for(tokens, seq.params.tenant)
         limit = (len(tokens) - 1) // self.blocks.block_size  # always compute >= 1 row for logits
         if needs_prompt_logits(seq):
             limit = 0  # a cached block has no logits: positions still to be scored are computed

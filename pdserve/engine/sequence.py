@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probabilities per output token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed in prefill)
     n: int = 1  # independent output sequences over one prompt (engine/fork.py)
+    tenant: str = "default"  # whose prefix cache the request reads and fills (block_manager.root_for)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:

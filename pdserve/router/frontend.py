@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
-from pdserve.engine.block_manager import prompt_block_hashes, root_hash
+from pdserve.engine.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
@@ -106,7 +106,7 @@ class ClusterBackend:
         self.live: dict[str, InFlight] = {}
         self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
         self._grant_seq: dict[str, int] = {}
-        self._prefix_root: bytes | None = None
+        self._prefix_identity: str | None = None  # the workers' cache identity: the chain roots' base
         self._block_size = 16
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
@@ -222,7 +222,7 @@ class ClusterBackend:
         a dead worker is being started again: `admission_waits`); reject early (before any
         prefill work) when the wait runs out or no route can exist."""
         req = live.req
-        hashes = self._block_hashes(req.prompt_ids)
+        hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
         while True:
             result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes))
             if not isinstance(result, RouteRejection):
@@ -279,10 +279,11 @@ class ClusterBackend:
         raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), 503,
                         result.retry_after_s, result.reason.value)
 
-    def _block_hashes(self, prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
-        if self._prefix_root is None:
+    def _block_hashes(self, prompt_ids: tuple[int, ...], tenant: str = DEFAULT_TENANT) -> tuple[int, ...]:
+        if self._prefix_identity is None:
             return ()
-        return tuple(map(hash_key, prompt_block_hashes(self._prefix_root, prompt_ids, self._block_size)))  # kv_index.py's keys
+        root = root_hash(self._prefix_identity, tenant)  # the tenant's own chain, as its workers hash it
+        return tuple(map(hash_key, prompt_block_hashes(root, prompt_ids, self._block_size)))  # kv_index.py's keys
 
     def _bytes_per_token(self) -> int:
         return next(iter(self.registered.values())).bytes_per_token if self.registered else 0
@@ -383,7 +384,7 @@ class ClusterBackend:
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
         self._block_size = reg.block_size
-        self._prefix_root = root_hash(reg.prefix_identity) if reg.prefix_identity else None
+        self._prefix_identity = reg.prefix_identity or None
         if old is not None and retirement is not None:
             asyncio.get_running_loop().create_task(ev.on_worker_lost(self, reg.worker_id, retirement.orphaned_request_ids))
 

@@ -50,6 +50,8 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
         live.first_token_s = now
         backend.metrics.ttft.observe(now - live.arrival_s)
     live.last_token_s = now
+    if item.cached_tokens:  # prompt tokens the worker's prefix cache served (its tenant's only)
+        live.note(cached_tokens=max(live.trace.get("cached_tokens", 0), item.cached_tokens))
     if item.index == 0:  # n > 1: sequence 0's tokens are the ones a recompute resumes from
         live.output_ids.extend(item.token_ids)
     if item.forks:

@@ -133,7 +133,7 @@ def _planned_transfer_s(backend, live: InFlight) -> float:
 
 def _route_request(backend, live: InFlight) -> RouteRequest:
     req = live.req
-    return RouteRequest(req.request_id, len(req.prompt_ids), backend.output_demand(req), backend._block_hashes(req.prompt_ids))
+    return RouteRequest(req.request_id, len(req.prompt_ids), backend.output_demand(req), backend._block_hashes(req.prompt_ids, req.params.tenant))
 
 
 async def fail(backend, live: InFlight, message: str, code: str) -> None:

@@ -1,0 +1,41 @@
+"""Tenant isolation across the handoff (1P1D, tiny model): two tenants sending one prompt share
+no cached K/V on either worker, while one tenant's repeat hits on the prefill worker and moves
+only what the decode worker lacks; tokens are the same for everyone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.api.backend import FinishEvent, GenerationRequest, TokenEvent
+from pdserve.api.server import cluster
+from pdserve.engine.sequence import SamplingParams
+from tests.runtime.conftest import config, prompt, wait_baseline
+
+PROMPT = prompt(64, 77)  # four full blocks
+
+
+async def run(backend, rid: str, tenant: str) -> list[int]:
+    params = SamplingParams(max_tokens=6, ignore_eos=True, tenant=tenant)
+    tokens = []
+    async for event in backend.submit(GenerationRequest(rid, PROMPT, params, tenant=tenant)):
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        assert not isinstance(event, FinishEvent) or event.finish_reason == "length"
+    return tokens
+
+
+async def _scenario():
+    async with cluster(config()) as (backend, _):
+        outputs = [await run(backend, f"r{i}", tenant) for i, tenant in enumerate(["alice", "alice", "bob", "bob"])]
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        lines = {line["request_id"]: line for line in backend.trace.recent}
+        return outputs, [lines[f"r{i}"] for i in range(4)]
+
+
+def test_two_tenants_share_nothing_and_one_tenant_reuses_its_own():
+    outputs, lines = asyncio.run(_scenario())
+    assert all(out == outputs[0] for out in outputs)
+    assert [line.get("cached_tokens", 0) for line in lines] == [0, 48, 0, 48]  # prefill-side hits, own tenant only
+    moved = [line["kv_bytes"] for line in lines]
+    assert moved[1] < moved[0] and moved[3] < moved[2] and moved[0] == moved[2]  # bob's first moves it all again
