@@ -70,10 +70,13 @@ class ServeConfig:
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
+    kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
     api_keys: str | None = None  # a KEY -> TENANT file: generation needs a key and runs in its tenant (api/tenants.py)
     splitwise: Thresholds | None = None  # mode "splitwise": the pool controller's marks (default: from the SLOs)
 
     def __post_init__(self) -> None:
+        if self.kv_index_max_entries < 1:
+            raise ValueError(f"--kv-index-max-entries must be >= 1, got {self.kv_index_max_entries}")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
         PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
@@ -105,7 +108,8 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
-                               heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd))
+                               heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd,
+                               kv_index_max_entries=config.kv_index_max_entries))
 
 
 @contextlib.asynccontextmanager

@@ -55,6 +55,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")
     p.add_argument("--lease-s", type=float, default=30.0,
                    help="K/V reserved or pinned for a request is reclaimed when the router stops renewing it this long")
+    p.add_argument("--kv-index-max-entries", type=int, default=524_288, metavar="N",
+                   help="bound of the router's cluster K/V index (block, worker) entries; least recently stored "
+                        "entries go past it (~280 bytes each)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="KEY -> TENANT file (JSON object or 'KEY TENANT' lines): generation needs "
                         "'Authorization: Bearer KEY', and K/V is reused only within the key's tenant")
@@ -97,6 +100,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
+        kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
     )
 
 

@@ -38,3 +38,8 @@ def test_only_the_margin_pays_for_a_fit_at_start():
     always = router_for(ServeConfig(engine=TINY, pd_decision="always"), model_dir)  # "auto" without margin: none
     none = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile="none"), model_dir)
     assert always.config.cost == none.config.cost
+
+
+def test_the_serve_flag_bounds_the_router_s_kv_index():
+    router = router_for(ServeConfig(engine=TINY, pd_decision="always", kv_index_max_entries=1000), resolve_model("tiny"))
+    assert router.kv_index_stats().max_entries == 1000
