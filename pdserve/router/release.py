@@ -7,6 +7,8 @@ operator override the runtime adds:
     ACTIVE  --disable--> PINNED --enable--> ACTIVE     live switch (POST /admin/disaggregation)
     ACTIVE | PINNED --rollback--> ROLLING_BACK --> ROLLED_BACK --enable--> ACTIVE
 
+A disable whose role change fails (503) leaves the release PINNED: new requests already run whole.
+A rollback that fails part way stays ROLLING_BACK and may be posted again; it runs from the top.
 A disaggregated cluster starts ACTIVE (disaggregated serving on); a colocated one starts PINNED
 and has nothing to enable. The runtime does not run the staged SHADOW/CANARY promotion: those
 gates are the operator's. `rollback()` runs the spec's order (ledger's ROLLBACK_ORDER) and returns
@@ -95,7 +97,12 @@ class ReleaseController:
             t0 = time.monotonic()
             if enabled:
                 self.backend.router.handoff_enabled = True
-            changes = await role_control.set_disaggregation(self.backend, enabled, self.drain_timeout_s)
+            try:
+                changes = await role_control.set_disaggregation(self.backend, enabled, self.drain_timeout_s)
+            except role_control.RoleChangeFailed:
+                if not enabled:  # new requests run whole from the first step on: the release is pinned
+                    self._move(target)
+                raise
             self._move(target)
             return {"state": self.state, "seconds": time.monotonic() - t0,
                     "role_changes": [c.__dict__ for c in changes]}
@@ -104,7 +111,8 @@ class ReleaseController:
         if self._lock.locked():
             raise ReleaseBusy("another admin operation is running")
         async with self._lock:
-            self._move("ROLLING_BACK")
+            if self.state != "ROLLING_BACK":  # a rollback that failed part way is run again from the top
+                self._move("ROLLING_BACK")
             steps = await _rollback_steps(self.backend, self.drain_timeout_s)
             error = rollback_order_error([s.name for s in steps])
             if error is not None:  # the order is this module's own code: a bug, never the client's
