@@ -381,6 +381,7 @@ class ClusterBackend:
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
                                                      reg.model_hash, reg.abi_hash))
         self.registered[reg.worker_id] = reg
+        self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
         self._block_size = reg.block_size

@@ -16,7 +16,7 @@ FAST = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0)
 
 async def wait_epoch(backend, worker_id: str, epoch: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not any(w.id == worker_id and w.epoch == epoch and w.load for w in backend.workers()):
+    while not any(w.id == worker_id and w.epoch == epoch and w.state == "live" and w.load for w in backend.workers()):
         assert time.monotonic() < deadline, [(w.id, w.epoch) for w in backend.workers()]
         await asyncio.sleep(0.1)
 
