@@ -159,13 +159,16 @@ def local_wait_s(facts: PdFacts, cost: CostModel) -> float:
     return float(cost.queue_s(facts.decode_pending_tokens))
 
 
-def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> MarginTerms:
+def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float,
+                 steps: list[float] | None = None) -> MarginTerms:
+    """The four terms; `steps`: the local route's mixed steps when the caller has them already."""
+    steps = local_steps_s(facts, policy, cost) if steps is None else steps
+    wait_s = local_wait_s(facts, cost)
     return MarginTerms(
-        interference_saved_s=slo_interference_s(
-            facts.decode_batch, local_steps_s(facts, policy, cost), tpot_slo_s, ttft_slo_s, local_wait_s(facts, cost),
-            facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens),
+        interference_saved_s=slo_interference_s(facts.decode_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
+                                                facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens),
         transfer_exposed_s=exposed_s(facts, policy, cost),
-        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - local_wait_s(facts, cost),
+        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - wait_s,
         failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
     )
 
@@ -189,8 +192,8 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
         return PdDecision(False, "min_prompt_tokens")
     if policy.mode == "always":
         return PINNED["always"]
-    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s)
-    steps = local_steps_s(facts, policy, cost)
+    steps = local_steps_s(facts, policy, cost)  # once: the terms and the gates read the same steps
+    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps)
     remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
     remote_tpot_s = float(cost.decode_step_s(facts.decode_batch + 1))
     # each gate: the disaggregated route meets the target, or does no worse than the local route
