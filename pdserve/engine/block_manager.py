@@ -168,13 +168,18 @@ class BlockManager:
             n += 1
         return n
 
-    def acquire_prefix(self, hashes: list[bytes], tokens: list[int] | tuple[int, ...], limit: int) -> list[int]:
-        """Take a reference on up to `limit` leading cached blocks; returns their ids."""
+    def acquire_prefix(self, hashes: list[bytes], tokens: list[int] | tuple[int, ...], limit: int,
+                       owner: str | None = None) -> list[int]:
+        """Take a reference on up to `limit` leading cached blocks; returns their ids. A revived
+        (evictable) block leaves the free count, so it comes out of `owner`'s reservation, as an
+        allocation would: reservations never come to exceed what is free."""
         n = min(self.match_prefix(hashes, tokens), limit)
         blocks = [self.cached[h] for h in hashes[:n]]
         for block in blocks:
             if self.refcount[block] == 0:
                 del self.evictable[block]
+                if self.reserved.get(owner, 0) > 0:
+                    self.reserved[owner] -= 1
             self.refcount[block] += 1
         self.num_prefix_hits += n
         return blocks

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.prompt_priority import PromptPriority
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -20,3 +22,4 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     kv_shm_name: str | None = None  # put the K/V pool in this POSIX shared-memory segment
+    prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off

@@ -75,7 +75,8 @@ class Engine:
         self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name)
         self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                config.prompt_priority)
         self.scheduler = Scheduler(self.blocks, sched)
         self.runner = ModelRunner(self.model, self.pool)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
@@ -86,6 +87,8 @@ class Engine:
         self.groups = Groups()  # the live sequences of n > 1 requests (fork.py)
         self._arrivals = itertools.count()
         self.step_log: StepLog | None = None  # when set, every step that ran is recorded (step_log.py)
+        # block tables held outside the engine's requests (a worker's prefix fetches pin blocks)
+        self.external_tables: Callable[[], list[list[int]]] = list
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -421,7 +424,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.seqs.values()] + [s.block_table for s in self.prefilled.values()]
-        tables += [list(r.block_ids) for r in self.imports.values()]
+        tables += [list(r.block_ids) for r in self.imports.values()] + self.external_tables()
         self.blocks.check_integrity(tables)
 
     def assert_no_leaks(self) -> None:

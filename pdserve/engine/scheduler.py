@@ -16,10 +16,13 @@ Contract, per `schedule()` call:
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.prompt_priority import PromptPriority, is_fresh_prompt, pick_displaced
 from pdserve.engine.sequence import Sequence, SeqMode, SeqStatus
 
 
@@ -28,6 +31,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off
 
 
 @dataclass
@@ -42,13 +46,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
         self.blocks = blocks
         self.config = config
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, every cause
+        self.num_priority_preemptions = 0  # of which a waiting prompt displaced token work
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_s = self.clock()
         if seq.status is SeqStatus.RUNNING:  # imported: K/V already in place
             self.running.append(seq)
         else:
@@ -75,6 +83,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._prompt_priority(plan)
         budget = self.config.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.is_decoding and seq in self.running and len(plan.decode) < self.config.max_num_seqs:
@@ -104,6 +113,26 @@ class Scheduler:
         return plan
 
     # ---- decode slots and preemption --------------------------------------------------------
+    def _prompt_priority(self, plan: StepPlan) -> None:
+        """A fresh prompt that finds every batch slot taken displaces one young decode (see
+        prompt_priority.py); the displaced sequence keeps its blocks' worth as a reservation and
+        waits right behind the prompt."""
+        policy = self.config.prompt_priority
+        if policy is None or not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        head = self.waiting[0]
+        if not is_fresh_prompt(head):
+            return
+        victim = pick_displaced(self.running, policy, self.clock(), prompt_pending=True)
+        if victim is None:
+            return
+        kept = self.blocks.reserved.get(victim.request_id, 0)
+        free_before = self.blocks.num_free
+        self._preempt(victim, plan, behind=head)
+        freed = self.blocks.num_free - free_before
+        self.blocks.reserve(victim.request_id, min(kept + freed, self.blocks.num_free - self.blocks.num_reserved))
+        self.num_priority_preemptions += 1
+
     def _blocks_needed(self, seq: Sequence, rows: int) -> int:
         bs = self.blocks.block_size
         return max(0, -(-(seq.num_computed + rows) // bs) - len(seq.block_table))
@@ -126,15 +155,19 @@ class Scheduler:
         candidates = [s for s in self.running if s not in exclude and s.mode is not SeqMode.PREFILL_ONLY]
         return max(candidates, key=lambda s: s.arrival) if candidates else None
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan, behind: Sequence | None = None) -> None:
         self.running.remove(seq)
         self.release_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         if seq.mode is SeqMode.IMPORTED:
             seq.mode = SeqMode.NORMAL  # its K/V is recomputed here from now on
         seq.transition(SeqStatus.WAITING)
         plan.preempted.append(seq)
+        if behind is not None:  # displaced by a prompt: it waits right behind that prompt
+            self.waiting.insert(self.waiting.index(behind) + 1, seq)
+            return
         # keep FCFS: a preempted sequence goes back ahead of anything that arrived after it
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > seq.arrival), len(self.waiting))
         self.waiting.insert(index, seq)
@@ -164,7 +197,7 @@ class Scheduler:
         limit = (len(tokens) - 1) // self.blocks.block_size  # always compute >= 1 row for logits
         if needs_prompt_logits(seq):
             limit = 0  # a cached block has no logits: positions still to be scored are computed
-        hit_blocks = self.blocks.acquire_prefix(hashes, tokens, limit)
+        hit_blocks = self.blocks.acquire_prefix(hashes, tokens, limit, owner=seq.request_id)
         seq.block_table = hit_blocks
         seq.block_hashes = hashes[: len(hit_blocks)]
         seq.num_computed = len(hit_blocks) * self.blocks.block_size

@@ -96,6 +96,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full, registered blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    queued_s: float = 0.0  # when this worker's scheduler took it in (its clock): the age prompt priority reads
     finish_reason: str | None = None
     text: str = ""
     num_released_chars: int = 0  # leading chars of `text` already reported to the caller
