@@ -1,0 +1,1 @@
+"""Output-length prediction into buckets (TetriInfer): features, a softmax classifier, the manifest."""
