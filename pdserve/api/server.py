@@ -71,6 +71,7 @@ class ServeConfig:
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
+    kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
     api_keys: str | None = None  # a KEY -> TENANT file: generation needs a key and runs in its tenant (api/tenants.py)
     splitwise: Thresholds | None = None  # mode "splitwise": the pool controller's marks (default: from the SLOs)
 
@@ -109,7 +110,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
                                heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd,
-                               kv_index_max_entries=config.kv_index_max_entries))
+                               kv_index_max_entries=config.kv_index_max_entries, kv_sharing=config.kv_sharing))
 
 
 @contextlib.asynccontextmanager
@@ -124,7 +125,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     supervisor = pools = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
-                             lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled)
+                             lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled, kv_sharing=config.kv_sharing)
     backend.on_role_changed = launcher.note_role
     backend.on_key_rotated = launcher.note_key
     backend.start()

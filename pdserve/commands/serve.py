@@ -58,6 +58,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-index-max-entries", type=int, default=524_288, metavar="N",
                    help="bound of the router's cluster K/V index (block, worker) entries; least recently stored "
                         "entries go past it (~280 bytes each)")
+    p.add_argument("--no-kv-sharing", action="store_true",
+                   help="no cross-worker prefix fetch and no routing credit for a prefix another worker holds "
+                        "(each worker reuses only its own prefix cache)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="KEY -> TENANT file (JSON object or 'KEY TENANT' lines): generation needs "
                         "'Authorization: Bearer KEY', and K/V is reused only within the key's tenant")
@@ -101,6 +104,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
+        kv_sharing=not getattr(args, "no_kv_sharing", False),
     )
 
 

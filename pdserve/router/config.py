@@ -70,6 +70,7 @@ class RouterConfig:
     pd: PdPolicy = field(default_factory=PdPolicy)  # per-request P/D decision (disaggregated mode); "always" here,
     # `pdserve serve` defaults to "margin" (ServeConfig)
     kv_index_max_entries: int = DEFAULT_MAX_ENTRIES  # cluster K/V index bound (router/kv_index.py; LRU past it)
+    kv_sharing: bool = False  # the prefix policy credits prefixes other workers hold (fetch_plan.py)
 
     @property
     def heartbeat_timeout_s(self) -> float:

@@ -37,6 +37,7 @@ from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_index import hash_key
 from pdserve.router.errors import UnknownRequestError
+from pdserve.router.fetch_runner import FetchRunner
 from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
@@ -78,7 +79,8 @@ class RouteLost(AdmissionRetry):
 class ClusterBackend:
     def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
                  trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto",
-                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0, restarts: bool = False):
+                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0, restarts: bool = False,
+                 kv_sharing: bool = True):
         self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
         self.lease_renew_s = lease_renew_s  # well inside the workers' lease (ServeConfig.lease_s / 3)
         self.max_model_len = max_model_len
@@ -111,6 +113,7 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
         self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
+        self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -290,6 +293,9 @@ class ClusterBackend:
 
     async def _start(self, live: InFlight, plan: RoutePlan) -> None:
         req = live.req
+        await self.fetches.prepare(live, plan.prefill_id)  # the prefill worker gets a prefix it lacks
+        if not self._route_alive(plan):
+            raise RouteLost("worker_lost")
         if not live.disaggregated:
             live.owners = {plan.decode_id}
             await self._send(plan.decode_id, m.Generate(req.request_id, req.prompt_ids, req.params, live.seed,

@@ -33,6 +33,8 @@ async def dispatch(backend, msg) -> None:
             live.reserved.set_result(msg)
     elif isinstance(msg, m.TransferDone):
         await _on_transfer_done(backend, msg)
+    elif isinstance(msg, (m.FetchReserved, m.FetchDone)):
+        backend.fetches.on_message(msg)  # cross-worker prefix fetch (router/fetch_runner.py)
     elif isinstance(msg, m.WorkerError):
         live = backend.lookup(msg.request_id)
         if live is not None and live.reserved is not None and not live.reserved.done():
@@ -150,6 +152,7 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
     if live.first_token_s is not None and n > 1:
         backend.metrics.tpot.observe((live.last_token_s - live.first_token_s) / (n - 1))
     backend.metrics.requests.labels("completed").inc()
+    backend.fetches.on_finished(live)
     backend.trace.write(live.record(reason))
     live.queue.put_nowait(FinishEvent(reason, len(live.req.prompt_ids), n))
 

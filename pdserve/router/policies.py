@@ -22,7 +22,8 @@ per-D vector for each host path (same or cross host), so the P x D search is a g
 per host and one argmin over P (see `_fastest_pair`), not a Python double loop; a plain
 double-loop reference in the tests must pick the identical pair. `slo` assumes no prefix reuse;
 `prefix` reads the workers' prefix indexes, so the longest hit still loses to a shorter queue or a
-cheaper transfer path when that is faster (Mooncake).
+cheaper transfer path when that is faster (Mooncake); with K/V sharing on (`kv_sharing`) a prefix
+another worker holds counts too, priced at its fetch time (`_prefix_with_fetch`).
 Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
 a prefix-aware decision whose capacity gates admit every slot without any hit runs the lookup,
 the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
@@ -40,6 +41,7 @@ import numpy as np
 from pdserve.router import demand, kernels
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
+from pdserve.router.fetch_plan import fetch_credit
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.snapshot import Derived, Pool, Snapshot
 
@@ -78,6 +80,7 @@ class PolicyContext:
     turn: int = 0  # routes this policy made before; round robin's cursor
     retry_after_s: float = 1.0  # suggestion when capacity, not a clock, is the problem
     max_retry_after_s: float = 30.0
+    kv_sharing: bool = False  # prefix policy: a prefix another worker holds counts, at its fetch cost
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    if ctx.kv_sharing and request.block_hashes:
+        return _prefix_with_fetch(snapshot, request, ctx)
     if kernels.enabled and request.block_hashes:
         rows = snapshot.prefix.probe(request.block_hashes)
         if rows is None:  # nobody holds the first block: no hit anywhere (what prefix_hits gives)
@@ -174,6 +179,43 @@ def _prefix_fused(
     )  # fmt: skip
     refusal = _ttft_gate(ctx, request, ttft_s)
     return refusal or _choice(p, p if snapshot.colocated else d, int(p_hit), int(d_hit), ttft_s)
+
+
+def _prefix_with_fetch(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    """The prefix policy with cross-worker fetch (Mooncake): a prefill slot's cost is its queue +
+    the fetch of the longest reachable prefix it lacks (fetch_plan.fetch_credit: only when that
+    beats recomputing it) + the prefill of the rest (+ transfer and admission at D). Capacity and
+    the plan's holds count the slot's own hit only: fetched blocks take room like computed ones."""
+    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
+    gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
+    if isinstance(gates, Refusal):
+        return gates
+    terms = snapshot.derived(ctx.cost)
+    d_ok = _tpot_admitted(terms, request, ctx, gates[1])
+    if isinstance(d_ok, Refusal):
+        return d_ok
+    own = p_hit if isinstance(p_hit, np.ndarray) else _no_hits(len(snapshot.prefill))
+    eff, fetch_s = fetch_credit(ctx.cost, own, *_best_holder(snapshot, request, own, d_hit, ctx.cost.block_size_tokens))
+    terms = terms._replace(queue_p=terms.queue_p + fetch_s)  # [P]: the fetch is paid before the prefill
+    d_eff = eff if snapshot.colocated else d_hit
+    p, d, ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, eff, d_eff, gates[0], d_ok)
+    refusal = _ttft_gate(ctx, request, ttft_s)
+    return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d), ttft_s)
+
+
+def _best_holder(snapshot: Snapshot, request: RouteRequest, own: np.ndarray, d_hit: Hits, bs: int) -> tuple[int, np.ndarray]:
+    """(the longest usable prefix any worker holds, [P] whether its holder shares each prefill
+    slot's host). Colocated: one pool. Disaggregated: a decode worker's visible prefix counts too
+    (level 3: history decoded there moves back to the prefill side); a holder in the prefill pool
+    is priced over the cross-host path (the snapshot pairs hosts only across the two pools)."""
+    best_p = int(own.max()) if len(own) else 0
+    if snapshot.colocated:  # any holder of the longest prefix on the slot's host will do
+        return best_p, snapshot.same_host[:, own == best_p].any(axis=1).astype(np.int64)
+    d_usable = np.minimum(d_hit, (request.prompt_tokens - 1) // bs) if isinstance(d_hit, np.ndarray) else None
+    if d_usable is not None and int(d_usable.max()) > best_p:
+        best_d = int(d_usable.max())
+        return best_d, snapshot.same_host[:, d_usable == best_d].any(axis=1).astype(np.int64)
+    return best_p, np.zeros(len(own), dtype=np.int64)
 
 
 POLICIES: dict[str, Policy] = {

@@ -139,6 +139,10 @@ class Router:
     def kv_index_stats(self) -> KvIndexStats:
         return self._kv.stats()
 
+    def kv_held(self, worker_id: str) -> set[int] | frozenset[int]:
+        """The block keys the cluster K/V index places on a worker (a live view)."""
+        return self._kv.held(worker_id)
+
     def kv_holders(self, block_hash: int) -> tuple[Location, ...]:
         """Where the cluster K/V index places a block: (worker, tier, epoch) locations."""
         return self._kv.holders(block_hash)
@@ -268,7 +272,7 @@ class Router:
         self._turns[policy] = turn + 1
         return new_frozen(
             PolicyContext, cost=cfg.cost, ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s, turn=turn,
-            retry_after_s=cfg.retry_after_s, max_retry_after_s=_MAX_RETRY_AFTER_S,
+            retry_after_s=cfg.retry_after_s, max_retry_after_s=_MAX_RETRY_AFTER_S, kv_sharing=cfg.kv_sharing,
         )
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:

@@ -12,6 +12,8 @@ Request life cycle over these messages (disaggregated):
     router -> D: StartDecode(first token, seed)  D -> router: Tokens ... finished
 Colocated: router -> W: Generate;  W -> router: Tokens ... finished.
 Recompute fallback: router -> W: Generate(resume_output_ids=[tokens already streamed]).
+Prefix fetch (before the request's own messages): router -> W: FetchReserve -> FetchReserved;
+router -> holder H: FetchServe(plan); H -> W over a handoff link; both send FetchDone.
 Prefix cache: each Heartbeat carries the block events since the previous one (`kv`, a numbered
 KvReport: engine/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
 by the next Heartbeat with the whole key set marked as a resync (router/kv_index.py).
@@ -118,6 +120,28 @@ class ResyncKv(msgspec.Struct, frozen=True, tag=True):
     reason: str = "gap"
 
 
+class FetchReserve(msgspec.Struct, frozen=True, tag=True):
+    """Cross-worker prefix fetch, at the destination: hold blocks for the whole blocks of
+    `prompt_ids` this worker lacks, to be read from `holder` (workers/fetch.py)."""
+
+    fetch_id: str
+    prompt_ids: tuple[int, ...]  # the prefix to hold, whole blocks
+    tenant: str
+    holder: str
+    holder_epoch: int
+
+
+class FetchServe(msgspec.Struct, frozen=True, tag=True):
+    """Cross-worker prefix fetch, at the holder: send the cached prefix blocks the plan names."""
+
+    prompt_ids: tuple[int, ...]
+    plan: TransferPlan  # transfer_id is the fetch id
+
+
+class FetchAbort(msgspec.Struct, frozen=True, tag=True):
+    fetch_id: str
+
+
 class RenewLeases(msgspec.Struct, frozen=True, tag=True):
     """The router still wants these requests: extend their K/V leases (handoff/leases.py)."""
 
@@ -141,6 +165,7 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     cpu: dict = msgspec.field(default_factory=dict)  # the engine's numerics report (model/cpu.py)
     handoff_address: tuple[str, int] | None = None
     shm_name: str | None = None
+    fetch_address: tuple[str, int] | None = None  # the prefix-fetch listener (workers/fetch.py)
 
 
 class Load(msgspec.Struct, frozen=True):
@@ -156,6 +181,7 @@ class Load(msgspec.Struct, frozen=True):
     local_prefills: int = 0  # decode worker: Generate requests still prefilling here (workers/local_prefill.py)
     local_prefill_tokens: int = 0  # their prompt tokens not yet computed
     role_state: str = "serving"  # "serving" | "draining": a role change is under way (workers/roles.py)
+    cached_blocks: int = 0  # unreferenced blocks still in the prefix cache (evictable)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -214,6 +240,33 @@ class TransferDone(msgspec.Struct, frozen=True, tag=True):
     resends: int = 0  # chunk resends within the transfer (source side)
 
 
+class FetchReserved(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    epoch: int
+    fetch_id: str
+    ok: bool
+    reason: str | None = None
+    dest_blocks: tuple[int, ...] = ()
+    num_visible_blocks: int = 0
+    reservation_id: str = ""
+
+
+class FetchDone(msgspec.Struct, frozen=True, tag=True):
+    """One side of a fetch ended: published (destination: `blocks` inserted into its prefix
+    cache) or not (`reason`); the source side reports the manifest's bytes and its seconds."""
+
+    worker_id: str
+    epoch: int
+    fetch_id: str
+    side: str  # "source" | "destination"
+    published: bool
+    reason: str | None = None
+    blocks: int = 0
+    bytes: int = 0
+    physical_bytes: int = 0
+    transfer_s: float = 0.0
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
@@ -222,8 +275,9 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | ResyncKv
-ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError
+ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | ResyncKv
+            | FetchReserve | FetchServe | FetchAbort)
+ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchDone
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -40,6 +40,7 @@ from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
+from pdserve.workers.fetch import FetchSide
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
 from pdserve.workers.roles import RoleSwitch, sides
@@ -87,8 +88,9 @@ class Worker:
         self.roles = RoleSwitch(config.role, config.epoch)  # role changes (roles.py)
         # one verifier for both sides (and the sides of later roles); the router's key moves it on
         self.verifier = verifier_from_hex(config.capability_key, config.capability_key_epoch)
-        self.prefill, self.decode = None, None
+        self.prefill, self.decode, self.fetch = None, None, None
         self._build_sides()
+        self.engine.external_tables = lambda: self.fetch.tables()  # blocks a prefix fetch pins (fetch.py)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
@@ -118,6 +120,7 @@ class Worker:
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
             prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
             handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
+            fetch_address=self.fetch.address,
         ))
 
     def _heartbeat_loop(self) -> None:
@@ -153,6 +156,7 @@ class Worker:
                 local_prefills=local_prefills,
                 local_prefill_tokens=local_tokens,
                 role_state=self.roles.state.value,
+                cached_blocks=len(eng.blocks.evictable),
             )
             kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
             self.kv_resync_wanted, epoch = False, self.epoch  # the epoch these events belong to
@@ -185,6 +189,7 @@ class Worker:
                 timeout_ms = 0
             self.drain_events()
             self.expire_leases()
+            self.fetch.tick()
             if self.roles.draining and self._quiet():
                 self._switch_role()
             if self.engine.has_unfinished():
@@ -216,6 +221,12 @@ class Worker:
             elif isinstance(msg, m.ResyncKv):
                 with self.lock:
                     self.kv_resync_wanted = True  # answered by the next heartbeat
+            elif isinstance(msg, m.FetchReserve):
+                self.fetch.on_reserve(msg)
+            elif isinstance(msg, m.FetchServe):
+                self.fetch.on_serve(msg)
+            elif isinstance(msg, m.FetchAbort):
+                self.fetch.abort(msg.fetch_id)
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:
@@ -239,6 +250,7 @@ class Worker:
         self.prefill = PrefillSide(self) if has_prefill else None
         self.decode = DecodeSide(self) if has_decode else None
         self.local_prefills = LocalPrefills(self.role)  # Generate on a decode worker (local_prefill.py)
+        self.fetch = FetchSide(self)  # cross-worker prefix fetch, both ends, in every role (fetch.py)
 
     def change_role(self, msg: m.ChangeRole) -> None:
         """Begin a role change (roles.py): what the router could not drain is aborted now (the
@@ -272,6 +284,7 @@ class Worker:
         with self.lock:
             if self.decode is not None:
                 self.decode.close()
+            self.fetch.close()
             old, new = self.roles.finish()
             self.epoch = self.roles.epoch
             self._build_sides()
@@ -306,7 +319,7 @@ class Worker:
                 kind, payload = self.events.get_nowait()
             except queue.Empty:
                 return
-            side = self.prefill if kind.startswith("source") else self.decode
+            side = self.fetch if kind.startswith("fetch") else self.prefill if kind.startswith("source") else self.decode
             side.on_event(kind, payload)
 
     def step(self) -> None:
@@ -331,6 +344,7 @@ class Worker:
     def close(self) -> None:
         if self.decode:
             self.decode.close()
+        self.fetch.close()
         self.sock.close()
         self.trace.close()
         if self.engine.step_log is not None:

@@ -1,0 +1,109 @@
+"""Cross-worker prefix fetch planning: pure cost terms (issue 19, parts 2 and 5).
+
+Contract:
+- `plan_fetch` decides for one destination (the worker about to prefill a request): its own
+  leading hit, the longest leading hit any other worker holds (the holder; ties go to a
+  same-host holder, then the lowest worker id), and whether fetching the blocks it lacks beats
+  recomputing them. Compute set = the prompt's tokens past the longest reachable prefix; transfer
+  set = the holder's blocks past the destination's own hit. Fetch seconds are the cost model's
+  `transfer_s` over the path (bytes / link bandwidth + setup); the prefill seconds saved are
+  `prefill_s` of the tokens the fetch covers. A fetch is planned only when it is faster.
+- `fetch_credit` is the same decision for every slot of a pool at once (the prefix policy's
+  cost): per slot, the hit it would have after a worthwhile fetch and the fetch seconds it pays;
+  the reference test checks it against `plan_fetch` slot by slot.
+- Hits are in blocks and already capped to what the engine can reuse (the prompt's last token is
+  always computed). Block hashes are tenant-rooted, so a holder is always of the same tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pdserve.router.cost import CostModel
+
+FETCH, LOCAL, RECOMPUTE = "fetch", "local", "recompute"
+
+
+@dataclass(frozen=True)
+class FetchTerms:
+    """One destination's fetch decision and the terms it was made with (the trace line's)."""
+
+    decision: str  # FETCH, LOCAL (nobody holds more than the destination) or RECOMPUTE (not worth it)
+    holder: str | None
+    local_blocks: int  # the destination's own leading hit
+    remote_blocks: int  # the holder's leading hit (0: no holder)
+    fetch_bytes: int
+    fetch_s: float
+    saved_s: float  # prefill seconds the fetched blocks save
+
+    @property
+    def fetch_blocks(self) -> int:
+        return max(0, self.remote_blocks - self.local_blocks)
+
+    def trace_fields(self) -> dict:
+        return {"fetch": self.decision, "fetch_holder": self.holder, "fetch_local_blocks": self.local_blocks,
+                "fetch_remote_blocks": self.remote_blocks, "fetch_predicted_s": round(self.fetch_s, 6),
+                "fetch_saved_s": round(self.saved_s, 6)}
+
+
+def leading_run(keys: Sequence[int], held: Container[int]) -> int:
+    """How many of `keys`, from the first, `held` contains without a gap."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
+def with_bandwidth(cost: CostModel, bytes_per_s: float | None) -> CostModel:
+    """The cost model with a measured link bandwidth in place of its same-host rate (the fetches
+    the runtime timed); unchanged without a measurement."""
+    if not bytes_per_s or bytes_per_s <= 0:
+        return cost
+    return replace(cost, same_host_bytes_per_s=bytes_per_s,
+                   cross_host_bytes_per_s=min(cost.cross_host_bytes_per_s, bytes_per_s))
+
+
+def fetch_gain(cost: CostModel, local_blocks, remote_blocks, same_host) -> tuple:
+    """(fetch bytes, fetch seconds, prefill seconds saved) for fetching remote - local blocks;
+    floats or numpy arrays alike (one formula for both callers)."""
+    blocks = np.maximum(remote_blocks - local_blocks, 0)
+    same_host = np.asarray(same_host, dtype=np.int64)  # 0/1: the cost model's path arithmetic
+    tokens = blocks * cost.block_size_tokens
+    nbytes = tokens * cost.kv_bytes_per_token
+    fetch_s = cost.transfer_s(nbytes, same_host)
+    saved_s = (cost.prefill_s(tokens) - cost.prefill_s(0)) * (blocks > 0)
+    return nbytes, fetch_s, saved_s
+
+
+def plan_fetch(dest: str, keys: Sequence[int], held_by: Mapping[str, Container[int]], usable_blocks: int,
+               cost: CostModel, same_host: Callable[[str], bool]) -> FetchTerms:
+    """The fetch decision for `dest` over the request's block keys and each worker's held set."""
+    keys = keys[:usable_blocks]
+    local = leading_run(keys, held_by.get(dest, ()))
+    best, holder = local, None
+    for worker in sorted(held_by, key=lambda w: (not same_host(w), w)):
+        if worker == dest:
+            continue
+        run = leading_run(keys, held_by[worker])
+        if run > best:
+            best, holder = run, worker
+    if holder is None:
+        return FetchTerms(LOCAL, None, local, 0, 0, 0.0, 0.0)
+    nbytes, fetch_s, saved_s = fetch_gain(cost, local, best, bool(same_host(holder)))
+    decision = FETCH if fetch_s < saved_s else RECOMPUTE
+    return FetchTerms(decision, holder, local, best, int(nbytes), float(fetch_s), float(saved_s))
+
+
+def fetch_credit(cost: CostModel, own: np.ndarray, best: int, same_host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot [N]: (hit blocks after a worthwhile fetch of the `best` reachable prefix, fetch
+    seconds paid). `own` [N] is each slot's own usable hit, `same_host` [N] whether the holder of
+    `best` shares its host. A slot that holds `best` itself, or for which fetching does not beat
+    recomputing, keeps its own hit and pays nothing."""
+    _, fetch_s, saved_s = fetch_gain(cost, own, best, same_host)
+    worth = fetch_s < saved_s
+    return np.where(worth, best, own), np.where(worth, fetch_s, 0.0)

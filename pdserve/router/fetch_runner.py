@@ -1,0 +1,198 @@
+"""The router process's side of a cross-worker prefix fetch (issue 19, part 2), and its metrics.
+
+Contract: `prepare(live, dest)` runs before the request's first message to the worker that will
+prefill it (Generate, or Prefill on a prefill worker). It plans with `fetch_plan.plan_fetch` over
+the cluster K/V index (the tenant-rooted keys of the prompt, each worker's held set), writes the
+decision and its terms on the trace line, and when the fetch pays:
+    FetchReserve -> destination answers FetchReserved (its blocks, what it already had)
+    FetchServe(plan, capability) -> holder; the holder's link lands, validates and publishes at
+    the destination, which inserts the blocks into its prefix cache -> FetchDone (both sides)
+and returns once the destination's FetchDone came, the fetch failed, the holder left the
+registry (died, or re-registered under another epoch) or the deadline passed; in the last three
+cases the destination is told FetchAbort (its unpublished blocks return) and the request simply
+recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
+for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
+Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`,
+`pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
+fetch brought, "remote", and the rest, "local"; "host" stays 0 until a host tier exists) and
+`pdserve_kv_tier_blocks{worker,tier,state}` (read from the workers' last loads at scrape time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.router.fetch_plan import FETCH, FetchTerms, plan_fetch, with_bandwidth
+from pdserve.workers import messages as m
+
+FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RESERVE_TIMEOUT_S = 5.0
+MIN_DEADLINE_S = 2.0  # a fetch gets at least this long (plus 10x its prediction) before it is abandoned
+POLL_S = 0.02
+BANDWIDTH_WEIGHT = 0.3  # EMA weight of a new measured fetch bandwidth
+
+
+@dataclass
+class _Fetch:
+    fetch_id: str
+    dest: str
+    holder: str
+    reserved: asyncio.Future
+    landed: asyncio.Future  # the destination's FetchDone
+    source_failed: bool = False
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class TierBlocks:
+    """`pdserve_kv_tier_blocks{worker,tier,state}` from the workers' last reported loads."""
+
+    def __init__(self, loads):
+        self.loads = loads
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_kv_tier_blocks", "K/V blocks per worker, tier and state",
+                                   labels=["worker", "tier", "state"])
+        for wid, load in sorted(self.loads().items()):
+            used = load.num_blocks - load.free_blocks
+            family.add_metric([wid, "device", "used"], used)
+            family.add_metric([wid, "device", "cached"], load.cached_blocks)
+            family.add_metric([wid, "device", "free"], load.free_blocks - load.cached_blocks)
+        yield family
+
+
+class FetchRunner:
+    def __init__(self, backend, enabled: bool = True):
+        self.backend, self.enabled = backend, enabled
+        self.pending: dict[str, _Fetch] = {}
+        self.bandwidth_bytes_per_s: float | None = None  # measured over finished fetches
+        self._ids = itertools.count(1)
+        r = backend.metrics.registry
+        self.fetch_bytes = Counter("pdserve_kv_fetch_bytes", "K/V bytes of published prefix fetches", registry=r)
+        self.fetch_seconds = Histogram("pdserve_kv_fetch_seconds", "Prefix fetch wall time (router: plan to landed)",
+                                       buckets=FETCH_BUCKETS_S, registry=r)
+        self.fetches = Counter("pdserve_kv_fetches", "Prefix fetches by result", ["result"], registry=r)
+        self.hit_tokens = Counter("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
+                                  "the K/V came from", ["where"], registry=r)
+        for where in ("local", "remote", "host"):
+            self.hit_tokens.labels(where)
+        r.register(TierBlocks(lambda: backend.loads))
+
+    # ---- planning -------------------------------------------------------------------------
+    def terms(self, live, dest: str) -> FetchTerms:
+        b = self.backend
+        req, cost = live.req, b.router.config.cost
+        keys = b._block_hashes(req.prompt_ids, req.params.tenant)
+        held = {wid: b.router.kv_held(wid) for wid in b.registered}
+        host = b.registered[dest].host_id
+        usable = (len(req.prompt_ids) - 1) // cost.block_size_tokens
+        return plan_fetch(dest, keys, held, usable, with_bandwidth(cost, self.bandwidth_bytes_per_s),
+                          lambda w: b.registered[w].host_id == host)
+
+    async def prepare(self, live, dest: str) -> None:
+        if not self.enabled or dest not in self.backend.registered:
+            return
+        terms = self.terms(live, dest)
+        live.note(**terms.trace_fields())
+        if terms.decision != FETCH:
+            return
+        t0 = time.monotonic()
+        landed = await self._run(live, dest, terms)
+        seconds = time.monotonic() - t0
+        live.note(fetch_landed_blocks=landed, fetch_s=round(seconds, 6))
+        self.fetches.labels("landed" if landed else "failed").inc()
+        if landed:
+            self.fetch_seconds.observe(seconds)
+
+    async def _run(self, live, dest: str, terms: FetchTerms) -> int:
+        """Blocks landed at `dest` (0: the fetch failed and the request recomputes)."""
+        b, loop = self.backend, asyncio.get_running_loop()
+        bs = b._block_size
+        fetch_id = f"{live.engine_id}/fetch{next(self._ids)}"
+        job = _Fetch(fetch_id, dest, terms.holder, loop.create_future(), loop.create_future())
+        self.pending[fetch_id] = job
+        holder = b.registered[terms.holder]
+        prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
+        try:
+            await b._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+            reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
+            if not isinstance(reserved, m.FetchReserved) or not reserved.ok:
+                live.note(fetch_failure=reserved if isinstance(reserved, str) else reserved.reason)
+                if isinstance(reserved, str):
+                    await b._send(dest, m.FetchAbort(fetch_id))  # a late reservation is returned
+                return 0
+            plan = self._plan(live, job, reserved)
+            if plan is None:
+                return 0
+            await b._send(terms.holder, m.FetchServe(prefix, plan))
+            done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
+            if isinstance(done, m.FetchDone) and done.published:
+                return done.blocks
+            live.note(fetch_failure=done if isinstance(done, str) else done.reason or "aborted")
+            await b._send(dest, m.FetchAbort(fetch_id))
+            return 0
+        finally:
+            self.pending.pop(fetch_id, None)
+
+    def _plan(self, live, job: _Fetch, reserved: m.FetchReserved) -> m.TransferPlan | None:
+        b = self.backend
+        dest, holder = b.registered.get(job.dest), b.registered.get(job.holder)
+        if dest is None or holder is None or dest.fetch_address is None:
+            return None
+        same_host = dest.host_id == holder.host_id and dest.shm_name is not None and b.transport != "tcp"
+        plan = m.TransferPlan(job.fetch_id, 1, m.FIRST_ATTEMPT, live.req.tenant, job.dest, dest.epoch,
+                              reserved.reservation_id, reserved.dest_blocks, reserved.num_visible_blocks,
+                              "shm" if same_host else "tcp", tuple(dest.fetch_address), dest.shm_name, dest.num_blocks)
+        return b.capabilities.issue(plan, job.holder, holder.epoch, dest.abi_hash, same_host and holder.shm_name is not None,
+                                    dest.bytes_per_token * dest.block_size)
+
+    async def _wait(self, future: asyncio.Future, job: _Fetch, timeout_s: float):
+        """The future's result; else why not: "holder_lost" once the holder (or the destination)
+        left the registry under the epoch the fetch started with, "source_failed" when the holder
+        reported its side failed, "timeout" at the deadline."""
+        b = self.backend
+        epochs = {w: b.registered[w].epoch for w in (job.dest, job.holder) if w in b.registered}
+        deadline = time.monotonic() + timeout_s
+        while not future.done():
+            if any(w not in b.registered or b.registered[w].epoch != e for w, e in epochs.items()) or len(epochs) < 2:
+                return "holder_lost"
+            if job.source_failed:
+                return "source_failed"
+            if time.monotonic() > deadline:
+                return "timeout"
+            await asyncio.sleep(POLL_S)
+        return future.result()
+
+    # ---- worker messages ------------------------------------------------------------------
+    def on_message(self, msg) -> None:
+        job = self.pending.get(msg.fetch_id)
+        if isinstance(msg, m.FetchDone) and msg.side == "source":
+            self._on_source_done(msg, job)
+            return
+        if job is None:
+            return
+        future = job.reserved if isinstance(msg, m.FetchReserved) else job.landed
+        if not future.done():
+            future.set_result(msg)
+
+    def _on_source_done(self, msg: m.FetchDone, job: _Fetch | None) -> None:
+        if msg.published:
+            self.fetch_bytes.inc(msg.bytes)
+            if msg.transfer_s > 0 and msg.bytes > 0:
+                rate = msg.bytes / msg.transfer_s
+                old = self.bandwidth_bytes_per_s
+                self.bandwidth_bytes_per_s = rate if old is None else old + BANDWIDTH_WEIGHT * (rate - old)
+        elif job is not None:
+            job.source_failed = True  # the destination is told to abort by the waiting fetch
+
+    def on_finished(self, live) -> None:
+        """Split a finished request's cached prompt tokens by where the K/V came from."""
+        cached = live.trace.get("cached_tokens", 0)
+        remote = min(cached, live.trace.get("fetch_landed_blocks", 0) * self.backend._block_size)
+        self.hit_tokens.labels("remote").inc(remote)
+        self.hit_tokens.labels("local").inc(cached - remote)

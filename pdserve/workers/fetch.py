@@ -1,0 +1,242 @@
+"""Cross-worker prefix fetch, a worker's side of it (issue 19, parts 2 and 3).
+
+A fetch is one handoff transaction whose source is a worker that holds a prefix in its prefix
+cache (the holder) and whose destination is the worker about to prefill a request that lacks it:
+the same manifest with its identity fence, byte credits, validation, atomic publication and
+capability as a prefill -> decode handoff (workers/handoff_io.py), over the same transports.
+
+Destination (router -> FetchReserve):
+    its own leading hit is acquired (pinned), fresh blocks are allocated for the rest of the
+    prefix, the endpoint reserves them under the fetch id -> FetchReserved(blocks) to the router
+    the holder's link lands chunks, validates, publishes once -> transfer-with-insert: every
+    fetched block enters this worker's prefix cache under its chain hash, then every pin is
+    dropped (the blocks stay cached, evictable) -> FetchDone(side="destination", published)
+    FetchAbort, a failed link or an expired lease -> the unpublished reservation returns its
+    blocks through the endpoint's one abort path; nothing is registered, nothing read.
+Holder (router -> FetchServe(plan)):
+    the prefix's leading blocks are acquired (pinned: no eviction while they are read) under a
+    lease; fewer than the plan names -> FetchDone(failed, "holder_miss") at once; else the
+    sender reads them (the gate is all ready: cached blocks are final) -> the pins drop when the
+    sender ends -> FetchDone(side="source", bytes, seconds).
+Every call that touches the block manager runs under the worker lock; `tables()` lists the
+blocks a fetch pins so the engine's integrity check counts them (Engine.external_tables).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.handoff.destination import ReserveRequest
+from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.leases import LeaseTable
+from pdserve.handoff.reservations import Reservation
+from pdserve.handoff.states import TxnState
+from pdserve.workers import messages as m
+from pdserve.workers.handoff_io import HandoffListener, HandoffSender, prompt_digest
+
+log = logging.getLogger("pdserve.worker")
+FETCH_GENERATION = 1  # a fetch is never rerouted: one generation, one attempt
+
+
+@dataclass(frozen=True)
+class PinnedPrefix:
+    """Destination blocks of one fetch: `visible` already cached here (pinned), `fresh` to land."""
+
+    visible: tuple[int, ...]
+    fresh: tuple[int, ...]
+    hashes: tuple[bytes, ...]  # chain hashes of every prefix block (the tenant's root)
+    tokens: tuple[int, ...]  # the prefix's token ids (whole blocks)
+
+    @property
+    def blocks(self) -> list[int]:
+        return [*self.visible, *self.fresh]
+
+
+class FetchBlocks:
+    """The handoff's `DestinationBlocks` over a fetch's pinned blocks (engine block manager)."""
+
+    def __init__(self, engine):
+        self.manager = engine.blocks
+        self._expected: dict[str, PinnedPrefix] = {}  # fetch id -> pins, until the endpoint reserves
+        self._held: dict[str, PinnedPrefix] = {}  # reservation id -> pins
+
+    def expect(self, fetch_id: str, pinned: PinnedPrefix) -> None:
+        self._expected[fetch_id] = pinned
+
+    def can_reserve(self, num_blocks: int) -> bool:
+        return True  # the blocks were allocated before the endpoint reserves
+
+    def reserve(self, owner: str, num_prompt_blocks: int, num_growth_blocks: int = 0) -> Reservation:
+        pinned = self._expected.pop(owner, None)
+        if pinned is None or len(pinned.fresh) != num_prompt_blocks or num_growth_blocks:
+            if pinned is not None:
+                self.manager.release(pinned.blocks)
+            raise HandoffError(RejectReason.RESERVATION_EXHAUSTED, f"no fetch blocks for {owner}")
+        reservation = Reservation(f"{owner}/res", owner, pinned.fresh, len(pinned.fresh))
+        self._held[reservation.reservation_id] = pinned
+        return reservation
+
+    def insert(self, reservation_id: str) -> int:
+        """Transfer-with-insert: the published blocks enter the prefix cache; returns how many."""
+        pinned, bs = self._held[reservation_id], self.manager.block_size
+        first = len(pinned.visible)
+        for j, block in enumerate(pinned.fresh, start=first):
+            self.manager.register(block, pinned.hashes[j], tuple(pinned.tokens[j * bs:(j + 1) * bs]))
+        return len(pinned.fresh)
+
+    def free(self, reservation_id: str) -> None:
+        if reservation_id not in self._held:
+            raise HandoffError(RejectReason.WRONG_RESERVATION, f"{reservation_id} is not reserved")
+        self.manager.release(self._held.pop(reservation_id).blocks)
+
+    def drop_expected(self, fetch_id: str) -> None:
+        pinned = self._expected.pop(fetch_id, None)
+        if pinned is not None:
+            self.manager.release(pinned.blocks)
+
+    def is_reserved(self, reservation_id: str) -> bool:
+        return reservation_id in self._held
+
+    def tables(self) -> list[list[int]]:
+        return [p.blocks for p in (*self._expected.values(), *self._held.values())]
+
+    def assert_no_leaks(self) -> None:
+        assert not self._expected and not self._held, f"fetch pins held: {sorted(self._expected)} {sorted(self._held)}"
+
+
+class FetchSide:
+    """Both ends of fetches on one worker (any role): a listener for prefixes it receives and a
+    sender for prefixes it holds."""
+
+    def __init__(self, worker):
+        self.worker, self.engine = worker, worker.engine
+        self.blocks = FetchBlocks(self.engine)
+        self.endpoint = DecodeEndpoint(worker.id, worker.epoch, self.engine.pool, self.blocks, self.engine.identity,
+                                       trace=worker.trace)
+        self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host, verifier=worker.verifier,
+                                        on_done=lambda tid, state: worker.events.put(("fetch_dest", (tid, state))))
+        self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
+                                    on_done=lambda fid, src, dt, phys: worker.events.put(("fetch_source", (fid, src, dt, phys))),
+                                    verifier=worker.verifier)
+        self.serving: dict[str, list[int]] = {}  # fetch id -> holder blocks pinned while read
+        self.leases = LeaseTable(worker.config.lease_s)
+        self._next_lease_check = 0.0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.address
+
+    # ---- destination ----------------------------------------------------------------------
+    def on_reserve(self, msg: m.FetchReserve) -> None:
+        with self.worker.lock:
+            reply = self._reserve(msg)
+        self.worker.send(reply)
+
+    def _reserve(self, msg: m.FetchReserve) -> m.FetchReserved:
+        me, bm, ids = self.worker, self.engine.blocks, msg.prompt_ids
+        n = len(ids) // bm.block_size
+        hashes = bm.hashes_for(ids, msg.tenant)[:n]
+        visible = bm.acquire_prefix(hashes, ids, limit=n)
+        if len(visible) == n or not bm.can_allocate(n - len(visible)):
+            bm.release(visible)
+            reason = "nothing_to_fetch" if len(visible) == n else "no_kv_capacity"
+            return m.FetchReserved(me.id, me.epoch, msg.fetch_id, False, reason)
+        pinned = PinnedPrefix(tuple(visible), tuple(bm.allocate(n - len(visible))), tuple(hashes), tuple(ids[: n * bm.block_size]))
+        self.blocks.expect(msg.fetch_id, pinned)
+        request = ReserveRequest(msg.fetch_id, msg.tenant, msg.fetch_id, FETCH_GENERATION, m.FIRST_ATTEMPT, msg.holder,
+                                 msg.holder_epoch, prompt_digest(pinned.tokens), len(pinned.tokens), len(pinned.fresh),
+                                 reused_block_ids=pinned.visible)
+        try:
+            reservation = self.endpoint.reserve(request)
+        except HandoffError as err:
+            self.blocks.drop_expected(msg.fetch_id)
+            return m.FetchReserved(me.id, me.epoch, msg.fetch_id, False, err.reason.value)
+        self.leases.grant(msg.fetch_id, time.monotonic())
+        return m.FetchReserved(me.id, me.epoch, msg.fetch_id, True, None, tuple(pinned.blocks), len(visible),
+                               reservation.reservation_id)
+
+    def _landed(self, fetch_id: str, state: TxnState) -> None:
+        txn = self.endpoint.transfers.get(fetch_id)
+        if txn is None:
+            return
+        inserted = 0
+        with self.worker.lock:
+            self.leases.drop(fetch_id)
+            if state is TxnState.PUBLISHED:
+                inserted = self.blocks.insert(txn.reservation.reservation_id)
+                self.endpoint.retire(fetch_id)  # the pins drop; the blocks stay cached
+        reason = None if inserted else (txn.terminal_reason.value if txn.terminal_reason else "aborted")
+        self.worker.send(m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "destination", bool(inserted), reason,
+                                     blocks=inserted))
+
+    def abort(self, fetch_id: str, reason: RejectReason = RejectReason.CANCELLED) -> None:
+        """The router gave up on a fetch (FetchAbort) or its lease expired: an unpublished
+        reservation returns its blocks; a holder stops reading."""
+        with self.worker.lock:
+            self.leases.drop(fetch_id)
+            txn = self.endpoint.transfers.get(fetch_id)
+            if txn is not None and txn.state < TxnState.PUBLISHED:
+                self.endpoint.abort(fetch_id, reason)
+            self.sender.cancel(fetch_id)
+        if txn is not None and txn.quiescent and txn.state is TxnState.ABORTED:
+            self._landed(fetch_id, TxnState.ABORTED)  # no link will report it
+
+    # ---- holder ---------------------------------------------------------------------------
+    def on_serve(self, msg: m.FetchServe) -> None:
+        plan, me = msg.plan, self.worker
+        with me.lock:
+            bm = self.engine.blocks
+            n = len(plan.dest_blocks)
+            hashes = bm.hashes_for(msg.prompt_ids, plan.tenant)[:n]
+            held = bm.acquire_prefix(hashes, msg.prompt_ids, limit=n)
+            if len(held) < n:  # evicted since the router's index saw it: never read missing bytes
+                bm.release(held)
+                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, "holder_miss"))
+                return
+            self.serving[plan.transfer_id] = held
+            self.leases.grant(plan.transfer_id, time.monotonic())
+            self.sender.start(plan.transfer_id, msg.prompt_ids, held, plan, plan.tenant, "serialized")
+        gate = self.sender.gate(plan.transfer_id)
+        if gate is not None:
+            gate.mark_all_ready()  # cached blocks are final: every layer may be read now
+
+    def _served(self, fetch_id: str, src, transfer_s: float, physical: int) -> None:
+        published = src.state is TxnState.PUBLISHED
+        with self.worker.lock:
+            self.leases.drop(fetch_id)
+            self.engine.blocks.release(self.serving.pop(fetch_id))
+        reason = None if published else (src.terminal_reason.value if src.terminal_reason else "aborted")
+        self.worker.send(m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "source", published, reason,
+                                     bytes=src.manifest.total_bytes if published else 0, physical_bytes=physical,
+                                     transfer_s=transfer_s))
+
+    # ---- worker loop ----------------------------------------------------------------------
+    def on_event(self, kind: str, payload) -> None:
+        if kind == "fetch_dest":
+            self._landed(*payload)
+        else:
+            self._served(*payload)
+
+    def tick(self) -> None:
+        """Expire the leases of fetches nobody finished (every 0.2 s)."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + 0.2
+        for fetch_id in self.leases.expired(now):
+            log.warning("worker %s: fetch %s lease expired, aborting it", self.worker.id, fetch_id)
+            self.abort(fetch_id, RejectReason.CANCELLED)
+
+    def tables(self) -> list[list[int]]:
+        return self.blocks.tables() + [list(b) for b in self.serving.values()]
+
+    def assert_no_leaks(self) -> None:
+        self.blocks.assert_no_leaks()
+        assert not self.serving, f"holder pins held: {sorted(self.serving)}"
+        self.endpoint.assert_no_leaks()
+
+    def close(self) -> None:
+        self.listener.close()

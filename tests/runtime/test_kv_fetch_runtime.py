@@ -1,0 +1,108 @@
+"""Cross-worker prefix fetch through the served runtime (tiny model, 2-replica colocated,
+round robin, so the second turn lands on the worker that has not seen the conversation): with
+K/V sharing the second worker fetches the history from the first (remote hit tokens > 0), with
+`kv_sharing=False` it recomputes; the tokens are identical either way; a holder killed while
+the fetch would run falls back to recompute; pools, pins and router holds return after each."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.sequence import SamplingParams
+from tests.runtime.conftest import collect, config, prompt, wait_baseline
+from tests.runtime.test_kv_index_runtime import until
+
+HISTORY = prompt(96, 11)  # six full blocks
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _two_turns(backend, tenant2: str = "default"):
+    """Turn 1 on w0, then (its blocks in the index) turn 2 = history + answer + more on w1."""
+    first, event = await collect(backend, "t1", HISTORY, PARAMS)
+    assert isinstance(event, FinishEvent)
+    keys = backend._block_hashes(HISTORY)
+    await until(lambda: all(backend.router.kv_holders(k) for k in keys))
+    turn2 = HISTORY + tuple(first) + prompt(20, 12)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, tenant=tenant2)
+    second, event = await collect(backend, "t2", turn2, params)
+    assert isinstance(event, FinishEvent)
+    await wait_baseline(backend)
+    backend.router.assert_no_leaks()
+    lines = {line["request_id"]: line for line in backend.trace.recent}
+    return first, second, lines, backend.metrics_text().decode()
+
+
+def test_second_turn_fetches_history_from_the_other_replica_and_tokens_match():
+    async def main(sharing: bool):
+        cfg = config(mode="colocated", replicas=2, policy="round_robin", kv_sharing=sharing)
+        async with cluster(cfg) as (backend, _):
+            return await _two_turns(backend)
+
+    first, second, lines, text = asyncio.run(main(True))
+    first_off, second_off, lines_off, text_off = asyncio.run(main(False))
+    assert (first, second) == (first_off, second_off)  # the fetched K/V decodes exactly as recomputed
+    t2 = lines["t2"]
+    assert (t2["fetch"], t2["fetch_remote_blocks"], t2["fetch_landed_blocks"]) == ("fetch", 6, 6)
+    assert t2["cached_tokens"] >= 96  # the fetched history is served from the prefix cache
+    assert _metric(text, 'pdserve_prefix_hit_tokens_total{where="remote"}') == 96
+    assert _metric(text, "pdserve_kv_fetch_bytes_total") > 0
+    assert _metric(text, "pdserve_kv_fetch_seconds_count") == 1
+    assert 'pdserve_kv_tier_blocks{state="cached",tier="device",worker=' in text
+    assert "fetch" not in lines_off["t2"] and lines_off["t2"].get("cached_tokens", 0) == 0
+    assert _metric(text_off, 'pdserve_prefix_hit_tokens_total{where="remote"}') == 0
+
+
+def test_another_tenant_never_fetches():
+    async def main():
+        cfg = config(mode="colocated", replicas=2, policy="round_robin")
+        async with cluster(cfg) as (backend, _):
+            return await _two_turns(backend, tenant2="bob")
+
+    _, _, lines, text = asyncio.run(main())
+    assert lines["t2"]["fetch"] == "local" and lines["t2"].get("cached_tokens", 0) == 0  # nobody holds bob's prefix
+    assert _metric(text, "pdserve_kv_fetch_bytes_total") == 0
+
+
+def test_holder_killed_before_the_fetch_recomputes_with_the_same_tokens():
+    async def main():
+        cfg = config(mode="colocated", replicas=3, policy="round_robin")
+        async with cluster(cfg) as (backend, launcher):
+            first, event = await collect(backend, "t1", HISTORY, PARAMS)  # on w0
+            keys = backend._block_hashes(HISTORY)
+            await until(lambda: all(backend.router.kv_holders(k) for k in keys))
+            holder = backend.router.kv_holders(keys[0])[0].worker_id
+            # the next route goes to another worker; the holder dies as the fetch is planned
+            runner = backend.fetches
+            original = runner._plan
+
+            def plan_then_kill(live, job, reserved):
+                launcher.kill(holder)
+                return original(live, job, reserved)
+
+            runner._plan = plan_then_kill
+            turn2 = HISTORY + tuple(first) + prompt(20, 12)
+            second, event = await collect(backend, "t2", turn2, PARAMS)
+            assert isinstance(event, FinishEvent)
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            await until(lambda: holder not in backend.registered)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            return first, second, lines["t2"]
+
+    async def reference():
+        async with cluster(config(mode="colocated", replicas=1, kv_sharing=False)) as (backend, _):
+            first, _ = await collect(backend, "t1", HISTORY, PARAMS)
+            second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), PARAMS)
+            return first, second
+
+    first, second, t2 = asyncio.run(main())
+    assert t2["fetch"] == "fetch" and t2["fetch_landed_blocks"] == 0 and t2["fetch_failure"] in ("holder_lost", "source_failed", "transport_failure", "aborted")
+    assert (first, second) == asyncio.run(reference())
