@@ -109,6 +109,12 @@ def _add_workload_args(group) -> None:
     output.add_argument("--output-dist", metavar="SPEC", help="output length distribution")
     group.add_argument("--num-conversations", type=int, default=0, help="multi-turn: requests cycle over C conversations")
     group.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one system prefix shared by all")
+    group.add_argument("--closed-loop", action="store_true",
+                       help="multi-turn closed loop (bench/closed_loop.py): C conversations at once, each turn sent "
+                            "after the previous answer, its prompt carrying that answer; needs --num-conversations, "
+                            "--input-len, --output-len; reports TTFT per turn (no rate, no SLO)")
+    group.add_argument("--num-turns", type=int, default=4, help="closed loop: turns per conversation")
+    group.add_argument("--turn-len", type=int, default=64, help="closed loop: new user tokens per later turn")
     group.add_argument("--prompt-format", choices=("text", "ids"), default="text")
     group.add_argument("--tokenizer-bytes-per-token", type=float, default=1.0)
     group.add_argument("--bos-tokens", type=int, default=1, help="tokens the server adds to a text prompt")
@@ -123,9 +129,36 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     if not args.endpoint:
         raise SystemExit("pdserve bench: --endpoint is required")
+    if getattr(args, "closed_loop", False):
+        return run_closed_loop_command(args)
     config = bench_args.bench_config(args, bench_args.endpoint_config(args, args.endpoint, args.model))
     outcome = run_bench(config)
     bench_args.emit(args, outcome.report, outcome, config.slo)
+    return 0
+
+
+def run_closed_loop_command(args: argparse.Namespace) -> int:
+    """`pdserve bench --closed-loop`: multi-turn conversations, each turn carrying the last answer."""
+    import json
+
+    from pdserve.bench import cli_args as bench_args
+    from pdserve.bench.closed_loop import ClosedLoopConfig, run_closed_loop, summarize_turns
+    from pdserve.bench.loop import run as run_loop
+
+    if args.input_len is None or args.output_len is None or args.num_conversations < 1:
+        raise SystemExit("pdserve bench --closed-loop: give --num-conversations, --input-len and --output-len")
+    endpoint = bench_args.endpoint_config(args, args.endpoint, args.model)
+    config = ClosedLoopConfig(args.num_conversations, args.num_turns, args.input_len, args.turn_len, args.output_len,
+                              args.shared_prefix_len, args.tokenizer_bytes_per_token, args.seed)
+    turns = run_loop(run_closed_loop(endpoint, config))
+    report = {"closed_loop": config.__dict__, **summarize_turns(turns),
+              "records": [{"conversation": t.conversation, "turn": t.turn, "ttft_s": t.record.ttft_s,
+                           "e2e_s": t.record.e2e_s, "success": t.record.success, "error": t.record.error,
+                           "prompt_tokens": t.record.prompt_tokens} for t in turns]}
+    print(json.dumps({k: report[k] for k in ("turns", "later_turns", "failed")}, indent=1))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 
