@@ -35,6 +35,7 @@ class ModelSpec:
     geometry: BlockGeometry
     total_weight_bytes: int  # embeddings and LM head included (residency ledger)
     source: str | None = None  # the config.json file, or a Hugging Face id; None: built-in
+    max_context: int | None = None  # longest prompt + output it serves (max_position_embeddings); None: unknown
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -60,7 +61,8 @@ def spec_from_geometry(geo: HfGeometry, name: str, source: str | None, dtype_byt
     geometry = BlockGeometry(layers=geo.layers, d_model=geo.d_model, d_ff=geo.d_ff, q_heads=geo.q_heads,
                              kv_heads=geo.kv_heads, head_dim=geo.head_dim, dtype_bytes=dtype_bytes)
     weight_bytes = geo.num_params() * geo.weight_bytes_per_param(dtype_bytes)
-    return ModelSpec(name=name, geometry=geometry, total_weight_bytes=weight_bytes, source=source)
+    return ModelSpec(name=name, geometry=geometry, total_weight_bytes=weight_bytes, source=source,
+                     max_context=geo.max_context)
 
 
 def load_model_spec(model: str, dtype_bytes: int = 2) -> ModelSpec:

@@ -2,7 +2,10 @@
 
 Contract: a profile is a JSON object (see `profiles/*.json`, shipped as package data) whose
 datasheet fields are peak dense BF16 TFLOP/s, HBM TB/s, memory GB, NVLink GB/s per GPU and a
-typical inter-node NIC GB/s per GPU; every built-in profile names its sources. The efficiency,
+typical inter-node NIC GB/s per GPU; every built-in profile names its sources. NVLink is quoted
+as datasheets quote it, both directions together (A100: 12 links x 50 GB/s = 600 GB/s); what one
+GPU can send while it receives, as every ring all-reduce step and every K/V push does, is half
+of that (`nvlink_send_bytes_per_s`). A NIC's Gb/s is already per direction. The efficiency,
 latency and overhead fields are modeling assumptions, stated as such in the file.
 `load_hardware` accepts a built-in name (``a100-80g``, ``h100``, ``h200``) or a path.
 """
@@ -39,6 +42,11 @@ class HardwareProfile:
         for name in ("peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware profile {self.name}: {name} must be positive")
+
+    @property
+    def nvlink_send_bytes_per_s(self) -> float:
+        """NVLink bandwidth in one direction (the datasheet figure counts both)."""
+        return self.nvlink_bytes_per_s / 2
 
     @property
     def effective_flops_per_s(self) -> float:

@@ -15,6 +15,10 @@ geometry counts three d x d_ff matrices.
 FP8 checkpoints (``quantization_config.quant_method`` fp8 / fbgemm_fp8) store one byte per
 weight (`weight_bytes_per_param`); their K/V stays in the model's 16-bit dtype.
 
+Context window (`max_context`): ``max_position_embeddings`` (``n_positions``, ``max_seq_len``,
+``seq_length``), the longest prompt + output the model serves (vLLM's default max model length);
+None when the config has none. OPT's learned positions stop there: a request past it cannot run.
+
 Parameter count: embeddings, plus the LM head unless tied, plus per layer q/k/v/o (and their
 biases when ``attention_bias``), per-head q/k norms when the architecture has them (Qwen3),
 gate/up/down and two norms, plus the final norm.
@@ -47,6 +51,7 @@ class HfGeometry:
     attention_bias: bool
     qk_norm: bool
     fp8_weights: bool = False
+    max_context: int | None = None
 
     def weight_bytes_per_param(self, dtype_bytes: int) -> int:
         return 1 if self.fp8_weights else dtype_bytes
@@ -85,6 +90,7 @@ def geometry_of(config: dict, source: str) -> HfGeometry:
         attention_bias=bool(text.get("attention_bias", False)),
         qk_norm=str(archs[0]) in QK_NORM_ARCHITECTURES,
         fp8_weights=str((config.get("quantization_config") or {}).get("quant_method", "")).lower() in FP8_METHODS,
+        max_context=_optional_int(text, ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"), source),
     )
 
 
@@ -110,6 +116,10 @@ def _int(d: dict, keys: tuple[str, ...], source: str, default: int | None = None
     if default is not None:
         return default
     raise ValueError(f"{source}: missing geometry key {keys[0]!r}")
+
+
+def _optional_int(d: dict, keys: tuple[str, ...], source: str) -> int | None:
+    return next((_positive(d[key], key, source) for key in keys if d.get(key) is not None), None)
 
 
 def _positive(value, key: str, source: str) -> int:

@@ -1,14 +1,22 @@
 """Analytic roofline latency of one TP x PP instance, built on the ledger's work vectors.
 
-Contract: an iteration costs
+Contract: an iteration is a sequence of kernels, and each kernel is bounded by its own roofline
+(docs/planner.md, "Kernels, not one fused step"):
 
-    step_overhead + max(F / (tp * C_eff), (W_block + kv_read + kv_write) / (tp * R_eff)) + comm
+    step_overhead + comm
+      + max(F_linear / (tp * C_eff), W_block / (tp * R_eff))            the GEMMs, weights read once
+      + sum over attention classes of max(F_attn / (tp * C_eff), KV / (tp * R_eff))
 
-where F and the byte terms are exactly `pdserve.ledger.phase` (`linear_flops`,
-`attention_flops`, `BlockGeometry.weight_bytes`, `kv_bytes_per_token`), so `prefill_s` equals
-`lower_bound_s(prefill_work(...))` on the scaled rates plus the overhead and communication
-terms. TP adds two ring all-reduces of the activations per layer, 2(tp-1)/tp * rows*d*b bytes
-each plus a collective latency; PP adds (pp-1) point-to-point activation hops. Links are NVLink
+The attention classes of one iteration are its prefill chunk (compute-bound: query-key pairs)
+and its decode rows (memory-bound: the K/V they read); they are separate kernels, so a decode
+batch's K/V read is not hidden under a chunk's GEMM compute, nor a batch's row compute under its
+weight read. F, W and the K/V bytes are exactly `pdserve.ledger.phase` (`linear_flops`,
+`attention_flops`, `BlockGeometry.weight_bytes`, `kv_bytes_per_token`); where the GEMMs and the
+attention are on the same side of their ridge (a long prompt: both compute; a decode step: both
+memory) an iteration equals `lower_bound_s` of the ledger's work plus overhead and
+communication, and it is never below it. TP adds two ring all-reduces of the activations per
+layer, 2(tp-1)/tp * rows*d*b bytes each plus a collective latency; PP adds (pp-1) point-to-point
+activation hops. Links are NVLink in one direction (half the datasheet's bidirectional figure)
 when the instance fits in one node, else the inter-node NIC.
 
 Pipeline parallelism (docs/planner.md, "Pipeline parallelism and its costs"): an instance keeps pp
@@ -53,7 +61,7 @@ class RooflineLatency(LatencyModel):
             raise ValueError("tp and pp must be >= 1")
         g, hw = self.model.geometry, self.hardware
         gpus = self.tp * self.pp
-        link = hw.nvlink_bytes_per_s if gpus <= hw.gpus_per_node else hw.internode_bytes_per_s
+        link = hw.nvlink_send_bytes_per_s if gpus <= hw.gpus_per_node else hw.internode_bytes_per_s
         act_bytes_per_row = g.d_model * g.dtype_bytes
         tp_bytes_per_row = 2 * g.layers * 2 * (self.tp - 1) / self.tp * act_bytes_per_row
         coef = (
@@ -81,11 +89,18 @@ class RooflineLatency(LatencyModel):
         free = self.tp * self.pp * self.hardware.usable_memory_bytes - self.model.total_weight_bytes
         return max(0, int(free // self.model.kv_bytes_per_token))
 
-    def iteration_s(self, rows: int, pairs: int, kv_tokens: int) -> float:
-        """Full-stack time of one iteration with `rows` new rows, `pairs` query-key pairs and
-        `kv_tokens` K/V tokens read or written."""
+    def iteration_s(self, rows: int, pairs: float, kv_tokens: float) -> float:
+        """Full-stack time of one iteration with `rows` new rows (the GEMMs) and one attention
+        class of `pairs` query-key pairs touching `kv_tokens` K/V tokens (read or written)."""
         row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
-        return fixed + max(row_f * rows + pair_f * pairs, weight_b + kv_b * kv_tokens) + comm * rows
+        linear, w = row_f * rows, weight_b
+        attn, kv = pair_f * pairs, kv_b * kv_tokens
+        return fixed + comm * rows + (linear if linear > w else w) + (attn if attn > kv else kv)
+
+    def attention_s(self, pairs: float, kv_tokens: float) -> float:
+        """One more attention class in an iteration (its own kernels, its own roofline)."""
+        _, pair_f, _, kv_b, _, _ = self._coef
+        return max(pair_f * pairs, kv_b * kv_tokens)
 
     def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
         rows = sum(new_tokens)
@@ -110,24 +125,24 @@ class RooflineLatency(LatencyModel):
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
         row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
-        base = fixed + comm * micro + self.pipeline_overhead_s
-        compute, memory = row_f * micro + pair_f * ctx, weight_b + kv_b * (ctx + micro)
+        base = fixed + comm * micro + self.pipeline_overhead_s + max(row_f * micro, weight_b)
+        compute, memory = pair_f * ctx, kv_b * (ctx + micro)
         d0 = base + (compute if compute > memory else memory)
         compute, memory = compute + pair_f * micro, memory + kv_b * micro
         return d0, base + (compute if compute > memory else memory) - d0
 
     def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
                      batch: int, context_tokens: int) -> float:
+        # the GEMMs run over chunk + decode rows together; the chunk's and the decodes' attention
+        # are two classes of kernels, each on its own roofline
         if self.pp == 1:
-            return self.iteration_s(chunk_tokens + batch, chunk_pairs + context_tokens,
-                                    chunk_kv_tokens + context_tokens + batch)
+            return (self.iteration_s(chunk_tokens + batch, chunk_pairs, chunk_kv_tokens)
+                    + self.attention_s(context_tokens, context_tokens + batch))
         # the heaviest micro-batch (the chunk and its share of the decodes) paces the cycle
         micro = -(-batch // self.pp) if batch > 0 else 0
         share = micro / batch if batch > 0 else 0.0
-        rows = chunk_tokens + micro
-        pairs = chunk_pairs + context_tokens * share
-        kv_tokens = chunk_kv_tokens + (context_tokens + batch) * share
-        return self.iteration_s(rows, pairs, kv_tokens) + self.pipeline_overhead_s
+        return (self.iteration_s(chunk_tokens + micro, chunk_pairs, chunk_kv_tokens)
+                + self.attention_s(context_tokens * share, (context_tokens + batch) * share) + self.pipeline_overhead_s)
 
     def to_dict(self) -> dict:
         return {"kind": "roofline", "model": self.model.name, "hardware": self.hardware.name, "tp": self.tp, "pp": self.pp}

@@ -89,8 +89,8 @@ class PlanResult:
 def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None) -> PlanResult:
     """Search, combine, verify end to end and decide (see the module contract)."""
     started = time.perf_counter()
-    requests = build_requests(inputs.workload, inputs.prefix_cache)
-    decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs, inputs.prefix_cache)
+    requests = build_requests(inputs.workload, inputs.prefix_cache, inputs.model.max_context)
+    decode_requests = _more_requests(inputs.workload, 8 * inputs.max_seqs, inputs.prefix_cache, inputs.model.max_context)
     space = _space(inputs, requests, decode_requests)
     shapes = [Parallel(1, 1)] if inputs.fixed_model else parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests),
                                                                       inputs.family)
@@ -128,7 +128,7 @@ def _build_plans(inputs: PlanInputs, requests: SimRequests, scores) -> tuple[Col
     colo = colocated_plan(scores["colocated"], inputs.gpus, target, weights)
     options = [
         high_affinity_plan(pre, dec, inputs.gpus, target, kv_per_request, nic, weights),
-        low_affinity_plan(pre, dec, inputs.gpus, target, hw.gpus_per_node, kv_per_request, hw.nvlink_bytes_per_s, weights),
+        low_affinity_plan(pre, dec, inputs.gpus, target, hw.gpus_per_node, kv_per_request, hw.nvlink_send_bytes_per_s, weights),
     ]
     return colo, [p for p in options if p is not None]
 
@@ -151,18 +151,20 @@ def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
     return config, _latency(inputs, plan_.prefill.par), _latency(inputs, plan_.decode.par)
 
 
-def _more_requests(workload: WorkloadConfig, at_least: int, prefix_cache: bool = False) -> SimRequests:
-    """The workload grown to `at_least` requests (a trace is used as it is)."""
+def _more_requests(workload: WorkloadConfig, at_least: int, prefix_cache: bool = False,
+                   max_context: int | None = None) -> SimRequests:
+    """The workload grown to `at_least` requests (a trace is used as it is), within the model's
+    context window."""
     if workload.trace_path is None and workload.num_requests < at_least:
         workload = dataclasses.replace(workload, num_requests=at_least)
-    return build_requests(workload, prefix_cache)
+    return build_requests(workload, prefix_cache, max_context)
 
 
 def _e2e_requests(inputs: PlanInputs, config: SimConfig) -> SimRequests:
     """Enough requests that every instance, and every decode batch, sees a useful sample."""
     decode_instances = config.replicas if config.mode == "colocated" else config.decode_replicas
     return _more_requests(inputs.workload, max(100 * config.instances, 8 * inputs.max_seqs * decode_instances),
-                          inputs.prefix_cache)
+                          inputs.prefix_cache, inputs.model.max_context)
 
 
 def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSearch]:

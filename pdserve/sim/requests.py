@@ -6,10 +6,19 @@ specs and traces the HTTP benchmark replays) into columns on the workload's unit
 replays exactly the requests a measured sweep sends. `cached_tokens` are prefix-cache hits: the
 shared system prefix, plus (for multi-turn workloads) the previous turn's prompt and reply.
 `records` turns simulated times into the benchmark's `RequestRecord`s.
+
+Context window: `build_requests(..., max_context=C)` gives a synthetic single-turn workload
+conditioned on prompt + output <= C (what a model with C positions can serve; DistServe built its
+ShareGPT workload for OPT the same way): the unit arrivals are the workload's own, and the
+lengths are the first len(workload) pairs that fit, drawn from the same seeded distributions.
+Lengths and arrivals are drawn independently, so this is exact conditioning for any arrival
+process. A trace or a multi-turn workload with a request past C is refused (its requests are
+what they are).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,9 +58,36 @@ class SimRequests:
         return cls(tuple(r.arrival_s for r in reqs), prompts, outputs, cached, workload.native_rate)
 
 
-def build_requests(config: WorkloadConfig, prefix_cache: bool = False) -> SimRequests:
-    """Build the benchmark workload for `config` and view it as simulator columns."""
-    return SimRequests.from_workload(build_workload(config), prefix_cache, config.shared_prefix_len)
+def build_requests(config: WorkloadConfig, prefix_cache: bool = False, max_context: int | None = None) -> SimRequests:
+    """Build the benchmark workload for `config` and view it as simulator columns; with
+    `max_context`, conditioned on prompt + output <= max_context (module contract)."""
+    requests = SimRequests.from_workload(build_workload(config), prefix_cache, config.shared_prefix_len)
+    if max_context is None or _fit(requests, max_context) == len(requests):
+        return requests
+    if config.trace_path is not None or config.num_conversations > 0:
+        kind = "trace" if config.trace_path is not None else "multi-turn workload"
+        raise ValueError(f"{len(requests) - _fit(requests, max_context)} of the {kind}'s requests exceed the model's "
+                         f"context window of {max_context} tokens (prompt + output)")
+    return _within_context(config, requests, max_context, prefix_cache)
+
+
+def _fit(requests: SimRequests, max_context: int) -> int:
+    return sum(p + o <= max_context for p, o in zip(requests.prompt_tokens, requests.output_tokens))
+
+
+def _within_context(config: WorkloadConfig, requests: SimRequests, max_context: int, prefix_cache: bool) -> SimRequests:
+    """`requests`' arrivals with the first len(requests) length pairs that fit, from larger draws."""
+    n = len(requests)
+    for factor in (2, 4, 16, 64):
+        more = SimRequests.from_workload(build_workload(dataclasses.replace(config, num_requests=factor * n)),
+                                         prefix_cache, config.shared_prefix_len)
+        keep = [i for i in range(len(more)) if more.prompt_tokens[i] + more.output_tokens[i] <= max_context][:n]
+        if len(keep) == n:
+            pick = lambda col: tuple(col[i] for i in keep)  # noqa: E731
+            return dataclasses.replace(requests, prompt_tokens=pick(more.prompt_tokens), output_tokens=pick(more.output_tokens),
+                                       cached_tokens=pick(more.cached_tokens))
+    raise ValueError(f"almost no request of this workload fits the model's context window of {max_context} tokens "
+                     "(prompt + output)")
 
 
 def _prefix_hits(reqs, shared_prefix_len: int) -> tuple[int, ...]:

@@ -31,7 +31,8 @@ def test_a_colocated_chunk_paces_the_pipeline(shapes):
     tp2pp4 = m[(2, 4)]
     chunk, pairs, kv, batch, context = 1024, 1024 * 1025 // 2, 2 * 1024, 64, 64 * 2000
     step = tp2pp4.mixed_step_s(chunk, pairs, kv, 0.5, batch, context)
-    heaviest = tp2pp4.iteration_s(chunk + 16, pairs + context / 4, kv + (context + batch) / 4)
+    # the chunk's GEMMs and attention, plus a quarter of the decodes' attention (their own kernels)
+    heaviest = tp2pp4.iteration_s(chunk + 16, pairs, kv) + tp2pp4.attention_s(context / 4, (context + batch) / 4)
     assert step == pytest.approx(heaviest + 3 * hw.step_overhead_s)
     # the old model spread the chunk over the stages: a quarter of the rows per micro-batch
     spread = tp2pp4.iteration_s((chunk + batch) / 4, (pairs + context) / 4, (kv + context + batch) / 4)
@@ -53,5 +54,5 @@ def test_pipeline_no_longer_beats_tensor_parallel_on_the_same_gpus(shapes):
 def test_without_pipeline_nothing_changes(shapes):
     _, m = shapes
     tp2 = m[(2, 1)]
-    assert tp2.mixed_step_s(512, 512 * 513 // 2, 1024, 0.5, 8, 8000) == tp2.iteration_s(520, 512 * 513 // 2 + 8000, 1024 + 8008)
+    assert tp2.mixed_step_s(512, 512 * 513 // 2, 1024, 0.5, 8, 8000) == tp2.iteration_s(520, 512 * 513 // 2, 1024) + tp2.attention_s(8000, 8008)
     assert tp2.decode_step_s(8, 8000) == tp2.iteration_s(8, 8000, 8008)
