@@ -106,3 +106,30 @@ def test_holder_killed_before_the_fetch_recomputes_with_the_same_tokens():
     first, second, t2 = asyncio.run(main())
     assert t2["fetch"] == "fetch" and t2["fetch_landed_blocks"] == 0 and t2["fetch_failure"] in ("holder_lost", "source_failed", "transport_failure", "aborted")
     assert (first, second) == asyncio.run(reference())
+
+
+def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():
+    """1P1D (PD-Caching levels 2 and 3): the handed-off prompt and the answer decoded on D stay in
+    D's prefix cache; the next turn's prefill worker holds only the prompt, so it fetches the
+    answer's blocks from D instead of recomputing them; tokens equal the no-sharing run."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main(sharing: bool):
+        async with cluster(config(kv_sharing=sharing)) as (backend, _):
+            first, _ = await collect(backend, "t1", HISTORY, params)
+            answer_keys = backend._block_hashes(HISTORY + tuple(first[:-1]))  # 135 computed tokens: 8 blocks
+            await until(lambda: all(backend.router.kv_holders(k) for k in answer_keys))
+            holders = {loc.worker_id for loc in backend.router.kv_holders(answer_keys[-1])}
+            second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), PARAMS)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            return first, second, holders, lines["t2"]
+
+    first, second, holders, t2 = asyncio.run(main(True))
+    assert holders == {"decode-0"}  # level 2: the decoded history is cached where it was decoded
+    assert (t2["fetch"], t2["fetch_holder"], t2["fetch_local_blocks"], t2["fetch_landed_blocks"]) == \
+        ("fetch", "decode-0", 6, 2)  # level 3: only the answer's two blocks move back to P
+    assert t2["cached_tokens"] == 8 * 16
+    first_off, second_off, _, t2_off = asyncio.run(main(False))
+    assert (first, second) == (first_off, second_off) and t2_off["cached_tokens"] == 6 * 16
