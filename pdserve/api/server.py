@@ -35,6 +35,8 @@ from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
 from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.reserve_mode import load_policy
+from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.router.router import Router
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
@@ -50,6 +52,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "jsq"
+    decode_choice: str = "policy"  # "p2c": the decode worker by power-of-two choices on heavy/light (router/decode_choice.py)
+    reserve: str = "static"  # decode holds cover max_tokens, or "dynamic": the predicted bucket's bound (router/reserve_mode.py)
+    predictor: str | None = None  # the output-length predictor file (`pdserve predictor train`); reserve "dynamic" needs it
     slo_ttft_s: float = 30.0
     slo_tpot_s: float = 5.0
     threads_per_worker: int = 1
@@ -81,6 +86,10 @@ class ServeConfig:
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
         PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
+        if self.reserve not in ("static", "dynamic"):
+            raise ValueError(f"--reserve must be static or dynamic, got {self.reserve!r}")
+        if self.reserve == "dynamic" and not self.predictor:
+            raise ValueError("--reserve dynamic needs --predictor P.json (train one: `pdserve predictor train TRACE.jsonl`)")
 
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
@@ -108,6 +117,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
+                               decode_choice=config.decode_choice,
                                cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
                                heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd,
                                kv_index_max_entries=config.kv_index_max_entries, kv_sharing=config.kv_sharing))
@@ -116,6 +126,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
 @contextlib.asynccontextmanager
 async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, object]]:
     model_dir = resolve_model(config.engine.model)
+    reserve = load_policy(config.reserve, config.predictor, model_dir)  # refuses another model's predictor
     mc = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -128,6 +139,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled, kv_sharing=config.kv_sharing)
     backend.on_role_changed = launcher.note_role
     backend.on_key_rotated = launcher.note_key
+    backend.tetri = TetriRuntime(backend, reserve)
     backend.start()
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)

@@ -34,6 +34,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--policy", choices=["round_robin", "jsq", "slo", "prefix"], default="jsq")
+    p.add_argument("--decode-choice", choices=["policy", "p2c"], default="policy",
+                   help="p2c: the decode worker by power-of-two choices on predicted heavy/light decodes "
+                        "(TetriInfer); --policy keeps choosing the prefill side")
+    p.add_argument("--reserve", choices=["static", "dynamic"], default="static",
+                   help="decode reservations: static holds max_tokens of growth; dynamic holds the predicted "
+                        "bucket's upper bound (needs --predictor), grows past it, and preempts by recompute "
+                        "when it cannot")
+    p.add_argument("--predictor", default=None, metavar="P.json",
+                   help="output-length predictor (`pdserve predictor train`), trained for the served model")
     p.add_argument("--pd-decision", choices=["always", "never", "margin"], default="margin",
                    help="disaggregated mode, per request: always hand off, never (prefill on the decode worker), or "
                         "only when the spec's net margin says the remote prefill pays (default)")
@@ -96,6 +105,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         mode=args.mode, num_prefill=_split(args)[0], num_decode=_split(args)[1], replicas=args.replicas, engine=engine,
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
         policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+        decode_choice=getattr(args, "decode_choice", "policy"), reserve=getattr(args, "reserve", "static"),
+        predictor=getattr(args, "predictor", None),
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
@@ -118,6 +129,17 @@ def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
     return deploy_config.apply(args, file_config, deploy_config.explicit_flags(args.serve_parser, args))
 
 
+def check_predictor(config) -> None:
+    """Refuse at start, before any worker, a predictor that is missing, malformed or trained for
+    another model (router/reserve_mode.py; raises ValueError)."""
+    if config.predictor is None:
+        return
+    from pdserve.model.default import resolve_model
+    from pdserve.router.reserve_mode import load_policy
+
+    load_policy(config.reserve, config.predictor, resolve_model(config.engine.model))
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible API over prefill/decode worker pools")
     add_cluster_args(p)
@@ -138,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         args = with_config_file(args)
         config = serve_config(args)
         config.shape()
+        check_predictor(config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ class RouterConfig:
     model_identity: str
     kv_abi_hash: str
     policy: str = "slo"  # one of policies.POLICIES
+    decode_choice: str = "policy"  # "p2c": the decode side by power-of-two choices on heavy/light (decode_choice.py)
     cost: CostModel = field(default_factory=CostModel)
     ttft_slo_s: float = 2.0  # default targets for requests that carry none
     tpot_slo_s: float = 0.1

@@ -41,6 +41,7 @@ from pdserve.router.fetch_runner import FetchRunner
 from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
+from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.workers import messages as m
 
 RESERVE_TIMEOUT_S = 10.0
@@ -113,6 +114,7 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
         self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
+        self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -227,7 +229,9 @@ class ClusterBackend:
         req = live.req
         hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
         while True:
-            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes))
+            heavy = self.tetri.hold(req).heavy
+            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes,
+                                                    heavy=heavy))
             if not isinstance(result, RouteRejection):
                 break
             waits = admission_waits(result.reason.value, self.restarts, self.away)
@@ -243,6 +247,7 @@ class ClusterBackend:
                   predicted_tpot_s=result.predicted_tpot_s)
         if result.pd is not None:
             live.note(**result.pd.trace_fields())
+        self.tetri.note_route(live)
         return result
 
     async def _admit(self, live: InFlight) -> None:
@@ -266,8 +271,9 @@ class ClusterBackend:
                 raise
 
     def output_demand(self, req: GenerationRequest) -> int:
-        """Output tokens to hold room for: n x max_tokens, and the partial block each fork copies."""
-        return req.params.n * req.params.max_tokens + (req.params.n - 1) * self._block_size
+        """Output tokens to hold room for: n x (max_tokens, or the predicted bound under --reserve
+        dynamic: tetri_runtime.py), and the partial block each fork copies."""
+        return self.tetri.output_demand(req, self._block_size)
 
     def _could_ever_fit(self, req: GenerationRequest) -> bool:
         """False when even an empty decode worker could not hold the request: waiting is pointless."""
@@ -326,7 +332,7 @@ class ClusterBackend:
         t0 = time.monotonic()
         await self._send(plan.decode_id, m.ReserveKv(req.request_id, live.transfer_id, live.generation, req.prompt_ids,
                                                      req.params, plan.prefill_id, src.epoch, m.FIRST_ATTEMPT, req.tenant,
-                                                     plan.decode_hold.grant_seq))
+                                                     plan.decode_hold.grant_seq, reserve_tokens=self.tetri.reserve_tokens(req)))
         try:
             reserved = await asyncio.wait_for(live.reserved, RESERVE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -61,6 +61,7 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
     if item.token_ids or item.text:
         live.queue.put_nowait(TokenEvent(tuple(item.token_ids), item.text, item.index, item.finish_reason,
                                          tuple(item.logprobs), item.prompt_logprobs))
+    backend.tetri.on_tokens(live, worker_id, item)  # hold growths, preemptions, prediction score (tetri_runtime.py)
     if item.finished:
         if live.disaggregated and worker_id == live.prefill_id:
             await backend._send(live.decode_id, m.Abort(live.engine_id, "finished_at_prefill"))

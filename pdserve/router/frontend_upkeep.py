@@ -74,6 +74,9 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
     }
+    if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
+        heavy, light = backend.router.heavy_light(reg.worker_id)
+        load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)
     state = backend.router.worker_state(reg.worker_id)
     return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
                       load_dict, reg.cpu)

@@ -73,6 +73,7 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     ttft_slo_s: float | None = None  # None: use the router's default
     tpot_slo_s: float | None = None
+    heavy: bool = False  # a predicted-heavy decode (router/reserve_mode.py), for --decode-choice p2c
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.expected_output_tokens < 0:

@@ -121,6 +121,40 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return family
 
 
+class ReservationMetrics:
+    """TetriInfer admission (router/reserve_mode.py, router/tetri_runtime.py): the reservation
+    mode, how the length predictions scored (coverage: the output stayed under the predicted
+    upper bound, so the hold never had to grow), the under- and over-predicted K/V bytes, the
+    holds that grew and the requests preempted by recompute on their decode worker."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.mode = Gauge("pdserve_reserve_mode", "Decode reservation mode in force (1 = this mode)", ["mode"], registry=r)
+        self.outcomes = Counter("pdserve_prediction_outcomes", "Finished requests by prediction outcome "
+                                "(covered, under: outgrew its bucket, over: stopped below it)", ["outcome"], registry=r)
+        for outcome in ("covered", "under", "over"):
+            self.outcomes.labels(outcome)
+        self.coverage = Gauge("pdserve_prediction_coverage", "Share of predicted requests whose output stayed "
+                              "under the predicted bucket's upper bound", registry=r)
+        self.under_bytes = Counter("pdserve_prediction_underpredicted_bytes", "K/V bytes generated past the "
+                                   "predicted upper bound", registry=r)
+        self.over_bytes = Counter("pdserve_prediction_overpredicted_bytes", "Predicted-bound K/V bytes never used "
+                                  "(stranded reservation)", registry=r)
+        self.growths = Counter("pdserve_reservation_growths", "Decode holds grown past their reservation "
+                               "(a request outgrew its predicted bucket)", registry=r)
+        self.growth_blocks = Counter("pdserve_reservation_growth_blocks", "Blocks decode holds grew by", registry=r)
+        self.preemptions = Counter("pdserve_reservation_preemptions", "Preemptions by recompute of requests under "
+                                   "a predicted reservation, on their decode worker", registry=r)
+        self._covered = self._predicted = 0
+
+    def observe(self, outcome: str, under_bytes: int, over_bytes: int) -> None:
+        self.outcomes.labels(outcome).inc()
+        self.under_bytes.inc(under_bytes)
+        self.over_bytes.inc(over_bytes)
+        self._predicted += 1
+        self._covered += outcome != "under"
+        self.coverage.set(self._covered / self._predicted)
+
+
 class RuntimeMetrics:
     def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  worker_roles: Callable[[], Iterable[str]] = tuple,
@@ -134,6 +168,7 @@ class RuntimeMetrics:
         r.register(PdDecisions(pd_counts))
         r.register(WorkersLive(worker_roles))
         r.register(SloAttainment(clock_samples, slo_s))
+        self.reservations = ReservationMetrics(r)
         self.early_rejections = Counter("pdserve_early_rejections", "Requests rejected before prefill", ["reason"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests", ["result"], registry=r)
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "Logical K/V bytes of published transfers (their manifests' chunk bytes)", registry=r)

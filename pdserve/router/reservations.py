@@ -13,14 +13,17 @@ Route life cycle (illegal transitions raise):
     RESERVED --kv published at D (P hold released)--> PUBLISHED
     RESERVED | PUBLISHED --complete | abort | worker lost--> released (removed)
 
-Colocated routes have no P hold and start PUBLISHED.
+Colocated routes have no P hold and start PUBLISHED. A decode hold can grow (`grow`, reserve
+dynamic: the request outgrew its predicted bucket): the decode worker took the blocks from its
+unreserved free blocks before reporting it, so the growth is a grant that is applied already (its
+own sequence number, never charged in flight) and is released with the route.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pdserve.router.fastnew import new_frozen
@@ -67,6 +70,7 @@ class _Route:
     state: RouteState
     prefill: tuple[HoldRequest, int] | None  # (hold, grant seq)
     decode: tuple[HoldRequest, int]
+    growth: tuple[tuple[HoldRequest, int], ...] = ()  # decode hold growths, applied at D when granted
 
 
 class ReservationLedger:
@@ -141,7 +145,25 @@ class ReservationLedger:
         if route.state is not RouteState.RESERVED or route.prefill is None:
             raise IllegalTransitionError(f"request {request_id}: publish from {route.state.value} is not allowed")
         self._ungrant(*route.prefill)
-        self._routes[request_id] = _Route(RouteState.PUBLISHED, None, route.decode)
+        self._routes[request_id] = _Route(RouteState.PUBLISHED, None, route.decode, route.growth)
+
+    def grow(self, request_id: str, worker_id: str, blocks: int) -> int | None:
+        """The route's decode worker took `blocks` more for it (the request outgrew its hold):
+        record them as an applied grant on the route; returns its sequence number, or None when the
+        route has no decode hold on `worker_id` (it moved, or was released)."""
+        route = self._routes.get(request_id)
+        if route is None or route.decode[0].worker_id != worker_id or blocks <= 0:
+            return None
+        hold = replace(route.decode[0], blocks=blocks, tokens=0, seqs=0)
+        seq = self._grant(hold)
+        self._settle(worker_id, seq)  # the worker applied it before reporting it
+        self._routes[request_id] = replace(route, growth=(*route.growth, (hold, seq)))
+        return seq
+
+    def held_blocks(self, request_id: str) -> int:
+        """Blocks the route holds at its decode worker: the reservation plus every growth."""
+        route = self._route(request_id)
+        return route.decode[0].blocks + sum(h.blocks for h, _ in route.growth)
 
     def release(self, request_id: str) -> None:
         """Completion or abort: drop every hold the route still has."""
@@ -149,6 +171,8 @@ class ReservationLedger:
         if route.prefill is not None:
             self._ungrant(*route.prefill)
         self._ungrant(*route.decode)
+        for grown in route.growth:
+            self._ungrant(*grown)
         del self._routes[request_id]
 
     def apply_ack(self, worker_id: str, applied_grant_seq: int) -> None:
@@ -222,7 +246,7 @@ class ReservationLedger:
 
 
 def _grants(route: _Route) -> list[tuple[HoldRequest, int]]:
-    return [g for g in (route.prefill, route.decode) if g is not None]
+    return [g for g in (route.prefill, route.decode, *route.growth) if g is not None]
 
 
 def _workers(route: _Route) -> set[str]:

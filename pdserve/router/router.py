@@ -34,9 +34,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pdserve.router import kernels
+import numpy as np
+
+from pdserve.router import demand, kernels
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
+from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_slot
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
 from pdserve.router.messages import (
@@ -51,7 +54,7 @@ from pdserve.router.messages import (
 )
 from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
 from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
-from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
+from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal, prefix_hits
 from pdserve.router.errors import UnknownWorkerError
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.reservations import HoldRequest, ReservationLedger
@@ -90,6 +93,8 @@ class Router:
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic):
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; expected one of {sorted(POLICIES)}")
+        if config.decode_choice not in CHOICES:
+            raise ValueError(f"unknown decode choice {config.decode_choice!r}; expected one of {CHOICES}")
         self.config = config
         kernels.warm_up()  # compile (or load) the policies' kernels now, not on the first request
         identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
@@ -111,6 +116,8 @@ class Router:
         self._transfers: Counter[str] = Counter()  # "ended", "failed": the observed failure rate
         self._clock = clock
         self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
+        self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
+        self._p2c = Sampler()
 
     # ----- workers -----
     def register(self, info: WorkerInfo) -> Retirement | None:
@@ -179,6 +186,8 @@ class Router:
         name = policy or self.config.policy
         snapshot = self.snapshot()
         choice = POLICIES[name](snapshot, request, self._context(name))
+        if self.config.decode_choice == "p2c" and isinstance(choice, Choice):
+            choice = self._decode_by_p2c(snapshot, request, choice)
         result = self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
         self.arrivals.observe(self._clock())  # after the decision: it read the rate of the arrivals before it
         if isinstance(result, Refusal):
@@ -216,12 +225,24 @@ class Router:
         self._events["retaken" if taken else "retake_refused"] += 1
         return None if taken is None else taken[1]
 
+    def grow_hold(self, request_id: str, worker_id: str, blocks: int) -> int | None:
+        """The decode worker grew the request's hold by `blocks` (it outgrew its reservation):
+        the ledger records it as an applied grant (reservations.ReservationLedger.grow)."""
+        seq = self._ledger.grow(request_id, worker_id, blocks)
+        self._events["hold_growths" if seq is not None else "hold_growths_ignored"] += 1
+        return seq
+
+    def held_blocks(self, request_id: str) -> int:
+        return self._ledger.held_blocks(request_id)
+
     def complete(self, request_id: str) -> None:
         self._ledger.release(request_id)
+        self._heavy_light.remove(request_id)
         self._events["completed"] += 1
 
     def abort(self, request_id: str) -> None:
         self._ledger.release(request_id)
+        self._heavy_light.remove(request_id)
         self._events["aborted"] += 1
 
     # ----- views and checks -----
@@ -289,12 +310,34 @@ class Router:
         holds = self._ledger.try_reserve(request.request_id, prefill, decode, reported)
         if holds is None:
             return Refusal(_shortfall_reason(decode, self._ledger, reported), self.config.retry_after_s)
+        self._heavy_light.add(request.request_id, decode.worker_id, request.heavy)
         if pd is None:
             return route_plan(snapshot, request, choice, cost, policy, holds)
         self._pd_total[pd.label] += 1
         if pd.disaggregate:
             return route_plan(snapshot, request, choice, cost, policy, holds, pd)
         return local_route_plan(snapshot, request, choice, cost, policy, holds[1], pd)
+
+    def _decode_by_p2c(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> Choice:
+        """`--decode-choice p2c`: keep the policy's prefill slot, re-choose the decode slot by
+        power-of-two choices on heavy/light load among the slots with room (decode_choice.py).
+        Colocated: the one worker is the decode worker, so both slots move."""
+        d, bs = snapshot.decode, self.config.cost.block_size_tokens
+        _, d_hit = prefix_hits(snapshot, request, bs)
+        hit = [int(d_hit[s]) if isinstance(d_hit, np.ndarray) else int(d_hit) for s in range(len(d))]
+        need = [int(demand.decode_blocks(request, h, bs)) for h in hit]
+        counts = [self._heavy_light.counts(w) for w in d.worker_ids]
+        slot = p2c_slot(list(d.worker_ids), [int(x) for x in d.headroom_blocks], need, [c[0] for c in counts],
+                        [c[1] for c in counts], request.heavy, self._p2c.picks())
+        if slot is None or slot == choice.decode_slot:
+            return choice
+        if snapshot.colocated:
+            return Choice(slot, slot, hit[slot], hit[slot])
+        return Choice(choice.prefill_slot, slot, choice.prefill_hit_blocks, hit[slot])
+
+    def heavy_light(self, worker_id: str) -> tuple[int, int]:
+        """(heavy, light) live routes on a decode worker (--decode-choice p2c's load)."""
+        return self._heavy_light.counts(worker_id)
 
     def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> PdDecision:
         """The P/D decision for the policy's chosen pair, over the same snapshot."""
@@ -313,6 +356,8 @@ class Router:
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
+        for request_id in orphaned:
+            self._heavy_light.remove(request_id)
         self._retired[retired.reason] += 1
         self._events["orphaned"] += len(orphaned)
         return Retirement(retired, orphaned)

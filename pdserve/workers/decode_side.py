@@ -20,6 +20,7 @@ from pdserve.handoff.states import TxnState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffListener, prompt_digest
+from pdserve.workers.hold_watch import HoldWatch, hold_params
 from pdserve.workers.kv_blocks import EngineDestinationBlocks
 
 
@@ -37,6 +38,7 @@ class DecodeSide:
         self.first: dict[str, m.StartDecode] = {}
         self.published: set[str] = set()
         self.decoding: set[str] = set()
+        self.holds = HoldWatch()  # --reserve dynamic: growths and preemptions past each hold (hold_watch.py)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -45,10 +47,11 @@ class DecodeSide:
     def on_reserve(self, msg: m.ReserveKv) -> None:
         eng, rid = self.engine, msg.request_id
         with self.worker.lock:
-            if not eng.can_reserve_import(len(msg.prompt_ids), msg.params.max_tokens, msg.params.n):
+            params = hold_params(msg.params, msg.reserve_tokens)  # the predicted bound (reserve dynamic) or max_tokens
+            if not eng.can_reserve_import(len(msg.prompt_ids), params.max_tokens, params.n):
                 self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, False, "no_kv_capacity"))
                 return
-            res = eng.reserve_import(rid, list(msg.prompt_ids), msg.params)
+            res = eng.reserve_import(rid, list(msg.prompt_ids), params)
             self.blocks.expect(msg.transfer_id, rid, res)
             request = ReserveRequest(
                 msg.transfer_id, msg.tenant, rid, msg.generation, msg.attempt, msg.source_worker, msg.source_epoch,
@@ -62,6 +65,8 @@ class DecodeSide:
                 self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, False, err.reason.value))
                 return
         self.requests[rid] = msg
+        if params is not msg.params:
+            self.holds.watch(rid, len(res.block_ids) + res.growth_blocks)
         self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, True, None,
                                     res.block_ids, res.num_visible_blocks, reservation.reservation_id))
 
@@ -102,6 +107,9 @@ class DecodeSide:
         self.decoding.add(rid)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
+        if len(self.holds):
+            with self.worker.lock:
+                self.holds.after_step(self.engine, [o.request_id for o in outputs if o.finished])
         for out in outputs:
             if out.finished and out.request_id in self.decoding:
                 self.decoding.discard(out.request_id)
@@ -110,6 +118,7 @@ class DecodeSide:
 
     def abort(self, rid: str) -> None:
         """Called under the worker lock. Returns the request's blocks whatever its stage."""
+        self.holds.forget(rid)
         if rid in self.decoding:
             self.decoding.discard(rid)
             self.endpoint.retire(rid)

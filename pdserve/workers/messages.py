@@ -79,6 +79,7 @@ class ReserveKv(msgspec.Struct, frozen=True, tag=True):
     attempt: int = FIRST_ATTEMPT
     tenant: str = "default"
     grant_seq: int = 0
+    reserve_tokens: int = 0  # output tokens the decode reservation covers (reserve dynamic); 0: max_tokens
 
 
 class StartDecode(msgspec.Struct, frozen=True, tag=True):
@@ -204,6 +205,8 @@ class TokenItem(msgspec.Struct, frozen=True, omit_defaults=True):  # fields left
     logprobs: tuple[TokenLogprobs, ...] = ()  # per token, only when the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt positions 1.., once, from the prefill
     forks: tuple[tuple[int, int], ...] = ()  # prefilled n > 1 request: the sequences the decode worker forks
+    hold_grown_blocks: int = 0  # reserve dynamic: blocks taken past the request's hold so far (workers/hold_watch.py)
+    preemptions: int = 0  # times the decode worker preempted the request (recompute) so far
 
 
 class Tokens(msgspec.Struct, frozen=True, tag=True):

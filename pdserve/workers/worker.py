@@ -147,7 +147,7 @@ class Worker:
                 pending_prompt_tokens=eng.scheduler.num_pending_prompt_tokens,
                 active_decode=sum(1 for s in running if s.is_decoding),
                 num_running=len(running) + len(eng.scheduler.waiting),
-                free_blocks=eng.blocks.num_free,
+                free_blocks=eng.blocks.num_free - eng.blocks.num_reserved,  # reserved growth is not free to route to
                 reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
                 applied_grant_seq=self.applied_grant_seq,
                 num_blocks=eng.pool.num_blocks,
@@ -334,9 +334,11 @@ class Worker:
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
+        holds = self.decode.holds.counts if self.decode is not None else lambda rid: (0, 0)
         items = tuple(
             m.TokenItem(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
-                        o.num_cached_tokens, o.prefilled, o.index, o.logprobs, o.prompt_logprobs, o.forks)
+                        o.num_cached_tokens, o.prefilled, o.index, o.logprobs, o.prompt_logprobs, o.forks,
+                        *holds(o.request_id))
             for o in outputs
         )
         self.send(m.Tokens(self.id, self.epoch, items))

@@ -36,12 +36,21 @@ def test_the_file_sets_the_deployment_and_set_flags_override_it(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, named", [("prefill_tp", 2, "prefill_tp 2"), ("decode_pp", 4, "decode_pp 4"),
-                                               ("reserve", "dynamic", "reserve dynamic"),
                                                ("prefill_runahead", 2, "prefill_runahead 2")])
 def test_what_the_runtime_lacks_is_refused_by_name(tmp_path, key, value, named):
     path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, **{key: value})
     with pytest.raises(deploy_config.ConfigError, match=named):
         parse("--config", path)
+
+
+def test_reserve_dynamic_is_accepted_and_needs_a_predictor(tmp_path):
+    path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, reserve="dynamic", predictor="p.json",
+                 decode_choice="p2c")
+    config = serve_config(parse("--config", path))
+    assert (config.reserve, config.predictor, config.decode_choice) == ("dynamic", "p.json", "p2c")
+    bare = write(tmp_path, mode="disaggregated", prefill=1, decode=1, reserve="dynamic")
+    with pytest.raises(ValueError, match="needs --predictor"):
+        serve_config(parse("--config", bare))
 
 
 def test_a_file_that_is_not_a_serve_configuration_is_refused(tmp_path):

@@ -1,0 +1,98 @@
+"""`--reserve dynamic` end to end on real worker processes (tiny model): requests reserve their
+predicted bucket, outgrow it, grow their holds and are preempted by recompute on a decode pool
+too small for all of them, and every one finishes with the tokens of an unpreempted run; no
+block or hold leaks. Bad predictor inputs are refused before any worker starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.cli import main as cli_main
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.model.default import resolve_model
+from pdserve.model.loader import checkpoint_hash
+from pdserve.model.tokenizer import load_tokenizer
+from pdserve.predictor.manifest import DEFAULT_BUCKETS, Manifest, PredictorError
+from pdserve.predictor.training import fit, read_examples
+from pdserve.router.reserve_mode import load_policy
+from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, wait_baseline
+
+TRACE = Path(__file__).resolve().parents[2] / "docs" / "traces" / "tetri_lengths.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_predictor(tmp_path_factory):
+    model_dir = resolve_model("tiny")
+    tok = load_tokenizer(model_dir)
+    prompts, lengths = read_examples(TRACE, tok)
+    manifest = Manifest("tiny", checkpoint_hash(model_dir), tok.identity_hash, {"temperature": 0.0}, 4096, DEFAULT_BUCKETS)
+    predictor, _ = fit(prompts, lengths, manifest)
+    path = tmp_path_factory.mktemp("predictor") / "tiny.json"
+    predictor.save(path)
+    return path, predictor, tok
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_outgrown_holds_grow_then_preempt_by_recompute_with_exact_tokens_and_no_leaks(tiny_predictor):
+    path, predictor, tok = tiny_predictor
+    lines = [json.loads(s) for s in TRACE.read_text().splitlines()]
+    prompts = [tuple(tok.encode(e["prompt"])) for e in lines if e["task"] == "tag"]
+    prompts = [p for p in prompts if len(p) <= 32 and predictor.predict(p).upper_tokens == 64][:5]
+    assert len(prompts) == 5
+    # 4 MiB of fp32 = 32 blocks per worker: each reserves ceil((<=32 + 64) / 16) = 6, the five fit (30); at
+    # 120 tokens each needs 10, 50 in all: holds must grow, and then requests must be preempted
+    # fp32 batch-invariant mode: a recomputed position's K/V (prefill rows) equals its decoded one
+    engine = replace(TINY, dtype="float32", kv_cache_bytes=4 << 20)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    reference = Engine(EngineConfig(model="tiny", dtype="float32", num_blocks=256, num_threads=WORKER_THREADS))
+    expected = [list(reference.generate([list(p)], params)[0].output_ids) for p in prompts]
+
+    async def main():
+        async with cluster(config(engine=engine, reserve="dynamic", predictor=str(path))) as (backend, _):
+            results = await asyncio.gather(*(collect(backend, f"t{i}", p, params) for i, p in enumerate(prompts)))
+            for (ids, event), want in zip(results, expected):
+                assert isinstance(event, FinishEvent) and event.finish_reason == "length"
+                assert ids == want  # preempted and recomputed requests too
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            text = backend.metrics_text().decode()
+            assert _metric(text, "pdserve_reservation_growths_total") >= 1
+            assert _metric(text, "pdserve_reservation_growth_blocks_total") >= 5 * 3  # 6 held, 10 used
+            assert _metric(text, "pdserve_reservation_preemptions_total") >= 1
+            assert _metric(text, 'pdserve_reserve_mode{mode="dynamic"}') == 1.0
+            assert _metric(text, 'pdserve_prediction_outcomes_total{outcome="under"}') == 5.0
+            assert _metric(text, "pdserve_prediction_coverage") == 0.0
+            assert 'pdserve_requests_total{result="completed"} 5.0' in text
+            assert "pdserve_early_rejections_total{" not in text
+            assert {w.load.get("reserve_mode") for w in backend.workers()} == {"dynamic"}
+
+    asyncio.run(main())
+
+
+def test_bad_predictor_inputs_are_refused_at_start(tiny_predictor, tmp_path, capsys):
+    path, _, _ = tiny_predictor
+    with pytest.raises(ValueError, match="needs --predictor"):
+        config(reserve="dynamic")
+    with pytest.raises(PredictorError, match="cannot read"):
+        load_policy("dynamic", str(tmp_path / "missing.json"), resolve_model("tiny"))
+    with pytest.raises(PredictorError, match="trained for model 'tiny'"):
+        load_policy("dynamic", str(path), resolve_model("small"))
+    assert cli_main(["serve", "--reserve", "dynamic"]) == 2
+    assert "needs --predictor" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", "small", "--reserve", "dynamic", "--predictor", str(path)]) == 2
+    assert "trained for model 'tiny'" in capsys.readouterr().err
+    assert load_policy("dynamic", str(path), resolve_model("tiny")).mode == "dynamic"
