@@ -55,6 +55,17 @@ class PinnedPrefix:
         return [*self.visible, *self.fresh]
 
 
+def pin_prefix(manager, hashes: list[bytes], tokens, limit: int) -> list[int] | None:
+    """Take a reference on up to `limit` leading cached blocks, or None when reviving the
+    unreferenced ones among them would eat into capacity reserved for others (a revived block
+    leaves the free count; reservations must stay within it)."""
+    n = min(manager.match_prefix(hashes, tokens), limit)
+    revived = sum(1 for h in hashes[:n] if manager.refcount[manager.cached[h]] == 0)
+    if revived > manager.available_for(None):
+        return None
+    return manager.acquire_prefix(hashes, tokens, limit=n)
+
+
 class FetchBlocks:
     """The handoff's `DestinationBlocks` over a fetch's pinned blocks (engine block manager)."""
 
@@ -139,7 +150,9 @@ class FetchSide:
         me, bm, ids = self.worker, self.engine.blocks, msg.prompt_ids
         n = len(ids) // bm.block_size
         hashes = bm.hashes_for(ids, msg.tenant)[:n]
-        visible = bm.acquire_prefix(hashes, ids, limit=n)
+        visible = pin_prefix(bm, hashes, ids, n)
+        if visible is None:
+            return m.FetchReserved(me.id, me.epoch, msg.fetch_id, False, "no_kv_capacity")
         if len(visible) == n or not bm.can_allocate(n - len(visible)):
             bm.release(visible)
             reason = "nothing_to_fetch" if len(visible) == n else "no_kv_capacity"
@@ -191,10 +204,11 @@ class FetchSide:
             bm = self.engine.blocks
             n = len(plan.dest_blocks)
             hashes = bm.hashes_for(msg.prompt_ids, plan.tenant)[:n]
-            held = bm.acquire_prefix(hashes, msg.prompt_ids, limit=n)
-            if len(held) < n:  # evicted since the router's index saw it: never read missing bytes
-                bm.release(held)
-                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, "holder_miss"))
+            held = pin_prefix(bm, hashes, msg.prompt_ids, n)
+            if held is None or len(held) < n:  # evicted since the router's index saw it, or no room
+                bm.release(held or [])          # to pin it: never read missing bytes
+                reason = "holder_busy" if held is None else "holder_miss"
+                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, reason))
                 return
             self.serving[plan.transfer_id] = held
             self.leases.grant(plan.transfer_id, time.monotonic())

@@ -197,3 +197,22 @@ def test_holder_death_mid_fetch_aborts_inserts_nothing_and_returns_every_block(n
     baseline(holder, dest)
     params = SamplingParams(max_tokens=6, ignore_eos=True, seed=3)  # the request then recomputes, same tokens
     assert dest.engine.generate([history], params)[0].output_ids == Engine(TINY).generate([history], params)[0].output_ids
+
+
+def test_pinning_never_eats_capacity_reserved_for_others(nodes):
+    holder, dest = nodes
+    history = prompt(100, 7)
+    for node in nodes:
+        node.engine.generate([history], SamplingParams(max_tokens=2, ignore_eos=True))
+        node.engine.blocks.reserve("growth", node.engine.blocks.num_free)  # every free block promised away
+    longer = history + prompt(40, 8)
+    reserved = fetch(holder, dest, longer)
+    assert (reserved.ok, reserved.reason) == (False, "no_kv_capacity")  # its own hit would revive reserved room
+    dest.engine.blocks.release_reservation("growth")
+    reserved = fetch(holder, dest, longer[:64] + prompt(80, 9), fid="f2")  # 4 own blocks; the holder lacks the rest
+    holder.pump(lambda: holder.done("source"))
+    assert holder.done("source")[0].reason == "holder_busy"  # pinning its 4 blocks would revive reserved room
+    dest.fetch.abort("f2")
+    dest.pump(lambda: dest.done("destination"))
+    holder.engine.blocks.release_reservation("growth")
+    baseline(holder, dest)
