@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     parser.add_argument("--prefill-s", type=float, default=0.25, help="simulated prefill time of the 2048-token prompt")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                         help="chunked-prefill size of the simulated prefill (default: the engine's)")
+    parser.add_argument("--fetch", action="store_true",
+                        help="also a cross-worker prefix fetch against an in-process handoff of the same 24 MiB "
+                             "(commands/bench_fetch.py: fetch_gbps, handoff_inproc_gbps, fetch_ratio)")
     parser.add_argument("--no-capabilities", action="store_true",
                         help="skip the handoffs with transfer capabilities (run by default beside those without)")
     parser.set_defaults(func=run)
@@ -378,6 +381,10 @@ def run(args: argparse.Namespace) -> int:
                exposed_fraction_unchunked=statistics.median(s["exposed_unchunked"]) / serialized_s)
     out.update(_capability_figures(s, big.nbytes, small.nbytes))
     out["samples_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in s.items()}
+    if args.fetch:
+        from pdserve.commands.bench_fetch import fetch_vs_handoff
+
+        out.update(fetch_vs_handoff(args.runs))
     _print(out, args.json)
     return 0
 

@@ -1,0 +1,157 @@
+"""`pdserve bench-transfer --fetch`: a cross-worker prefix fetch against a handoff, same bytes, same run.
+
+Both arms run the worker layer's own code between two shared-memory K/V pools in this process
+(the destination copies from the source's pool: the shm pull transport), interleaved round by
+round, on a prefix of `nbytes` (default 24 MiB of the `small` geometry):
+  handoff_inproc_gbps  HandoffSender -> HandoffListener/DecodeEndpoint: reserve -> publish
+  fetch_gbps           FetchSide (holder, its cached blocks pinned) -> FetchSide (destination):
+                       FetchReserve -> published and inserted into the destination's prefix cache
+  fetch_ratio          fetch_gbps / handoff_inproc_gbps (medians over rounds)
+No model runs: the holder's blocks hold random bytes registered under a prefix's chain hashes.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv_pool import KvPool
+from pdserve.handoff.destination import ReserveRequest
+from pdserve.handoff.endpoint import DecodeEndpoint
+from pdserve.handoff.reservations import PooledDestinationBlocks
+from pdserve.handoff.trace import NullSink
+from pdserve.workers import messages as m
+from pdserve.workers.fetch import FetchSide
+from pdserve.workers.handoff_io import HandoffListener, HandoffSender, prompt_digest
+
+SMALL_ABI = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
+IDENTITY = CacheIdentity("bench-model", "bench-tok", SMALL_ABI.abi_hash)
+
+
+class _Node:
+    """A worker's parts a FetchSide uses, over a shared pool and a block manager (no model)."""
+
+    def __init__(self, wid: str, num_blocks: int):
+        self.id, self.epoch, self.lock = wid, 1, threading.RLock()
+        self.pool = KvPool(SMALL_ABI, num_blocks, shm_name=f"pdbench-{wid}-{uuid.uuid4().hex[:12]}")
+        self.engine = SimpleNamespace(pool=self.pool, identity=IDENTITY, blocks=None)
+        self.events: queue.Queue = queue.Queue()
+        self.sent: list = []
+        self.trace, self.verifier = NullSink(), None
+        self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=60.0)
+        self.fetch: FetchSide | None = None
+
+    def fresh(self) -> None:
+        """An empty prefix cache and a new fetch side (the previous one's listener closed)."""
+        if self.fetch is not None:
+            self.fetch.close()
+        self.engine.blocks = BlockManager(self.pool.num_blocks, SMALL_ABI.block_size, IDENTITY.identity_hash)
+        self.fetch = FetchSide(self)
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def wait_done(self, side: str, timeout_s: float = 60.0) -> m.FetchDone:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = [s for s in self.sent if isinstance(s, m.FetchDone) and s.side == side]
+            if done:
+                self.sent.clear()
+                return done[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.id}: no {side} FetchDone")
+            try:
+                kind, payload = self.events.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            self.fetch.on_event(kind, payload)
+
+    def close(self) -> None:
+        if self.fetch is not None:
+            self.fetch.close()
+        self.pool.close(unlink=True)
+
+
+def _fill_holder(holder: _Node, tokens: list[int]) -> None:
+    """Random K/V in every block, registered in the holder's prefix cache under `tokens`' hashes."""
+    holder.pool.tensor.copy_(torch.randn(holder.pool.tensor.shape).to(holder.pool.tensor.dtype))
+    bm, bs = holder.engine.blocks, SMALL_ABI.block_size
+    blocks = bm.allocate(len(tokens) // bs)
+    for j, (block, h) in enumerate(zip(blocks, bm.hashes_for(tokens))):
+        bm.register(block, h, tuple(tokens[j * bs:(j + 1) * bs]))
+    bm.release(blocks)  # cached, unreferenced: what a finished request leaves behind
+
+
+def _fetch_once(holder: _Node, dest: _Node, tokens: list[int], n: int) -> float:
+    dest.fresh()
+    fid = f"f{uuid.uuid4().hex[:8]}"
+    t0 = time.perf_counter()
+    dest.fetch.on_reserve(m.FetchReserve(fid, tuple(tokens), "default", holder.id, holder.epoch))
+    r = dest.sent.pop()
+    plan = m.TransferPlan(fid, 1, m.FIRST_ATTEMPT, "default", dest.id, dest.epoch, r.reservation_id, r.dest_blocks,
+                          r.num_visible_blocks, "shm", dest.fetch.address, dest.pool.shm_name, dest.pool.num_blocks)
+    holder.fetch.on_serve(m.FetchServe(tuple(tokens), plan))
+    landed = dest.wait_done("destination")
+    seconds = time.perf_counter() - t0
+    holder.wait_done("source")
+    if landed.blocks != n:
+        raise AssertionError(f"fetch landed {landed.blocks} of {n} blocks")
+    return seconds
+
+
+def _handoff_once(holder: _Node, dest: _Node, tokens: list[int], n: int) -> float:
+    done: queue.Queue = queue.Queue()
+    lock = threading.RLock()
+    endpoint = DecodeEndpoint("d0", 1, dest.pool, PooledDestinationBlocks(dest.pool.num_blocks), IDENTITY)
+    listener = HandoffListener(endpoint, lock, "127.0.0.1", on_done=lambda tid, state: done.put(state))
+    sender = HandoffSender("h0", 1, holder.pool, IDENTITY, NullSink(), on_done=lambda *a: done.put(a))
+    tid = f"x{uuid.uuid4().hex[:8]}"
+    try:
+        t0 = time.perf_counter()
+        with lock:
+            res = endpoint.reserve(ReserveRequest(tid, "default", tid, 1, m.FIRST_ATTEMPT, "h0", 1, prompt_digest(tokens),
+                                                  len(tokens), n))
+        plan = m.TransferPlan(tid, 1, m.FIRST_ATTEMPT, "default", "d0", 1, res.reservation_id, res.prompt_blocks, 0, "shm",
+                              listener.address, dest.pool.shm_name, dest.pool.num_blocks)
+        sender.start(tid, tuple(tokens), list(range(n)), plan, "default", "serialized")
+        sender.gate(tid).mark_all_ready()
+        ends = [done.get(timeout=60) for _ in range(2)]
+        seconds = time.perf_counter() - t0
+    finally:
+        listener.close()
+    if endpoint.transfers[tid].state.name != "PUBLISHED":
+        raise AssertionError(f"handoff ended {endpoint.transfers[tid].state.name}: {ends}")
+    return seconds
+
+
+def fetch_vs_handoff(runs: int, nbytes: int = 24 << 20) -> dict:
+    """Medians over `runs` interleaved rounds (see the module docstring)."""
+    n = -(-nbytes // SMALL_ABI.bytes_per_block)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(3, 250, n * SMALL_ABI.block_size)]
+    holder, dest = _Node("h0", n), _Node("d0", n)
+    holder.fresh()
+    samples: dict[str, list[float]] = {"fetch": [], "handoff": []}
+    try:
+        _fill_holder(holder, tokens)
+        for run in range(runs):
+            arms = (("fetch", _fetch_once), ("handoff", _handoff_once))
+            for name, once in arms if run % 2 == 0 else arms[::-1]:
+                samples[name].append(once(holder, dest, tokens, n))
+    finally:
+        holder.close()
+        dest.close()
+    moved = n * SMALL_ABI.bytes_per_block
+    fetch_gbps = moved / statistics.median(samples["fetch"]) / 1e9
+    handoff_gbps = moved / statistics.median(samples["handoff"]) / 1e9
+    return {"fetch_bytes": moved, "fetch_gbps": fetch_gbps, "handoff_inproc_gbps": handoff_gbps,
+            "fetch_ratio": fetch_gbps / handoff_gbps,
+            "fetch_samples_ms": {k: [round(t * 1e3, 2) for t in v] for k, v in samples.items()}}
