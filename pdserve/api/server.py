@@ -38,6 +38,7 @@ from pdserve.router.pd_decision import PdPolicy
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.router.router import Router
+from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
 
@@ -76,6 +77,8 @@ class ServeConfig:
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
+    prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
+    runahead_min_tokens: int = 1024  # the shortest prompt a chain prefills
     kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
     api_keys: str | None = None  # a KEY -> TENANT file: generation needs a key and runs in its tenant (api/tenants.py)
     splitwise: Thresholds | None = None  # mode "splitwise": the pool controller's marks (default: from the SLOs)
@@ -90,6 +93,16 @@ class ServeConfig:
             raise ValueError(f"--reserve must be static or dynamic, got {self.reserve!r}")
         if self.reserve == "dynamic" and not self.predictor:
             raise ValueError("--reserve dynamic needs --predictor P.json (train one: `pdserve predictor train TRACE.jsonl`)")
+        self._check_runahead()
+
+    def _check_runahead(self) -> None:
+        k = self.prefill_runahead
+        if k < 0 or self.runahead_min_tokens < 1:
+            raise ValueError("--prefill-runahead must be >= 0 and --runahead-min-tokens >= 1")
+        if k >= 2 and (self.mode != "disaggregated" or self.num_prefill < k):
+            raise ValueError(f"--prefill-runahead {k} needs disaggregated mode with at least {k} prefill workers")
+        if k >= 2 and self.engine.max_num_batched_tokens % self.engine.block_size:
+            raise ValueError("--prefill-runahead needs a chunk budget that is a multiple of the block size")
 
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
@@ -137,6 +150,9 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled, kv_sharing=config.kv_sharing)
+    if config.prefill_runahead >= 2:
+        backend.runahead = make_runahead(config.prefill_runahead, config.runahead_min_tokens, model_dir, config.engine,
+                                         backend.router.config.cost, config.pd_profile, backend.metrics.registry)
     backend.on_role_changed = launcher.note_role
     backend.on_key_rotated = launcher.note_key
     backend.tetri = TetriRuntime(backend, reserve)

@@ -33,6 +33,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--prefill-runahead", type=int, default=0, metavar="K",
+                   help="KV-Runahead: prompts of at least --runahead-min-tokens are prefilled by a causal chain of K "
+                        "prefill workers (partitions on the chunk grid; K <= --prefill); 0 or 1: off")
+    p.add_argument("--runahead-min-tokens", type=int, default=1024, metavar="N",
+                   help="the shortest prompt a KV-Runahead chain prefills")
     p.add_argument("--policy", choices=["round_robin", "jsq", "slo", "prefix"], default="jsq")
     p.add_argument("--decode-choice", choices=["policy", "p2c"], default="policy",
                    help="p2c: the decode worker by power-of-two choices on predicted heavy/light decodes "
@@ -115,6 +120,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
+        prefill_runahead=getattr(args, "prefill_runahead", 0), runahead_min_tokens=getattr(args, "runahead_min_tokens", 1024),
         kv_sharing=not getattr(args, "no_kv_sharing", False),
     )
 

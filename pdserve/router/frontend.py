@@ -113,6 +113,7 @@ class ClusterBackend:
         self._block_size = 16
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
+        self.runahead = None  # KV-Runahead chains (router/runahead.py), set by the server with --prefill-runahead
         self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
         self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
@@ -324,6 +325,8 @@ class ClusterBackend:
         live.owners = {plan.prefill_id, plan.decode_id}
         self.metrics.kv_transfer_attempts.inc()
         grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0
+        if self.runahead is not None and await self.runahead.start(self, live, plan, transfer, grant):
+            return  # a KV-Runahead chain prefills it (router/runahead.py)
         await self._send(plan.prefill_id, m.Prefill(req.request_id, req.prompt_ids, req.params, live.seed, transfer, grant))
 
     async def _reserve(self, live: InFlight, plan: RoutePlan) -> m.Reserved:

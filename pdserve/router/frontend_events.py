@@ -22,6 +22,8 @@ from pdserve.workers import messages as m
 
 
 async def dispatch(backend, msg) -> None:
+    if backend.runahead is not None and await backend.runahead.intercept(backend, msg):
+        return  # a KV-Runahead chain's own message (router/runahead.py)
     if isinstance(msg, m.Heartbeat):
         backend.report_load(msg)
     elif isinstance(msg, m.Tokens):
@@ -128,6 +130,8 @@ async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> 
     its admission stays in charge and is woken so it routes again over the live workers.
     Recovering it here as well would run it twice, and the admission would wait out the whole
     reservation timeout for an answer the lost worker never sends."""
+    if backend.runahead is not None:
+        await backend.runahead.on_worker_lost(backend, worker_id)
     affected = {rid for rid, live in backend.live.items() if worker_id in live.owners} | set(orphaned)
     for rid in affected:
         live = backend.live.get(rid)

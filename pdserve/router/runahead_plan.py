@@ -16,7 +16,8 @@ Contract (pure, no I/O but `PartitionCache`'s file):
 - `search_partition` tries every composition of the prompt's chunks into K parts and keeps the
   smallest finish (ties: the first in lexicographic order), or an equal split when the prompt has
   too few chunks. `PartitionCache` keeps results per `RunaheadKey` (model hash, K, dtype, CPU
-  kind) in memory and in `<cache root>/runahead/<key>.json`, entries keyed "C:tokens".
+  kind) in memory and in `<cache root>/runahead/<key>.json`, entries keyed "C:tokens"; the file
+  also records the chunk and link costs searched with, and another cost model starts it afresh.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def search_partition(num_tokens: int, k: int, chunk_tokens: int, num_layers: int
 class PartitionCache:
     """Searched partitions per `RunaheadKey`, in memory and (when `root` is set) on disk.
 
-    The file holds {"key": ..., "cost": ..., "partitions": {"C:tokens": [n_0, ...]}}; an entry
-    found there is used as is (it was searched on this model, K, dtype and CPU kind)."""
+    The file holds {"key": ..., "cost": ..., "link": ..., "partitions": {"C:tokens": [n_0, ...]}};
+    its entries are used when key and costs match (searched on this model, K, dtype and CPU kind
+    with these costs); otherwise they are searched again and the file rewritten."""
 
     def __init__(self, key: RunaheadKey, root: Path | None, cost: ChunkCost, link: LinkCost, num_layers: int):
         self.key, self.cost, self.link, self.num_layers = key, cost, link, num_layers
@@ -159,7 +161,7 @@ class PartitionCache:
         if self.path is not None and self.path.is_file():
             try:
                 stored = json.loads(self.path.read_text())
-                if stored.get("key") == asdict(key):
+                if (stored.get("key"), stored.get("cost"), stored.get("link")) == (asdict(key), asdict(cost), asdict(link)):
                     self.entries = {k: tuple(v) for k, v in stored.get("partitions", {}).items()}
             except (OSError, ValueError):
                 self.entries = {}

@@ -59,6 +59,19 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     grant_seq: int = 0  # router hold applied by accepting this message
 
 
+class ChainStage(msgspec.Struct, frozen=True):
+    """KV-Runahead (workers/runahead_side.py): this Prefill is stage `index` of `num_stages`; its
+    prompt is the chain's prompt up to the stage's end, and for index > 0 the K/V of its first
+    `start` tokens arrives over the chain link `upstream_transfer_id` (reserved by a ReserveKv
+    with `chain_start`). The plan sends the stage's whole K/V onward: to the next stage, or (last
+    stage) to the decode worker."""
+
+    index: int
+    num_stages: int
+    start: int = 0
+    upstream_transfer_id: str = ""
+
+
 class Prefill(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -66,6 +79,7 @@ class Prefill(msgspec.Struct, frozen=True, tag=True):
     seed: int
     plan: TransferPlan
     grant_seq: int = 0
+    chain: ChainStage | None = None  # a KV-Runahead stage; None: an ordinary single-worker prefill
 
 
 class ReserveKv(msgspec.Struct, frozen=True, tag=True):
@@ -79,6 +93,7 @@ class ReserveKv(msgspec.Struct, frozen=True, tag=True):
     attempt: int = FIRST_ATTEMPT
     tenant: str = "default"
     grant_seq: int = 0
+    chain_start: int = 0  # > 0: a KV-Runahead stage's prefix (prompt[:chain_start]) lands here, on a prefill worker
     reserve_tokens: int = 0  # output tokens the decode reservation covers (reserve dynamic); 0: max_tokens
 
 

@@ -43,6 +43,7 @@ from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.fetch import FetchSide
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
+from pdserve.workers.runahead_side import ChainBroken, RunaheadSide
 from pdserve.workers.roles import RoleSwitch, sides
 
 log = logging.getLogger("pdserve.worker")
@@ -119,7 +120,7 @@ class Worker:
             num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
             prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
-            handoff_address=self.decode.address if self.decode else None, shm_name=eng.pool.shm_name,
+            handoff_address=self.decode.address if self.decode else (self.runahead.address if self.runahead else None), shm_name=eng.pool.shm_name,
             fetch_address=self.fetch.address,
         ))
 
@@ -188,6 +189,8 @@ class Worker:
                 self.handle(m.decode_to_worker(self.sock.recv()))
                 timeout_ms = 0
             self.drain_events()
+            if self.runahead is not None:
+                self.runahead.poll()  # admit chain stages whose prefix began to land
             self.expire_leases()
             self.fetch.tick()
             if self.roles.draining and self._quiet():
@@ -203,10 +206,10 @@ class Worker:
                 self.add_local(msg)
             elif isinstance(msg, m.Prefill):
                 self.leases.grant(msg.request_id, time.monotonic())
-                self.prefill.on_prefill(msg)
+                (self.runahead if msg.chain is not None else self.prefill).on_prefill(msg)
             elif isinstance(msg, m.ReserveKv):
                 self.leases.grant(msg.request_id, time.monotonic())
-                self.decode.on_reserve(msg)
+                (self.runahead if msg.chain_start else self.decode).on_reserve(msg)
             elif isinstance(msg, m.RenewLeases):
                 self.leases.renew(msg.request_ids, time.monotonic())
             elif isinstance(msg, m.StartDecode):
@@ -249,6 +252,7 @@ class Worker:
         has_prefill, has_decode = sides(self.role)
         self.prefill = PrefillSide(self) if has_prefill else None
         self.decode = DecodeSide(self) if has_decode else None
+        self.runahead = RunaheadSide(self) if has_prefill and not has_decode else None  # KV-Runahead stages
         self.local_prefills = LocalPrefills(self.role)  # Generate on a decode worker (local_prefill.py)
         self.fetch = FetchSide(self)  # cross-worker prefix fetch, both ends, in every role (fetch.py)
 
@@ -276,6 +280,8 @@ class Worker:
                 return False
             if self.prefill is not None and (self.prefill.started or self.prefill.plans or self.engine.prefilled):
                 return False
+            if self.runahead is not None and self.runahead.links:
+                return False
             return self.decode is None or (not self.decode.requests and not self.decode.decoding)
 
     def _switch_role(self) -> None:
@@ -284,6 +290,8 @@ class Worker:
         with self.lock:
             if self.decode is not None:
                 self.decode.close()
+            if self.runahead is not None:
+                self.runahead.close()
             self.fetch.close()
             old, new = self.roles.finish()
             self.epoch = self.roles.epoch
@@ -310,6 +318,8 @@ class Worker:
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)
+            if self.runahead:
+                self.runahead.abort(request_id)
             transfer_running = self.prefill is not None and self.prefill.abort(request_id)
             self.engine.abort(request_id, keep_blocks=transfer_running)
 
@@ -320,16 +330,22 @@ class Worker:
             except queue.Empty:
                 return
             side = self.fetch if kind.startswith("fetch") else self.prefill if kind.startswith("source") else self.decode
+            side = self.runahead if kind.startswith("chain") else side
             side.on_event(kind, payload)
 
     def step(self) -> None:
         hook = self.prefill.layer_hook if self.prefill else None
-        outputs = self.engine.step(layer_hook=hook, lock=self.lock)
+        hook = self.runahead.wrap(hook) if self.runahead else hook
+        try:
+            outputs = self.engine.step(layer_hook=hook, lock=self.lock)
+        except ChainBroken as broken:  # the step's results are dropped; the others run again
+            self.runahead.on_broken(broken)
+            return
         if self.prefill:
             self.prefill.after_step(outputs)
         if self.decode:
             self.decode.after_step(outputs)
-        self.send_outputs(outputs)
+        self.send_outputs(self.runahead.visible(outputs) if self.runahead else outputs)
 
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
@@ -346,6 +362,8 @@ class Worker:
     def close(self) -> None:
         if self.decode:
             self.decode.close()
+        if self.runahead:
+            self.runahead.close()
         self.fetch.close()
         self.sock.close()
         self.trace.close()

@@ -62,7 +62,9 @@ def test_cache_is_keyed_and_persisted(tmp_path):
     stored = json.loads((tmp_path / "runahead" / key.file_name()).read_text())
     assert stored["key"] == {"model_hash": "abc123", "k": 2, "dtype": "float32", "cpu_kind": "avx512"}
     assert stored["partitions"] == {"4:12": [8, 4], "8:8": []}
-    again = PartitionCache(key, tmp_path, ROWS, FREE_LINK, 2)  # a later process: no search
+    again = PartitionCache(key, tmp_path, PAIRS, FREE_LINK, 2)  # a later process: no search
     assert again.partition(12, 4) == (8, 4) and again.num_searches == 0
+    refit = PartitionCache(key, tmp_path, ROWS, FREE_LINK, 2)  # another cost model: searched again
+    assert refit.partition(12, 4) == (4, 8) and refit.num_searches == 1
     other = PartitionCache(RunaheadKey("abc123", 3, "float32", "avx512"), tmp_path, PAIRS, FREE_LINK, 2)
     assert other.partition(12, 4) == (4, 4, 4) and other.num_searches == 1
