@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--definition", choices=("joint", "phase"), default="joint", help="goodput definition")
     p.add_argument("--chunk-budgets", default="256,512,1024,2048", help="colocated chunk budgets to search")
     p.add_argument("--max-seqs", type=int, default=256, help="decode batch limit")
+    p.add_argument("--colocated-scheduler", choices=("mixed", "prefill-first"), default="mixed",
+                   help="colocated candidates: chunked prefill mixed with decode (default), or prefill-first "
+                        "without mixing (vLLM 0.2, DistServe's baseline: whole prompts, up to the chunk budget, in "
+                        "iterations of their own while decodes wait)")
     p.add_argument("--transfer", choices=("request", "layer"), default="layer", help="K/V transfer overlap")
     add_workload_args(p, 400)
     add_slo_args(p, required=True)
@@ -98,6 +102,7 @@ def plan_inputs(args: argparse.Namespace):
         chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
         fixed_model=fixed, family=family, prefix_cache=args.prefix_cache,
+        mixed_batches=args.colocated_scheduler == "mixed",
         latency_label=args.latency_model if family else ("file" if fixed else "roofline"),
     )
 

@@ -74,6 +74,7 @@ class SearchSpace:
     prefill_policy: PrefillPolicy = PrefillPolicy()
     fixed_model: LatencyModel | None = None  # a measured profile replaces the roofline (tp=pp=1)
     family: LatencyFamily | None = None  # a model per shape (aiconfigurator) replaces the roofline
+    mixed_batches: bool = True  # colocated: False = prefill-only iterations (DistServe's baseline)
 
     def latency(self, par: Parallel) -> LatencyModel:
         """The latency model of one instance of shape `par`."""
@@ -131,5 +132,5 @@ def _runner(space: SearchSpace, phase: str, par: Parallel, chunk: int):
         return prefill_records(space.decode_requests, model, space.prefill_policy)
     if phase == "decode":
         return decode_records(space.decode_requests, model, space.max_seqs)
-    config = SimConfig(mode="colocated", chunk_tokens=chunk, max_decode_seqs=space.max_seqs)
+    config = SimConfig(mode="colocated", chunk_tokens=chunk, max_decode_seqs=space.max_seqs, mixed_batches=space.mixed_batches)
     return lambda rate: simulate(space.decode_requests, rate, config, model).records

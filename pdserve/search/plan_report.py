@@ -56,6 +56,8 @@ def plan_summary(result: PlanResult) -> dict:
         "net_margin_agrees": verdict.agrees if verdict else None,
         "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
         "latency_model": inputs.latency_label,
+        "colocated_scheduler": "mixed" if inputs.mixed_batches else "prefill-first",
+        "max_context": inputs.model.max_context,
         "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
         "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),
         "disaggregated": disagg_summary(result.disaggregated, result.end_to_end.get("disaggregated")),

@@ -62,6 +62,7 @@ class PlanInputs:
     family: LatencyFamily | None = None  # a latency model per TP x PP shape (aic:...); None: the roofline
     latency_label: str = "roofline"  # what timed the steps, for the report
     prefix_cache: bool = False  # shared prefixes and earlier turns count as cache hits (`--prefix-cache`)
+    mixed_batches: bool = True  # colocated scheduler: chunked prefill mixed with decode; False: prefill-first, unmixed
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
 
 def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
     return SearchSpace(inputs.model, inputs.hardware, requests, decode_requests, inputs.slo, inputs.definition,
-                       inputs.max_seqs, fixed_model=inputs.fixed_model, family=inputs.family)
+                       inputs.max_seqs, fixed_model=inputs.fixed_model, family=inputs.family,
+                       mixed_batches=inputs.mixed_batches)
 
 
 def _latency(inputs: PlanInputs, par: Parallel) -> LatencyModel:
@@ -143,7 +145,7 @@ def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
     if isinstance(plan_, ColocatedPlan):
         model = _latency(inputs, plan_.score.par)
         config = SimConfig(mode="colocated", replicas=plan_.replicas, chunk_tokens=plan_.score.chunk_tokens,
-                           max_decode_seqs=inputs.max_seqs)
+                           max_decode_seqs=inputs.max_seqs, mixed_batches=inputs.mixed_batches)
         return config, model, model
     link = LinkSpec(plan_.decode.par.gpus * plan_.link_bytes_per_s_per_gpu, inputs.transfer_overlap, inputs.model.geometry.layers)
     config = SimConfig(mode="disaggregated", prefill_replicas=plan_.n_prefill, decode_replicas=plan_.n_decode,

@@ -12,6 +12,10 @@ K/V (prompt tokens) in the pool; a prompt starts only if the pool keeps room for
 and the instance has fewer than `max_seqs` sequences. When decode growth overflows the pool the
 newest decode member is preempted back to the front of the queue, to recompute prompt +
 generated - 1 rows. With no prefill to run, the batch advances by whole segments.
+
+`mixed=False` is the prefill-first scheduler without mixing (vLLM 0.2's, DistServe's colocated
+baseline): waiting prompts run whole (not cut into chunks), up to `chunk_tokens` tokens (the first
+one even past it), in an iteration of their own while the whole decode batch waits.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ColocatedLimits:
     chunk_tokens: int = 512
     max_seqs: int = 256
     capacity_tokens: int | None = None
+    mixed: bool = True  # False: prefill-only iterations while decodes wait (module contract)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_seqs < 1:
@@ -87,8 +92,8 @@ class _Instance:
 
     def _mixed_iteration(self) -> bool:
         """Run one iteration with prefill rows; False when no prefill row can run now."""
-        chunk = self.limits.chunk_tokens
-        budget = chunk - self.batch.size
+        chunk, mixed = self.limits.chunk_tokens, self.limits.mixed
+        budget = chunk - self.batch.size if mixed else chunk
         rows = pairs = kv = 0
         fraction = 0.0
         first = True
@@ -97,7 +102,9 @@ class _Instance:
             if budget <= 0 and not first:
                 break
             visible = entry[2] + (self.cached[entry[0]] if entry[3] == 0 else 0)
-            take = min(entry[1] - entry[2], chunk - visible % chunk)  # up to the next chunk boundary
+            take = entry[1] - entry[2]
+            if mixed:
+                take = min(take, chunk - visible % chunk)  # up to the next chunk boundary
             if take > budget and not first:
                 if entry[4]:
                     continue  # a started prompt waits for a step with room for its whole chunk
@@ -114,6 +121,10 @@ class _Instance:
         if rows == 0:
             return False
         batch = self.batch
+        if not mixed:  # a prefill-only iteration: the decode batch waits
+            self.t += self.model.mixed_step_s(rows, pairs, kv, fraction, 0, 0)
+            self._promote_finished_prompts()
+            return True
         self.t += self.model.mixed_step_s(rows, pairs, kv, fraction, batch.size, batch.context_sum)
         if batch.size:
             batch.advance(1)

@@ -40,6 +40,7 @@ class SimConfig:
     chunk_tokens: int = 512
     max_decode_seqs: int = 256
     link: LinkSpec = field(default_factory=LinkSpec)
+    mixed_batches: bool = True  # colocated: False = prefill-only iterations while decodes wait (colocated.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -104,7 +105,7 @@ def _result(requests, arrivals, first, finish, rejected, preempted: int, exposed
 
 
 def _colocated(requests: SimRequests, arrivals: list[float], config: SimConfig, model: LatencyModel) -> SimResult:
-    limits = ColocatedLimits(config.chunk_tokens, config.max_decode_seqs, model.kv_capacity_tokens)
+    limits = ColocatedLimits(config.chunk_tokens, config.max_decode_seqs, model.kv_capacity_tokens, config.mixed_batches)
     rejected = _rejected(requests, limits.capacity_tokens)
     order = _arrival_order(arrivals, rejected)
     n = len(arrivals)

@@ -112,3 +112,21 @@ def test_validate_reports_a_server_that_does_not_come_up(monkeypatch):
     rows = vrun.validate([v.LocalConfig("colocated", "colocated", replicas=1, predicted_goodput_rps=3.0)], "tiny", [])
     assert rows[0]["predicted_goodput_rps"] == 3.0
     assert "server did not come up" in rows[0]["error"]
+
+
+def test_prefill_first_unmixed_runs_prompts_whole_while_decodes_wait():
+    """DistServe's colocated baseline (vLLM 0.2): a waiting prompt runs whole in an iteration of its
+    own, and the decode batch makes no progress during it."""
+    model = ProfiledLatency((0.01, 0.0, 0.0), (0.001, 0.0, 0.0))  # a prompt iteration 10 ms, a decode step 1 ms
+    unmixed = ColocatedLimits(chunk_tokens=100, mixed=False)
+    # request 0 decodes from 0.010; request 1 (300 tokens, past the budget: runs whole as the first) arrives at 0.0125
+    run = run_colocated_instance([0.0, 0.0125], [0, 1], [50, 300], [6, 2], [0, 0], model, unmixed)
+    # request 0: first token 0.010, decode steps end 0.011, 0.012, 0.013 (request 1 waits for it), then the
+    # 10 ms prompt iteration [0.013, 0.023] stalls it; its last 2 steps end 0.024, 0.025
+    assert run.first_token_s == {0: pytest.approx(0.010), 1: pytest.approx(0.023)}
+    assert run.finish_s == {0: pytest.approx(0.025), 1: pytest.approx(0.024)}
+    mixed = run_colocated_instance([0.0, 0.0125], [0, 1], [50, 300], [6, 2], [0, 0], model, ColocatedLimits(chunk_tokens=100))
+    # mixed: request 1's three 100-row chunks (10 ms each here) each carry request 0's decode row, so
+    # request 0 finishes inside them (tokens 5 and 6 at 0.023, 0.033)
+    assert mixed.first_token_s[1] == pytest.approx(0.013 + 0.030)
+    assert mixed.finish_s[0] == pytest.approx(0.033)
