@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.prompt_priority import PromptPriority
 
 DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
 
@@ -38,6 +39,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "prefill workers (partitions on the chunk grid; K <= --prefill); 0 or 1: off")
     p.add_argument("--runahead-min-tokens", type=int, default=1024, metavar="N",
                    help="the shortest prompt a KV-Runahead chain prefills")
+    p.add_argument("--prompt-priority", choices=["auto", "on", "off"], default="auto",
+                   help="Splitwise mixed-machine rule: a fresh prompt that finds the batch full displaces one "
+                        "young decode per step (engine/prompt_priority.py); auto = on in splitwise mode")
+    p.add_argument("--prompt-age-override-ms", type=float, default=PromptPriority.age_override_ms, metavar="MS",
+                   help="prompt priority: decodes this old at their worker are never displaced")
+    p.add_argument("--prompt-max-preemptions", type=int, default=PromptPriority.max_preemptions, metavar="N",
+                   help="prompt priority: a request preempted N times is never displaced again")
     p.add_argument("--policy", choices=["round_robin", "jsq", "slo", "prefix"], default="jsq")
     p.add_argument("--decode-choice", choices=["policy", "p2c"], default="policy",
                    help="p2c: the decode worker by power-of-two choices on predicted heavy/light decodes "
@@ -97,6 +105,15 @@ def _split(args: argparse.Namespace) -> tuple[int, int]:
     return workers // 2, workers - workers // 2
 
 
+def prompt_priority(args: argparse.Namespace) -> PromptPriority | None:
+    """The mixed-machine rule every worker's scheduler runs, or None (`--prompt-priority`)."""
+    choice = getattr(args, "prompt_priority", "auto")
+    if choice == "off" or (choice == "auto" and args.mode != "splitwise"):
+        return None
+    return PromptPriority(getattr(args, "prompt_age_override_ms", PromptPriority.age_override_ms),
+                          getattr(args, "prompt_max_preemptions", PromptPriority.max_preemptions))
+
+
 def serve_config(args: argparse.Namespace, port: int | None = None):
     from pdserve.api.server import ServeConfig
     from pdserve.workers.supervisor import RestartPolicy
@@ -105,6 +122,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        prompt_priority=prompt_priority(args),
     )
     return ServeConfig(
         mode=args.mode, num_prefill=_split(args)[0], num_decode=_split(args)[1], replicas=args.replicas, engine=engine,

@@ -12,9 +12,11 @@ one step, and the displaced sequence queues right behind the prompt that displac
 
 The displaced sequence keeps its capacity: the blocks its release frees go back to it as a
 reservation, so a prompt-priority preemption never moves K/V capacity between requests (the
-router's hold for it stays true) and its recompute is never starved of blocks. Its tokens are
-unchanged by the detour (a preempted sequence recomputes its K/V; batch invariance and per-index
-sampling seeds make the stream identical, tests/engine/test_prompt_priority.py).
+router's hold for it stays true) and its recompute is never starved of blocks. Like any preempted
+sequence it recomputes its K/V by prefill: the prompt's bits come out as before (same aligned
+chunks), the generated positions' K/V are summed by the prefill kernel instead of the decode one,
+so its continuation equals the uninterrupted stream except where a near-tie flips (bf16 on a
+random model; tests/engine/test_prompt_priority.py checks equality in fp32).
 
 Pure over the scheduler's lists; the only input from outside is the clock.
 """

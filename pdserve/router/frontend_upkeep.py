@@ -73,6 +73,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
         "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
+        "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
     }
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
@@ -94,3 +95,6 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
     backend.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
     backend.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)
+    preempted = backend.metrics.preemptions
+    preempted.labels(hb.worker_id, "prompt_priority").set(hb.load.num_priority_preemptions)
+    preempted.labels(hb.worker_id, "memory").set(hb.load.num_preemptions - hb.load.num_priority_preemptions)

@@ -202,6 +202,9 @@ class RuntimeMetrics:
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)
         self.active_decode = Gauge("pdserve_active_decode_batch", "Sequences decoding", ["worker"], registry=r)
         self.free_blocks = Gauge("pdserve_free_blocks", "Free K/V blocks", ["worker"], registry=r)
+        self.preemptions = Gauge("pdserve_engine_preemptions", "Engine preemptions (recompute) since the worker "
+                                 "started, by cause: memory, or prompt_priority (Splitwise's mixed-machine rule)",
+                                 ["worker", "cause"], registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

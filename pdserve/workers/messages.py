@@ -197,6 +197,8 @@ class Load(msgspec.Struct, frozen=True):
     local_prefills: int = 0  # decode worker: Generate requests still prefilling here (workers/local_prefill.py)
     local_prefill_tokens: int = 0  # their prompt tokens not yet computed
     role_state: str = "serving"  # "serving" | "draining": a role change is under way (workers/roles.py)
+    num_preemptions: int = 0  # engine preemptions since start, every cause (engine/scheduler.py)
+    num_priority_preemptions: int = 0  # of which a waiting prompt displaced a decode (engine/prompt_priority.py)
     cached_blocks: int = 0  # unreferenced blocks still in the prefix cache (evictable)
 
 

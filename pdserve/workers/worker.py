@@ -157,6 +157,8 @@ class Worker:
                 local_prefills=local_prefills,
                 local_prefill_tokens=local_tokens,
                 role_state=self.roles.state.value,
+                num_preemptions=eng.scheduler.num_preemptions,
+                num_priority_preemptions=eng.scheduler.num_priority_preemptions,
                 cached_blocks=len(eng.blocks.evictable),
             )
             kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
