@@ -38,7 +38,7 @@ class DecodeSide:
         self.first: dict[str, m.StartDecode] = {}
         self.published: set[str] = set()
         self.decoding: set[str] = set()
-        self.holds = HoldWatch()  # --reserve dynamic: growths and preemptions past each hold (hold_watch.py)
+        self.hold_watch = HoldWatch()  # --reserve dynamic: growths and preemptions past each hold (hold_watch.py)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -66,7 +66,7 @@ class DecodeSide:
                 return
         self.requests[rid] = msg
         if params is not msg.params:
-            self.holds.watch(rid, len(res.block_ids) + res.growth_blocks)
+            self.hold_watch.watch(rid, len(res.block_ids) + res.growth_blocks)
         self.worker.send(m.Reserved(self.worker.id, self.worker.epoch, rid, msg.transfer_id, True, None,
                                     res.block_ids, res.num_visible_blocks, reservation.reservation_id))
 
@@ -107,9 +107,9 @@ class DecodeSide:
         self.decoding.add(rid)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
-        if len(self.holds):
+        if len(self.hold_watch):
             with self.worker.lock:
-                self.holds.after_step(self.engine, [o.request_id for o in outputs if o.finished])
+                self.hold_watch.after_step(self.engine, [o.request_id for o in outputs if o.finished])
         for out in outputs:
             if out.finished and out.request_id in self.decoding:
                 self.decoding.discard(out.request_id)
@@ -118,7 +118,7 @@ class DecodeSide:
 
     def abort(self, rid: str) -> None:
         """Called under the worker lock. Returns the request's blocks whatever its stage."""
-        self.holds.forget(rid)
+        self.hold_watch.forget(rid)
         if rid in self.decoding:
             self.decoding.discard(rid)
             self.endpoint.retire(rid)

@@ -352,7 +352,7 @@ class Worker:
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        holds = self.decode.holds.counts if self.decode is not None else lambda rid: (0, 0)
+        holds = self.decode.hold_watch.counts if self.decode is not None else lambda rid: (0, 0)
         items = tuple(
             m.TokenItem(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
                         o.num_cached_tokens, o.prefilled, o.index, o.logprobs, o.prompt_logprobs, o.forks,
