@@ -5,9 +5,10 @@ Contract: one JSON object, `{"pdserve_serve_config": 1, ...}` with these keys (a
 the version): mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, replicas (worker
 counts), max_num_batched_tokens (the chunk budget), max_num_seqs (batch limit), policy,
 pd_decision, reserve ("static" | "dynamic": then `predictor` names the
-predictor file, or `--predictor` gives it), predictor, prefill_runahead (0), and per-role parallelism prefill_tp,
+predictor file, or `--predictor` gives it), predictor, prefill_runahead (0 or 1: off; K >= 2: a
+KV-Runahead chain of K prefill workers, which the file's prefill count must cover), and per-role parallelism prefill_tp,
 prefill_pp, decode_tp, decode_pp, tp, pp (1). `check_runnable` refuses what this runtime cannot
-run, naming what is missing (tensor or pipeline parallelism, runahead prefill); `apply(args, config, explicit)` sets every argparse destination the file names unless
+run, naming what is missing (tensor or pipeline parallelism, a runahead chain longer than the prefill pool); `apply(args, config, explicit)` sets every argparse destination the file names unless
 the user set that flag (a value other than its default).
 """
 
@@ -21,7 +22,8 @@ VERSION_KEY = "pdserve_serve_config"
 # file key -> argparse destination of `pdserve serve`
 ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "replicas": "replicas",
           "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs", "policy": "policy",
-          "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice"}
+          "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice",
+          "prefill_runahead": "prefill_runahead"}
 PARALLEL_KEYS = ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "tp", "pp")
 
 
@@ -36,7 +38,7 @@ def load(path: str | Path) -> dict:
         raise ConfigError(f"--config {path}: {exc}") from None
     if not isinstance(config, dict) or config.get(VERSION_KEY) != 1:
         raise ConfigError(f"--config {path}: not a pdserve serve configuration (needs \"{VERSION_KEY}\": 1)")
-    unknown = set(config) - {VERSION_KEY, "source", "prefill_runahead", *ARG_OF, *PARALLEL_KEYS}
+    unknown = set(config) - {VERSION_KEY, "source", *ARG_OF, *PARALLEL_KEYS}
     if unknown:
         raise ConfigError(f"--config {path}: unknown keys {sorted(unknown)}")
     check_runnable(config)
@@ -49,8 +51,9 @@ def check_runnable(config: dict) -> None:
                for key in PARALLEL_KEYS if int(config.get(key, 1)) != 1]
     if config.get("reserve", "static") not in ("static", "dynamic"):
         missing.append(f"reserve {config['reserve']} (static or dynamic reservations only)")
-    if int(config.get("prefill_runahead", 0)) not in (0, 1):
-        missing.append(f"prefill_runahead {config['prefill_runahead']} (no KV-Runahead prefill)")
+    k, prefill = int(config.get("prefill_runahead", 0)), config.get("prefill")
+    if k >= 2 and prefill is not None and int(prefill) < k:
+        missing.append(f"prefill_runahead {k} (a KV-Runahead chain needs {k} prefill workers, the plan has {prefill})")
     if missing:
         raise ConfigError("this runtime cannot run the configuration: " + "; ".join(missing))
 

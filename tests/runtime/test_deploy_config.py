@@ -36,7 +36,7 @@ def test_the_file_sets_the_deployment_and_set_flags_override_it(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, named", [("prefill_tp", 2, "prefill_tp 2"), ("decode_pp", 4, "decode_pp 4"),
-                                               ("prefill_runahead", 2, "prefill_runahead 2")])
+                                               ("prefill_runahead", 2, "prefill_runahead 2 \\(a KV-Runahead chain needs 2")])
 def test_what_the_runtime_lacks_is_refused_by_name(tmp_path, key, value, named):
     path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, **{key: value})
     with pytest.raises(deploy_config.ConfigError, match=named):
@@ -51,6 +51,13 @@ def test_reserve_dynamic_is_accepted_and_needs_a_predictor(tmp_path):
     bare = write(tmp_path, mode="disaggregated", prefill=1, decode=1, reserve="dynamic")
     with pytest.raises(ValueError, match="needs --predictor"):
         serve_config(parse("--config", bare))
+
+
+def test_a_runahead_chain_the_prefill_pool_covers_is_served(tmp_path):
+    path = write(tmp_path, mode="disaggregated", prefill=3, decode=1, prefill_runahead=2)
+    config = serve_config(parse("--config", path))
+    assert (config.num_prefill, config.prefill_runahead) == (3, 2)
+    assert serve_config(parse("--config", path, "--prefill-runahead", "3")).prefill_runahead == 3  # the flag wins
 
 
 def test_a_file_that_is_not_a_serve_configuration_is_refused(tmp_path):
