@@ -104,7 +104,12 @@ def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype) -> 
         width = -(-blocks // DECODE_BUCKET_BLOCKS) * DECODE_BUCKET_BLOCKS
         buckets.setdefault(width, []).append(i)
     groups = tuple(_decode_group([seqs[i] for i in rows], rows, width, block_size, dtype) for width, rows in buckets.items())
-    return DecodeBatch(num_rows=len(seqs), groups=groups)
+    lens = [s.num_computed + 1 for s in seqs]
+    tables = torch.zeros((len(seqs), -(-max(lens) // block_size)), dtype=torch.int64)  # [Bd, M]
+    for i, (seq, n) in enumerate(zip(seqs, lens)):
+        tables[i, : -(-n // block_size)] = torch.tensor(seq.block_table[: -(-n // block_size)], dtype=torch.int64)
+    return DecodeBatch(num_rows=len(seqs), groups=groups, block_tables=tables,
+                       context_lens=torch.tensor(lens, dtype=torch.int64))
 
 
 def _decode_group(seqs: list[Sequence], rows: list[int], width: int, block_size: int, dtype: torch.dtype) -> DecodeGroup:

@@ -10,8 +10,10 @@ prefix-cache hits and imported (handed-off) blocks are all read the same way.
   a causal mask offset by the tokens already in cache.
 - The pool may hold a narrower dtype than the compute dtype (bf16 K/V, fp32 math): gathered
   K/V are widened after the gather, so every reader sees the same rounded values.
-- Decode rows: the G = H_q / H_kv query heads that share a K/V head are treated as G query
-  rows of one SDPA call per K/V head, so K/V are gathered once and never repeated.
+- Decode rows: read in place from the pool by `paged_decode` (a C kernel walking each row's
+  block table, fp32 softmax, batch-invariant by construction) when it is built on this machine;
+  otherwise the G = H_q / H_kv query heads that share a K/V head are treated as G query rows of
+  one SDPA call per K/V head over a padded gather, so K/V are gathered once and never repeated.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import paged_decode
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class DecodeBatch:
 
     num_rows: int
     groups: tuple[DecodeGroup, ...]
+    block_tables: torch.Tensor | None = None  # [num_rows, M] int64, padded with block 0 (in-place kernel)
+    context_lens: torch.Tensor | None = None  # [num_rows] int64 visible keys per row (in-place kernel)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ def _prefill_attention(
 
 def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """q: [Bd, H_q, D], one row per sequence -> [Bd, H_q, D]."""
+    if batch.block_tables is not None and paged_decode.eligible(cache_k):
+        return paged_decode.decode_attention(q, cache_k, cache_v, batch.block_tables, batch.context_lens)
     out = torch.empty_like(q)
     for group in batch.groups:
         out[group.rows] = _decode_group(q.index_select(0, group.rows), cache_k, cache_v, group)
