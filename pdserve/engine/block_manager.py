@@ -14,6 +14,11 @@ Contract:
 - Every change of the prefix cache's key set is recorded, numbered, in `events` (kv_events.py):
   STORED when `register` caches a hash, REMOVED when eviction uncaches it; `kv_report` hands
   them out (or the whole key set as a resync) for the worker's heartbeat.
+- Host tier (host_tier.py, optional): an evicted cached block is demoted there instead of
+  forgotten (DEMOTED; the tier's own LRU victim REMOVED from it); `acquire_prefix` continues a
+  device hit with the blocks the tier holds, each promoted into a freshly allocated device block
+  (PROMOTED; allocated like a computed block, the owner's reservation first), stopping at the
+  first miss or when no block can be allocated.
 - The root I of the hash chain is `root_hash(identity, tenant)`: the engine passes its
   `CacheIdentity.identity_hash`, which covers the model and the K/V ABI digest (kv_abi.py), so
   two pools share a block hash only if their K/V bytes mean the same. Each request's tenant
@@ -29,7 +34,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
-from pdserve.engine.kv_events import BlockEventKind, BlockEventLog, KvReport
+from pdserve.engine.kv_events import BlockEventKind, BlockEventLog, KvReport, KvTier
 
 DEFAULT_TENANT = "default"
 
@@ -75,6 +80,7 @@ class BlockManager:
         self.num_prefix_hits = 0
         self.num_evictions = 0
         self.events = BlockEventLog()  # numbered changes of `cached`'s key set (kv_events.py)
+        self.host = None  # a HostTier (host_tier.py) the engine attaches with --host-kv-mb; None: evictions forget
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -181,8 +187,29 @@ class BlockManager:
                 if self.reserved.get(owner, 0) > 0:
                     self.reserved[owner] -= 1
             self.refcount[block] += 1
-        self.num_prefix_hits += n
+        if self.host is not None and n < limit and self.enable_prefix_cache:
+            blocks += self._promote(hashes, tokens, n, limit, owner)
+        self.num_prefix_hits += len(blocks)
         return blocks
+
+    def _promote(self, hashes: list[bytes], tokens, start: int, limit: int, owner: str | None) -> list[int]:
+        """Blocks `start..` the host tier holds, each copied into a new device block (referenced,
+        cached again), until the first miss, a hash the device already caches, or no room."""
+        bs, out = self.block_size, []
+        for j in range(start, limit):
+            h, ids = hashes[j], tuple(tokens[j * bs : (j + 1) * bs])
+            if h in self.cached or not self.host.find(h, ids) or not self.can_allocate(1, owner):
+                break
+            block = self.allocate(1, owner)[0]  # may demote another block; this one is the tier's most recent
+            if not self.host.find(h, ids):  # a one-block tier gave it up to that demotion
+                self.release([block])
+                break
+            self.host.promote(h, block)
+            self.cached[h] = block
+            self.block_key[block] = (h, ids)
+            self.events.record(BlockEventKind.PROMOTED, h, KvTier.DEVICE)
+            out.append(block)
+        return out
 
     def register(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
         """Publish a full, computed block to the prefix cache (first writer wins)."""
@@ -190,13 +217,21 @@ class BlockManager:
             return
         self.cached[block_hash] = block
         self.block_key[block] = (block_hash, tokens)
+        if self.host is not None:
+            self.host.discard(block_hash)
         self.events.record(BlockEventKind.STORED, block_hash)
 
     def _uncache(self, block: int) -> None:
         key = self.block_key.pop(block, None)
         if key is not None and self.cached.get(key[0]) == block:
             del self.cached[key[0]]
-            self.events.record(BlockEventKind.REMOVED, key[0])
+            if self.host is None:
+                self.events.record(BlockEventKind.REMOVED, key[0])
+                return
+            evicted = self.host.demote(key[0], key[1], block)  # the block's bytes are still intact here
+            self.events.record(BlockEventKind.DEMOTED, key[0], KvTier.HOST)
+            if evicted is not None:
+                self.events.record(BlockEventKind.REMOVED, evicted, KvTier.HOST)
 
     def cached_hashes(self) -> set[bytes]:
         return set(self.cached)
@@ -204,7 +239,7 @@ class BlockManager:
     def kv_report(self, resync: bool = False) -> KvReport:
         """The prefix cache's events since the previous report, or (asked, or more than the
         log holds) the whole key set as a resync."""
-        return self.events.take(self.cached, resync)
+        return self.events.take(self.cached, resync, self.host.lru.keys() if self.host is not None else ())
 
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self, tables: list[list[int]] | None = None) -> None:
@@ -222,6 +257,8 @@ class BlockManager:
             problems.append("uncached block in evictable list")
         if self.num_reserved > self.num_free:
             problems.append("reservations exceed free capacity")
+        if self.host is not None:
+            self.host.check()
         if tables is not None:
             counts = [0] * self.num_blocks
             for table in tables:

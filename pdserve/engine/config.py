@@ -22,4 +22,5 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     kv_shm_name: str | None = None  # put the K/V pool in this POSIX shared-memory segment
+    host_kv_bytes: int = 0  # host-memory tier for evicted prefix blocks (host_tier.py); 0 = none
     prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off

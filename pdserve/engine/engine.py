@@ -25,6 +25,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, chain_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.host_tier import HostTier
 from pdserve.engine.fork import Groups, import_needs, sequence_key, share_prompt, wants_fork
 from pdserve.engine.logprobs import TokenLogprobs, requested_logprobs, score_prompt_rows
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
@@ -74,6 +75,8 @@ class Engine:
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
         self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name)
         self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache)
+        if config.host_kv_bytes >= self.abi.bytes_per_block:  # evicted prefix blocks go to host memory
+            self.blocks.host = HostTier(self.pool, config.host_kv_bytes // self.abi.bytes_per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                 config.prompt_priority)

@@ -1,10 +1,11 @@
 """Block events of one engine's prefix cache, numbered, for the router's cluster K/V index.
 
 Contract: the block manager records one event per change of its prefix cache: STORED when a
-full block's chain hash enters the cache, REMOVED when it leaves (eviction). DEMOTED and PROMOTED
-(a block moving to and from a host tier) are defined for a later host tier; nothing emits them
-yet. Every recorded event takes the next sequence number (the first is 1) for the life of the
-log: one log per block manager, so the numbers run on across a worker's role epochs.
+full block's chain hash enters the cache, REMOVED when it leaves (eviction, or the host tier's
+own eviction, tier HOST). With a host tier (engine/host_tier.py) an evicted block is DEMOTED
+(tier HOST) instead, and PROMOTED (tier DEVICE) when a hit copies it back. Every recorded event
+takes the next sequence number (the first is 1) for the life of the log: one log per block
+manager, so the numbers run on across a worker's role epochs.
 
 `take()` hands out the events recorded since the previous take as one `KvReport` whose
 `last_seq` is the newest number it reflects. The log holds at most `capacity` events: past that
@@ -26,13 +27,13 @@ EVENTS_PER_REPORT = 4096  # the most events one report carries before a resync r
 class BlockEventKind(enum.IntEnum):
     STORED = 1
     REMOVED = 2
-    DEMOTED = 3  # to a host tier (not emitted yet)
-    PROMOTED = 4  # back from a host tier (not emitted yet)
+    DEMOTED = 3  # evicted from the device pool into the host tier (engine/host_tier.py)
+    PROMOTED = 4  # back from the host tier on a hit
 
 
 class KvTier(enum.IntEnum):
     DEVICE = 0  # the engine's K/V pool
-    HOST = 1  # a host-memory tier (later work)
+    HOST = 1  # the host-memory tier (engine/host_tier.py)
 
 
 class BlockEvent(msgspec.Struct, frozen=True, array_like=True):
@@ -79,12 +80,13 @@ class BlockEventLog:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def take(self, held: Iterable[bytes], resync: bool = False) -> KvReport:
-        """The report since the previous take; a resync over `held` (the cache's keys now) when
-        asked or when the log overflowed."""
+    def take(self, held: Iterable[bytes], resync: bool = False, host_held: Iterable[bytes] = ()) -> KvReport:
+        """The report since the previous take; a resync over `held` (the device cache's keys now)
+        and `host_held` (the host tier's) when asked or when the log overflowed."""
         if resync or self._overflowed:
             self._pending, self._overflowed = [], False
-            stored = tuple(BlockEvent(BlockEventKind.STORED, h) for h in held)
+            stored = tuple(BlockEvent(BlockEventKind.STORED, h) for h in held) + tuple(
+                BlockEvent(BlockEventKind.STORED, h, KvTier.HOST) for h in host_held)
             return KvReport(self.seq, stored, resync=True)
         events, self._pending = tuple(self._pending), []
         return KvReport(self.seq, events)
