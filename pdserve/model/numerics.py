@@ -21,7 +21,9 @@ Contract:
   packed once at load (`_mkl_linear`), which keeps a block in cache across row tiles.
   fp32 uses it always. bf16 keeps PyTorch's own products ("native": on AVX2 an fp32-accumulating
   loop per output element, on AVX512-BF16/AMX oneDNN), which a start-up probe must find
-  invariant; if the probe fails bf16 moves to tiles too, and if that fails the engine refuses
+  invariant; failing that, "paired" (the same products, one-row ones run as two rows, since a
+  BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
+  tiles too, and if that fails the engine refuses
   to start in batch-invariant mode (`BatchInvarianceError`) rather than run silently inexact.
 - Without batch invariance, fp32 on one thread, products of 2-8 rows go through skinny.py's
   kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row).
@@ -40,7 +42,7 @@ from pdserve.model import skinny
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
 TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block stays in L2
 COMPUTE_CHOICES = ("float32", "bfloat16")
-PLANS = ("tiled", "native", "fast")
+PLANS = ("tiled", "native", "paired", "fast")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -106,23 +108,42 @@ class TiledWeight:
         return out[:rows, :n]
 
 
-Weight = torch.Tensor | TiledWeight
+class PairedWeight:
+    """A weight [N, K] whose one-row products run as two rows (the second zero). A BLAS sends a
+    single row down its matrix-vector kernel, which sums in another order than its matrix
+    kernel (x86 bf16: about one row in twelve rounds differently), while in the matrix kernel a
+    row's bits do not depend on its batch mates (the probe checks both on each machine)."""
+
+    def __init__(self, weight: torch.Tensor):  # weight: [N, K]
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, K] -> [T, N]."""
+        if x.shape[0] != 1:
+            return F.linear(x, self.weight)
+        return F.linear(torch.cat([x, x.new_zeros(1, x.shape[1])]), self.weight)[:1]
+
+
+Weight = torch.Tensor | TiledWeight | PairedWeight
 
 
 def prepare(weight: torch.Tensor, plan: str) -> Weight:
-    """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it; others keep it)."""
-    return TiledWeight(weight) if plan == "tiled" else weight
+    """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it, "paired" wraps
+    it; others keep it)."""
+    if plan == "tiled":
+        return TiledWeight(weight)
+    return PairedWeight(weight) if plan == "paired" else weight
 
 
 def dense(weight: Weight) -> torch.Tensor:
     """The plain [N, K] tensor behind a prepared weight."""
-    return weight.weight if isinstance(weight, TiledWeight) else weight
+    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight)) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, skinny_rows: bool = False) -> torch.Tensor:
     """x: [T, in] -> [T, out]. A TiledWeight runs fixed-shape calls; with `skinny_rows` (see
     skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
-    if isinstance(weight, TiledWeight):
+    if isinstance(weight, (TiledWeight, PairedWeight)):
         out = weight(x)
         return out if bias is None else out + bias
     if skinny_rows and skinny.applies(x):
@@ -141,7 +162,8 @@ class ProductPlan:
         if self.plan == "tiled":
             packing = "mkl-packed" if mkl_packed_available() else "torch.mm"
             return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"
-        return {"native": "native (probed invariant)", "fast": "fast (not batch-invariant)"}[self.plan]
+        return {"native": "native (probed invariant)", "paired": "native, one-row products as two (probed invariant)",
+                "fast": "fast (not batch-invariant)"}[self.plan]
 
 
 def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple[int, int], ...]) -> ProductPlan:
@@ -149,7 +171,7 @@ def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple
     BatchInvarianceError when invariance was asked for and no plan passes the probe."""
     if not batch_invariant:
         return ProductPlan("fast", False)
-    candidates = ("native", "tiled") if compute == torch.bfloat16 else ("tiled",)
+    candidates = ("native", "paired", "tiled") if compute == torch.bfloat16 else ("tiled",)
     failures = []
     for plan in candidates:
         bad = probe_invariance(plan, compute, shapes)

@@ -75,14 +75,14 @@ def test_invariance_holds_on_other_kernel_paths(caps):
 def test_a_failed_probe_refuses_batch_invariant_mode(monkeypatch):
     """Where no plan keeps rows invariant the engine refuses to start, naming the way out."""
     monkeypatch.setattr(numerics, "probe_invariance", lambda plan, dtype, shapes: f"{plan} broke")
-    with pytest.raises(BatchInvarianceError, match="native: native broke; tiled: tiled broke.*--no-batch-invariant"):
+    with pytest.raises(BatchInvarianceError, match="native: native broke; paired: paired broke; tiled: tiled broke.*--no-batch-invariant"):
         choose_plan(torch.bfloat16, True, ((8, 8),))
     assert choose_plan(torch.bfloat16, False, ((8, 8),)).plan == "fast"
 
 
 def test_linear_keeps_bias_and_row_count():
     x, w, b = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3)
-    for plan in ("tiled", "native"):
+    for plan in ("tiled", "native", "paired"):
         out = linear(x, prepare(w, plan), b)
         assert out.shape == (5, 3)
         torch.testing.assert_close(out, x @ w.T + b)

@@ -23,3 +23,14 @@ def test_the_accepted_plan_is_invariant_for_many_rows(compute):
         pairs = torch.cat([linear(rows[i:i + 2], weight)[:1] for i in range(63)])  # row i first of two
         assert torch.equal(pairs, alone[:63]), (plan, n, k)
         assert torch.equal(linear(rows, weight), alone), (plan, n, k)
+
+
+def test_the_paired_plan_runs_one_row_as_the_first_of_two():
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 64, generator=gen) / 8).to(torch.bfloat16)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    paired = prepare(w, "paired")
+    pair = torch.nn.functional.linear(torch.cat([x, torch.zeros_like(x)]), w)[:1]
+    assert torch.equal(linear(x, paired), pair) and linear(x, paired).shape == (1, 96)
+    many = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(linear(many, paired), torch.nn.functional.linear(many, w))
