@@ -82,7 +82,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "entries go past it (~280 bytes each)")
     p.add_argument("--no-kv-sharing", action="store_true",
                    help="no cross-worker prefix fetch and no routing credit for a prefix another worker holds "
-                        "(each worker reuses only its own prefix cache)")
+                        "(each worker reuses only its own prefix cache; no host tier)")
+    p.add_argument("--host-kv-mb", type=int, default=0, metavar="MB",
+                   help="per worker, a host-memory tier for evicted prefix blocks (promoted back on a hit; "
+                        "engine/host_tier.py); 0: none")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="KEY -> TENANT file (JSON object or 'KEY TENANT' lines): generation needs "
                         "'Authorization: Bearer KEY', and K/V is reused only within the key's tenant")
@@ -123,6 +126,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prompt_priority=prompt_priority(args),
+        host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
     )
     return ServeConfig(
         mode=args.mode, num_prefill=_split(args)[0], num_decode=_split(args)[1], replicas=args.replicas, engine=engine,

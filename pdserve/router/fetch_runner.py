@@ -14,8 +14,10 @@ recomputes (its own prefix-cache lookup finds only what really landed). `prepare
 for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
 Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`,
 `pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
-fetch brought, "remote", and the rest, "local"; "host" stays 0 until a host tier exists) and
-`pdserve_kv_tier_blocks{worker,tier,state}` (read from the workers' last loads at scrape time).
+fetch brought, "remote", and the rest, "local"; "host" is the tokens the workers' host tiers
+promoted back, summed from their loads: a promoted block served to a request's prefill is also
+one of its "local" tokens) and `pdserve_kv_tier_blocks{worker,tier,state}` (device: used, cached,
+free; host: used, free; read from the workers' last loads at scrape time).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.router.fetch_plan import FETCH, FetchTerms, plan_fetch, with_bandwidth
 from pdserve.workers import messages as m
@@ -63,6 +65,26 @@ class TierBlocks:
             family.add_metric([wid, "device", "used"], used)
             family.add_metric([wid, "device", "cached"], load.cached_blocks)
             family.add_metric([wid, "device", "free"], load.free_blocks - load.cached_blocks)
+            if load.host_capacity:
+                family.add_metric([wid, "host", "used"], load.host_blocks)
+                family.add_metric([wid, "host", "free"], load.host_capacity - load.host_blocks)
+        yield family
+
+
+class HitTokens:
+    """`pdserve_prefix_hit_tokens_total{where}`: local and remote from finished requests, host
+    from the workers' host-tier promotions (their loads)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
+                                     "the K/V came from", labels=["where"])
+        r = self.runner
+        host = sum(load.host_hits for load in r.backend.loads.values()) * r.backend._block_size
+        for where, tokens in (("local", r.local_tokens), ("remote", r.remote_tokens), ("host", host)):
+            family.add_metric([where], tokens)
         yield family
 
 
@@ -77,10 +99,8 @@ class FetchRunner:
         self.fetch_seconds = Histogram("pdserve_kv_fetch_seconds", "Prefix fetch wall time (router: plan to landed)",
                                        buckets=FETCH_BUCKETS_S, registry=r)
         self.fetches = Counter("pdserve_kv_fetches", "Prefix fetches by result", ["result"], registry=r)
-        self.hit_tokens = Counter("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
-                                  "the K/V came from", ["where"], registry=r)
-        for where in ("local", "remote", "host"):
-            self.hit_tokens.labels(where)
+        self.local_tokens = self.remote_tokens = 0  # cached prompt tokens of finished requests, by source
+        r.register(HitTokens(self))
         r.register(TierBlocks(lambda: backend.loads))
 
     # ---- planning -------------------------------------------------------------------------
@@ -194,5 +214,5 @@ class FetchRunner:
         """Split a finished request's cached prompt tokens by where the K/V came from."""
         cached = live.trace.get("cached_tokens", 0)
         remote = min(cached, live.trace.get("fetch_landed_blocks", 0) * self.backend._block_size)
-        self.hit_tokens.labels("remote").inc(remote)
-        self.hit_tokens.labels("local").inc(cached - remote)
+        self.remote_tokens += remote
+        self.local_tokens += cached - remote

@@ -48,6 +48,8 @@ async def renew_leases(backend) -> None:
     for wid, request_ids in renewals(backend.live.values()).items():
         if wid in backend.registered:
             await backend._send(wid, m.RenewLeases(request_ids))
+    if backend.runahead is not None:
+        await backend.runahead.renew_leases(backend)  # the inner stages of live chains
 
 
 async def reap_lost_workers(backend) -> None:
@@ -78,6 +80,10 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
         load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)
+    if load is not None:  # the K/V tiers (engine/host_tier.py): blocks by state
+        load_dict["kv_tiers"] = {"device": {"used": load.num_blocks - load.free_blocks, "cached": load.cached_blocks},
+                                 "host": {"used": load.host_blocks, "capacity": load.host_capacity,
+                                          "hits": load.host_hits, "evictions": load.host_evictions}}
     state = backend.router.worker_state(reg.worker_id)
     return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
                       load_dict, reg.cpu)

@@ -12,7 +12,8 @@ fallback) and K - 1 other live prefill workers exist, it
   4. sends every stage its Prefill: prompt up to its end, a plan (capability-signed, like any
      handoff) to the next stage's reservation, or the route's own plan for the last stage.
 Every stage runs under the request's engine id; only the route's prefill and decode workers
-are owners, so an inner stage's messages never count as the request's. The trace line records
+are owners, so an inner stage's messages never count as the request's (its K/V lease is renewed
+here, `renew_leases`, until the first token). The trace line records
 `runahead_partition` and `runahead_workers`; `pdserve_runahead_prefills{outcome}` counts
 chained, refused (a reservation failed: single-worker prefill) and fallback.
 Failure: a stage's `WorkerError(runahead_failed)` (or any error of a chain worker) or the loss
@@ -174,6 +175,14 @@ class Runahead:
             await backend._send(wid, m.Abort(chain.engine_id, FAILED))
         live.kv_failed = True  # the decode-start fallback: one worker prefills the prompt again
         await recovery.decide(backend, live, f"{FAILED}:{cause}")
+
+    async def renew_leases(self, backend) -> None:
+        """Inner chain workers are no owners, so the ordinary renewal misses their stages."""
+        self._prune(backend)
+        for chain in self.chains.values():
+            for wid in chain.workers[:-1]:
+                if wid in backend.registered:
+                    await backend._send(wid, m.RenewLeases((chain.engine_id,)))
 
     def _prune(self, backend) -> None:
         for rid in [r for r, c in self.chains.items() if _settled(backend.live.get(r), c)]:

@@ -56,14 +56,15 @@ class PinnedPrefix:
 
 
 def pin_prefix(manager, hashes: list[bytes], tokens, limit: int) -> list[int] | None:
-    """Take a reference on up to `limit` leading cached blocks, or None when reviving the
-    unreferenced ones among them would eat into capacity reserved for others (a revived block
-    leaves the free count; reservations must stay within it)."""
+    """Take a reference on up to `limit` leading cached blocks (device, then the host tier's,
+    promoted), or None when reviving the unreferenced device blocks among them would eat into
+    capacity reserved for others (a revived block leaves the free count; reservations must stay
+    within it; a promotion allocates, which checks the same room)."""
     n = min(manager.match_prefix(hashes, tokens), limit)
     revived = sum(1 for h in hashes[:n] if manager.refcount[manager.cached[h]] == 0)
     if revived > manager.available_for(None):
         return None
-    return manager.acquire_prefix(hashes, tokens, limit=n)
+    return manager.acquire_prefix(hashes, tokens, limit=limit)
 
 
 class FetchBlocks:

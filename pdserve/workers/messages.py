@@ -200,6 +200,10 @@ class Load(msgspec.Struct, frozen=True):
     num_preemptions: int = 0  # engine preemptions since start, every cause (engine/scheduler.py)
     num_priority_preemptions: int = 0  # of which a waiting prompt displaced a decode (engine/prompt_priority.py)
     cached_blocks: int = 0  # unreferenced blocks still in the prefix cache (evictable)
+    host_blocks: int = 0  # host tier (engine/host_tier.py): blocks it holds, of `host_capacity`
+    host_capacity: int = 0  # 0: no host tier
+    host_hits: int = 0  # blocks promoted back on a hit (since the worker started)
+    host_evictions: int = 0  # blocks the host tier itself evicted (since start)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -12,7 +12,7 @@ Life cycle of stage i > 0 of one request here (stage 0 is an ordinary prefill-on
     link PUBLISHED -> the directory entry is closed (the sequence already owns the blocks)
 The link is an ordinary handoff transfer (the same manifests, fences, credits, capabilities,
 validation and publication, over the same `HandoffListener`), addressed to this worker.
-Failure: the link aborts, never opens in `wait_s`, or dies mid-forward -> the stage is aborted
+Failure: the link aborts, lands nothing for `wait_s`, or dies mid-forward -> the stage is aborted
 here (its blocks back once no write into them is in flight; an onward transfer is cancelled)
 and `WorkerError(code="runahead_failed")` tells the router, which re-runs the request as a
 single-worker prefill. A forward waiting on a broken link raises `ChainBroken` out of the step:
@@ -57,17 +57,34 @@ def landed_layers(txn: DestinationTransfer | None) -> int:
     return min(missing) if missing else txn.manifest.abi.num_layers
 
 
+def layer_landed(txn: DestinationTransfer | None, layer: int) -> bool:
+    """May the forward compute `layer` (it reads that layer of the prefix)? Layers past the
+    model's last are always landed."""
+    if txn is not None and txn.manifest is not None and layer >= txn.manifest.abi.num_layers:
+        return True
+    return landed_layers(txn) > layer
+
+
 class Link:
     """One stage's incoming chain link (under the worker lock)."""
 
-    def __init__(self, order: m.ReserveKv, reservation_id: str, deadline: float):
-        self.order, self.reservation_id, self.deadline = order, reservation_id, deadline
+    def __init__(self, order: m.ReserveKv, reservation_id: str, now: float):
+        self.order, self.reservation_id = order, reservation_id
         self.stage: m.Prefill | None = None  # the Prefill, once it came
         self.admitted = False
+        self.num_landed, self.progress_at = 0, now  # chunks accepted, and when that count last moved
+
+    def stalled(self, txn: DestinationTransfer | None, now: float, wait_s: float) -> bool:
+        """Nothing landed for `wait_s` (an upstream that is merely queued or computing slowly still
+        counts as stalled only after that long; a dead one aborts the link at once)."""
+        landed = 0 if txn is None else len(txn.accepted)
+        if landed > self.num_landed:
+            self.num_landed, self.progress_at = landed, now
+        return now - self.progress_at > wait_s
 
 
 class RunaheadSide:
-    def __init__(self, worker, wait_s: float = 30.0):
+    def __init__(self, worker, wait_s: float = 120.0):
         self.worker, self.engine, self.wait_s = worker, worker.engine, wait_s
         self.blocks = EngineDestinationBlocks(self.engine)
         self.landed = threading.Condition()
@@ -111,7 +128,7 @@ class RunaheadSide:
                 self.blocks.drop_expected(msg.transfer_id)
                 self._reply(msg, False, err.reason.value)
                 return
-            self.links[rid] = Link(msg, reservation.reservation_id, time.monotonic() + self.wait_s)
+            self.links[rid] = Link(msg, reservation.reservation_id, time.monotonic())
         self._reply(msg, True, None, res.block_ids, res.num_visible_blocks, reservation.reservation_id)
 
     def _reply(self, msg: m.ReserveKv, ok: bool, reason: str | None, blocks=(), visible: int = 0, res_id: str = "") -> None:
@@ -144,9 +161,9 @@ class RunaheadSide:
             if link.admitted:
                 continue
             txn = self._txn(link)
-            if link.stage is not None and landed_layers(txn) >= 1:
+            if link.stage is not None and layer_landed(txn, 0):
                 self._admit(rid, link)
-            elif (txn is not None and txn.state is TxnState.ABORTED) or now > link.deadline:
+            elif (txn is not None and txn.state is TxnState.ABORTED) or link.stalled(txn, now, self.wait_s):
                 self._fail(rid, "chain link aborted" if txn is not None and txn.state is TxnState.ABORTED
                            else "chain link never arrived")
 
@@ -188,8 +205,9 @@ class RunaheadSide:
 
     # ---- inside the forward -------------------------------------------------------------------
     def wrap(self, hook):
-        """The step's layer hook: the prefill side's first (it marks layer l of onward transfers),
-        then wait until layer l + 1 of every admitted stage's prefix has landed."""
+        """The step's layer hook, run after `layer`'s attention: the prefill side's first (it marks
+        that layer of onward transfers), then wait until the NEXT layer of every admitted stage's
+        prefix has landed (layer 0 landed before admission)."""
         def layer_hook(layer, progress):
             if hook is not None:
                 hook(layer, progress)
@@ -199,15 +217,16 @@ class RunaheadSide:
                     self._wait(p.request_id, link, layer + 1)
         return layer_hook
 
-    def _wait(self, rid: str, link: Link, layers: int) -> None:
+    def _wait(self, rid: str, link: Link, layer: int) -> None:
+        """Block until `layer` of the link has landed; ChainBroken if it never will."""
         with self.landed:
             while True:
                 txn = self._txn(link)
-                if txn is None or landed_layers(txn) >= min(layers, txn.manifest.abi.num_layers if txn.manifest else layers):
+                if txn is not None and layer_landed(txn, layer):
                     return
-                if txn.state is TxnState.ABORTED:
+                if txn is None or txn.state is TxnState.ABORTED:
                     raise ChainBroken(rid, "chain link aborted")
-                if time.monotonic() > link.deadline:
+                if link.stalled(txn, time.monotonic(), self.wait_s):
                     raise ChainBroken(rid, "chain link stalled")
                 self.landed.wait(0.05)
 

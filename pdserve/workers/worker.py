@@ -160,6 +160,7 @@ class Worker:
                 num_preemptions=eng.scheduler.num_preemptions,
                 num_priority_preemptions=eng.scheduler.num_priority_preemptions,
                 cached_blocks=len(eng.blocks.evictable),
+                **host_tier_load(eng.blocks.host),
             )
             kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
             self.kv_resync_wanted, epoch = False, self.epoch  # the epoch these events belong to
@@ -372,6 +373,14 @@ class Worker:
         if self.engine.step_log is not None:
             self.engine.step_log.close()
         self.engine.pool.close(unlink=True)
+
+
+def host_tier_load(host) -> dict:
+    """The host tier's Load fields (none without a tier)."""
+    if host is None:
+        return {}
+    return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
+            "host_evictions": host.num_evictions}
 
 
 def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import replace
 
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.sequence import SamplingParams
-from tests.runtime.conftest import collect, config, prompt, wait_baseline
+from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
 
 HISTORY = prompt(96, 11)  # six full blocks
@@ -133,3 +134,31 @@ def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():
     assert t2["cached_tokens"] == 8 * 16
     first_off, second_off, _, t2_off = asyncio.run(main(False))
     assert (first, second) == (first_off, second_off) and t2_off["cached_tokens"] == 6 * 16
+
+
+def test_host_tier_serves_an_evicted_history_and_shows_in_workers_and_metrics():
+    """One colocated replica with a 24-block device pool and a host tier: a conversation's history
+    evicted by other prompts comes back from the host tier (tokens as without the tier)."""
+    engine = replace(TINY, num_blocks=24)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=3)
+
+    async def main(host_blocks: int):
+        bpb = 8 * 2 * 2 * 64 * 2 * 16  # tiny: 8 layers, K and V, 2 heads, dim 64, bf16, 16 tokens
+        cfg = config(mode="colocated", replicas=1, engine=replace(engine, host_kv_bytes=host_blocks * bpb))
+        async with cluster(cfg) as (backend, _):
+            first, _ = await collect(backend, "t1", HISTORY, params)
+            for i in range(3):  # 3 x 150 tokens through a 24-block pool: the history is evicted
+                await collect(backend, f"other{i}", prompt(150, 40 + i), params)
+            second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), params)
+            await wait_baseline(backend)
+            await until(lambda: backend.workers()[0].load.get("kv_tiers", {}).get("host", {}).get("hits", 0) > 0
+                        or not host_blocks, timeout_s=10)
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            return second, lines["t2"], backend.workers()[0].load, backend.metrics_text().decode()
+
+    second, t2, load, text = asyncio.run(main(64))
+    assert t2["cached_tokens"] == 96 and load["kv_tiers"]["host"]["hits"] == 6 and load["kv_tiers"]["host"]["capacity"] == 64
+    assert _metric(text, 'pdserve_prefix_hit_tokens_total{where="host"}') == 96
+    assert 'pdserve_kv_tier_blocks{state="used",tier="host",worker="colocated-0"}' in text
+    second_off, t2_off, _, _ = asyncio.run(main(0))
+    assert t2_off.get("cached_tokens", 0) == 0 and second_off == second
