@@ -162,7 +162,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         supervisor = asyncio.create_task(launcher.supervise())
         if config.mode == "splitwise":
-            pools = asyncio.create_task(run_pool_controller(backend, PoolController(config.pool_thresholds())))
+            controller = PoolController(config.pool_thresholds(), prompt_pool_may_empty=config.pd_decision != "always")
+            pools = asyncio.create_task(run_pool_controller(backend, controller))
         with frozen_heap():  # the router, app and tokenizer leave the collector's scans
             yield backend, launcher
     finally:

@@ -117,7 +117,8 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
 def pool_signals(backend) -> PoolSignals | None:
     """The controller's observation from the latest load reports; None while any worker is not
     LIVE (a role change or a restart is under way: its pool is in flux)."""
-    cost, prompt, kv = backend.router.config.cost, {}, {}
+    cost, prompt, kv, tpot = backend.router.config.cost, {}, {}, {}
+    slo_tpot_s = backend.router.config.tpot_slo_s
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
@@ -126,7 +127,8 @@ def pool_signals(backend) -> PoolSignals | None:
             prompt[wid] = float(cost.queue_s(load.pending_prompt_tokens))
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
-    return PoolSignals(prompt, kv)
+            tpot[wid] = float(cost.decode_step_s(load.active_decode)) / slo_tpot_s if load.active_decode else 0.0
+    return PoolSignals(prompt, kv, tpot)
 
 
 async def run_pool_controller(backend, controller: PoolController, period_s: float = 0.5,

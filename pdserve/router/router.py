@@ -247,7 +247,14 @@ class Router:
 
     # ----- views and checks -----
     def snapshot(self) -> Snapshot:
-        return self._builder().build(self._registry, self._ledger.in_flight())
+        builder = self._builder()
+        snapshot = builder.build(self._registry, self._ledger.in_flight())
+        if not snapshot.colocated and not len(snapshot.prefill) and len(snapshot.decode) and self.config.pd.mode != "always":
+            # the prompt pool is empty (Splitwise lent its last worker to the token pool, or it
+            # restarts) and decode workers may prefill: requests run whole on them. With "always"
+            # every request must take the handoff, so it waits for a prefill worker or is refused.
+            return self._whole.build(self._registry, self._ledger.in_flight())
+        return snapshot
 
     def _builder(self) -> SnapshotBuilder:
         return self._snapshots if self.disaggregation or self.config.mode is Mode.COLOCATED else self._whole

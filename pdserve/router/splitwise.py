@@ -7,11 +7,16 @@ register again). The signals, per pool, from the workers' load reports:
 
     prompt pressure   seconds of prompt work queued per prefill worker: the cost model's
                       queue_s(pending prompt tokens) averaged over the prompt pool
-    token pressure    the token pool's K/V in use (1 - free blocks / blocks), its busiest worker
+    token pressure    the token pool's busiest worker: the larger of its K/V in use (1 - free
+                      blocks / blocks) and its decode step's share of the TPOT objective (the
+                      cost model's step time at its decode batch / TPOT target)
 
 Hysteresis: a pool counts as pressed only after `hold` consecutive observations over its high
 mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`
-(the moved worker drains and registers again meanwhile); each pool keeps at least one worker.
+(the moved worker drains and registers again meanwhile); the token pool keeps at least one
+worker, and so does the prompt pool unless `prompt_pool_may_empty` (the decode workers prefill
+locally: the router then runs whole requests on them, router.Router.snapshot), which lets the
+last prompt worker go to a decode-heavy phase, Splitwise's mixed pool on two machines.
 The worker moved is the other pool's least loaded. The controller only ever moves workers
 between `prefill` and `decode`.
 
@@ -32,6 +37,7 @@ class PoolSignals:
 
     prompt_queue_s: dict[str, float]  # prefill workers: seconds of queued prompt work
     kv_used: dict[str, float]  # decode workers: fraction of K/V blocks in use
+    tpot_used: dict[str, float] = field(default_factory=dict)  # decode workers: step time / TPOT target
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Thresholds:
 @dataclass
 class PoolController:
     thresholds: Thresholds = field(default_factory=Thresholds)
+    prompt_pool_may_empty: bool = False  # decode workers take local prefills (pd decision not "always")
     prompt_streak: int = 0
     token_streak: int = 0
     quiet_until_s: float = 0.0
@@ -70,7 +77,7 @@ class PoolController:
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
         t = self.thresholds
         prompt = _mean(signals.prompt_queue_s.values())
-        kv = max(signals.kv_used.values(), default=0.0)
+        kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
         self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
         self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
         self.calm_streak = {"prefill": self.calm_streak.get("prefill", 0) + 1 if prompt < t.prompt_low_s else 0,
@@ -110,9 +117,9 @@ class PoolController:
         if self.prompt_streak >= t.hold and len(signals.kv_used) > 1:
             worker = min(signals.kv_used, key=lambda w: (signals.kv_used[w], w))
             move = Move(worker, "prefill", f"prompt queue {prompt:.2f}s per worker, K/V in use {kv:.0%}")
-        elif self.token_streak >= t.hold and len(signals.prompt_queue_s) > 1:
+        elif self.token_streak >= t.hold and len(signals.prompt_queue_s) > (0 if self.prompt_pool_may_empty else 1):
             worker = min(signals.prompt_queue_s, key=lambda w: (signals.prompt_queue_s[w], w))
-            move = Move(worker, "decode", f"K/V in use {kv:.0%}, prompt queue {prompt:.2f}s per worker")
+            move = Move(worker, "decode", f"token pool at {kv:.0%} (K/V or TPOT), prompt queue {prompt:.2f}s per worker")
         return move
 
 

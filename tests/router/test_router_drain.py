@@ -9,14 +9,15 @@ import pytest
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import IllegalTransitionError
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.pd_decision import PdPolicy
 from pdserve.router.registry import WorkerState, transition
 from pdserve.router.router import Router
 
 LOAD = WorkerLoad(0, 0, 1000)
 
 
-def router(roles: dict[str, Role]) -> Router:
-    r = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq"))
+def router(roles: dict[str, Role], pd: str = "always") -> Router:
+    r = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", pd=PdPolicy(pd)))
     for wid, role in roles.items():
         r.register(WorkerInfo(wid, "h0", role, 1, 1000, "m", "abi"))
         r.report_load(wid, 1, LOAD)
@@ -66,3 +67,21 @@ def test_a_colocated_cluster_has_no_disaggregation_to_enable():
     r = Router(RouterConfig(Mode.COLOCATED, "m", "abi"))
     with pytest.raises(ValueError):
         r.set_disaggregation(True)
+
+
+@pytest.mark.parametrize("pd", ["margin", "never"])
+def test_an_empty_prompt_pool_sends_whole_requests_to_the_decode_workers(pd):
+    r = router({"p0": Role.PREFILL, "d0": Role.DECODE, "d1": Role.DECODE}, pd)
+    r.drain("p0", 1)  # the last prompt worker goes to the token pool (Splitwise, splitwise.py)
+    plans = [route(r, f"q{i}") for i in range(4)]
+    assert {(p.prefill_id, p.decode_id) for p in plans} == {("d0", "d0"), ("d1", "d1")}
+    for i in range(4):
+        r.complete(f"q{i}")
+    r.assert_no_leaks()
+
+
+def test_with_every_request_on_the_handoff_an_empty_prompt_pool_refuses():
+    r = router({"p0": Role.PREFILL, "d0": Role.DECODE})
+    r.drain("p0", 1)
+    assert not isinstance(r.route(RouteRequest("q", 64, 16, ())), RoutePlan)
+    r.assert_no_leaks()

@@ -68,3 +68,22 @@ def test_a_loan_goes_back_when_the_borrowing_pool_calms_and_a_lasting_one_is_ado
     moves = [c.observe(still, float(t)) for t in range(2, 40)]
     changes = [m for m in moves if m is not None and m.kind == "change"]
     assert len(changes) == 1 and (changes[0].worker_id, changes[0].to_role) == ("d1", "prefill") and "d1" not in c.loans
+
+
+def test_decode_step_pressure_counts_as_token_pressure():
+    c = PoolController(T)
+    slow = PoolSignals({"p0": 0.0, "p1": 0.0}, {"d0": 0.1, "d1": 0.1}, tpot_used={"d0": 0.95, "d1": 0.2})
+    moves = [c.observe(slow, float(t)) for t in range(3)]
+    assert moves[2] is not None and moves[2].to_role == "decode" and "token pool at 95%" in moves[2].reason
+
+
+def test_the_last_prompt_worker_goes_to_the_token_pool_only_when_decode_workers_prefill():
+    lone = PoolSignals({"p0": 0.0}, {"d0": 0.1}, tpot_used={"d0": 0.9})
+    fixed = PoolController(T)
+    assert all(fixed.observe(lone, float(t)) is None for t in range(6))
+    mixed = PoolController(T, prompt_pool_may_empty=True)
+    moves = [mixed.observe(lone, float(t)) for t in range(3)]
+    assert moves[2] == Move("p0", "decode", moves[2].reason, "lend") and mixed.loans == {"p0": ("prefill", 2.0)}
+    # the token pool still keeps its last worker
+    backlog = PoolSignals({"p0": 9.0}, {"d0": 0.0})
+    assert all(PoolController(T, prompt_pool_may_empty=True).observe(backlog, float(t)) is None for t in range(6))
