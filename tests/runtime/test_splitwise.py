@@ -83,3 +83,34 @@ def test_a_mixed_worker_gives_a_waiting_prompt_a_young_decodes_slot():
     assert sum(exact) >= 2 and all(ids[0] == want[0] for (ids, _), want in zip(results, expected))
     assert loads["decode-0"]["num_priority_preemptions"] == 1 == loads["decode-0"]["num_preemptions"]
     assert 'pdserve_engine_preemptions{cause="prompt_priority",worker="decode-0"} 1.0' in metrics
+
+
+# ---- two machines: the last prompt worker is lent to the token pool ---------------------------
+# any decode work presses the token pool; the prompt pool is never pressed; one move per run
+TOKEN_MARKS = Thresholds(prompt_high_s=1e6, prompt_low_s=1e5, kv_high=1e-9, kv_low=0.0, hold=1, cooldown_s=3600.0)
+
+
+async def _two_machine_scenario():
+    cfg = config(mode="splitwise", num_prefill=1, num_decode=1, pd_decision="never", splitwise=TOKEN_MARKS)
+    async with cluster(cfg) as (backend, _):
+        first = await asyncio.wait_for(asyncio.gather(
+            *(collect(backend, f"t{i}", p, LONG) for i, p in enumerate(MIXED))), 180)
+        deadline = time.monotonic() + 60
+        while sorted(w.role for w in backend.workers() if w.state == "live") != ["decode", "decode"]:
+            assert time.monotonic() < deadline, [(w.id, w.role, w.state) for w in backend.workers()]
+            await asyncio.sleep(0.1)
+        after = await asyncio.wait_for(asyncio.gather(
+            *(collect(backend, f"a{i}", p, LONG) for i, p in enumerate(MIXED))), 180)
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        return first, after, {w.id: (w.role, w.epoch) for w in backend.workers()}, backend.metrics_text().decode()
+
+
+def test_the_last_prompt_worker_is_lent_to_the_token_pool_and_requests_run_whole():
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    expected = [list(alone.generate([list(p)], LONG)[0].output_ids) for p in MIXED]
+    first, after, roles, metrics = asyncio.run(_two_machine_scenario())
+    assert [ids for ids, _ in first] == expected and [ids for ids, _ in after] == expected
+    assert roles == {"prefill-0": ("decode", 2), "decode-0": ("decode", 1)}
+    assert 'pdserve_pool_moves_total{kind="lend"} 1.0' in metrics
+    assert 'pdserve_role_changes_total{from_role="prefill",to_role="decode"} 1.0' in metrics
