@@ -6,7 +6,9 @@ then check what types cannot (served model name, unsupported features, prompt le
 `ParsedRequest`: prompt token ids plus engine `SamplingParams`. Every failure is an `ApiError`
 (400, or 404 for an unknown model) naming the offending parameter.
 
-Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
+Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `scripted_eos_tokens` (for
+benchmarks: the output ends with reason "stop" after that many tokens, as if the model had emitted
+EOS there; `max_tokens` stays the bound every reservation uses), `return_token_ids` (each
 choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_generation_prompt`
 (default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
 400 when set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and
@@ -65,6 +67,7 @@ class _CommonRequest(StrictBody):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    scripted_eos_tokens: Annotated[int, Field(ge=1)] | None = None  # benchmarks: a stand-in EOS (engine/sequence.py)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -328,6 +331,7 @@ def _sampling_params(body: _CommonRequest, max_tokens: int | None, logprobs: int
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        scripted_eos_tokens=body.scripted_eos_tokens,
         logprobs=logprobs,
         n=body.n or 1,
     )

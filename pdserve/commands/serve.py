@@ -56,6 +56,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "when it cannot")
     p.add_argument("--predictor", default=None, metavar="P.json",
                    help="output-length predictor (`pdserve predictor train`), trained for the served model")
+    p.add_argument("--admission-wait-s", type=float, default=30.0, metavar="S",
+                   help="how long a request may wait in admission for K/V capacity before a 503")
+    p.add_argument("--prefill-length-buckets", default="", metavar="0,128,512,...",
+                   help="bucketed prefill admission (TetriInfer): after the queue head, a step admits prompts "
+                        "of the head's length bucket first (engine/prefill_buckets.py); default off")
     p.add_argument("--pd-decision", choices=["always", "never", "margin"], default="margin",
                    help="disaggregated mode, per request: always hand off, never (prefill on the decode worker), or "
                         "only when the spec's net margin says the remote prefill pays (default)")
@@ -125,6 +130,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
     )
@@ -133,7 +139,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
         policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
         decode_choice=getattr(args, "decode_choice", "policy"), reserve=getattr(args, "reserve", "static"),
-        predictor=getattr(args, "predictor", None),
+        predictor=getattr(args, "predictor", None), admission_wait_s=getattr(args, "admission_wait_s", 30.0),
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
@@ -155,6 +161,18 @@ def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
 
     file_config = deploy_config.load(args.config)
     return deploy_config.apply(args, file_config, deploy_config.explicit_flags(args.serve_parser, args))
+
+
+def length_buckets(text: str) -> tuple[int, ...]:
+    """`--prefill-length-buckets 0,128,512` -> (0, 128, 512); raises ValueError on a bad list."""
+    from pdserve.engine.prefill_buckets import validate_bounds
+
+    try:
+        bounds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--prefill-length-buckets: expected comma-separated integers, got {text!r}") from None
+    validate_bounds(bounds)
+    return bounds
 
 
 def check_predictor(config) -> None:

@@ -24,3 +24,4 @@ class EngineConfig:
     kv_shm_name: str | None = None  # put the K/V pool in this POSIX shared-memory segment
     host_kv_bytes: int = 0  # host-memory tier for evicted prefix blocks (host_tier.py); 0 = none
     prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off
+    prefill_length_buckets: tuple[int, ...] = ()  # bucketed prefill admission (prefill_buckets.py); () = off

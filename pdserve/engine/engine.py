@@ -79,7 +79,8 @@ class Engine:
             self.blocks.host = HostTier(self.pool, config.host_kv_bytes // self.abi.bytes_per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                config.prompt_priority)
+                                config.prompt_priority,
+                                config.prefill_length_buckets)
         self.scheduler = Scheduler(self.blocks, sched)
         self.runner = ModelRunner(self.model, self.pool)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.prefill_buckets import length_bucket, next_admission
 from pdserve.engine.prompt_priority import PromptPriority, is_fresh_prompt, pick_displaced
 from pdserve.engine.sequence import Sequence, SeqMode, SeqStatus
 
@@ -32,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
     prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off
+    prefill_length_buckets: tuple[int, ...] = ()  # admissions after a step's first follow its length bucket
 
 
 @dataclass
@@ -101,11 +103,17 @@ class Scheduler:
                 if rows:
                     plan.prefill.append((seq, rows))
                     budget, first = budget - rows, False
+        bounds = self.config.prefill_length_buckets
+        step_bucket = length_bucket(plan.prefill[0][0].num_tokens, bounds) if bounds and plan.prefill else None
         while self.waiting and len(self.running) < self.config.max_num_seqs and (first or budget > 0):
-            rows = self._admit(self.waiting[0], budget, first)
+            i = next_admission([w.num_tokens for w in self.waiting], step_bucket, bounds) if bounds else 0
+            rows = self._admit(self.waiting[i], budget, first)
             if not rows:
                 break
-            seq = self.waiting.popleft()
+            seq = self.waiting[i]
+            del self.waiting[i]
+            if bounds and step_bucket is None:
+                step_bucket = length_bucket(seq.num_tokens, bounds)
             seq.transition(SeqStatus.RUNNING)
             self.running.append(seq)
             plan.prefill.append((seq, rows))

@@ -36,6 +36,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed in prefill)
     n: int = 1  # independent output sequences over one prompt (engine/fork.py)
     tenant: str = "default"  # whose prefix cache the request reads and fills (block_manager.root_for)
+    # benchmarking: finish ("stop") after this many output tokens, as if the model had emitted EOS
+    # there (a random-weight model never does; a trace's recorded length stands in). Nothing that
+    # routes or reserves reads it: max_tokens stays the request's bound (engine/stops.py)
+    scripted_eos_tokens: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -54,6 +58,9 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be a non-negative integer or None, got {value!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise InvalidRequest(f"n must be a positive integer, got {self.n!r}")
+        if self.scripted_eos_tokens is not None and (not isinstance(self.scripted_eos_tokens, int)
+                                                     or self.scripted_eos_tokens < 1):
+            raise InvalidRequest(f"scripted_eos_tokens must be a positive integer, got {self.scripted_eos_tokens!r}")
 
     @property
     def greedy(self) -> bool:

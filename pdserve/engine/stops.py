@@ -1,4 +1,5 @@
-"""Finish conditions and output text: EOS, stop token ids, stop strings, max_tokens, context end.
+"""Finish conditions and output text: EOS, stop token ids, stop strings, a scripted EOS
+(benchmarks), max_tokens, context end.
 
 Contract: `update(seq, token)` is called once per sampled token, after it was appended to
 `seq.output_ids`; it returns the newly completed text and a finish reason or None. Stop strings
@@ -44,6 +45,8 @@ class StopChecker:
             reason = "stop"
         elif params.stop and self._cut_at_stop(seq):
             reason = "stop"
+        elif params.scripted_eos_tokens is not None and len(seq.output_ids) >= params.scripted_eos_tokens:
+            reason = "stop"  # the benchmark's stand-in for an EOS at the trace's length (sequence.py)
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None and not (params.stop and seq.text_cut):
