@@ -19,6 +19,7 @@ from pdserve.engine.kv_pool import KvPool
 from pdserve.engine.scheduler import StepPlan, needs_prompt_logits
 from pdserve.engine.sequence import Sequence
 from pdserve.model.attention import AttnMetadata, DecodeBatch, DecodeGroup, PrefillSlice
+from pdserve.model import paged_decode
 from pdserve.model.llama import LlamaModel
 
 
@@ -32,7 +33,9 @@ class StepBatch:
     prompt_rows: tuple[tuple[Sequence, int, int], ...] = ()  # (sequence, first prompt position, rows), in order
 
 
-def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.float32) -> StepBatch:
+def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.float32, padded_groups: bool = True) -> StepBatch:
+    """`padded_groups`: also build the padded decode groups the gather + SDPA fallback reads
+    (not needed when the in-place kernel serves the pool, see model/paged_decode.py)."""
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -45,7 +48,7 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
         slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
         logits_rows.append(len(tokens) - 1)
         sampled.append(seq)
-    decode = _decode_batch(plan.decode, block_size, dtype)
+    decode = _decode_batch(plan.decode, block_size, dtype, padded_groups)
     prefills = []
     for seq, rows in plan.prefill:
         start, all_tokens = seq.num_computed, seq.tokens
@@ -94,20 +97,21 @@ def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> P
 DECODE_BUCKET_BLOCKS = 8  # decode K/V is read padded to a multiple of this many blocks
 
 
-def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype) -> DecodeBatch | None:
-    """Group decode rows by padded K/V length; the padding depends only on a row's own length."""
+def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype, padded_groups: bool) -> DecodeBatch | None:
+    """Every row's block table and length; with `padded_groups`, rows grouped by padded K/V
+    length too (the padding depends only on a row's own length)."""
     if not seqs:
         return None
     buckets: dict[int, list[int]] = {}
-    for i, seq in enumerate(seqs):
+    for i, seq in enumerate(seqs if padded_groups else ()):
         blocks = -(-(seq.num_computed + 1) // block_size)
         width = -(-blocks // DECODE_BUCKET_BLOCKS) * DECODE_BUCKET_BLOCKS
         buckets.setdefault(width, []).append(i)
     groups = tuple(_decode_group([seqs[i] for i in rows], rows, width, block_size, dtype) for width, rows in buckets.items())
     lens = [s.num_computed + 1 for s in seqs]
-    tables = torch.zeros((len(seqs), -(-max(lens) // block_size)), dtype=torch.int64)  # [Bd, M]
-    for i, (seq, n) in enumerate(zip(seqs, lens)):
-        tables[i, : -(-n // block_size)] = torch.tensor(seq.block_table[: -(-n // block_size)], dtype=torch.int64)
+    width = -(-max(lens) // block_size)
+    rows = [seq.block_table[: -(-n // block_size)] for seq, n in zip(seqs, lens)]
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)  # [Bd, M], padded with 0
     return DecodeBatch(num_rows=len(seqs), groups=groups, block_tables=tables,
                        context_lens=torch.tensor(lens, dtype=torch.int64))
 
@@ -129,10 +133,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KvPool):
         self.model = model
         self.pool = pool
+        self.padded_groups = not paged_decode.eligible(pool.tensor[0, 0])  # [N, B, H_kv, D]
 
     def run(self, plan: StepPlan, layer_hook: Callable[[int], None] | None = None) -> tuple[StepBatch, torch.Tensor]:
         """-> (batch, logits [R, V] fp32)."""
-        batch = build_batch(plan, self.pool.abi.block_size, self.model.dtype)
+        batch = build_batch(plan, self.pool.abi.block_size, self.model.dtype, self.padded_groups)
         logits = self.model.forward(
             batch.token_ids, batch.positions, batch.meta, self.pool.tensor, batch.logits_rows, layer_hook
         )

@@ -64,10 +64,13 @@ class AttnMetadata:
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter new rows into one layer's pool.  cache_*: [N, B, H, D]; k, v: [T, H, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    cache_k.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    cache_v.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    """Scatter new rows into one layer's pool.  cache_*: [N, B, H, D]; k, v: [T, H, D].
+
+    Rows are copied as flat [H * D] rows: torch's index_copy_ over a 3-D source took ~17 ms for
+    512 bf16 rows on 2 threads (an AVX512-BF16 EPYC), the same copy of 2-D rows ~0.03 ms."""
+    num_rows, width = k.shape[0], k.shape[1] * k.shape[2]
+    cache_k.view(-1, width).index_copy_(0, slots, k.reshape(num_rows, width))
+    cache_v.view(-1, width).index_copy_(0, slots, v.reshape(num_rows, width))
 
 
 def paged_attention(
@@ -116,6 +119,8 @@ def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
     """q: [Bd, H_q, D], one row per sequence -> [Bd, H_q, D]."""
     if batch.block_tables is not None and paged_decode.eligible(cache_k):
         return paged_decode.decode_attention(q, cache_k, cache_v, batch.block_tables, batch.context_lens)
+    if not batch.groups:
+        raise ValueError("decode rows without padded groups need the in-place kernel, which this pool cannot use")
     out = torch.empty_like(q)
     for group in batch.groups:
         out[group.rows] = _decode_group(q.index_select(0, group.rows), cache_k, cache_v, group)

@@ -39,7 +39,7 @@ from pdserve.model.cpu import cpu_report
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # fast-math lets GCC vectorise the D-long dot products, sums and expf (libmvec); it is applied at
 # compile time only: linking a shared object with it would switch the whole process to flush-to-zero.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11")
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 _I64 = ctypes.c_int64
 
@@ -86,7 +86,9 @@ def available() -> bool:
 
 
 def eligible(cache: torch.Tensor) -> bool:
-    return cache.dtype in _POOL_DTYPES and available()
+    """cache: [N, B, H_kv, D]; the kernel takes fp32/bf16 pools with D a multiple of 16, up to 256."""
+    head_dim = cache.shape[-1]
+    return cache.dtype in _POOL_DTYPES and head_dim % 16 == 0 and head_dim <= 256 and available()
 
 
 _executor: ThreadPoolExecutor | None = None
@@ -102,6 +104,8 @@ def _run(calls: list[tuple]) -> None:
             _executor = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="paged-decode")
         futures = [_executor.submit(lib.paged_decode, *c) for c in calls[1:]]
         status = [lib.paged_decode(*calls[0])] + [f.result() for f in futures]
+    if -2 in status:
+        raise ValueError("paged_decode needs a head_dim that is a multiple of 16, at most 256")
     if any(status):
         raise MemoryError("paged_decode could not allocate its scratch")
 

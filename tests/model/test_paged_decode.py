@@ -41,10 +41,10 @@ def _reference(q, cache_k, cache_v, tables, lens):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3])
-def test_matches_reference_over_ragged_lengths(pool_dtype, group):
+@pytest.mark.parametrize("group,head_dim", [(1, 32), (3, 32), (3, 64), (2, 128), (1, 48)])
+def test_matches_reference_over_ragged_lengths(pool_dtype, group, head_dim):
     lens = [1, 15, 16, 17, 100, 513]
-    q, k, v, tables, ctx = _setup(pool_dtype, lens, group=group)
+    q, k, v, tables, ctx = _setup(pool_dtype, lens, group=group, head_dim=head_dim)
     got = paged_decode.decode_attention(q, k, v, tables, ctx)  # fp32 q: fp32 out over widened K/V
     assert got.dtype == torch.float32
     assert torch.allclose(got, _reference(q, k, v, tables, ctx), atol=2e-6, rtol=1e-5)
@@ -93,6 +93,16 @@ def test_paged_attention_routes_decode_rows_through_the_kernel():
     new = torch.zeros(2, 2, q.shape[-1])  # this step's K/V rows (already in the pool; unused by decode)
     got = paged_attention(q, new, new, k, v, meta)
     assert torch.equal(got, paged_decode.decode_attention(q, k, v, tables, ctx))
+
+
+def test_head_dims_off_the_16_lane_grid_are_not_eligible():
+    assert paged_decode.eligible(torch.zeros(2, BLOCK, 2, 64, dtype=torch.bfloat16))
+    assert not paged_decode.eligible(torch.zeros(2, BLOCK, 2, 24))
+    assert not paged_decode.eligible(torch.zeros(2, BLOCK, 2, 272))
+    assert not paged_decode.eligible(torch.zeros(2, BLOCK, 2, 64, dtype=torch.float16))
+    q, k, v, tables, ctx = _setup(torch.float32, [5], head_dim=24)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_decode.decode_attention(q, k, v, tables, ctx)
 
 
 def test_refuses_a_non_contiguous_pool():

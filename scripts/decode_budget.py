@@ -1,0 +1,100 @@
+"""Decode step time against the sum of its parts measured alone (issue 23's "engine overhead" figure).
+
+Usage: .venv/bin/python scripts/decode_budget.py --model CKPT [--batch 32] [--context 512]
+       [--threads 2] [--rounds 5] [--no-batch-invariant]
+
+Three arms, interleaved in every round (the machine is shared, so each round measures all three):
+  step  - one engine decode step of `batch` sequences with `context` tokens of K/V (engine.step());
+  gemms - every product of that step alone (the model's own prepared weights and `linear`, the
+          same [batch, d] inputs: fused q|k|v, o, fused gate|up, down per layer, then the LM head);
+  attn  - SDPA over contiguous K/V [batch, H_kv, context + 1, D] (G query heads per K/V head), per layer.
+Prints one JSON line: medians in ms and step / (gemms + attn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.benchmark import BenchSpec, _import_contexts
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.model.numerics import dense, linear
+
+
+def _gemms(model, batch: int):
+    cfg = model.config
+    x = torch.randn(batch, cfg.hidden_size).to(model.dtype)  # [Bd, d]
+    xo = torch.randn(batch, cfg.num_heads * cfg.head_dim).to(model.dtype)  # [Bd, H_q * D]
+    xf = torch.randn(batch, dense(model.layers[0].w2).shape[1]).to(model.dtype)  # [Bd, d_ff]
+
+    def run():
+        for layer in model.layers:
+            linear(x, layer.wqkv, layer.bqkv, model.skinny)
+            linear(xo, layer.wo, layer.bo, model.skinny)
+            linear(x, layer.w13, skinny_rows=model.skinny)
+            linear(xf, layer.w2, skinny_rows=model.skinny)
+        linear(x, model.lm_head, skinny_rows=model.skinny)
+    return run
+
+
+def _attention(model, batch: int, context: int):
+    cfg = model.config
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = torch.randn(batch, cfg.num_kv_heads, group, cfg.head_dim).to(model.dtype)  # [Bd, H_kv, G, D]
+    kv = [torch.randn(2, batch, cfg.num_kv_heads, context + 1, cfg.head_dim).to(model.dtype)
+          for _ in range(cfg.num_layers)]  # per layer [2, Bd, H_kv, C, D], contiguous
+
+    def run():
+        for layer_kv in kv:
+            F.scaled_dot_product_attention(q, layer_kv[0], layer_kv[1], scale=cfg.head_dim ** -0.5)
+    return run
+
+
+def _time(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--no-batch-invariant", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = BenchSpec(model=args.model, prompt_len=args.context, batches=(args.batch,),
+                     repeats=args.rounds * args.reps // 8 + 2)
+    engine = Engine(EngineConfig(model=args.model, batch_invariant=not args.no_batch_invariant,
+                                 enable_prefix_cache=False, max_num_seqs=args.batch, kv_cache_bytes=0,
+                                 num_blocks=args.batch * (args.context + 8 * spec.repeats + 64) // 16 + 64))
+    _import_contexts(engine, spec, args.batch)
+    arms = {"step": engine.step, "gemms": _gemms(engine.model, args.batch),
+            "attn": _attention(engine.model, args.batch, args.context)}
+    with torch.inference_mode():
+        for fn in arms.values():
+            fn()
+        times = {name: [] for name in arms}
+        for _ in range(args.rounds):
+            for name, fn in arms.items():
+                times[name].append(_time(fn, args.reps))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(json.dumps({"cpu": engine.numerics["kind"], "products": engine.numerics["products"],
+                      "threads": args.threads, "batch": args.batch, "context": args.context,
+                      "median_ms": med, "runs_ms": times,
+                      "step_over_parts": med["step"] / (med["gemms"] + med["attn"])}))
+
+
+if __name__ == "__main__":
+    main()
