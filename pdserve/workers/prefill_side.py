@@ -49,6 +49,8 @@ class PrefillSide:
         self.worker.trace.emit("prefill_start", msg.request_id, plan.transfer_id, plan.generation, plan.attempt, worker=self.worker.id)
 
     def _schedule(self, msg: m.Prefill) -> str:
+        if msg.chain is not None and msg.chain.index + 1 < msg.chain.num_stages:
+            return "layerwise"  # a KV-Runahead link: the next stage computes each layer as it lands
         return choose_schedule(len(msg.prompt_ids), ScheduleConfig(self.worker.config.layerwise_threshold_tokens))
 
     def _start(self, request_id: str, schedule: str) -> SourceTransfer:

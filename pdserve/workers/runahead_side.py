@@ -225,7 +225,7 @@ class RunaheadSide:
                 if txn is not None and layer_landed(txn, layer):
                     return
                 if txn is None or txn.state is TxnState.ABORTED:
-                    raise ChainBroken(rid, "chain link aborted")
+                    raise ChainBroken(rid, "chain link aborted during the forward")
                 if link.stalled(txn, time.monotonic(), self.wait_s):
                     raise ChainBroken(rid, "chain link stalled")
                 self.landed.wait(0.05)
