@@ -4,7 +4,8 @@ Contract: the prefill side stays the `--policy`'s choice; only the decode worker
 `p2c_slot` is pure: among the decode slots whose headroom covers the request's decode hold (the
 alpha set of ledger/tetri.py), it compares the two sampled slots `picks` and keeps the one
 whose heavy-to-light ratio after admitting the request is lower (`tetri.power_of_two_choice`,
-the ledger's one copy of the rule; name breaks ties). With one eligible slot it is that slot;
+the ledger's one copy of the rule); equal ratios (all-light workers, say) go to the one with fewer
+live decodes, then by name. With one eligible slot it is that slot;
 with none, None (the policy's choice stands and admission refuses as before).
 `HeavyLight` counts, per decode worker, the live routes predicted heavy and light; the router
 adds a route when it is admitted and removes it with its holds.
@@ -16,7 +17,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from pdserve.ledger.tetri import DecodeWorker, power_of_two_choice
+from pdserve.ledger.tetri import DecodeWorker, heavy_light_ratio_after, power_of_two_choice
 
 CHOICES = ("policy", "p2c")
 
@@ -35,6 +36,9 @@ def p2c_slot(names: Sequence[str], headroom: Sequence[int], need: Sequence[int],
     if a == b:
         b = eligible[(picks[0] + 1) % len(eligible)]
     workers = {s: DecodeWorker(names[s], int(headroom[s]), int(heavy[s]), int(light[s])) for s in (a, b)}
+    ratios = {s: heavy_light_ratio_after(workers[s], request_heavy) for s in (a, b)}
+    if ratios[a] == ratios[b] and heavy[a] + light[a] != heavy[b] + light[b]:
+        return min((a, b), key=lambda s: heavy[s] + light[s])  # equal mix (e.g. all light): the less loaded
     chosen = power_of_two_choice(workers[a], workers[b], request_heavy)
     return a if chosen is workers[a] else b
 

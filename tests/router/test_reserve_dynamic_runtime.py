@@ -96,3 +96,32 @@ def test_bad_predictor_inputs_are_refused_at_start(tiny_predictor, tmp_path, cap
     assert cli_main(["serve", "--model", "small", "--reserve", "dynamic", "--predictor", str(path)]) == 2
     assert "trained for model 'tiny'" in capsys.readouterr().err
     assert load_policy("dynamic", str(path), resolve_model("tiny")).mode == "dynamic"
+
+
+def test_p2c_places_decodes_on_both_workers_and_the_trace_records_the_reservation(tiny_predictor, tmp_path):
+    """1P2D with --decode-choice p2c and --reserve dynamic: --policy still picks the prefill
+    worker, p2c spreads the decodes over both decode workers; each trace line names its reserve
+    mode, hold and predicted bucket; nothing leaks."""
+    path, predictor, tok = tiny_predictor
+    lines = [json.loads(s) for s in TRACE.read_text().splitlines()][:8]
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        cfg = config(num_decode=2, decode_choice="p2c", reserve="dynamic", predictor=str(path), trace_dir=str(tmp_path))
+        async with cluster(cfg) as (backend, _):
+            results = await asyncio.gather(*(collect(backend, f"p{i}", tuple(tok.encode(e["prompt"])),
+                                                     replace(params, scripted_eos_tokens=e["output_len"] // 4))
+                                             for i, e in enumerate(lines)))
+            assert all(isinstance(ev, FinishEvent) and ev.finish_reason == "stop" for _, ev in results)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            rows = {w.id: w.load for w in backend.workers()}
+            assert rows["decode-0"]["heavy_decodes"] == rows["decode-0"]["light_decodes"] == 0
+        trace = [json.loads(s) for s in (tmp_path / "requests.jsonl").read_text().splitlines()]
+        assert {t["decode"] for t in trace} == {"decode-0", "decode-1"}
+        for t, e in zip(sorted(trace, key=lambda t: int(t["request_id"][1:])), lines):
+            want = predictor.predict(tok.encode(e["prompt"]))
+            assert (t["reserve_mode"], t["reserve_tokens"], t["predicted_bucket"]) == ("dynamic", want.upper_tokens,
+                                                                                      want.bucket)
+
+    asyncio.run(main())

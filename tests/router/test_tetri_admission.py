@@ -81,7 +81,7 @@ def test_growth_of_a_dropped_worker_route_is_released_once():
 
 def reference_p2c(names, headroom, need, heavy, light, request_heavy, picks):
     """The spec's route with plain loops: alpha = workers with room; two picks; lower ratio after
-    admission, then name."""
+    admission, then fewer live decodes, then name."""
     alpha = [s for s in range(len(names)) if headroom[s] >= need[s]]
     if not alpha:
         return None
@@ -93,7 +93,7 @@ def reference_p2c(names, headroom, need, heavy, light, request_heavy, picks):
     best = None
     for s in (a, b):
         h, l_ = heavy[s] + request_heavy, light[s] + (not request_heavy)
-        key = (h / l_ if l_ else float("inf"), names[s])
+        key = (h / l_ if l_ else float("inf"), heavy[s] + light[s], names[s])
         if best is None or key < best[0]:
             best = (key, s)
     return best[1]
@@ -120,6 +120,7 @@ def test_p2c_prefers_the_worker_whose_heavy_to_light_ratio_stays_lower():
     assert slot == 1
     assert p2c_slot(["d0", "d1"], [0, 9], [1, 1], [0, 5], [0, 0], True, (0, 0)) == 1  # the only one with room
     assert p2c_slot(["d0", "d1"], [0, 0], [1, 1], [0, 0], [0, 0], True, (0, 1)) is None
+    assert p2c_slot(["d0", "d1"], [9, 9], [1, 1], [0, 0], [4, 2], False, (0, 1)) == 1  # all light: the less loaded
 
 
 def make_router(decode_choice: str, decodes=("d0", "d1")):
