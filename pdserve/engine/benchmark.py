@@ -15,15 +15,13 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pdserve.engine.bench_arms import PdserveArm, TransformersArm
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine
-from pdserve.engine.sequence import SamplingParams
 from pdserve.model.cpu import cpu_has_native_bf16
 
 DECODE_STEPS = 8
@@ -47,89 +45,27 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=gen).tolist()
 
 
-def pdserve_prefill_tok_s(engine: Engine, spec: BenchSpec) -> float:
-    times = []
-    for i, prompt in enumerate(_prompts(spec.repeats + 1, spec.prompt_len, engine.model_config.vocab_size, 1)):
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        times.append(time.perf_counter() - t0)
-    return spec.prompt_len / statistics.median(times[1:])  # first run warms up
-
-
-def _import_contexts(engine: Engine, spec: BenchSpec, batch: int) -> None:
-    """Start `batch` sequences decoding with `prompt_len` tokens of K/V already in the pool.
-
-    Decode speed does not depend on the K/V values, so the context is imported (the decode
-    worker's entry point) instead of prefilled: setting up batch 32 x 512 tokens by prefill
-    would cost minutes on a small CPU and measure nothing about decode."""
-    params = SamplingParams(max_tokens=DECODE_STEPS * (spec.repeats + 1) + 2, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(batch, spec.prompt_len, engine.model_config.vocab_size, 2 + batch)):
-        rid = f"d{batch}-{i}"
-        engine.reserve_import(rid, prompt, params)
-        engine.commit_import(rid, prompt, prompt[-1], params, seed=i)
-
-
-def pdserve_decode_tok_s(engine: Engine, spec: BenchSpec, batch: int) -> float:
-    _import_contexts(engine, spec, batch)
-    engine.step()  # warm-up step
-    times = []
-    for _ in range(spec.repeats + 1):
-        t0 = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            engine.step()
-        times.append(time.perf_counter() - t0)
-    for rid in list(engine.seqs):
-        engine.abort(rid)
-    return batch * DECODE_STEPS / statistics.median(times[1:])
-
-
-def peer_tok_s(model_dir: str, spec: BenchSpec) -> dict:
-    """The same measurements with transformers' LlamaForCausalLM and its own cache."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, spec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    vocab = model.config.vocab_size
-    times = []
-    with torch.inference_mode():
-        for prompt in _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1):
-            t0 = time.perf_counter()
-            model(torch.tensor([prompt]), use_cache=True)
-            times.append(time.perf_counter() - t0)
-        prefill = spec.prompt_len / statistics.median(times[1:])
-        decode = {str(b): _peer_decode(model, spec, b, vocab) for b in spec.batches}
-    return {"prefill_tok_s": prefill, "decode_tok_s": decode}
-
-
-def _peer_cache(model, batch: int, length: int, dtype):
-    """A transformers DynamicCache holding `length` tokens of (random) K/V per sequence."""
-    from transformers import DynamicCache
-
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache = DynamicCache()
-    for layer in range(cfg.num_hidden_layers):
-        k = torch.randn(batch, cfg.num_key_value_heads, length, head_dim, dtype=dtype)
-        cache.update(k, torch.randn_like(k), layer)
-    return cache
-
-
-def _peer_decode(model, spec: BenchSpec, batch: int, vocab: int) -> float:
-    dtype = getattr(torch, spec.dtype)
-    past = _peer_cache(model, batch, spec.prompt_len, dtype)
-    nxt = torch.randint(3, vocab, (batch, 1))
-    out = model(nxt, past_key_values=past, use_cache=True)  # warm-up step
-    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    times = []
-    for _ in range(spec.repeats + 1):
-        t0 = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            out = model(nxt, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        times.append(time.perf_counter() - t0)
-    return batch * DECODE_STEPS / statistics.median(times[1:])
+def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict]:
+    """Per arm: prefill and decode tokens/s, each repeat timing every arm back to back (see
+    bench_arms.py); the first repeat of each point warms up and is dropped."""
+    prefill = {arm.name: [] for arm in arms}
+    for prompt in _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1):
+        for arm in arms:
+            prefill[arm.name].append(arm.prefill_s(prompt))
+    out = {arm.name: {"prefill_tok_s": spec.prompt_len / statistics.median(prefill[arm.name][1:]),
+                      "decode_tok_s": {}} for arm in arms}
+    for b in spec.batches:
+        prompts = _prompts(b, spec.prompt_len, vocab, 2 + b)
+        times = {arm.name: [] for arm in arms}
+        for arm in arms:
+            arm.start_decode(prompts)
+        for _ in range(spec.repeats + 1):
+            for arm in arms:
+                times[arm.name].append(arm.decode_s(DECODE_STEPS))
+        for arm in arms:
+            arm.stop_decode()
+            out[arm.name]["decode_tok_s"][str(b)] = b * DECODE_STEPS / statistics.median(times[arm.name][1:])
+    return out
 
 
 def vllm_tok_s(model_dir: str, spec: BenchSpec, vocab: int, threads: int) -> dict:
@@ -163,24 +99,38 @@ def ratios(ours: dict, peer: dict, batches: tuple[int, ...]) -> dict:
     return out
 
 
-def run_bench(spec: BenchSpec, with_peer: bool = True) -> dict:
+def run_bench(spec: BenchSpec, with_peer: bool = True, both_invariance: bool = False) -> dict:
+    """`both_invariance`: also an arm with batch invariance the other way (reported under
+    `other_invariance` with its own ratios)."""
     max_batch = max(spec.batches)
     tokens = max_batch * (spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 16)
-    engine = Engine(EngineConfig(model=spec.model, dtype=spec.dtype, compute_dtype=spec.compute_dtype,
-                                 batch_invariant=spec.batch_invariant, enable_prefix_cache=False, max_num_seqs=max_batch,
-                                 kv_cache_bytes=0, num_blocks=tokens // 16 + 64, max_num_batched_tokens=spec.prompt_len))
+    settings = (spec.batch_invariant, not spec.batch_invariant) if both_invariance else (spec.batch_invariant,)
+    arms = [PdserveArm(EngineConfig(model=spec.model, dtype=spec.dtype, compute_dtype=spec.compute_dtype,
+                                    batch_invariant=bi, enable_prefix_cache=False, max_num_seqs=max_batch,
+                                    kv_cache_bytes=0, num_blocks=tokens // 16 + 64,
+                                    max_num_batched_tokens=spec.prompt_len), DECODE_STEPS * (spec.repeats + 1) + 1)
+            for bi in settings]
+    engine = arms[0].engine
+    model_dir, vocab = str(engine.model_dir), engine.model_config.vocab_size
+    if with_peer:
+        arms.append(TransformersArm(model_dir, getattr(torch, spec.dtype)))
+    figures = interleaved_tok_s(arms, spec, vocab)
     result = {
         "model": spec.model, "dtype": spec.dtype, "compute_dtype": str(engine.model.dtype).removeprefix("torch."),
         "native_bf16": cpu_has_native_bf16(), "batch_invariant": spec.batch_invariant, "cpu": engine.numerics,
-        "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(),
-        "prefill_tok_s": pdserve_prefill_tok_s(engine, spec),
-        "decode_tok_s": {str(b): pdserve_decode_tok_s(engine, spec, b) for b in spec.batches},
+        "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(), **figures[arms[0].name],
     }
-    engine.assert_no_leaks()
-    if with_peer:
-        result["peer"] = peer_tok_s(str(engine.model_dir), spec)
-        result["ratio"] = ratios(result, result["peer"], spec.batches)
     if spec.vllm_python:
-        result["vllm"] = vllm_tok_s(str(engine.model_dir), spec, engine.model_config.vocab_size, torch.get_num_threads())
-        result["ratio_vllm"] = ratios(result, result["vllm"], spec.batches)
+        result["vllm"] = vllm_tok_s(model_dir, spec, vocab, torch.get_num_threads())
+    if both_invariance:
+        other = arms[1]
+        result["other_invariance"] = {"batch_invariant": other.engine.config.batch_invariant,
+                                      "products": other.engine.numerics["products"], **figures[other.name]}
+    for ours in (result, result.get("other_invariance")):
+        if ours is not None and with_peer:
+            ours["ratio"] = ratios(ours, figures["transformers"], spec.batches)
+        if ours is not None and spec.vllm_python:
+            ours["ratio_vllm"] = ratios(ours, result["vllm"], spec.batches)
+    if with_peer:
+        result["peer"] = figures["transformers"]
     return result

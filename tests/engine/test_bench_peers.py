@@ -47,3 +47,38 @@ def test_cli_flag_and_peer_script_import_without_vllm():
     args = build_parser().parse_args(["bench-engine", "--vllm-python", "/venv/bin/python", "--batches", "1,32"])
     assert args.vllm_python == "/venv/bin/python" and args.batches == "1,32"
     assert callable(vllm_peer.main)  # the script imports vLLM only when it runs
+
+
+class _FakeArm:
+    """Records every call in a shared log; prefill takes `unit` s, a decode call `unit` s per step."""
+
+    def __init__(self, name: str, unit: float, log: list):
+        self.name, self.unit, self.log = name, unit, log
+
+    def prefill_s(self, prompt):
+        self.log.append((self.name, "prefill", len(prompt)))
+        return self.unit
+
+    def start_decode(self, prompts):
+        self.log.append((self.name, "start", len(prompts)))
+
+    def decode_s(self, steps):
+        self.log.append((self.name, "decode", steps))
+        return self.unit * steps
+
+    def stop_decode(self):
+        self.log.append((self.name, "stop", 0))
+
+
+def test_arms_are_timed_back_to_back_in_every_repeat():
+    from pdserve.engine.benchmark import DECODE_STEPS, interleaved_tok_s
+
+    log: list = []
+    arms = [_FakeArm("a", 0.5, log), _FakeArm("b", 0.25, log)]
+    got = interleaved_tok_s(arms, BenchSpec(prompt_len=8, batches=(2,), repeats=2), vocab=64)
+    assert got == {"a": {"prefill_tok_s": 16.0, "decode_tok_s": {"2": 4.0}},
+                   "b": {"prefill_tok_s": 32.0, "decode_tok_s": {"2": 8.0}}}
+    names = [name for name, call, _ in log if call in ("prefill", "decode")]
+    assert names == ["a", "b"] * 6  # 3 prefills (one warm-up) then 3 decode chunks, alternating
+    assert [c for n, c, _ in log if n == "a"] == ["prefill"] * 3 + ["start"] + ["decode"] * 3 + ["stop"]
+    assert all(steps == DECODE_STEPS for _, call, steps in log if call == "decode")
