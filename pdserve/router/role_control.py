@@ -114,11 +114,15 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
     return changes
 
 
+MIN_TPOT_TOKENS = 4  # a request's TPOT counts once it has this many tokens
+
+
 def pool_signals(backend) -> PoolSignals | None:
     """The controller's observation from the latest load reports; None while any worker is not
-    LIVE (a role change or a restart is under way: its pool is in flux)."""
-    cost, prompt, kv, tpot = backend.router.config.cost, {}, {}, {}
-    slo_tpot_s = backend.router.config.tpot_slo_s
+    LIVE (a role change or a restart is under way: its pool is in flux). A decode worker's
+    queued local prefills are prompt work (`local_prompt_s`); its TPOT share is measured, the
+    mean TPOT its live requests see so far over the TPOT objective."""
+    cost, prompt, local, kv = backend.router.config.cost, {}, {}, {}
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
@@ -127,8 +131,20 @@ def pool_signals(backend) -> PoolSignals | None:
             prompt[wid] = float(cost.queue_s(load.pending_prompt_tokens))
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
-            tpot[wid] = float(cost.decode_step_s(load.active_decode)) / slo_tpot_s if load.active_decode else 0.0
-    return PoolSignals(prompt, kv, tpot)
+            local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+    return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
+
+
+def measured_tpot_share(backend, decode_workers, now_s: float) -> dict[str, float]:
+    """Per decode worker: the mean TPOT of its live requests (at least MIN_TPOT_TOKENS tokens,
+    counting the wait since the last one) over the TPOT objective; 0 with none."""
+    seen: dict[str, list[float]] = {wid: [] for wid in decode_workers}
+    for live in backend.live.values():
+        n = len(live.output_ids)
+        if live.decode_id in seen and live.first_token_s is not None and n >= MIN_TPOT_TOKENS:
+            seen[live.decode_id].append((max(now_s, live.last_token_s) - live.first_token_s) / (n - 1))
+    objective = backend.router.config.tpot_slo_s
+    return {wid: (sum(t) / len(t)) / objective if t else 0.0 for wid, t in seen.items()}
 
 
 async def run_pool_controller(backend, controller: PoolController, period_s: float = 0.5,

@@ -6,10 +6,11 @@ carries out with the one role-change mechanism (router/role_control.py: drain, n
 register again). The signals, per pool, from the workers' load reports:
 
     prompt pressure   seconds of prompt work queued per prefill worker: the cost model's
-                      queue_s(pending prompt tokens) averaged over the prompt pool
+                      queue_s(pending prompt tokens) summed over the prompt pool and the decode
+                      workers' queued local prefills (prompt work too), per prefill worker
     token pressure    the token pool's busiest worker: the larger of its K/V in use (1 - free
-                      blocks / blocks) and its decode step's share of the TPOT objective (the
-                      cost model's step time at its decode batch / TPOT target)
+                      blocks / blocks) and its measured TPOT's share of the TPOT objective (the
+                      mean TPOT its live requests see / TPOT target)
 
 Hysteresis: a pool counts as pressed only after `hold` consecutive observations over its high
 mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`
@@ -37,7 +38,8 @@ class PoolSignals:
 
     prompt_queue_s: dict[str, float]  # prefill workers: seconds of queued prompt work
     kv_used: dict[str, float]  # decode workers: fraction of K/V blocks in use
-    tpot_used: dict[str, float] = field(default_factory=dict)  # decode workers: step time / TPOT target
+    tpot_used: dict[str, float] = field(default_factory=dict)  # decode workers: measured TPOT / TPOT target
+    local_prompt_s: dict[str, float] = field(default_factory=dict)  # decode workers: queued local prefill seconds
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class PoolController:
 
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
         t = self.thresholds
-        prompt = _mean(signals.prompt_queue_s.values())
+        prompt = _prompt_pressure(signals)
         kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
         self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
         self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
@@ -123,6 +125,8 @@ class PoolController:
         return move
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
+def _prompt_pressure(signals: PoolSignals) -> float:
+    """Queued prompt seconds, the prompt pool's and the decode workers' local prefills, per
+    prefill worker (all of it on one when the prompt pool is empty)."""
+    queued = sum(signals.prompt_queue_s.values()) + sum(signals.local_prompt_s.values())
+    return queued / max(1, len(signals.prompt_queue_s))

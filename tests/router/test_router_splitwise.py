@@ -87,3 +87,12 @@ def test_the_last_prompt_worker_goes_to_the_token_pool_only_when_decode_workers_
     # the token pool still keeps its last worker
     backlog = PoolSignals({"p0": 9.0}, {"d0": 0.0})
     assert all(PoolController(T, prompt_pool_may_empty=True).observe(backlog, float(t)) is None for t in range(6))
+
+
+def test_local_prefill_backlog_on_decode_workers_is_prompt_pressure():
+    # decode steps are slow because the decode worker prefills long prompts locally: that is a
+    # prompt backlog, so the prompt worker must not be lent away
+    busy = PoolSignals({"p0": 0.2}, {"d0": 0.1}, tpot_used={"d0": 1.5}, local_prompt_s={"d0": 4.0})
+    c = PoolController(T, prompt_pool_may_empty=True)
+    assert all(c.observe(busy, float(t)) is None for t in range(6))
+    assert c.prompt_streak == 0  # one prefill worker's 4.2 s, but the decode pool is pressed too
