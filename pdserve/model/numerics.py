@@ -37,7 +37,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import skinny
+from pdserve.model import onednn_packed, skinny
+from pdserve.model.onednn_packed import PackedWeight
 
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
 TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block stays in L2
@@ -114,35 +115,44 @@ class PairedWeight:
     kernel (x86 bf16: about one row in twelve rounds differently), while in the matrix kernel a
     row's bits do not depend on its batch mates (the probe checks both on each machine)."""
 
-    def __init__(self, weight: torch.Tensor):  # weight: [N, K]
-        self.weight = weight
+    def __init__(self, inner: torch.Tensor | PackedWeight):  # [N, K], plain or oneDNN-packed
+        self.inner = inner
+        self.weight = dense(inner)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] -> [T, N]."""
         if x.shape[0] != 1:
-            return F.linear(x, self.weight)
-        return F.linear(torch.cat([x, x.new_zeros(1, x.shape[1])]), self.weight)[:1]
+            return _product(x, self.inner)
+        return _product(torch.cat([x, x.new_zeros(1, x.shape[1])]), self.inner)[:1]
 
 
-Weight = torch.Tensor | TiledWeight | PairedWeight
+def _product(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return weight(x, bias) if isinstance(weight, PackedWeight) else F.linear(x, weight, bias)
+
+
+Weight = torch.Tensor | TiledWeight | PairedWeight | PackedWeight
 
 
 def prepare(weight: torch.Tensor, plan: str) -> Weight:
-    """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it, "paired" wraps
-    it; others keep it)."""
+    """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it into tiles; the
+    others keep torch's products, with a bf16 weight reordered once for oneDNN (onednn_packed:
+    the same bits as F.linear, without a reorder per call), and "paired" wraps that)."""
     if plan == "tiled":
         return TiledWeight(weight)
-    return PairedWeight(weight) if plan == "paired" else weight
+    base = onednn_packed.pack(weight)
+    return PairedWeight(base) if plan == "paired" else base
 
 
 def dense(weight: Weight) -> torch.Tensor:
     """The plain [N, K] tensor behind a prepared weight."""
-    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight)) else weight
+    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight, PackedWeight)) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, skinny_rows: bool = False) -> torch.Tensor:
     """x: [T, in] -> [T, out]. A TiledWeight runs fixed-shape calls; with `skinny_rows` (see
     skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
+    if isinstance(weight, PackedWeight):
+        return weight(x, bias)
     if isinstance(weight, (TiledWeight, PairedWeight)):
         out = weight(x)
         return out if bias is None else out + bias
