@@ -38,7 +38,7 @@ from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_index import hash_key
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.fetch_runner import FetchRunner
-from pdserve.router.messages import Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
+from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.router.tetri_runtime import TetriRuntime
@@ -229,6 +229,9 @@ class ClusterBackend:
         prefill work) when the wait runs out or no route can exist."""
         req = live.req
         hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
+        if self.tetri.mode == "dynamic" and self.loads and not self._could_ever_fit(req):  # its hold could never grow to it
+            self._reject(RouteRejection(req.request_id, self.router.config.policy, RejectReason.NO_DECODE_CAPACITY,
+                                        self.router.config.retry_after_s, "max_tokens could never fit a decode worker"))
         while True:
             heavy = self.tetri.hold(req).heavy
             result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes,
@@ -277,9 +280,11 @@ class ClusterBackend:
         return self.tetri.output_demand(req, self._block_size)
 
     def _could_ever_fit(self, req: GenerationRequest) -> bool:
-        """False when even an empty decode worker could not hold the request: waiting is pointless."""
-        need = -(-(min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) + self.output_demand(req)
-                   - req.params.max_tokens) // self._block_size)
+        """False when even an empty decode worker could not hold the request at its worst case
+        (max_tokens, under --reserve dynamic too: its hold may grow that far): waiting is pointless."""
+        n, most = req.params.n, req.params.max_tokens
+        need = -(-(min(len(req.prompt_ids) + most, self.max_model_len) + (n - 1) * (most + self._block_size))
+                 // self._block_size)
         pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated")]
         return bool(pools) and need <= max(pools)
 

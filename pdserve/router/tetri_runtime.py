@@ -1,8 +1,8 @@
 """The router process's side of TetriInfer admission (`--reserve`, `--predictor`).
 
 Contract (one `TetriRuntime` per `ClusterBackend`; called on the backend's event loop):
-- `hold(req)`: the request's output hold (router/reserve_mode.py; pure, so every admission
-  attempt and the recompute fallback see the same bound); `output_demand(req)` the output
+- `hold(req)`: the request's output hold (router/reserve_mode.py; a pure function of the
+  request, computed once, so every admission attempt and the recompute fallback see the same bound); `output_demand(req)` the output
   tokens the router's decode hold covers (n sequences, plus the partial block each fork copies);
   `reserve_tokens(req)` what `ReserveKv` tells the decode worker to reserve (0: max_tokens).
 - `on_tokens(live, worker_id, item)`: every token message from the request's decode worker
@@ -16,12 +16,17 @@ Contract (one `TetriRuntime` per `ClusterBackend`; called on the backend's event
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from pdserve.router.reserve_mode import OutputHold, ReservePolicy, outcome_bytes
+
+CACHE = 8192
 
 
 class TetriRuntime:
     def __init__(self, backend, policy: ReservePolicy = ReservePolicy()):
         self.backend, self.policy = backend, policy
+        self._holds: OrderedDict[tuple[str, int], OutputHold] = OrderedDict()
         backend.metrics.reservations.mode.labels(policy.mode).set(1)
 
     @property
@@ -29,7 +34,15 @@ class TetriRuntime:
         return self.policy.mode
 
     def hold(self, req) -> OutputHold:
-        return self.policy.hold(req.prompt_ids, req.params.max_tokens)
+        """Predicted once per request (a prediction costs ~0.5 ms; a request waiting in admission
+        asks on every attempt); the last `CACHE` requests' holds are kept."""
+        key = (req.request_id, id(req))
+        hold = self._holds.get(key)
+        if hold is None:
+            hold = self._holds[key] = self.policy.hold(req.prompt_ids, req.params.max_tokens)
+            if len(self._holds) > CACHE:
+                self._holds.popitem(last=False)
+        return hold
 
     def output_demand(self, req, block_size: int) -> int:
         n = req.params.n
@@ -58,6 +71,7 @@ class TetriRuntime:
             live.note(preemptions=item.preemptions)
         if item.finished:
             self._score(live)
+            self._holds.pop((live.req.request_id, id(live.req)), None)
 
     def _score(self, live) -> None:
         prediction = self.hold(live.req).prediction
