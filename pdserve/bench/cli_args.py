@@ -36,6 +36,7 @@ def endpoint_config(args: argparse.Namespace, base_url: str, model: str | None) 
     return EndpointConfig(
         base_url=base_url, model=model, api=args.api, ignore_eos=not args.no_ignore_eos,
         request_timeout_s=args.request_timeout_s, api_key=args.api_key, http_client=args.http_client,
+        max_tokens=getattr(args, "max_tokens", None),
     )
 
 

@@ -38,6 +38,7 @@ class EndpointConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None
     http_client: str = "raw"
+    max_tokens: int | None = None  # set: every request asks for this many, and ends at its own length (scripted EOS)
 
 
 def request_body(request: BenchRequest, endpoint: EndpointConfig) -> dict:
@@ -48,6 +49,8 @@ def request_body(request: BenchRequest, endpoint: EndpointConfig) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if endpoint.max_tokens is not None:  # the bound the server reserves for; the trace's length ends it
+        body["max_tokens"], body["scripted_eos_tokens"] = endpoint.max_tokens, request.output_tokens
     if endpoint.ignore_eos:
         body["ignore_eos"] = True
     if endpoint.api == "chat":

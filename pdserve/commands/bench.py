@@ -78,6 +78,9 @@ def _add_client_args(group) -> None:
     group.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
     group.add_argument("--request-timeout-s", type=float, default=600.0)
     group.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    group.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                       help="ask every request for N tokens and end it at its own (trace) length with pdserve's "
+                            "scripted_eos_tokens, as a model's EOS would: the server reserves for N")
 
 
 def _add_load_args(group) -> None:
