@@ -147,7 +147,9 @@ class FetchRunner:
                     await b._send(dest, m.FetchAbort(fetch_id))  # a late reservation is returned
                 return 0
             plan = self._plan(live, job, reserved)
-            if plan is None:
+            if plan is None:  # a side left the registry meanwhile: the reservation is returned
+                live.note(fetch_failure="holder_lost")
+                await b._send(dest, m.FetchAbort(fetch_id))
                 return 0
             await b._send(terms.holder, m.FetchServe(prefix, plan))
             done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
