@@ -274,6 +274,8 @@ class Worker:
             held |= set(self.decode.requests) | self.decode.decoding
         if self.prefill is not None:
             held |= set(self.prefill.plans)
+        if self.runahead is not None:
+            held |= set(self.runahead.links)  # chain stages whose prefix is still landing
         return sorted(held)
 
     def _quiet(self) -> bool:
