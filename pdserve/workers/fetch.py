@@ -248,6 +248,11 @@ class FetchSide:
     def tables(self) -> list[list[int]]:
         return self.blocks.tables() + [list(b) for b in self.serving.values()]
 
+    @property
+    def busy(self) -> bool:
+        """A fetch still pins blocks here (a role change waits for it: its links touch the pool)."""
+        return bool(self.serving) or bool(self.blocks.tables())
+
     def assert_no_leaks(self) -> None:
         self.blocks.assert_no_leaks()
         assert not self.serving, f"holder pins held: {sorted(self.serving)}"

@@ -281,7 +281,7 @@ class Worker:
     def _quiet(self) -> bool:
         """Nothing runs here and no transfer thread still reads or writes this worker's blocks."""
         with self.lock:
-            if self.engine.has_unfinished() or self.engine.imports:
+            if self.engine.has_unfinished() or self.engine.imports or self.fetch.busy:
                 return False
             if self.prefill is not None and (self.prefill.started or self.prefill.plans or self.engine.prefilled):
                 return False
