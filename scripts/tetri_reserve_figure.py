@@ -42,7 +42,7 @@ def free_port() -> int:
 def start_server(args, arm: str, predictor: Path, port: int, log: Path) -> subprocess.Popen:
     cmd = [*PDSERVE, "serve", "--model", args.model, "--prefill", "1", "--decode", "1",
            "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
-           "--pd-decision", "always", "--pd-profile", "none", "--admission-wait-s", "600", "--slo-ttft-ms", "600000",
+           "--pd-decision", "always", "--pd-profile", "none", "--admission-wait-s", "3000", "--slo-ttft-ms", "600000",
            "--reserve", arm, "--predictor", str(predictor), "--port", str(port)]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -65,7 +65,7 @@ def one_request(url: str, model: str, entry: dict, out: list, i: int) -> None:
     body = {"model": model, "prompt": entry["prompt"], "max_tokens": 1024, "temperature": 0.0,
             "scripted_eos_tokens": entry["output_len"]}
     try:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=1200)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
         js = r.json()
         ok = r.status_code == 200
         out[i] = (ok, js["usage"]["completion_tokens"] if ok else 0, js["choices"][0]["finish_reason"] if ok else r.status_code)
