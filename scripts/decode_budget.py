@@ -7,8 +7,10 @@ Three arms, interleaved in every round (the machine is shared, so each round mea
   step  - one engine decode step of `batch` sequences with `context` tokens of K/V (engine.step());
   gemms - every product of that step alone (the model's own prepared weights and `linear`, the
           same [batch, d] inputs: fused q|k|v, o, fused gate|up, down per layer, then the LM head);
-  attn  - SDPA over contiguous K/V [batch, H_kv, context + 1, D] (G query heads per K/V head), per layer.
-Prints one JSON line: medians in ms and step / (gemms + attn).
+  attn  - SDPA over contiguous K/V [batch, H_kv, context + 1, D] (G query heads per K/V head), per layer;
+  kernel - (extra) the engine's own paged decode kernel over a pool of random blocks, per layer.
+Prints one JSON line: medians in ms, step / (gemms + attn) (the issue's figure) and
+step / (gemms + kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.engine.bench_arms import import_contexts
 from pdserve.engine.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.model import paged_decode
 from pdserve.model.numerics import dense, linear
 
 
@@ -57,6 +60,22 @@ def _attention(model, batch: int, context: int):
     return run
 
 
+def _kernel(model, batch: int, context: int, block: int = 16):
+    cfg = model.config
+    width = -(-(context + 1) // block)
+    gen = torch.Generator().manual_seed(0)
+    pools = [torch.randn(2, batch * width + 8, block, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(model.dtype)
+             for _ in range(cfg.num_layers)]  # per layer [2, N, B, H_kv, D]
+    tables = torch.randperm(batch * width + 8, generator=gen)[: batch * width].view(batch, width)  # [Bd, M]
+    lens = torch.full((batch,), context + 1, dtype=torch.int64)
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(model.dtype)  # [Bd, H_q, D]
+
+    def run():
+        for pool in pools:
+            paged_decode.decode_attention(q, pool[0], pool[1], tables, lens)
+    return run
+
+
 def _time(fn, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -81,7 +100,8 @@ def main() -> None:
                                  num_blocks=args.batch * (args.context + steps + 64) // 16 + 64))
     import_contexts(engine, _prompts(args.batch, args.context, engine.model_config.vocab_size, 2), steps)
     arms = {"step": engine.step, "gemms": _gemms(engine.model, args.batch),
-            "attn": _attention(engine.model, args.batch, args.context)}
+            "attn": _attention(engine.model, args.batch, args.context),
+            "kernel": _kernel(engine.model, args.batch, args.context)}
     with torch.inference_mode():
         for fn in arms.values():
             fn()
@@ -93,7 +113,8 @@ def main() -> None:
     print(json.dumps({"cpu": engine.numerics["kind"], "products": engine.numerics["products"],
                       "threads": args.threads, "batch": args.batch, "context": args.context,
                       "median_ms": med, "runs_ms": times,
-                      "step_over_parts": med["step"] / (med["gemms"] + med["attn"])}))
+                      "step_over_parts": med["step"] / (med["gemms"] + med["attn"]),
+                      "step_over_gemms_and_kernel": med["step"] / (med["gemms"] + med["kernel"])}))
 
 
 if __name__ == "__main__":
