@@ -93,16 +93,18 @@ def eligible(cache: torch.Tensor) -> bool:
 
 
 _executor: ThreadPoolExecutor | None = None
+_executor_key: tuple[int, int] = (0, 0)  # (pid, workers): a forked child must not reuse its parent's threads
 
 
 def _run(calls: list[tuple]) -> None:
-    global _executor
+    global _executor, _executor_key
     lib = _library()
     if len(calls) == 1:
         status = [lib.paged_decode(*calls[0])]
     else:
-        if _executor is None or _executor._max_workers < len(calls) - 1:  # noqa: SLF001
+        if _executor is None or _executor_key != (os.getpid(), len(calls) - 1):
             _executor = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="paged-decode")
+            _executor_key = (os.getpid(), len(calls) - 1)
         futures = [_executor.submit(lib.paged_decode, *c) for c in calls[1:]]
         status = [lib.paged_decode(*calls[0])] + [f.result() for f in futures]
     if -2 in status:

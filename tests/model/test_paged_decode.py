@@ -109,3 +109,20 @@ def test_refuses_a_non_contiguous_pool():
     q, k, v, tables, ctx = _setup(torch.float32, [5])
     with pytest.raises(ValueError, match="contiguous"):
         paged_decode.decode_attention(q, k.transpose(2, 3), v, tables, ctx)
+
+
+def test_a_forked_child_runs_the_kernel_on_threads_of_its_own():
+    import multiprocessing
+
+    q, k, v, tables, ctx = _setup(torch.bfloat16, [40, 70, 9, 33])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = paged_decode.decode_attention(q, k, v, tables, ctx)  # starts the parent's helper thread
+        child = multiprocessing.get_context("fork").Pool(1)
+        got = child.apply_async(paged_decode.decode_attention, (q, k, v, tables, ctx)).get(timeout=120)
+        child.close()
+        child.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, expected)
