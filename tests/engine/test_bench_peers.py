@@ -44,7 +44,7 @@ def test_vllm_arm_speaks_the_peer_protocol_and_is_interleaved(tmp_path):
     python = _fake_python(tmp_path, f'exec {sys.executable} {tmp_path / "peer.py"} --record {record} "$@"\n')
     arm = VllmArm(python, "/ckpt", "bfloat16", threads=2, max_model_len=600, max_batch=4, max_steps=25)
     assert arm.engine == "vllm fake"
-    got = interleaved_tok_s([arm], BenchSpec(prompt_len=8, batches=(4,), repeats=2), vocab=64)
+    got = interleaved_tok_s([arm], BenchSpec(prompt_len=8, batches=(4,), repeats=2, settle_s=0), vocab=64)
     arm.close()
     assert got == {"vllm": {"prefill_tok_s": 16.0, "decode_tok_s": {"4": 16.0}}}
     argv, *cmds = record.read_text().split("\n")
@@ -98,15 +98,15 @@ class _FakeArm:
         self.log.append((self.name, "stop", 0))
 
 
-def test_arms_are_timed_back_to_back_in_every_repeat():
+def test_arms_are_timed_back_to_back_in_every_repeat_in_rotated_order():
     from pdserve.engine.benchmark import DECODE_STEPS
 
     log: list = []
     arms = [_FakeArm("a", 0.5, log), _FakeArm("b", 0.25, log)]
-    got = interleaved_tok_s(arms, BenchSpec(prompt_len=8, batches=(2,), repeats=2), vocab=64)
+    got = interleaved_tok_s(arms, BenchSpec(prompt_len=8, batches=(2,), repeats=2, settle_s=0), vocab=64)
     assert got == {"a": {"prefill_tok_s": 16.0, "decode_tok_s": {"2": 4.0}},
                    "b": {"prefill_tok_s": 32.0, "decode_tok_s": {"2": 8.0}}}
     names = [name for name, call, _ in log if call in ("prefill", "decode")]
-    assert names == ["a", "b"] * 6  # 3 prefills (one warm-up) then 3 decode chunks, alternating
+    assert names == ["a", "b", "b", "a", "a", "b"] * 2  # 3 prefills (one warm-up), 3 decode chunks; rotated
     assert [c for n, c, _ in log if n == "a"] == ["prefill"] * 3 + ["start"] + ["decode"] * 3 + ["stop"]
     assert all(steps == DECODE_STEPS for _, call, steps in log if call == "decode")
