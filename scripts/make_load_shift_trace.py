@@ -14,8 +14,8 @@ import random
 import sys
 
 # defaults made the committed trace; env overrides (RATE_A, RATE_B, PHASE_A_S, PHASE_B_S) write another
-PHASE_A_S, RATE_A = float(os.environ.get("PHASE_A_S", 150)), float(os.environ.get("RATE_A", 0.25))
-PHASE_B_S, RATE_B = float(os.environ.get("PHASE_B_S", 150)), float(os.environ.get("RATE_B", 0.5))
+PHASE_A_S, RATE_A = float(os.environ.get("PHASE_A_S", 150)), float(os.environ.get("RATE_A", 0.35))
+PHASE_B_S, RATE_B = float(os.environ.get("PHASE_B_S", 150)), float(os.environ.get("RATE_B", 1.6))
 SEED = 21
 
 
