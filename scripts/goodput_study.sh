@@ -19,14 +19,8 @@ engine_args=(--model "$model" --dtype "$dtype" --kv-cache-mb 512)
 # shellcheck disable=SC2206
 engine_args+=(${EXTRA_SERVE_ARGS:-})  # e.g. --no-batch-invariant
 
-start_server() {  # name, serve args...
-  local name=$1; shift
-  $PD serve "${engine_args[@]}" --port "$PORT" "$@" > "$out/$name.server.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1200); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
-  echo "server $name did not come up" >&2; return 1
-}
-stop_server() { kill -INT "$SERVER"; wait "$SERVER" || true; }
+# shellcheck source=scripts/study_server.sh
+source "$(dirname "$0")/study_server.sh"
 
 workload_args() {  # long | short
   if [[ $1 == long ]]; then echo "--input-dist uniform:1024,2048 --output-dist uniform:64,128 --seed 1"

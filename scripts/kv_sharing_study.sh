@@ -18,23 +18,16 @@ PD=${PD:-.venv/bin/pdserve}
 PORT=${PORT:-8017}
 C=${C:-1}; T=${T:-6}; INPUT=${INPUT:-1000}; TURN=${TURN:-160}; OUTPUT=${OUTPUT:-32}; RUNS=${RUNS:-3}
 # shellcheck disable=SC2206
-serve_args=(--model "$model" --mode colocated --replicas 2 --policy round_robin --kv-cache-mb 512 ${EXTRA_SERVE_ARGS:-})
-
-start_server() {  # name, serve args...
-  local name=$1; shift
-  $PD serve "${serve_args[@]}" --port "$PORT" --trace-dir "$out/$name.trace" "$@" > "$out/$name.server.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1200); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
-  echo "server $name did not come up" >&2; return 1
-}
-stop_server() { kill -INT "$SERVER"; wait "$SERVER" || true; }
+engine_args=(--model "$model" --mode colocated --replicas 2 --policy round_robin --kv-cache-mb 512 ${EXTRA_SERVE_ARGS:-})
+# shellcheck source=scripts/study_server.sh
+source "$(dirname "$0")/study_server.sh"
 
 arms=(sharing no_sharing)
 for run in $(seq 1 "$RUNS"); do
   for k in 0 1; do
     arm=${arms[$(( (k + run - 1) % 2 ))]}
     flags=(); [ "$arm" = no_sharing ] && flags=(--no-kv-sharing)
-    start_server "$arm.$run" "${flags[@]}"
+    start_server "$arm.$run" --trace-dir "$out/$arm.$run.trace" "${flags[@]}"
     $PD bench --endpoint "http://127.0.0.1:$PORT" --closed-loop --num-conversations "$C" --num-turns "$T" \
       --input-len "$INPUT" --turn-len "$TURN" --output-len "$OUTPUT" --seed "$run" --json "$out/$arm.$run.json" \
       > "$out/$arm.$run.log"

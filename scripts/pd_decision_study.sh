@@ -32,21 +32,10 @@ with open(path, "w") as f:
         f.write(json.dumps({"prompt_len": prompt, "output_len": rng.randint(64, 128)}) + "\n")
 PY
 
-start_server() {  # name, serve args...
-  local name=$1; shift
-  $PD serve "${engine_args[@]}" --port "$PORT" "$@" > "$out/$name.server.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1200); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
-  echo "server $name did not come up" >&2; return 1
-}
-stop_server() { kill -INT "$SERVER"; wait "$SERVER" || true; }
+# shellcheck source=scripts/study_server.sh
+source "$(dirname "$0")/study_server.sh"
 
-start_server calibrate --mode colocated --replicas 1
-$PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests 3 --rate 0.05 --arrival constant --input-len 1536 \
-  --output-len 32 --prompt-format ids --slo-ttft-ms 1e9 --slo-tpot-ms 1e9 --json "$out/calibrate.json" --quiet \
-  > "$out/calibrate.log"
-stop_server
-read -r TTFT TPOT < <(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(round(5*d['p50_ttft_ms'],1), round(2*d['p50_tpot_ms'],1))" "$out/calibrate.json")
+read -r TTFT TPOT < <(derive_slos)
 echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N}" | tee "$out/slos.json"
 
 modes=(always never margin)
