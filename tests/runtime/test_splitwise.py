@@ -52,6 +52,9 @@ def test_a_prompt_backlog_moves_a_token_worker_to_the_prompt_pool():
 
 # ---- a mixed worker's prompt priority (engine/prompt_priority.py) ------------------------------
 LONG = SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0)
+# the two that take the batch's slots decode long enough that a fast machine's heartbeats (0.25 s)
+# still see both decoding before they finish
+HELD = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
 MIXED = [prompt(40 + 7 * i, 1200 + i) for i in range(3)]
 
 
@@ -59,7 +62,7 @@ async def _mixed_scenario(engine: EngineConfig):
     # every request prefills where it decodes (a worker running both phases); nothing moves pools
     cfg = config(mode="splitwise", num_prefill=1, num_decode=1, pd_decision="never", engine=engine)
     async with cluster(cfg) as (backend, _):
-        first = [asyncio.create_task(collect(backend, f"m{i}", MIXED[i], LONG)) for i in range(2)]
+        first = [asyncio.create_task(collect(backend, f"m{i}", MIXED[i], HELD)) for i in range(2)]
         deadline = time.monotonic() + 60
         while not any(w.load and w.load["active_decode"] == 2 for w in backend.workers()):
             assert time.monotonic() < deadline and not any(t.done() for t in first), "both never decoded at once"
@@ -74,9 +77,10 @@ async def _mixed_scenario(engine: EngineConfig):
 def test_a_mixed_worker_gives_a_waiting_prompt_a_young_decodes_slot():
     engine = replace(TINY, max_num_seqs=2, prompt_priority=PromptPriority(age_override_ms=1e9, max_preemptions=1))
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    expected = [list(alone.generate([list(p)], LONG)[0].output_ids) for p in MIXED]
+    params = [HELD, HELD, LONG]
+    expected = [list(alone.generate([list(p)], q)[0].output_ids) for p, q in zip(MIXED, params)]
     results, loads, metrics = asyncio.run(_mixed_scenario(engine))
-    assert all(isinstance(event, FinishEvent) and len(ids) == 120 for ids, event in results)
+    assert all(isinstance(event, FinishEvent) and len(ids) == q.max_tokens for (ids, event), q in zip(results, params))
     # the two that kept their slots are exact; the displaced one recomputed its K/V by prefill,
     # which may flip a bf16 near-tie after the point it was displaced (engine/prompt_priority.py)
     exact = [ids == want for (ids, _), want in zip(results, expected)]
