@@ -9,7 +9,10 @@ The chain, first applicable wins:
     this worker can re-run the prompt itself   -> RECOMPUTE (correct, though it may miss TTFT)
     otherwise                                  -> FAIL with reason "kv_not_visible"
 
-Only a published K/V counts as visible; a partly received one never does (handoff's job).
+Only a published K/V counts as visible; a partly received one never does (handoff's job). The
+TTFT budget a WAIT may use counts from the transfer's start (router/recovery.py), not from
+arrival: time a request spent queued in admission, before any prefill work, is not held
+against its K/V once that work is spent.
 """
 
 from __future__ import annotations

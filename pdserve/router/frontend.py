@@ -327,7 +327,7 @@ class ClusterBackend:
         )
         transfer = self.capabilities.issue(transfer, plan.prefill_id, src.epoch, dest.abi_hash, same_host and src.shm_name is not None,
                                            dest.bytes_per_token * dest.block_size)
-        live.owners = {plan.prefill_id, plan.decode_id}
+        live.start_transfer(plan.prefill_id, plan.decode_id)
         self.metrics.kv_transfer_attempts.inc()
         grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0
         if self.runahead is not None and await self.runahead.start(self, live, plan, transfer, grant):

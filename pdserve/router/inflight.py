@@ -28,6 +28,7 @@ class InFlight:
     seed: int
     queue: asyncio.Queue
     arrival_s: float = field(default_factory=time.monotonic)
+    transfer_start_s: float | None = None  # when the router handed the prompt to P with its transfer plan
     policy: str = ""
     prefill_id: str = ""
     decode_id: str = ""
@@ -52,6 +53,17 @@ class InFlight:
     @property
     def disaggregated(self) -> bool:
         return self.prefill_id != self.decode_id
+
+    def start_transfer(self, prefill_id: str, decode_id: str) -> None:
+        """The prefill work and its K/V transfer begin: both workers own the request now."""
+        self.owners = {prefill_id, decode_id}
+        self.transfer_start_s = time.monotonic()
+
+    def wait_clock_s(self) -> float:
+        """Where the decode-start wait budget counts from (router/recovery.py): the transfer's
+        start, so time queued in admission (no work spent yet) is not held against a K/V that is
+        already on its way; arrival before any transfer."""
+        return self.arrival_s if self.transfer_start_s is None else self.transfer_start_s
 
     def note(self, **fields) -> None:
         self.trace.update(fields)

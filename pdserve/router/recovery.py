@@ -8,7 +8,10 @@ decides with `fallback.decide_decode_start` (the pure function the tests check) 
                         and the first token (which StartDecode carries) is known
     kv_expected_in_s    while the transfer still runs: the cost model's time for its planned
                         bytes; None once it failed or a worker of the route was lost
-    ttft_budget_left_s  the router's TTFT target minus the request's age
+    ttft_budget_left_s  the router's TTFT target minus the time since the transfer started
+                        (InFlight.wait_clock_s): a request that queued in admission past its
+                        TTFT target still waits for a K/V whose prefill work is already spent,
+                        instead of recomputing it or failing `kv_not_visible`
     visible_at          other live decode workers whose prefix cache holds every full prompt
                         block, with headroom for the hold (router.takeover_holds)
     can_recompute       some live decode worker has headroom for the hold
@@ -45,7 +48,7 @@ def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSit
     decode_lives = live.decode_id in backend.registered and live.decode_id != lost
     visible = live.published and decode_lives and live.first_token_s is not None and live.disaggregated
     expected = None if route_broken or live.published else _planned_transfer_s(backend, live)
-    budget = router.config.ttft_slo_s - (time.monotonic() - live.arrival_s)
+    budget = router.config.ttft_slo_s - (time.monotonic() - live.wait_clock_s())
     exclude = frozenset({lost} if lost else set()) | frozenset(w for w in live.owners if w not in backend.registered)
     seen, fresh = router.takeover_holds(_route_request(backend, live), exclude)
     holds = {h.worker_id: h for h in (*fresh, *seen)}

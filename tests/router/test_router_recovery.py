@@ -240,3 +240,40 @@ def test_without_restarts_a_missing_role_is_rejected_at_once():
         assert err.value.reason == "no_route"
 
     asyncio.run(main())
+
+
+def test_a_request_queued_past_its_ttft_target_waits_for_its_landing_kv():
+    """Admission held the request longer than the TTFT target (its only decode worker was being
+    started again). Once routed, its prefill ran and its K/V is on the way: the decode-start wait
+    is measured from the transfer's start, not from arrival, so the chain waits for the
+    publication. Counted from arrival the budget was already spent, and with no room on d0 for a
+    second hold the request failed `kv_not_visible` after its prefill work was done."""
+
+    async def main():
+        h = harness(["p0"], ["d0"], ttft_slo_s=0.3)
+        h.backend.restarts = True
+        await h.kill("d0")
+        task = asyncio.create_task(collect(h.backend, "r"))
+        await asyncio.sleep(0.4)  # queued in admission past the TTFT target
+        assert not task.done() and "ReserveKv" not in h.sent_kinds()
+        rejoin(h, "d0", "decode")
+        full = m.Load(0, 0, 0, 2, 0, 0, 1000)  # room for this request's 2 blocks (20 + 5 tokens), no more
+        h.backend.report_load(m.Heartbeat("d0", h.epochs["d0"], full))
+        await asyncio.sleep(0.05)  # the admission's next poll
+        _, reserve = await h.next_sent(m.ReserveKv)
+        await h.deliver(m.Reserved("d0", h.epochs["d0"], "r", reserve.transfer_id, True, None, (0, 1), 0, "res"))
+        await h.next_sent(m.Prefill)
+        first = m.TokenItem("r", (7,), "", False, None, len(PROMPT), 0, prefilled=True)
+        await h.deliver(m.Tokens("p0", 1, (first,)))
+        wid, _ = await h.next_sent(m.StartDecode)  # WAIT: the transfer has its whole budget ahead
+        assert wid == "d0" and not task.done() and "Generate" not in h.sent_kinds()
+        await h.deliver(m.TransferDone("d0", h.epochs["d0"], "r", reserve.transfer_id, reserve.generation, "destination", True))
+        await h.deliver(m.Tokens("d0", h.epochs["d0"], (m.TokenItem("r", (8, 9, 10, 11), "", True, "length", len(PROMPT), 0),)))
+        ids, event = await task
+        assert isinstance(event, FinishEvent) and ids == [7, 8, 9, 10, 11]
+        assert line(h)["decode_start"] == "wait" and "fallback" not in line(h)
+        assert line(h)["admission_wait_s"] >= 0.3 and fallback_count(h, "fail") == 0
+        assert not h.backend.live
+        h.backend.router.assert_no_leaks()
+
+    asyncio.run(main())
