@@ -15,7 +15,7 @@ The four terms, in seconds per request, from the router's cost model (`CostModel
 machine at start or by `pdserve profile`: router/calibration.py) and the live load reports:
 
     interference saved  a local prefill of u_D tokens (its uncached prompt at D) runs in chunks of
-                        the step budget left beside the B decodes running at D; each mixed step
+                        the step budget left beside the B decodes at D; each mixed step
                         takes decode_step_s(B) + prefill_s(chunk). Counted against the SLOs (the
                         ledger's `slo_interference_s`): B x the stall (the steps' prefill part)
                         beyond each decode's TPOT slack (TPOT target - decode_step_s(B)) x its
@@ -23,7 +23,12 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
                         life), plus the local TTFT (D's queued prompt work + the steps) beyond the TTFT
                         target. D's step for its running decodes takes each to look like this
                         request (`decode_step_at`: its prompt and half its output as context);
-                        lambda is the router's recent arrival rate
+                        lambda is the router's recent arrival rate. B counts every sequence
+                        that will share D's batch with the local prefill: the larger of D's
+                        reported decoding batch (plus grants not yet applied) and the router's
+                        live routes to D, which also holds the requests still prefilling at P or
+                        queued at D (D reports only the sequences already decoding, so a decision
+                        from the report alone sees an idle D while P prepares its next decodes)
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
@@ -88,6 +93,12 @@ class PdFacts:
     decode_pending_tokens: int = 0  # prompt tokens already queued at D (its local prefills)
     arrival_rate_rps: float = 0.0  # the router's recent request arrival rate
     decode_tokens: int = 1  # tokens a running decode makes (this request's expected output: the estimate)
+    decode_routed: int = 0  # live routes to D (router ledger): decoding, prefilling at P, or queued at D
+
+    @property
+    def delayed_batch(self) -> int:
+        """B: the decodes a local prefill here would delay (module contract)."""
+        return max(self.decode_batch, self.decode_routed)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class PdDecision:
     net_margin_s: float | None = None
     ttft_gate: bool | None = None
     tpot_gate: bool | None = None
+    delayed_batch: int | None = None  # the B the margin read (PdFacts.delayed_batch)
 
     @property
     def label(self) -> str:
@@ -110,7 +122,7 @@ class PdDecision:
             fields.update(pd_interference_saved_s=self.terms.interference_saved_s,
                           pd_transfer_exposed_s=self.terms.transfer_exposed_s, pd_route_delta_s=self.terms.route_delta_s,
                           pd_failure_penalty_s=self.terms.failure_penalty_s, pd_net_margin_s=self.net_margin_s,
-                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate)
+                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate, pd_delayed_batch=self.delayed_batch)
         return fields
 
 
@@ -119,7 +131,7 @@ PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "neve
 
 def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
               decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel,
-              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0) -> PdFacts:
+              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0, decode_routed: int = 0) -> PdFacts:
     """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
     bs = cost.block_size_tokens
     local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
@@ -130,22 +142,23 @@ def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks:
         transfer_bytes=int(demand.transfer_tokens(request, decode_hit_blocks, bs)) * cost.kv_bytes_per_token,
         same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
         failure_rate=failure_rate, decode_pending_tokens=decode_pending_tokens, arrival_rate_rps=arrival_rate_rps,
-        decode_tokens=max(1, request.expected_output_tokens),
+        decode_tokens=max(1, request.expected_output_tokens), decode_routed=decode_routed,
     )
 
 
 def running_step_s(facts: PdFacts, cost: CostModel) -> float:
-    """D's decode step for its B running sequences, each taken to look like this request (its
-    prompt and half its output as context): the profile's own form, not the reference context."""
-    if not facts.decode_batch:
+    """D's decode step for its B sequences (`delayed_batch`), each taken to look like this request
+    (its prompt and half its output as context): the profile's own form, not the reference context."""
+    batch = facts.delayed_batch
+    if not batch:
         return 0.0
-    return cost.decode_step_at(facts.decode_batch, facts.prompt_tokens + facts.decode_tokens / 2)
+    return cost.decode_step_at(batch, facts.prompt_tokens + facts.decode_tokens / 2)
 
 
 def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[float]:
     """The mixed steps a local prefill of u_D tokens takes at D: chunks of the budget the B
-    running decode rows leave, each step also carrying those rows."""
-    batch, todo = facts.decode_batch, facts.local_compute_tokens
+    decode rows leave, each step also carrying those rows."""
+    batch, todo = facts.delayed_batch, facts.local_compute_tokens
     chunk = max(1, policy.chunk_tokens - batch)
     decode_s = running_step_s(facts, cost)
     steps = [decode_s + float(cost.prefill_s(chunk))] * (todo // chunk)
@@ -165,7 +178,7 @@ def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: 
     steps = local_steps_s(facts, policy, cost) if steps is None else steps
     wait_s = local_wait_s(facts, cost)
     return MarginTerms(
-        interference_saved_s=slo_interference_s(facts.decode_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
+        interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
                                                 facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens),
         transfer_exposed_s=exposed_s(facts, policy, cost),
         route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - wait_s,
@@ -195,11 +208,11 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     steps = local_steps_s(facts, policy, cost)  # once: the terms and the gates read the same steps
     terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps)
     remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
-    remote_tpot_s = float(cost.decode_step_s(facts.decode_batch + 1))
+    remote_tpot_s = float(cost.decode_step_s(facts.delayed_batch + 1))
     # each gate: the disaggregated route meets the target, or does no worse than the local route
     ttft_gate = remote_ttft_s <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
     tpot_gate = remote_tpot_s <= max(tpot_slo_s, max(steps, default=0.0))
     enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
     margin_ok = net_margin_s(terms) > policy.safety_margin_s
     reason = "margin" if enable or not margin_ok else "gate"
-    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate)
+    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch)

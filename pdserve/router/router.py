@@ -355,7 +355,8 @@ class Router:
         facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
                           self.transfer_failure_rate(), cfg.cost, int(snapshot.decode.pending_tokens[ds]),
-                          self.arrivals.rate(self._clock()))
+                          self.arrivals.rate(self._clock()),
+                          sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])))  # live routes to D
         ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
         tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
         return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)

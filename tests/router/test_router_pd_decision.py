@@ -196,3 +196,55 @@ def test_the_prompt_floor_applies_before_always():
     for request_id in ("short", "long"):
         router.complete(request_id)
     router.assert_no_leaks()
+
+
+def test_routes_headed_to_d_count_in_the_batch_a_local_prefill_delays():
+    # D reports nothing decoding, but 8 routes are headed there (prefilling at P, or in transfer):
+    # they decode beside the local prefill exactly as 8 running decodes would
+    routed = PdFacts(**{**vars(FACTS), "decode_batch": 0, "decode_routed": 8})
+    assert routed.delayed_batch == 8
+    assert margin_terms(routed, MARGIN, COST, 2.0, 0.1) == margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
+    decision = decide_pd(routed, MARGIN, COST, 2.0, 0.1)
+    assert decision.disaggregate and decision.delayed_batch == 8
+    assert decision.net_margin_s == pytest.approx(3.2413, abs=1e-12)
+    assert decision.trace_fields()["pd_delayed_batch"] == 8
+    # the report's batch counts when it is the larger (grants not yet applied, routes not yet seen)
+    assert PdFacts(**{**vars(FACTS), "decode_routed": 3}).delayed_batch == 8
+
+
+def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
+    """The study's failure (README, P/D decision figure): three long prompts were handed off while
+    D was busy; D's old decodes finished and it reported an idle batch, the three still prefilling
+    at P or in transfer. A fourth long prompt kept local then stalled all three decodes."""
+    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST, pd=MARGIN,
+                                 ttft_slo_s=10.0, tpot_slo_s=0.03), clock=lambda: 0.0)
+    free = 1000
+    for worker_id, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
+        router.register(WorkerInfo(worker_id, "h0", role, 1, free, "m", "abi"))
+    router.report_load("p0", 1, WorkerLoad(0, 0, free))
+    router.report_load("d0", 1, WorkerLoad(0, 8, free))
+    held = 0
+    for i in range(3):
+        plan = router.route(RouteRequest(f"r{i}", prompt_tokens=1024, expected_output_tokens=100))
+        assert not plan.colocated and plan.pd.reason == "margin"
+        held += plan.decode_hold.blocks
+        router.kv_published(f"r{i}")
+    # both workers applied every grant; P's queue is done, D decodes nothing yet
+    router.report_load("p0", 1, WorkerLoad(0, 0, free, applied_grant_seq=3))
+    router.report_load("d0", 1, WorkerLoad(0, 0, free - held, applied_grant_seq=3))
+    assert router.snapshot().decode.active_batch[0] == 0 and sum(router.heavy_light("d0")) == 3
+    router.arrivals.reset(0.0, 0.0)
+    plan = router.route(RouteRequest("r3", prompt_tokens=1024, expected_output_tokens=100))
+    # a local prefill: two 509-token chunks beside 3 decodes (23 + 519 ms each) and 6 tokens (23 + 16
+    # ms): each decode waits 1.054 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack
+    assert not plan.colocated and plan.pd.disaggregate and plan.pd.delayed_batch == 3
+    assert plan.pd.terms.interference_saved_s == pytest.approx(3 * (1.054 - 0.7), abs=1e-12)
+    assert plan.pd.net_margin_s == pytest.approx(3 * (1.054 - 0.7) - 0.1034, abs=1e-12)
+    # the load report alone (the old input) saw nobody to stall and kept the prompt local
+    blind = PdFacts(1024, 1024, 1024, 102_400, True, 0, 0, 0.0, decode_tokens=100)
+    old = decide_pd(blind, MARGIN, COST, 10.0, 0.03)
+    assert not old.disaggregate and old.terms.interference_saved_s == 0.0
+    assert decide_pd(PdFacts(**{**vars(blind), "decode_routed": 3}), MARGIN, COST, 10.0, 0.03) == plan.pd
+    for request_id in ("r0", "r1", "r2", "r3"):
+        router.complete(request_id)
+    router.assert_no_leaks()
