@@ -25,3 +25,5 @@ class EngineConfig:
     host_kv_bytes: int = 0  # host-memory tier for evicted prefix blocks (host_tier.py); 0 = none
     prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off
     prefill_length_buckets: tuple[int, ...] = ()  # bucketed prefill admission (prefill_buckets.py); () = off
+    tp: int = 1  # tensor-parallel ranks: this process and tp - 1 followers (engine/tp_group.py)
+    tp_cores: tuple[int, ...] = ()  # rank r is pinned to tp_cores[r % len]; () = no pinning (1 thread each)

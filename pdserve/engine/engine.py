@@ -32,6 +32,7 @@ from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
 from pdserve.engine.outputs import ImportReservation, KvExport, PrefillProgress, RequestOutput, sequence_output
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine import tp_group
 from pdserve.engine.sampler import sample, sample_one, sequence_seed
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams, Sequence, SeqMode, SeqStatus
@@ -60,20 +61,23 @@ class Engine:
         dtype = TORCH_DTYPES[config.dtype]
         compute = resolve_compute_dtype(config.dtype, config.compute_dtype)
         state = load_state_dict(self.model_dir, self.model_config, dtype)
-        self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
+        mc = self.model_config
+        self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
+        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name or tp_group.private_pool_name(config.tp))
+        if config.tp == 1:
+            self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
+        else:  # rank 0 of a tensor-parallel group; followers run the other shards (tp_group.py)
+            self.model = tp_group.start_engine_group(config, self.model_dir, state, self.pool)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.numerics = {**cpu_report(), "compute_dtype": str(compute).removeprefix("torch."),
                          "products": self.model.products.describe()}  # `cpu` in reports and /workers
-        mc = self.model_config
-        self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
         self.identity = CacheIdentity(
             model_hash=checkpoint_hash(self.model_dir),
             tokenizer_hash=self.tokenizer.identity_hash if self.tokenizer else "none",
             abi_hash=self.abi.abi_hash,
             position_policy=f"rope:{mc.rope_theta}",
         )
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
-        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name)
         self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache)
         if config.host_kv_bytes >= self.abi.bytes_per_block:  # evicted prefix blocks go to host memory
             self.blocks.host = HostTier(self.pool, config.host_kv_bytes // self.abi.bytes_per_block)
@@ -83,6 +87,7 @@ class Engine:
                                 config.prefill_length_buckets)
         self.scheduler = Scheduler(self.blocks, sched)
         self.runner = ModelRunner(self.model, self.pool)
+        self.runner.padded_groups |= config.tp > 1  # TP ranks read strided K/V shards: no in-place kernel
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.stops = StopChecker(self.tokenizer, frozenset(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
@@ -425,6 +430,10 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Stop tensor-parallel followers and free a pool this engine made for them (tp_group.py)."""
+        tp_group.close_engine_group(self)
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.seqs.values()] + [s.block_table for s in self.prefilled.values()]

@@ -89,6 +89,7 @@ class LlamaModel:
         """`dtype`: storage (weights are rounded to it, the K/V pool holds it); `compute_dtype`:
         what activations and matmuls use (defaults to `dtype`); `batch_invariant`: see numerics."""
         self.config = config
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads  # this rank's (model/tp.py)
         self.storage_dtype = dtype
         self.dtype = compute_dtype or dtype
         state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
@@ -158,7 +159,7 @@ class LlamaModel:
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
         cfg = self.config
-        num_rows, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        num_rows, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, cfg.head_dim
         qkv = linear(h, layer.wqkv, layer.bqkv, self.skinny)  # [T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k = q.view(num_rows, hq, d), k.view(num_rows, hkv, d)  # [T, H_q, D], [T, H_kv, D]
@@ -173,8 +174,13 @@ class LlamaModel:
         else:
             write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_layer[0], kv_layer[1], meta)  # [T, H_q, D]
-        return linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo, self.skinny)
+        return self._row_linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         gate, up = linear(h, layer.w13, skinny_rows=self.skinny).chunk(2, dim=-1)  # [T, d_ff] each
-        return linear(F.silu(gate) * up, layer.w2, skinny_rows=self.skinny)
+        return self._row_linear(F.silu(gate) * up, layer.w2, None)
+
+    def _row_linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """The products whose inner dimension tensor parallelism splits (o_proj, down_proj);
+        model/tp.py sums the ranks' partial products here."""
+        return linear(x, w, bias, self.skinny)

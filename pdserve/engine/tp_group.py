@@ -1,0 +1,199 @@
+"""A tensor-parallel engine: this process is rank 0, follower processes run the other shards.
+
+Contract: with `EngineConfig.tp = N > 1` the engine process stays the only scheduler (block
+manager, sequences, sampling); `start_group` spawns N - 1 follower processes, each of which loads
+the checkpoint, keeps its shard (`model/tp.py`), maps the engine's K/V pool (which must live in
+shared memory) and joins a gloo process group on 127.0.0.1. Every step, `TpLeader.forward`
+broadcasts the step's rows (token ids, positions, attention metadata, logits rows) and then runs
+rank 0's shard; the followers run theirs on the same rows, so the row-parallel all_reduces pair
+up. Scheduling needs nothing else from the followers: the engine's state is on rank 0 only, and
+every rank writes its own K/V heads into the one shared logical pool.
+
+Placement: rank r is pinned to core `cores[r % len(cores)]` with one torch thread (`pin_rank`).
+Lifetime: a follower asks the kernel for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG,
+then re-checks its parent), so a killed worker leaves no followers; `TpLeader.close` stops and
+joins them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from multiprocessing import resource_tracker
+import os
+import secrets
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
+from pdserve.model.config import load_config
+from pdserve.model.loader import load_state_dict
+from pdserve.model.numerics import resolve_compute_dtype
+from pdserve.model.tp import TpLlamaModel, check_tp
+from pdserve.ports import free_local_port
+
+GROUP_TIMEOUT = timedelta(days=30)  # a follower waits in broadcast for as long as the worker idles
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a follower needs to build its shard and join the group (crosses the spawn boundary)."""
+
+    model_dir: str
+    dtype: str
+    compute_dtype: str | None
+    batch_invariant: bool
+    tp: int
+    port: int
+    pool_shm: str
+    num_blocks: int
+    abi: KvAbi
+    cores: tuple[int, ...]
+    parent_pid: int
+
+
+def rank_core(cores: tuple[int, ...], rank: int) -> int | None:
+    return cores[rank % len(cores)] if cores else None
+
+
+def pin_rank(cores: tuple[int, ...], rank: int) -> None:
+    """Pin this process to rank `rank`'s core (when cores are given) and use one torch thread."""
+    core = rank_core(cores, rank)
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent exits (Linux); exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def init_group(port: int, rank: int, tp: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=GROUP_TIMEOUT)
+
+
+def build_shard(spec: RankSpec, rank: int, state: dict[str, torch.Tensor] | None = None) -> TpLlamaModel:
+    config = load_config(spec.model_dir)
+    dtype = TORCH_DTYPES[spec.dtype]
+    if state is None:
+        state = load_state_dict(spec.model_dir, config, dtype)
+    compute = resolve_compute_dtype(spec.dtype, spec.compute_dtype)
+    return TpLlamaModel(config, state, dtype, compute, spec.batch_invariant, rank=rank, tp=spec.tp)
+
+
+def follower_main(spec: RankSpec, rank: int) -> None:
+    """A follower's whole life: build, join, run every broadcast step, stop on `None`."""
+    die_with_parent(spec.parent_pid)
+    pin_rank(spec.cores, rank)
+    model = build_shard(spec, rank)
+    pool = KvPool(spec.abi, spec.num_blocks, shm_name=spec.pool_shm, create=False)
+    # a spawned child shares its parent's resource tracker: attaching unregistered the parent's
+    # segment there, so register it back (the parent unlinks it)
+    resource_tracker.register(f"/{spec.pool_shm}", "shared_memory")
+    init_group(spec.port, rank, spec.tp)
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                break
+            token_ids, positions, meta, logits_rows = box[0]
+            model.forward(token_ids, positions, meta, pool.tensor, logits_rows)
+    finally:
+        dist.destroy_process_group()
+        pool.close()
+
+
+class TpLeader:
+    """Rank 0: the model object the engine's runner calls. Attributes other than `forward` and
+    `close` are rank 0's shard's (`dtype`, `products`, `config`, ...)."""
+
+    def __init__(self, shard: TpLlamaModel, procs: list):
+        self.shard = shard
+        self.procs = procs
+        self.closed = False
+        self.owns_pool = False  # the engine made the shared pool only for this group
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["shard"], name)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
+                logits_rows: torch.Tensor, layer_hook=None) -> torch.Tensor:
+        """Broadcast the step's rows, then run rank 0's shard -> logits [R, V] fp32."""
+        dist.broadcast_object_list([(token_ids, positions, meta, logits_rows)], src=0)
+        return self.shard.forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop and join the followers (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            dist.broadcast_object_list([None], src=0)
+            dist.destroy_process_group()
+        finally:
+            for p in self.procs:
+                p.join(timeout_s)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def start_group(spec_base: dict, state: dict[str, torch.Tensor], pool: KvPool) -> TpLeader:
+    """Spawn the followers over `pool` (shared memory), join as rank 0, build rank 0's shard.
+
+    `spec_base`: RankSpec's fields other than port, pool_shm, num_blocks, abi, parent_pid."""
+    if pool.shm_name is None:
+        raise ValueError("a tensor-parallel engine needs its K/V pool in shared memory (EngineConfig.kv_shm_name)")
+    spec = RankSpec(**spec_base, port=free_local_port(), pool_shm=pool.shm_name, num_blocks=pool.num_blocks,
+                    abi=pool.abi, parent_pid=os.getpid())
+    check_tp(load_config(spec.model_dir), spec.tp)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=follower_main, args=(spec, r), daemon=True, name=f"pdserve-tp{r}")
+             for r in range(1, spec.tp)]
+    for p in procs:
+        p.start()
+    pin_rank(spec.cores, 0)
+    shard = build_shard(spec, 0, state)
+    init_group(spec.port, 0, spec.tp)
+    return TpLeader(shard, procs)
+
+
+def private_pool_name(tp: int) -> str | None:
+    """A fresh shared-memory name for a TP engine's pool when its caller gave none; None at TP 1."""
+    return f"pdserve-tp-{os.getpid()}-{secrets.token_hex(12)}" if tp > 1 else None
+
+
+def start_engine_group(config, model_dir, state: dict[str, torch.Tensor], pool: KvPool) -> TpLeader:
+    """`start_group` from an `EngineConfig` (its tp, tp_cores, dtypes, batch invariance)."""
+    base = dict(model_dir=str(model_dir), dtype=config.dtype, compute_dtype=config.compute_dtype,
+                batch_invariant=config.batch_invariant, tp=config.tp, cores=tuple(config.tp_cores))
+    leader = start_group(base, state, pool)
+    leader.owns_pool = config.kv_shm_name is None
+    return leader
+
+
+def close_engine_group(engine) -> None:
+    """Stop the engine's followers (if any) and unlink the pool it made for them."""
+    leader = engine.model
+    if isinstance(leader, TpLeader) and not leader.closed:
+        leader.close()
+        if getattr(leader, "owns_pool", False):
+            engine.pool.close(unlink=True)
