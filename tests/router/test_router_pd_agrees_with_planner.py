@@ -24,7 +24,13 @@ What this finds (pinned below so that a change to either side shows here):
   is low: one long prefill in a short request's decode life breaks its TPOT), a local prefill
   beside an idle decode worker stalls nobody and meets TTFT, so it stays local. The router sides
   with the report's dT (< 0: colocated finishes sooner at that load), not with its verdict, which
-  is a capacity test at the SLO edge; it disaggregates from B = 3 on. So the agreement this
+  is a capacity test at the SLO edge; it disaggregates from B = 3 on. Counting the router's live
+  routes to D (requests still prefilling at P count in B) does not change this: at the matched
+  0.0137 req/s P holds 0.12 requests by Little's law (8.6 s prefills) and D 0.08, so the median
+  request meets none, and with one (B = 1, below) the 5.6 s stall still fits its 10.1 s slack.
+  The two answer different questions (per request at today's load vs. which deployment carries
+  more load within the SLOs), so no input of the per-request margin makes them agree here without
+  deciding on a load the router does not see. So the agreement this
   checks is the one both answer alike: the sign of the ledger's net margin at the same
   operating point (`test_the_router_agrees_with_the_report_s_net_margin`);
   `test_the_router_agrees_with_the_planner[long]` is a strict xfail.
