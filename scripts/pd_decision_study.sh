@@ -3,28 +3,29 @@
 # --pd-decision always | never | margin, the same seeded trace and offered rate, interleaved runs.
 # Usage: scripts/pd_decision_study.sh OUT_DIR [MODEL] [DTYPE]
 #   1. the trace: N requests, half 32-128-token prompts, half 1024-2048-token prompts (shuffled,
-#      seeded), outputs 64-128 tokens
+#      seeded), outputs 64-128 tokens; WORKLOAD=short or long: all of one kind (the pure workloads)
 #   2. SLOs as the goodput study derives them: on one colocated replica, isolated requests at the
-#      long median (1536) -> TTFT = 5 x isolated TTFT, TPOT = 2 x isolated TPOT
+#      long median (1536; short workload: 80) -> TTFT = 5 x isolated TTFT, TPOT = 2 x isolated TPOT
 #   3. RUNS rounds; each round serves the three modes in a rotated order and sends the trace at
 #      RATE req/s (Poisson, the same seed) -> good request throughput (requests meeting both clocks
 #      per second, vLLM's per-run goodput) and joint attainment; medians over rounds in summary.json
-# Knobs (env): N (24), RATE (0.15), RUNS (3), EXTRA_SERVE_ARGS.
+#      `uptime` before each served mode goes to OUT_DIR/uptime.log (the machine's load per arm)
+# Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long), PORT, EXTRA_SERVE_ARGS.
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
 mkdir -p "$out"
 PD=${PD:-.venv/bin/pdserve}
 PORT=${PORT:-8013}
-N=${N:-24}; RATE=${RATE:-0.15}; RUNS=${RUNS:-3}
+N=${N:-24}; RATE=${RATE:-0.15}; RUNS=${RUNS:-3}; WORKLOAD=${WORKLOAD:-mixed}
 engine_args=(--model "$model" --dtype "$dtype" --kv-cache-mb 512)
 # shellcheck disable=SC2206
 engine_args+=(${EXTRA_SERVE_ARGS:-})
 
-python3 - "$out/mixed.jsonl" "$N" <<'PY'
+python3 - "$out/mixed.jsonl" "$N" "$WORKLOAD" <<'PY'
 import json, random, sys
-path, n = sys.argv[1], int(sys.argv[2])
+path, n, workload = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rng = random.Random(7)
-kinds = ["short"] * (n // 2) + ["long"] * (n - n // 2)
+kinds = {"mixed": ["short"] * (n // 2) + ["long"] * (n - n // 2), "short": ["short"] * n, "long": ["long"] * n}[workload]
 rng.shuffle(kinds)
 with open(path, "w") as f:
     for kind in kinds:
@@ -35,13 +36,14 @@ PY
 # shellcheck source=scripts/study_server.sh
 source "$(dirname "$0")/study_server.sh"
 
-read -r TTFT TPOT < <(derive_slos)
-echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N}" | tee "$out/slos.json"
+read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo 1536)")
+echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N, \"workload\": \"$WORKLOAD\"}" | tee "$out/slos.json"
 
 modes=(always never margin)
 for run in $(seq 1 "$RUNS"); do
   for k in 0 1 2; do
     mode=${modes[$(( (k + run - 1) % 3 ))]}
+    echo "$mode.$run $(date -u +%H:%M:%S) $(uptime)" >> "$out/uptime.log"
     start_server "$mode.$run" --mode disaggregated --prefill 1 --decode 1 --pd-decision "$mode" \
       --trace-dir "$out/$mode.$run.trace" --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT"
     $PD bench --endpoint "http://127.0.0.1:$PORT" --trace "$out/mixed.jsonl" --rate "$RATE" --arrival poisson \

@@ -12,9 +12,9 @@ start_server() {  # name, serve args... -> SERVER (pid), once /health answers
 
 stop_server() { kill -INT "$SERVER"; wait "$SERVER" || true; }
 
-derive_slos() {  # -> "ttft_ms tpot_ms": 5 x / 2 x the isolated TTFT / TPOT of 1,536-token requests on one colocated replica
+derive_slos() {  # [prompt tokens, 1536] -> "ttft_ms tpot_ms": 5 x / 2 x the isolated TTFT / TPOT of such requests on one colocated replica
   start_server calibrate --mode colocated --replicas 1
-  $PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests 3 --rate 0.05 --arrival constant --input-len 1536 \
+  $PD bench --endpoint "http://127.0.0.1:$PORT" --num-requests 3 --rate 0.05 --arrival constant --input-len "${1:-1536}" \
     --output-len 32 --prompt-format ids --slo-ttft-ms 1e9 --slo-tpot-ms 1e9 --json "$out/calibrate.json" --quiet \
     > "$out/calibrate.log"
   stop_server
