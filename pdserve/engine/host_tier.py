@@ -9,14 +9,20 @@ into a device block and frees its slot (a hit moves the block back; it lives in 
 time). Slots are either free or hold exactly one block: `check()` proves it. The device pool and
 this pool share the K/V ABI, so a copy is one [L, 2] slab per block, bitwise.
 Capacity, use, hits (blocks promoted), demotions and evictions are counted for the worker's load
-report (`/workers`, `pdserve_kv_tier_blocks`).
+report (`/workers`, `pdserve_kv_tier_blocks`). The copy rate is measured for the router's cost
+model (router/kv_rates.py: a host-tier hit is priced at its promotion): `copy_bytes` and `copy_s`
+sum a calibration at start (`CALIBRATION_BLOCKS` device -> free host slot copies, which change
+nothing) and then every promotion's own copy.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from pdserve.engine.kv_pool import KvPool
+
+CALIBRATION_BLOCKS = 8
 
 
 class HostTier:
@@ -31,6 +37,10 @@ class HostTier:
         self.num_hits = 0
         self.num_demotions = 0
         self.num_evictions = 0
+        self.block_bytes = device.abi.bytes_per_block
+        self.copy_bytes, self.copy_s = 0, 0.0
+        for slot in range(min(CALIBRATION_BLOCKS, num_blocks)):  # every slot is free: nothing changes
+            self._timed_copy(self.pool, slot, self.device, 0)
 
     @property
     def num_used(self) -> int:
@@ -38,6 +48,12 @@ class HostTier:
 
     def _copy(self, dst: KvPool, dst_block: int, src: KvPool, src_block: int) -> None:
         dst.tensor[:, :, dst_block].copy_(src.tensor[:, :, src_block])  # [L, 2, B, H, D]: one block, every layer
+
+    def _timed_copy(self, dst: KvPool, dst_block: int, src: KvPool, src_block: int) -> None:
+        t0 = time.perf_counter()
+        self._copy(dst, dst_block, src, src_block)
+        self.copy_s += time.perf_counter() - t0
+        self.copy_bytes += self.block_bytes
 
     def demote(self, block_hash: bytes, tokens: tuple[int, ...], block: int) -> bytes | None:
         """Keep an evicted device block here; returns the hash this evicted from the tier, if any."""
@@ -65,7 +81,7 @@ class HostTier:
     def promote(self, block_hash: bytes, block: int) -> None:
         """Copy the block into device block `block` and drop it here (it lives in one tier)."""
         slot, _ = self.lru.pop(block_hash)
-        self._copy(self.device, block, self.pool, slot)
+        self._timed_copy(self.device, block, self.pool, slot)
         self.free.append(slot)
         self.num_hits += 1
 

@@ -9,6 +9,11 @@ Defaults describe a 7B-class fp16 model on one modern GPU and are placeholders u
     decode step: 10 ms + 0.2 ms per sequence in the batch
     transfer: 1 ms setup + bytes / bandwidth, 20 GB/s same host, 5 GB/s (~40 Gb/s) cross host
     K/V bytes per token: 512 KiB (32 layers * 2 * 32 heads * 128 dims * 2 bytes)
+    prefix fetch (issue 19): a transfer over the measured fetch link rate (none: the path rates)
+        + a fixed per-fetch overhead (the router's round trips; 0 until measured)
+    host tier -> device pool copy (a host-tier hit's promotion): 10 GB/s until measured
+The serving router replaces the fetch and host-copy terms with live measurements
+(router/kv_rates.py); everything else stays as configured.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class CostModel:
     # (`decode_step_at`); zero: a sequence costs the same whatever its context
     decode_step_s_per_context_token: float = 0.0
     decode_reference_tokens: int = 0
+    # K/V placement (fetch_s, promote_s): measured by the serving router (router/kv_rates.py)
+    fetch_bytes_per_s: float = 0.0  # a prefix fetch's link rate; 0: the transfer path rates
+    fetch_overhead_s: float = 0.0  # fixed seconds per fetch beyond transfer_s (reserve/serve/done round trips)
+    host_copy_bytes_per_s: float = 10.0e9  # host tier -> device pool (a host-tier hit is copied back first)
 
     def __post_init__(self) -> None:
         rates = (self.same_host_bytes_per_s, self.cross_host_bytes_per_s, self.block_size_tokens)
@@ -46,6 +55,8 @@ class CostModel:
         if self.same_host_bytes_per_s < self.cross_host_bytes_per_s:
             # the policies' per-host decomposition relies on a same-host path never being slower
             raise ValueError("same-host bandwidth must be at least the cross-host bandwidth")
+        if self.fetch_bytes_per_s < 0 or self.fetch_overhead_s < 0 or self.host_copy_bytes_per_s <= 0:
+            raise ValueError("fetch rate and overhead must be >= 0 and the host copy rate positive")
         rates = np.array([[self.same_host_bytes_per_s], [self.cross_host_bytes_per_s]])  # [2, 1]
         rates.flags.writeable = False
         object.__setattr__(self, "_path_rates", rates)  # derived, not a field: eq, hash and repr ignore it
@@ -112,3 +123,18 @@ class CostModel:
         """[2, n]: rows (same-host, cross-host) of `transfer_s_paths` for byte counts that are all
         positive (the zero test would multiply by 1), both paths in one broadcast pass."""
         return self.transfer_overhead_s + transfer_bytes / self._path_rates
+
+    def fetch_s(self, fetch_bytes: Num, same_host: Num) -> Num:
+        """Seconds to fetch a prefix from another worker: `transfer_s` over the path, at the
+        measured fetch link rate when there is one (never faster across hosts than the cross-host
+        rate), plus the fixed per-fetch overhead; zero bytes cost nothing (no fetch is made)."""
+        same_bps, cross_bps = self.same_host_bytes_per_s, self.cross_host_bytes_per_s
+        if self.fetch_bytes_per_s > 0:
+            same_bps, cross_bps = self.fetch_bytes_per_s, min(cross_bps, self.fetch_bytes_per_s)
+        bandwidth = same_host * same_bps + (1 - same_host) * cross_bps
+        return (fetch_bytes > 0) * (self.transfer_overhead_s + self.fetch_overhead_s + fetch_bytes / bandwidth)
+
+    def promote_s(self, host_blocks: Num) -> Num:
+        """Seconds to copy `host_blocks` host-tier blocks back into the device pool (a host-tier
+        hit is a hit at this price, not a free one)."""
+        return host_blocks * (self.block_size_tokens * self.kv_bytes_per_token / self.host_copy_bytes_per_s)

@@ -6,8 +6,10 @@ Contract:
   same-host holder, then the lowest worker id), and whether fetching the blocks it lacks beats
   recomputing them. Compute set = the prompt's tokens past the longest reachable prefix; transfer
   set = the holder's blocks past the destination's own hit. Fetch seconds are the cost model's
-  `transfer_s` over the path (bytes / link bandwidth + setup); the prefill seconds saved are
-  `prefill_s` of the tokens the fetch covers. A fetch is planned only when it is faster.
+  `fetch_s` over the path (bytes / measured link bandwidth + setup + the measured per-fetch
+  overhead, router/kv_rates.py); the prefill seconds saved are `prefill_s` of the tokens the
+  fetch covers. A fetch is planned only when it is faster, so a tiny prefix whose fixed
+  overhead outweighs its prefill is recomputed.
 - `fetch_credit` is the same decision for every slot of a pool at once (the prefix policy's
   cost): per slot, the hit it would have after a worthwhile fetch and the fetch seconds it pays;
   the reference test checks it against `plan_fetch` slot by slot.
@@ -18,7 +20,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,15 +61,6 @@ def leading_run(keys: Sequence[int], held: Container[int]) -> int:
     return n
 
 
-def with_bandwidth(cost: CostModel, bytes_per_s: float | None) -> CostModel:
-    """The cost model with a measured link bandwidth in place of its same-host rate (the fetches
-    the runtime timed); unchanged without a measurement."""
-    if not bytes_per_s or bytes_per_s <= 0:
-        return cost
-    return replace(cost, same_host_bytes_per_s=bytes_per_s,
-                   cross_host_bytes_per_s=min(cost.cross_host_bytes_per_s, bytes_per_s))
-
-
 def fetch_gain(cost: CostModel, local_blocks, remote_blocks, same_host) -> tuple:
     """(fetch bytes, fetch seconds, prefill seconds saved) for fetching remote - local blocks;
     floats or numpy arrays alike (one formula for both callers)."""
@@ -75,7 +68,7 @@ def fetch_gain(cost: CostModel, local_blocks, remote_blocks, same_host) -> tuple
     same_host = np.asarray(same_host, dtype=np.int64)  # 0/1: the cost model's path arithmetic
     tokens = blocks * cost.block_size_tokens
     nbytes = tokens * cost.kv_bytes_per_token
-    fetch_s = cost.transfer_s(nbytes, same_host)
+    fetch_s = cost.fetch_s(nbytes, same_host)
     saved_s = (cost.prefill_s(tokens) - cost.prefill_s(0)) * (blocks > 0)
     return nbytes, fetch_s, saved_s
 

@@ -12,6 +12,10 @@ registry (died, or re-registered under another epoch) or the deadline passed; in
 cases the destination is told FetchAbort (its unpublished blocks return) and the request simply
 recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
 for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
+Rates (router/kv_rates.py): each holder's FetchDone measures the fetch link, each landed fetch's
+wall time the per-fetch overhead, the workers' loads their host tiers' copy rate; `prepare` and
+every FetchDone hand the router the cost model with them (`Router.kv_cost`, the prefix policy's
+fetch and host-tier terms), and the fetch plan uses the same one.
 Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`,
 `pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
 fetch brought, "remote", and the rest, "local"; "host" is the tokens the workers' host tiers
@@ -30,14 +34,14 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.router.fetch_plan import FETCH, FetchTerms, plan_fetch, with_bandwidth
+from pdserve.router.fetch_plan import FETCH, FetchTerms, plan_fetch
+from pdserve.router.kv_rates import KvRates
 from pdserve.workers import messages as m
 
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RESERVE_TIMEOUT_S = 5.0
 MIN_DEADLINE_S = 2.0  # a fetch gets at least this long (plus 10x its prediction) before it is abandoned
 POLL_S = 0.02
-BANDWIDTH_WEIGHT = 0.3  # EMA weight of a new measured fetch bandwidth
 
 
 @dataclass
@@ -92,7 +96,7 @@ class FetchRunner:
     def __init__(self, backend, enabled: bool = True):
         self.backend, self.enabled = backend, enabled
         self.pending: dict[str, _Fetch] = {}
-        self.bandwidth_bytes_per_s: float | None = None  # measured over finished fetches
+        self.rates = KvRates()  # measured fetch link, per-fetch overhead, host tier copy rate
         self._ids = itertools.count(1)
         r = backend.metrics.registry
         self.fetch_bytes = Counter("pdserve_kv_fetch_bytes", "K/V bytes of published prefix fetches", registry=r)
@@ -104,15 +108,22 @@ class FetchRunner:
         r.register(TierBlocks(lambda: backend.loads))
 
     # ---- planning -------------------------------------------------------------------------
+    def cost(self):
+        """The cost model with the measured placement rates, handed to the router's policy too."""
+        b = self.backend
+        loads = [load for load in b.loads.values() if load.host_capacity]
+        self.rates.observe_host_copies(sum(l.host_copy_bytes for l in loads), sum(l.host_copy_s for l in loads))
+        b.router.kv_cost = cost = self.rates.cost(b.router.config.cost)
+        return cost
+
     def terms(self, live, dest: str) -> FetchTerms:
         b = self.backend
-        req, cost = live.req, b.router.config.cost
+        req, cost = live.req, self.cost()
         keys = b._block_hashes(req.prompt_ids, req.params.tenant)
         held = {wid: b.router.kv_held(wid) for wid in b.registered}
         host = b.registered[dest].host_id
         usable = (len(req.prompt_ids) - 1) // cost.block_size_tokens
-        return plan_fetch(dest, keys, held, usable, with_bandwidth(cost, self.bandwidth_bytes_per_s),
-                          lambda w: b.registered[w].host_id == host)
+        return plan_fetch(dest, keys, held, usable, cost, lambda w: b.registered[w].host_id == host)
 
     async def prepare(self, live, dest: str) -> None:
         if not self.enabled or dest not in self.backend.registered:
@@ -128,6 +139,13 @@ class FetchRunner:
         self.fetches.labels("landed" if landed else "failed").inc()
         if landed:
             self.fetch_seconds.observe(seconds)
+            b = self.backend
+            hosts = {b.registered[w].host_id for w in (dest, terms.holder) if w in b.registered}
+            same_host = len(hosts) == 1
+            base, nbytes = b.router.config.cost, landed * b._block_size * b._bytes_per_token()
+            overhead = self.rates.observe_fetch(base, nbytes, seconds, same_host)
+            live.note(fetch_overhead_sample_s=None if overhead is None else round(overhead, 6))
+            self.cost()
 
     async def _run(self, live, dest: str, terms: FetchTerms) -> int:
         """Blocks landed at `dest` (0: the fetch failed and the request recomputes)."""
@@ -205,10 +223,8 @@ class FetchRunner:
     def _on_source_done(self, msg: m.FetchDone, job: _Fetch | None) -> None:
         if msg.published:
             self.fetch_bytes.inc(msg.bytes)
-            if msg.transfer_s > 0 and msg.bytes > 0:
-                rate = msg.bytes / msg.transfer_s
-                old = self.bandwidth_bytes_per_s
-                self.bandwidth_bytes_per_s = rate if old is None else old + BANDWIDTH_WEIGHT * (rate - old)
+            self.rates.observe_link(msg.bytes, msg.transfer_s)
+            self.cost()
         elif job is not None:
             job.source_failed = True  # the destination is told to abort by the waiting fetch
 

@@ -251,6 +251,8 @@ class ClusterBackend:
                   predicted_tpot_s=result.predicted_tpot_s)
         if result.pd is not None:
             live.note(**result.pd.trace_fields())
+        if result.prefix_terms is not None:  # the prefix policy's queue/host/fetch/prefill terms
+            live.note(**result.prefix_terms.trace_fields())
         self.tetri.note_route(live)
         return result
 

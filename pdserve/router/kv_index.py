@@ -19,6 +19,9 @@ Contract:
   calls (the same object for a worker epoch's whole life): the snapshot's per-slot prefix sets
   are these views, patched by the `HeldChange`s every call returns (net additions and removals
   per worker, evictions included).
+- `host_held(worker)` is the live subset of `held(worker)` whose tier is HOST (demoted into the
+  worker's host tier and not promoted since), kept like `held`; `host_workers` names the workers
+  with a non-empty one (the prefix policy prices their hits at the promotion time).
 - Hashes are the routing keys: the first 8 bytes of the engine's 16-byte chain hash (`hash_key`).
 - `stats()` reports entries and a memory estimate (`BYTES_PER_ENTRY` per entry: the LRU map's
   node, its key tuple and the per-worker set slot, measured with tracemalloc in the tests).
@@ -40,6 +43,7 @@ RESYNC_RETRY_REPORTS = 8
 
 Event = tuple[int, int, int]  # (BlockEventKind, hash key, KvTier), plain ints
 _STORED, _REMOVED = int(BlockEventKind.STORED), int(BlockEventKind.REMOVED)
+_HOST = int(KvTier.HOST)
 _TIERS = {int(t): t for t in KvTier}
 
 
@@ -104,12 +108,13 @@ class KvIndexStats:
 
 
 class _WorkerKv:
-    __slots__ = ("epoch", "applied_seq", "held", "waiting")
+    __slots__ = ("epoch", "applied_seq", "held", "host", "waiting")
 
     def __init__(self, epoch: int):
         self.epoch = epoch
         self.applied_seq: int | None = None  # None: no baseline, a resync is needed
         self.held: set[int] = set()
+        self.host: set[int] = set()  # the subset of `held` in the host tier
         self.waiting = 0  # reports seen since the resync was asked for
 
 
@@ -152,6 +157,7 @@ class KvIndex:
         self.resync_retry_reports = resync_retry_reports
         self._lru: OrderedDict[tuple[int, str], int] = OrderedDict()  # (key, worker) -> tier; least recent first
         self._workers: dict[str, _WorkerKv] = {}
+        self.host_workers: set[str] = set()  # workers with a host-tier entry
         self.num_evictions = 0
         self.num_resyncs_requested = 0
         self.num_resyncs_applied = 0
@@ -190,6 +196,7 @@ class KvIndex:
         if state is None or state.epoch > epoch:
             return ()
         del self._workers[worker_id]
+        self.host_workers.discard(worker_id)
         for key in state.held:
             del self._lru[(key, worker_id)]
         return (HeldChange(worker_id, (), tuple(state.held)),) if state.held else ()
@@ -198,6 +205,10 @@ class KvIndex:
     def held(self, worker_id: str) -> set[int] | frozenset[int]:
         state = self._workers.get(worker_id)
         return frozenset() if state is None else state.held
+
+    def host_held(self, worker_id: str) -> set[int] | frozenset[int]:
+        state = self._workers.get(worker_id)
+        return frozenset() if state is None else state.host
 
     def holders(self, key: int) -> tuple[Location, ...]:
         """Where the block is held, by worker id."""
@@ -216,6 +227,11 @@ class KvIndex:
         pairs = {(key, w) for w, s in self._workers.items() for key in s.held}
         if pairs != self._lru.keys():
             raise AssertionError("the LRU and the per-worker sets disagree")
+        for w, s in self._workers.items():
+            if not s.host <= s.held or any(self._lru[(key, w)] != _HOST for key in s.host):
+                raise AssertionError(f"{w}: host-tier keys disagree with the entries' tiers")
+            if bool(s.host) != (w in self.host_workers):
+                raise AssertionError(f"{w}: host_workers is stale")
         if len(self._lru) > self.max_entries:
             raise AssertionError(f"{len(self._lru)} entries > bound {self.max_entries}")
 
@@ -249,7 +265,7 @@ class KvIndex:
 
     def _events(self, worker_id: str, state: _WorkerKv, events, changes: _Changes) -> None:
         """Apply events in order (one loop, inlined: this is the per-heartbeat cost), then the bound."""
-        lru, held = self._lru, state.held
+        lru, held, host = self._lru, state.held, state.host
         added, removed = changes.sets(worker_id)
         for kind, key, tier in events:
             pair = (key, worker_id)
@@ -263,21 +279,40 @@ class KvIndex:
                     else:
                         added.add(key)
                 lru[pair] = tier
+                if tier == _HOST:
+                    host.add(key)
+                elif host:
+                    host.discard(key)
             elif kind == _REMOVED:
                 if lru.pop(pair, None) is not None:
                     held.discard(key)
+                    if host:
+                        host.discard(key)
                     if key in added:
                         added.discard(key)
                     else:
                         removed.add(key)
             elif pair in lru:  # DEMOTED / PROMOTED: the block moved tier
                 lru[pair] = tier
+                if tier == _HOST:
+                    host.add(key)
+                else:
+                    host.discard(key)
         self._evict(changes)
+        if host:
+            self.host_workers.add(worker_id)
+        else:
+            self.host_workers.discard(worker_id)
 
     def _evict(self, changes: _Changes) -> None:
         lru = self._lru
         while len(lru) > self.max_entries:
-            (key, owner), _ = lru.popitem(last=False)
-            self._workers[owner].held.discard(key)
+            (key, owner), tier = lru.popitem(last=False)
+            state = self._workers[owner]
+            state.held.discard(key)
+            if tier == _HOST:
+                state.host.discard(key)
+                if not state.host:
+                    self.host_workers.discard(owner)
             changes.remove(owner, key)
             self.num_evictions += 1

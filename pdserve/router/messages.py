@@ -114,6 +114,7 @@ class RoutePlan:
     prefill_hold: BlockHold | None
     decode_hold: BlockHold
     pd: object = None  # the request's P/D decision (router/pd_decision.PdDecision); None when colocated
+    prefix_terms: object = None  # the prefix policy's cost terms (router/prefix_terms.PrefixTerms), or None
 
     @property
     def colocated(self) -> bool:

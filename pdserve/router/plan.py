@@ -98,6 +98,7 @@ def route_plan(
         prefill_hold=holds[0],
         decode_hold=holds[1],
         pd=pd,
+        prefix_terms=choice.terms,
     )
 
 

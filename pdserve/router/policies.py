@@ -23,7 +23,8 @@ per host and one argmin over P (see `_fastest_pair`), not a Python double loop; 
 double-loop reference in the tests must pick the identical pair. `slo` assumes no prefix reuse;
 `prefix` reads the workers' prefix indexes, so the longest hit still loses to a shorter queue or a
 cheaper transfer path when that is faster (Mooncake); with K/V sharing on (`kv_sharing`) a prefix
-another worker holds counts too, priced at its fetch time (`_prefix_with_fetch`).
+another worker holds counts too, priced at its fetch time, and a hit in a worker's host tier is
+priced at its promotion time (`_prefix_priced`, prefix_terms.py; the rates are `kv_cost`'s).
 Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
 a prefix-aware decision whose capacity gates admit every slot without any hit runs the lookup,
 the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
@@ -42,6 +43,7 @@ from pdserve.router import demand, kernels
 from pdserve.router.cost import CostModel
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.fetch_plan import fetch_credit
+from pdserve.router.prefix_terms import HostHeld, PrefixTerms, host_blocks
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.snapshot import Derived, Pool, Snapshot
 
@@ -81,6 +83,8 @@ class PolicyContext:
     retry_after_s: float = 1.0  # suggestion when capacity, not a clock, is the problem
     max_retry_after_s: float = 30.0
     kv_sharing: bool = False  # prefix policy: a prefix another worker holds counts, at its fetch cost
+    kv_cost: CostModel | None = None  # prefix policy's fetch and host-copy terms (measured); None: `cost`
+    host_held: HostHeld | None = None  # worker id -> its host-tier keys; None: no host-tier entry anywhere
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Choice:
     # the cost-aware policies' TTFT for the pair, the very sum `plan.predicted_clocks` would compute
     # (same formulas, same rounding), handed on so the plan need not recompute it; None: recompute
     ttft_s: float | None = field(default=None, compare=False)
+    terms: PrefixTerms | None = field(default=None, compare=False)  # the prefix policy's, for the trace
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,8 @@ def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> 
 
 
 def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    if ctx.kv_sharing and request.block_hashes:
-        return _prefix_with_fetch(snapshot, request, ctx)
+    if request.block_hashes and (ctx.kv_sharing or ctx.host_held is not None):
+        return _prefix_priced(snapshot, request, ctx)
     if kernels.enabled and request.block_hashes:
         rows = snapshot.prefix.probe(request.block_hashes)
         if rows is None:  # nobody holds the first block: no hit anywhere (what prefix_hits gives)
@@ -181,11 +186,12 @@ def _prefix_fused(
     return refusal or _choice(p, p if snapshot.colocated else d, int(p_hit), int(d_hit), ttft_s)
 
 
-def _prefix_with_fetch(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    """The prefix policy with cross-worker fetch (Mooncake): a prefill slot's cost is its queue +
-    the fetch of the longest reachable prefix it lacks (fetch_plan.fetch_credit: only when that
-    beats recomputing it) + the prefill of the rest (+ transfer and admission at D). Capacity and
-    the plan's holds count the slot's own hit only: fetched blocks take room like computed ones."""
+def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    """The prefix policy with placement costs (Mooncake): a prefill slot's cost is its queue + the
+    promotion of its hit's host-tier blocks + (K/V sharing) the fetch of the longest reachable
+    prefix it lacks (fetch_plan.fetch_credit: only when that beats recomputing it) + the prefill
+    of the rest (+ transfer and admission at D). Capacity and the plan's holds count the slot's
+    own hit only: fetched blocks take room like computed ones."""
     p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
     gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
     if isinstance(gates, Refusal):
@@ -194,13 +200,27 @@ def _prefix_with_fetch(snapshot: Snapshot, request: RouteRequest, ctx: PolicyCon
     d_ok = _tpot_admitted(terms, request, ctx, gates[1])
     if isinstance(d_ok, Refusal):
         return d_ok
+    kv, bs = ctx.kv_cost or ctx.cost, ctx.cost.block_size_tokens
     own = p_hit if isinstance(p_hit, np.ndarray) else _no_hits(len(snapshot.prefill))
-    eff, fetch_s = fetch_credit(ctx.cost, own, *_best_holder(snapshot, request, own, d_hit, ctx.cost.block_size_tokens))
-    terms = terms._replace(queue_p=terms.queue_p + fetch_s)  # [P]: the fetch is paid before the prefill
+    eff, fetch_s = own, np.zeros(len(own))
+    if ctx.kv_sharing:
+        eff, fetch_s = fetch_credit(kv, own, *_best_holder(snapshot, request, own, d_hit, bs))
+    host_n = _no_hits(len(own))
+    if ctx.host_held is not None:
+        host_n = host_blocks(request.block_hashes, own, snapshot.prefill.worker_ids, ctx.host_held)
+    host_s = kv.promote_s(host_n)  # [P]
+    queue_p = terms.queue_p
+    terms = terms._replace(queue_p=queue_p + host_s + fetch_s)  # [P]: promotion and fetch precede the prefill
     d_eff = eff if snapshot.colocated else d_hit
     p, d, ttft_s = _fastest_pair(snapshot, request, ctx.cost, terms, eff, d_eff, gates[0], d_ok)
     refusal = _ttft_gate(ctx, request, ttft_s)
-    return refusal or _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d), ttft_s)
+    if refusal:
+        return refusal
+    fetched = int(eff[p] - own[p])
+    why = PrefixTerms(float(queue_p[p]), int(eff[p]), int(host_n[p]), float(host_s[p]), kv.host_copy_bytes_per_s,
+                      fetched, float(fetch_s[p]), float(ctx.cost.prefill_s(demand.compute_tokens(request, int(eff[p]), bs))),
+                      float(ttft_s))
+    return _choice(p, p if snapshot.colocated else d, _at(p_hit, p), _at(d_hit, d), ttft_s, why)
 
 
 def _best_holder(snapshot: Snapshot, request: RouteRequest, own: np.ndarray, d_hit: Hits, bs: int) -> tuple[int, np.ndarray]:
@@ -389,10 +409,9 @@ def _full(reason: RejectReason, ctx: PolicyContext) -> Refusal:
     return Refusal(reason, ctx.retry_after_s, "no worker has headroom for this request")
 
 
-def _choice(p: int, d: int, p_hit: int, d_hit: int, ttft_s: float | None = None) -> Choice:
-    return new_frozen(
-        Choice, prefill_slot=p, decode_slot=d, prefill_hit_blocks=p_hit, decode_hit_blocks=d_hit, ttft_s=ttft_s
-    )
+def _choice(p: int, d: int, p_hit: int, d_hit: int, ttft_s: float | None = None, terms: PrefixTerms | None = None) -> Choice:
+    return new_frozen(Choice, prefill_slot=p, decode_slot=d, prefill_hit_blocks=p_hit, decode_hit_blocks=d_hit,
+                      ttft_s=ttft_s, terms=terms)
 
 
 def _at(hits: Hits, slot: int) -> int:

@@ -102,6 +102,7 @@ class Router:
         self._ledger = ReservationLedger()
         self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost)
         self._kv = KvIndex(config.kv_index_max_entries)  # who holds which prefix block (kv_index.py)
+        self.kv_cost = config.cost  # the prefix policy's fetch and host-copy terms, measured (kv_rates.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
         self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE))
@@ -301,6 +302,7 @@ class Router:
         return new_frozen(
             PolicyContext, cost=cfg.cost, ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s, turn=turn,
             retry_after_s=cfg.retry_after_s, max_retry_after_s=_MAX_RETRY_AFTER_S, kv_sharing=cfg.kv_sharing,
+            kv_cost=self.kv_cost, host_held=self._kv.host_held if self._kv.host_workers else None,
         )
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:

@@ -204,6 +204,8 @@ class Load(msgspec.Struct, frozen=True):
     host_capacity: int = 0  # 0: no host tier
     host_hits: int = 0  # blocks promoted back on a hit (since the worker started)
     host_evictions: int = 0  # blocks the host tier itself evicted (since start)
+    host_copy_bytes: int = 0  # host tier <-> pool copies timed (a calibration at start, then promotions)
+    host_copy_s: float = 0.0  # their seconds: the router's measured host -> pool rate (router/kv_rates.py)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -382,7 +382,7 @@ def host_tier_load(host) -> dict:
     if host is None:
         return {}
     return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
-            "host_evictions": host.num_evictions}
+            "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s}
 
 
 def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:

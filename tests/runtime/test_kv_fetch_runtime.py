@@ -12,12 +12,15 @@ from dataclasses import replace
 
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
+from pdserve.engine.kv_events import KvTier
 from pdserve.engine.sequence import SamplingParams
+from pdserve.router.cost import CostModel
 from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
 
 HISTORY = prompt(96, 11)  # six full blocks
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+BPB_TINY = 8 * 2 * 2 * 64 * 2 * 16  # K/V bytes per block of the tiny model: 8 layers, K and V, 2 heads, dim 64, bf16
 
 
 def _metric(text: str, name: str) -> float:
@@ -138,17 +141,21 @@ def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():
 
 def test_host_tier_serves_an_evicted_history_and_shows_in_workers_and_metrics():
     """One colocated replica with a 24-block device pool and a host tier: a conversation's history
-    evicted by other prompts comes back from the host tier (tokens as without the tier)."""
+    evicted by other prompts comes back from the host tier (tokens as without the tier); the
+    prefix policy saw it in the host tier (the index's DEMOTED entries) and priced its promotion
+    at the worker's measured copy rate (the trace line's route terms)."""
     engine = replace(TINY, num_blocks=24)
     params = SamplingParams(max_tokens=4, ignore_eos=True, seed=3)
 
     async def main(host_blocks: int):
-        bpb = 8 * 2 * 2 * 64 * 2 * 16  # tiny: 8 layers, K and V, 2 heads, dim 64, bf16, 16 tokens
-        cfg = config(mode="colocated", replicas=1, engine=replace(engine, host_kv_bytes=host_blocks * bpb))
+        cfg = config(mode="colocated", replicas=1, policy="prefix", engine=replace(engine, host_kv_bytes=host_blocks * BPB_TINY))
         async with cluster(cfg) as (backend, _):
             first, _ = await collect(backend, "t1", HISTORY, params)
             for i in range(3):  # 3 x 150 tokens through a 24-block pool: the history is evicted
                 await collect(backend, f"other{i}", prompt(150, 40 + i), params)
+            keys = backend._block_hashes(HISTORY)
+            await until(lambda: all(loc.tier == KvTier.HOST for k in keys for loc in backend.router.kv_holders(k))
+                        and all(backend.router.kv_holders(k) for k in keys) or not host_blocks, timeout_s=10)
             second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), params)
             await wait_baseline(backend)
             await until(lambda: backend.workers()[0].load.get("kv_tiers", {}).get("host", {}).get("hits", 0) > 0
@@ -157,6 +164,9 @@ def test_host_tier_serves_an_evicted_history_and_shows_in_workers_and_metrics():
             return second, lines["t2"], backend.workers()[0].load, backend.metrics_text().decode()
 
     second, t2, load, text = asyncio.run(main(64))
+    assert (t2["route_hit_blocks"], t2["route_host_blocks"], t2["route_fetch_blocks"]) == (6, 6, 0)
+    rate = t2["route_host_bytes_per_s"]  # measured (calibration copies, promotions), not the 10 GB/s placeholder
+    assert rate != CostModel().host_copy_bytes_per_s and t2["route_host_s"] == round(6 * BPB_TINY / rate, 6)
     assert t2["cached_tokens"] == 96 and load["kv_tiers"]["host"]["hits"] == 6 and load["kv_tiers"]["host"]["capacity"] == 64
     assert _metric(text, 'pdserve_prefix_hit_tokens_total{where="host"}') == 96
     assert 'pdserve_kv_tier_blocks{state="used",tier="host",worker="colocated-0"}' in text

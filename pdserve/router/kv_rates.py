@@ -1,0 +1,73 @@
+"""Live K/V placement rates for the router's cost model (issue 19, parts 2, 4 and 5).
+
+Contract: `KvRates` turns what the runtime observed into the cost model's three placement terms
+(router/cost.py `fetch_bytes_per_s`, `fetch_overhead_s`, `host_copy_bytes_per_s`); nothing else
+in the cost model changes.
+- `observe_link(bytes, link_s)`: a holder's FetchDone (bytes over the time its sender moved
+  them) -> the fetch link bandwidth, an EWMA with weight `weight` (the first sample sets it).
+- `observe_fetch(bytes, wall_s, same_host)`: a landed fetch's router wall time (plan to the
+  destination's FetchDone) -> the per-fetch overhead sample `wall_s - fetch_s(bytes)` at the
+  current bandwidth without overhead (clamped at 0: what the link time does not explain, the
+  reserve/serve/done round trips), an EWMA with the same weight.
+- `observe_host_copies(bytes, seconds)`: the workers' cumulative host-tier copy bytes and
+  seconds (their loads; a calibration copy at start, then every promotion) -> the host -> pool
+  copy rate, their ratio.
+- `cost(base)` is `base` with the measured terms in place of its own (unmeasured ones keep
+  `base`'s); the same object until a rate changes, so callers may compare by identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pdserve.router.cost import CostModel
+
+WEIGHT = 0.3  # EWMA weight of a new sample
+
+
+class KvRates:
+    def __init__(self, weight: float = WEIGHT):
+        if not 0 < weight <= 1:
+            raise ValueError(f"EWMA weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.link_bytes_per_s: float | None = None
+        self.overhead_s: float | None = None
+        self.host_copy_bytes_per_s: float | None = None
+        self._cached: tuple[CostModel, CostModel] | None = None  # (base, with the rates)
+
+    def _ewma(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.weight * (sample - old)
+
+    def observe_link(self, nbytes: int, link_s: float) -> None:
+        if nbytes > 0 and link_s > 0:
+            self.link_bytes_per_s = self._ewma(self.link_bytes_per_s, nbytes / link_s)
+            self._cached = None
+
+    def observe_fetch(self, base: CostModel, nbytes: int, wall_s: float, same_host: bool) -> float | None:
+        """Fold one landed fetch into the overhead; returns the sample (None: nothing moved)."""
+        if nbytes <= 0:
+            return None
+        link_only = replace(self.cost(base), fetch_overhead_s=0.0)
+        sample = max(0.0, wall_s - float(link_only.fetch_s(nbytes, int(same_host))))
+        self.overhead_s = self._ewma(self.overhead_s, sample)
+        self._cached = None
+        return sample
+
+    def observe_host_copies(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0 and nbytes / seconds != self.host_copy_bytes_per_s:
+            self.host_copy_bytes_per_s = nbytes / seconds
+            self._cached = None
+
+    def cost(self, base: CostModel) -> CostModel:
+        if self._cached is not None and self._cached[0] is base:
+            return self._cached[1]
+        measured = {k: v for k, v in (("fetch_bytes_per_s", self.link_bytes_per_s), ("fetch_overhead_s", self.overhead_s),
+                                      ("host_copy_bytes_per_s", self.host_copy_bytes_per_s)) if v is not None}
+        cost = replace(base, **measured) if measured else base
+        self._cached = (base, cost)
+        return cost
+
+    def trace_fields(self) -> dict:
+        """The rates a decision used (for the trace line)."""
+        return {"fetch_link_bytes_per_s": self.link_bytes_per_s, "fetch_overhead_s": self.overhead_s,
+                "host_copy_bytes_per_s": self.host_copy_bytes_per_s}
