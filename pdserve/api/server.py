@@ -40,7 +40,6 @@ from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.router.router import Router
 from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
-from pdserve.workers.tp_rank import TpShape
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
 
 
@@ -49,6 +48,7 @@ class ServeConfig:
     mode: str = "disaggregated"
     num_prefill: int = 1
     num_decode: int = 1
+    num_mixed: int = 0  # splitwise mode: workers serving both phases (router/mixed_pool.py)
     replicas: int = 2
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(kv_cache_bytes=256 << 20))
     host: str = "127.0.0.1"
@@ -78,7 +78,6 @@ class ServeConfig:
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
-    tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
     runahead_min_tokens: int = 1024  # the shortest prompt a chain prefills
     kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
@@ -91,6 +90,8 @@ class ServeConfig:
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
         PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
+        if self.num_mixed and self.mode != "splitwise":
+            raise ValueError(f"--mixed {self.num_mixed} goes with --mode splitwise (Splitwise's mixed pool)")
         if self.reserve not in ("static", "dynamic"):
             raise ValueError(f"--reserve must be static or dynamic, got {self.reserve!r}")
         if self.reserve == "dynamic" and not self.predictor:
@@ -109,7 +110,7 @@ class ServeConfig:
     def shape(self) -> ClusterShape:
         if self.mode == "colocated":
             return ClusterShape.colocated(self.replicas)
-        return ClusterShape.disaggregated(self.num_prefill, self.num_decode)  # "splitwise" starts disaggregated
+        return ClusterShape.disaggregated(self.num_prefill, self.num_decode, self.num_mixed)  # "splitwise" starts disaggregated
 
     def pool_thresholds(self) -> Thresholds:
         """Splitwise's marks: a prompt pool is pressed at a quarter of the TTFT target queued per worker."""
@@ -195,8 +196,7 @@ class _Launcher:
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
-                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
-                              tp=cfg.tp)
+                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key)
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

@@ -2,8 +2,8 @@
 `pdserve serve --config FILE` runs it, and command-line flags given explicitly override it.
 
 Contract: one JSON object, `{"pdserve_serve_config": 1, ...}` with these keys (all optional but
-the version): mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, replicas (worker
-counts), max_num_batched_tokens (the chunk budget), max_num_seqs (batch limit), policy,
+the version): mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, mixed (splitwise
+only), replicas (worker counts), max_num_batched_tokens (the chunk budget), max_num_seqs (batch limit), policy,
 pd_decision, reserve ("static" | "dynamic": then `predictor` names the
 predictor file, or `--predictor` gives it), predictor, prefill_runahead (0 or 1: off; K >= 2: a
 KV-Runahead chain of K prefill workers, which the file's prefill count must cover), and per-role parallelism prefill_tp,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 VERSION_KEY = "pdserve_serve_config"
 # file key -> argparse destination of `pdserve serve`
-ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "replicas": "replicas",
+ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "mixed": "mixed", "replicas": "replicas",
           "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs", "policy": "policy",
           "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice",
           "prefill_runahead": "prefill_runahead"}

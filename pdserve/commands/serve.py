@@ -7,7 +7,6 @@ import sys
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
-from pdserve.workers.tp_rank import add_tp_flags, shape_from_args
 
 DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
 
@@ -21,8 +20,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="splitwise: workers in all, half prompt (prefill) and half token (decode) at start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    p.add_argument("--mixed", type=int, default=0, metavar="M",
+                   help="splitwise: M mixed workers that serve both phases, taking prompt work while the prompt "
+                        "pool is pressed and token work while the token pool is (router/mixed_pool.py)")
     p.add_argument("--replicas", type=int, default=2, help="colocated workers (colocated)")
-    add_tp_flags(p)
     p.add_argument("--model", default="tiny", help="tiny | small | path to a HF checkpoint dir")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=EngineConfig.dtype)
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None,
@@ -105,14 +106,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
 
 
-def _split(args: argparse.Namespace) -> tuple[int, int]:
-    """(prefill, decode) workers: --workers N in splitwise mode splits N in half, else --prefill/--decode."""
-    workers = getattr(args, "workers", None)
+def _split(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prefill, decode, mixed) workers: --workers N in splitwise mode splits N in half, else
+    --prefill/--decode/--mixed (ServeConfig checks the counts)."""
+    workers, mixed = getattr(args, "workers", None), getattr(args, "mixed", 0)
     if workers is None:
-        return args.prefill, args.decode
+        return args.prefill, args.decode, mixed
     if args.mode != "splitwise" or workers < 2:
         raise ValueError("--workers N (N >= 2) goes with --mode splitwise")
-    return workers // 2, workers - workers // 2
+    if mixed:
+        raise ValueError("--workers N splits N into prompt and token workers; a mixed pool takes an explicit "
+                         "--prefill P --decode D --mixed M")
+    return workers // 2, workers - workers // 2, 0
 
 
 def prompt_priority(args: argparse.Namespace) -> PromptPriority | None:
@@ -137,7 +142,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
     )
     return ServeConfig(
-        mode=args.mode, num_prefill=_split(args)[0], num_decode=_split(args)[1], replicas=args.replicas, engine=engine,
+        mode=args.mode, **dict(zip(("num_prefill", "num_decode", "num_mixed"), _split(args))), replicas=args.replicas,
+        engine=engine,
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
         policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
         decode_choice=getattr(args, "decode_choice", "policy"), reserve=getattr(args, "reserve", "static"),
@@ -152,7 +158,6 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
         prefill_runahead=getattr(args, "prefill_runahead", 0), runahead_min_tokens=getattr(args, "runahead_min_tokens", 1024),
         kv_sharing=not getattr(args, "no_kv_sharing", False),
-        tp=shape_from_args(args),
     )
 
 

@@ -24,7 +24,7 @@ class Mode(str, enum.Enum):
         if self is Mode.COLOCATED:
             return frozenset({Role.COLOCATED})
         # colocated workers join a disaggregated cluster while its disaggregation is switched off
-        return frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})
+        return frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED, Role.MIXED})
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,24 @@ class ClusterShape:
     num_prefill: int = 0
     num_decode: int = 0
     num_colocated: int = 0
+    num_mixed: int = 0  # Splitwise's mixed pool (splitwise mode: --mixed M)
 
     def __post_init__(self) -> None:
-        if self.mode is Mode.DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1 or self.num_colocated):
+        counts = (self.num_prefill, self.num_decode, self.num_colocated, self.num_mixed)
+        if min(counts) < 0:
+            raise ValueError(f"worker counts must be >= 0, got --prefill {counts[0]} --decode {counts[1]} --mixed {counts[3]}")
+        if not sum(counts):
+            raise ValueError("no workers: give at least one (--prefill/--decode, --mixed in splitwise mode, --replicas)")
+        if self.mode is Mode.DISAGGREGATED and self.num_mixed and self.num_colocated:
+            raise ValueError("a mixed pool takes no replicas")
+        if self.mode is Mode.DISAGGREGATED and not self.num_mixed and (self.num_prefill < 1 or self.num_decode < 1 or self.num_colocated):
             raise ValueError("disaggregated mode needs --prefill >= 1 and --decode >= 1 and no replicas")
-        if self.mode is Mode.COLOCATED and (self.num_colocated < 1 or self.num_prefill or self.num_decode):
-            raise ValueError("colocated mode needs --replicas >= 1 and no prefill/decode workers")
+        if self.mode is Mode.COLOCATED and (self.num_colocated < 1 or self.num_prefill or self.num_decode or self.num_mixed):
+            raise ValueError("colocated mode needs --replicas >= 1 and no prefill/decode/mixed workers")
 
     @classmethod
-    def disaggregated(cls, num_prefill: int, num_decode: int) -> ClusterShape:
-        return cls(Mode.DISAGGREGATED, num_prefill=num_prefill, num_decode=num_decode)
+    def disaggregated(cls, num_prefill: int, num_decode: int, num_mixed: int = 0) -> ClusterShape:
+        return cls(Mode.DISAGGREGATED, num_prefill=num_prefill, num_decode=num_decode, num_mixed=num_mixed)
 
     @classmethod
     def colocated(cls, replicas: int) -> ClusterShape:
@@ -52,7 +60,8 @@ class ClusterShape:
 
     def roles(self) -> list[Role]:
         """One role per worker to launch, prefill workers first."""
-        return [Role.PREFILL] * self.num_prefill + [Role.DECODE] * self.num_decode + [Role.COLOCATED] * self.num_colocated
+        return ([Role.PREFILL] * self.num_prefill + [Role.DECODE] * self.num_decode + [Role.MIXED] * self.num_mixed
+                + [Role.COLOCATED] * self.num_colocated)
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class ClusterBackend:
 
     def healthy(self) -> bool:
         roles = {w.role for w in self.registered.values()}
-        return "colocated" in roles or {"prefill", "decode"} <= roles
+        return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
 
     def workers(self) -> list[WorkerView]:
         return [self._view(w) for w in self.registered.values()]
@@ -287,7 +287,7 @@ class ClusterBackend:
         n, most = req.params.n, req.params.max_tokens
         need = -(-(min(len(req.prompt_ids) + most, self.max_model_len) + (n - 1) * (most + self._block_size))
                  // self._block_size)
-        pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated")]
+        pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated", "mixed")]
         return bool(pools) and need <= max(pools)
 
     def _reject(self, result: RouteRejection) -> None:

@@ -16,6 +16,7 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+    MIXED = "mixed"  # Splitwise's mixed pool: prompt or token work, as the pools' pressure says (router/mixed_pool.py)
 
 
 class RejectReason(str, enum.Enum):

@@ -28,7 +28,7 @@ from pdserve.router.kv_index import KvIndexStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated", "mixed")
 ClockSamples = tuple[Sequence[float], Sequence[float]]  # (TTFT s, TPOT s), one pair per finished request
 
 

@@ -18,7 +18,9 @@ workers change back to prefill and the router routes disaggregated again. Every 
 `RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
 
 `run_pool_controller(backend, controller)`: `pdserve serve --mode splitwise` runs Splitwise's pool
-controller (splitwise.py) over the live load reports and carries out its moves with `change_role`.
+controller (splitwise.py) over the live load reports and carries out its moves with `change_role`;
+after every observation it hands the router the controller's latched offer, the pools the mixed
+workers serve (router/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def pool_signals(backend) -> PoolSignals | None:
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
             local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+        elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
+            local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
     return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
 
 
@@ -154,6 +158,7 @@ async def run_pool_controller(backend, controller: PoolController, period_s: flo
         await asyncio.sleep(period_s)
         signals = pool_signals(backend)
         move = None if signals is None else controller.observe(signals, time.monotonic())
+        backend.router.set_mixed_offer(controller.offer)  # the pools mixed workers serve (mixed_pool.py)
         if move is None:
             continue
         backend.metrics.pool_moves.labels(move.kind).inc()

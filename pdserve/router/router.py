@@ -28,7 +28,6 @@ at D, as a colocated worker would take); counted by decision in `pd_decisions`.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.router import demand, kernels
+from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_slot
@@ -56,6 +56,7 @@ from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
 from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal, prefix_hits
 from pdserve.router.errors import UnknownWorkerError
+from pdserve.router.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.reservations import HoldRequest, ReservationLedger
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
@@ -105,7 +106,9 @@ class Router:
         self.kv_cost = config.cost  # the prefix policy's fetch and host-copy terms, measured (kv_rates.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
-        self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE))
+        self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE, Role.MIXED))
+        self._mixed = MixedPools(config.cost)  # Splitwise's mixed workers, offered as the pools' pressure says
+        self.mixed_offer = MixedOffer()  # set by the pool controller (role_control.py; mixed_pool.py's rule)
         self.disaggregation = config.mode is Mode.DISAGGREGATED
         self.handoff_enabled = self.disaggregation  # off after a rollback: no transfer plan is issued
         self.route_epoch = 1  # advanced by a rollback; capabilities bind it
@@ -134,6 +137,7 @@ class Router:
             self._note_held(self._kv.replace(worker_id, role_epoch, load.prefix_hashes))
         self._snapshots.note_load(worker_id, load)
         self._whole.note_load(worker_id, load)
+        self._mixed.note_load(worker_id, load)
         self._ledger.apply_ack(worker_id, load.applied_grant_seq)
 
     def report_kv(self, worker_id: str, role_epoch: int, delta: KvDelta) -> KvOutcome:
@@ -163,6 +167,7 @@ class Router:
             held = self._kv.held(change.worker_id)
             self._registry.set_prefixes(change.worker_id, held)
             active.note_prefix(change.worker_id, held, change.added, change.removed)
+            self._mixed.note_prefix(change.worker_id, held, change.added, change.removed)
 
     def drain(self, worker_id: str, role_epoch: int) -> None:
         """Route nothing new to the worker: its role change begins (workers/roles.py)."""
@@ -185,11 +190,9 @@ class Router:
     # ----- requests -----
     def route(self, request: RouteRequest, policy: str | None = None) -> RoutePlan | RouteRejection:
         name = policy or self.config.policy
-        snapshot = self.snapshot()
-        choice = POLICIES[name](snapshot, request, self._context(name))
-        if self.config.decode_choice == "p2c" and isinstance(choice, Choice):
-            choice = self._decode_by_p2c(snapshot, request, choice)
-        result = self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
+        result = self._choose(self.snapshot(), request, name)
+        if isinstance(result, Refusal) and self.disaggregation and self._mixed.present(self._registry):
+            result = self._choose(self.snapshot(overflow=True), request, name)  # mixed workers before a refusal
         self.arrivals.observe(self._clock())  # after the decision: it read the rate of the arrivals before it
         if isinstance(result, Refusal):
             self._route_total[(name, result.reason.value)] += 1
@@ -246,10 +249,24 @@ class Router:
         self._heavy_light.remove(request_id)
         self._events["aborted"] += 1
 
+    def _choose(self, snapshot: Snapshot, request: RouteRequest, name: str) -> RoutePlan | Refusal:
+        choice = POLICIES[name](snapshot, request, self._context(name))
+        if self.config.decode_choice == "p2c" and isinstance(choice, Choice):
+            choice = self._decode_by_p2c(snapshot, request, choice)
+        return self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
+
+    def set_mixed_offer(self, offer: MixedOffer) -> None:
+        """Which pools the mixed workers serve now (the pool controller's latched pressure)."""
+        self.mixed_offer = offer
+
     # ----- views and checks -----
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, overflow: bool = False) -> Snapshot:
+        """The policies' view; mixed workers join the pools mixed_pool.membership names
+        (`overflow`: both, once a route without them was refused)."""
         builder = self._builder()
         snapshot = builder.build(self._registry, self._ledger.in_flight())
+        if builder is self._snapshots and self._mixed.present(self._registry):
+            snapshot = self._mixed.view(snapshot, self._registry, self._ledger.in_flight(), self.mixed_offer, overflow)
         if not snapshot.colocated and not len(snapshot.prefill) and len(snapshot.decode) and self.config.pd.mode != "always":
             # the prompt pool is empty (Splitwise lent its last worker to the token pool, or it
             # restarts) and decode workers may prefill: requests run whole on them. With "always"
@@ -351,6 +368,8 @@ class Router:
     def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> PdDecision:
         """The P/D decision for the policy's chosen pair, over the same snapshot."""
         cfg = self.config
+        if snapshot.prefill.worker_ids[choice.prefill_slot] == snapshot.decode.worker_ids[choice.decode_slot]:
+            return WHOLE_ON_MIXED  # both phases chose one mixed worker: it runs the request whole
         if cfg.pd.mode == "never" or (cfg.pd.mode == "always" and not cfg.pd.min_prompt_tokens):
             return decide_pd(None, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
         ps, ds = choice.prefill_slot, choice.decode_slot
@@ -371,32 +390,6 @@ class Router:
         self._retired[retired.reason] += 1
         self._events["orphaned"] += len(orphaned)
         return Retirement(retired, orphaned)
-
-
-class ArrivalRate:
-    """Requests per second, exponentially weighted over `window_s`: each arrival adds 1/window
-    and the sum decays with time constant `window_s` (a steady Poisson stream of rate r settles
-    at r)."""
-
-    def __init__(self, window_s: float = 20.0):
-        self.window_s, self._value, self._at = window_s, 0.0, None
-
-    def _decay_to(self, now_s: float) -> None:
-        if self._at is not None:
-            self._value *= math.exp(-max(0.0, now_s - self._at) / self.window_s)
-        self._at = now_s
-
-    def observe(self, now_s: float) -> None:
-        self._decay_to(now_s)
-        self._value += 1.0 / self.window_s
-
-    def reset(self, rate_rps: float, now_s: float) -> None:
-        """Start from a known steady rate (tests, a planner's operating point)."""
-        self._value, self._at = rate_rps, now_s
-
-    def rate(self, now_s: float) -> float:
-        self._decay_to(now_s)
-        return self._value
 
 
 def _shortfall_reason(decode: HoldRequest, ledger: ReservationLedger, reported: Mapping[str, int]) -> RejectReason:

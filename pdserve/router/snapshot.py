@@ -12,6 +12,9 @@ membership changes; a load report or a changed in-flight total patches one slot,
 applies the pending patches (reported load + in-flight holds) before it hands the view out.
 A slot's prefix set is the cluster K/V index's live set for that worker (router/kv_index.py);
 `note_prefix` patches the prefix index with each change the K/V index reports.
+A builder made with `mixed_in` also puts LIVE `mixed` workers into the prefill and/or the decode
+pool (router/mixed_pool.py); a worker in both has two slots, its twin in the decode pool, which
+every load report, in-flight charge and prefix change patches alike.
 """
 
 from __future__ import annotations
@@ -162,21 +165,32 @@ class SnapshotBuilder:
     total dirties one slot, and `current` rebuilds only those slots. A snapshot is published as
     read-only copies and reused as is while nothing changed."""
 
-    def __init__(self, colocated: bool, cost: CostModel | None = None, roles: tuple[Role, ...] | None = None):
+    def __init__(self, colocated: bool, cost: CostModel | None = None, roles: tuple[Role, ...] | None = None,
+                 mixed_in: tuple[bool, bool] = (False, False)):
         """`roles`: the worker roles this builder routes over (default: the mode's own). A
         colocated builder puts every such worker in its one pool: a disaggregated cluster whose
-        disaggregation is switched off routes whole requests over its decode and colocated workers."""
+        disaggregation is switched off routes whole requests over its decode and colocated workers.
+        `mixed_in`: (prefill pool, decode pool) that also take the LIVE mixed workers."""
         self._colocated = colocated
         self._cost = cost
         self._roles = roles or ((Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE))
+        self._mixed_in = mixed_in
+        if any(mixed_in):
+            self._roles = (*self._roles, Role.MIXED)
         self._membership_gen = -1
         self.reset([], 0)
 
     def build(self, registry: Registry, in_flight: Mapping[str, InFlight]) -> Snapshot:
         if registry.membership_generation != self._membership_gen:
             entries = registry.live(self._roles)
-            num_prefill = len(entries) if self._colocated else sum(e.info.role in (Role.PREFILL, Role.COLOCATED) for e in entries)
-            self.reset(sorted(entries, key=lambda e: (e.info.role is Role.DECODE, e.info.worker_id)), num_prefill)
+            if self._colocated:  # colocated workers, then decode workers (live disable's whole requests)
+                self.reset(sorted(entries, key=lambda e: (e.info.role is Role.DECODE, e.info.worker_id)), len(entries))
+            else:  # prefill pool, then decode pool; each: its own role's workers, then mixed ones (ties
+                # break toward the lower slot: a worker of the pool's own role), in worker id order
+                prefill = [e for e in entries if e.info.role in (Role.PREFILL, Role.COLOCATED)
+                           or (self._mixed_in[0] and e.info.role is Role.MIXED)]
+                decode = [e for e in entries if e.info.role is Role.DECODE or (self._mixed_in[1] and e.info.role is Role.MIXED)]
+                self.reset(sorted(prefill, key=_mixed_last) + sorted(decode, key=_mixed_last), len(prefill))
             self._membership_gen = registry.membership_generation
         return self.current(in_flight)
 
@@ -187,17 +201,24 @@ class SnapshotBuilder:
             return  # not LIVE in the current membership; the next rebuild reads it from the registry
         self._reported[slot] = (load.pending_prompt_tokens, load.active_batch, load.free_blocks)
         self._dirty.add(slot)
+        if self._twin_of and worker_id in self._twin_of:  # a mixed worker in both pools
+            twin = self._twin_of[worker_id]
+            self._reported[twin] = self._reported[slot]
+            self._dirty.add(twin)
 
     def note_prefix(self, worker_id: str, held: Set[int], added: Iterable[int], removed: Iterable[int]) -> None:
         """The worker's prefix set (`held`, already changed) gained `added` and lost `removed`."""
         slot = self._slot_of.get(worker_id)
         if slot is None:
             return
+        slots = (slot, self._twin_of[worker_id]) if worker_id in self._twin_of else (slot,)
         if held is self._held[slot]:
-            self._prefix.patch_slot(slot, added, removed)
+            for s in slots:
+                self._prefix.patch_slot(s, added, removed)
             return
-        self._prefix.replace_slot(slot, frozenset(self._held[slot]), frozenset(held))  # a new set object
-        self._held[slot] = held
+        for s in slots:
+            self._prefix.replace_slot(s, frozenset(self._held[s]), frozenset(held))  # a new set object
+            self._held[s] = held
         self._members = None
         self._snapshot = None
         self._stale_pools[:] = (True, True)  # the pools carry the members
@@ -211,7 +232,10 @@ class SnapshotBuilder:
         """Rebuild slots, static members and the prefix index for a new membership."""
         self._entries = tuple(entries)
         self._num_prefill = num_prefill
-        self._slot_of = {e.info.worker_id: i for i, e in enumerate(entries)}
+        self._slot_of: dict[str, int] = {}
+        self._twin_of: dict[str, int] = {}  # a mixed worker's second slot (in the decode pool)
+        for i, e in enumerate(entries):
+            (self._twin_of if e.info.worker_id in self._slot_of else self._slot_of)[e.info.worker_id] = i
         self._worker_of = [e.info.worker_id for e in entries]
         self._reported = [(e.load.pending_prompt_tokens, e.load.active_batch, e.load.free_blocks) for e in entries]
         # effective [pending, batch, headroom] x slot and [queue_s, admission_s, tpot_s] x slot, one
@@ -253,6 +277,8 @@ class SnapshotBuilder:
                     slot = slot_of.get(worker_id)
                     if slot is not None:
                         dirty.add(slot)
+                        if worker_id in self._twin_of:
+                            dirty.add(self._twin_of[worker_id])
             self._charged = charged = dict(in_flight)
         if not dirty and self._snapshot is not None:
             return self._snapshot
@@ -321,6 +347,10 @@ class SnapshotBuilder:
             decode = prefill if self._colocated else _members(self._entries[n:], self._held[n:])
             self._members = (prefill, decode)
         return self._members
+
+
+def _mixed_last(entry: WorkerEntry) -> tuple[bool, str]:
+    return entry.info.role is Role.MIXED, entry.info.worker_id
 
 
 def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np.ndarray, least: int) -> Pool:

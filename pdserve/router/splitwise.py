@@ -19,7 +19,9 @@ worker, and so does the prompt pool unless `prompt_pool_may_empty` (the decode w
 locally: the router then runs whole requests on them, router.Router.snapshot), which lets the
 last prompt worker go to a decode-heavy phase, Splitwise's mixed pool on two machines.
 The worker moved is the other pool's least loaded. The controller only ever moves workers
-between `prefill` and `decode`.
+between `prefill` and `decode`; `mixed` workers stay mixed, and each observation also latches the
+two pressures (same marks, same `hold`) into `offer`, the pools the mixed workers serve now
+(router/mixed_pool.py).
 
 A move is first a loan (`kind` "lend"): the worker keeps its origin role, and once the pool that
 borrowed it has been calm (under its low mark) for `hold` observations it goes back ("return").
@@ -30,6 +32,8 @@ new role ("change"; nothing moves, the loan is simply no longer returned).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pdserve.router.mixed_pool import MixedLatches, MixedOffer, PressureLatch
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,17 @@ class PoolController:
     calm_streak: dict[str, int] = field(default_factory=dict)  # per borrowing role
     loans: dict[str, tuple[str, float]] = field(default_factory=dict)  # worker -> (origin role, since)
     moves: list[Move] = field(default_factory=list)
+    offer: MixedOffer = field(default_factory=MixedOffer)  # where mixed workers serve (mixed_pool.py)
+
+    def __post_init__(self) -> None:
+        t = self.thresholds
+        self.latches = MixedLatches(PressureLatch(t.prompt_high_s, t.prompt_low_s, t.hold), PressureLatch(t.kv_high, t.kv_low, t.hold))
 
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
         t = self.thresholds
         prompt = _prompt_pressure(signals)
         kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
+        self.offer = self.latches.observe(prompt, kv)
         self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
         self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
         self.calm_streak = {"prefill": self.calm_streak.get("prefill", 0) + 1 if prompt < t.prompt_low_s else 0,

@@ -8,7 +8,7 @@ and each step takes the running decode rows first and gives prefill chunks only 
 leaves: a local prefill never grows a step past the budget that sets the decode batch's TPOT (the
 guard), it only shares it. A prefill-only worker refuses `Generate`: it has no decode side to
 continue the request on. `LocalPrefills` remembers which requests came this way so each
-heartbeat reports the worker's local-prefill load (requests still prefilling, their prompt
+heartbeat reports the worker's (a decode or mixed worker's) local-prefill load (requests still prefilling, their prompt
 tokens not yet computed) in `Load` and `/workers`.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pdserve.engine.engine import Engine
 
-ACCEPTING_ROLES = ("decode", "colocated")
+ACCEPTING_ROLES = ("decode", "colocated", "mixed")
 
 
 class LocalPrefills:
@@ -31,7 +31,7 @@ class LocalPrefills:
         """Admit a `Generate` on this worker; raises ValueError on a prefill-only worker."""
         if self.role not in ACCEPTING_ROLES:
             raise ValueError(f"a {self.role} worker runs no whole requests (Generate {request_id})")
-        if self.role == "decode":
+        if self.role in ("decode", "mixed"):
             self.request_ids.add(request_id)
 
     def load(self, engine: Engine) -> tuple[int, int]:

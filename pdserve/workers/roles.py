@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated", "mixed")  # mixed: both sides, Splitwise's mixed pool
 
 
 class RoleChangeError(ValueError):
@@ -36,7 +36,7 @@ def sides(role: str) -> tuple[bool, bool]:
     """(has a prefill side, has a decode side) for a role: what the worker builds for it."""
     if role not in ROLES:
         raise RoleChangeError(f"unknown role {role!r}; expected one of {ROLES}")
-    return role in ("prefill", "colocated"), role in ("decode", "colocated")
+    return role in ("prefill", "colocated", "mixed"), role in ("decode", "colocated", "mixed")
 
 
 @dataclass

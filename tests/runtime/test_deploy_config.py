@@ -60,6 +60,15 @@ def test_a_runahead_chain_the_prefill_pool_covers_is_served(tmp_path):
     assert serve_config(parse("--config", path, "--prefill-runahead", "3")).prefill_runahead == 3  # the flag wins
 
 
+def test_a_splitwise_file_carries_a_mixed_pool(tmp_path):
+    path = write(tmp_path, mode="splitwise", prefill=1, decode=0, mixed=1)
+    config = serve_config(parse("--config", path))
+    assert [r.value for r in config.shape().roles()] == ["prefill", "mixed"]
+    assert serve_config(parse("--config", path, "--mixed", "2")).num_mixed == 2  # the flag wins
+    with pytest.raises(ValueError, match="--mixed 1 goes with --mode splitwise"):
+        serve_config(parse("--config", write(tmp_path, mode="disaggregated", prefill=1, decode=1, mixed=1)))
+
+
 def test_a_file_that_is_not_a_serve_configuration_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"mode": "colocated"}))

@@ -1,0 +1,90 @@
+"""`pdserve serve --mode splitwise --prefill 1 --decode 1 --mixed 1` (tiny model): the mixed worker
+takes prompt work and hands its K/V off to the decode worker while the prompt pool is pressed,
+receives K/V from the prefill worker and decodes while the token pool is pressed, and runs a
+request whole when both phases choose it. The offer (which pools are pressed) is set by the test
+in place of the pool controller's latch (unit-tested in tests/router/test_mixed_pool.py), and
+round robin makes each choice exact. Every request's greedy tokens equal a single engine's; the
+pools end at baseline and the router's ledger is empty."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.router.mixed_pool import MixedOffer
+from pdserve.router.splitwise import Thresholds
+from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+PROMPTS = [prompt(120 + 9 * i, 3100 + i) for i in range(6)]
+CALM = Thresholds(prompt_high_s=1e6, prompt_low_s=1e5, kv_high=0.999, kv_low=0.998, hold=1000)  # never moves anyone
+# round robin over the offered pools: (turn % |prefill pool|, turn % |decode pool|), own-role workers first
+OFFERS = [MixedOffer(prefill=True)] * 2 + [MixedOffer(decode=True)] * 2 + [MixedOffer(True, True)] * 2
+ROUTES = [("prefill-0", "decode-0"), ("mixed-0", "decode-0"),  # prompt pool pressed: m0 prefills, hands off
+          ("prefill-0", "decode-0"), ("prefill-0", "mixed-0"),  # token pool pressed: m0 receives and decodes
+          ("prefill-0", "decode-0"), ("mixed-0", "mixed-0")]  # both: m0 runs one whole
+
+
+async def _scenario():
+    cfg = config(mode="splitwise", num_prefill=1, num_decode=1, num_mixed=1, policy="round_robin", splitwise=CALM)
+    async with cluster(cfg) as (backend, _):
+        router = backend.router
+        router.set_mixed_offer = lambda offer: None  # the test sets the offer, not the controller's latch
+        results, lines = [], []
+        for i, (offer, ids) in enumerate(zip(OFFERS, PROMPTS)):
+            router.mixed_offer = offer
+            results.append(await asyncio.wait_for(collect(backend, f"x{i}", ids, PARAMS), 120))
+            lines.append(backend.trace.recent[-1])
+        views = await wait_baseline(backend)
+        router.assert_no_leaks()
+        return results, lines, {w.id: (w.role, w.epoch) for w in views}, backend.metrics_text().decode()
+
+
+def test_a_mixed_worker_prefills_for_a_handoff_decodes_a_handoff_and_runs_whole():
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    expected = [list(alone.generate([list(p)], PARAMS)[0].output_ids) for p in PROMPTS]
+    results, lines, roles, metrics = asyncio.run(_scenario())
+    assert all(isinstance(event, FinishEvent) for _, event in results)
+    assert [ids for ids, _ in results] == expected
+    assert [(line["prefill"], line["decode"]) for line in lines] == ROUTES
+    assert [line["pd_reason"] for line in lines] == ["always"] * 5 + ["mixed_whole"]
+    assert all(line["kv_published_s"] is not None for line in lines[:5]) and lines[5]["kv_published_s"] is None
+    assert roles == {"prefill-0": ("prefill", 1), "decode-0": ("decode", 1), "mixed-0": ("mixed", 1)}
+    assert 'pdserve_workers_live{role="mixed"} 1.0' in metrics
+    assert "pdserve_role_changes_total{" not in metrics  # nobody moved: mixed workers serve both pools in place
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    from pdserve.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_make_a_mixed_pool_with_prompt_priority_on():
+    from pdserve.commands.serve import serve_config
+
+    cfg = serve_config(_serve_args("--mode", "splitwise", "--prefill", "1", "--decode", "1", "--mixed", "2"))
+    assert [r.value for r in cfg.shape().roles()] == ["prefill", "decode", "mixed", "mixed"]
+    assert cfg.engine.prompt_priority is not None  # --prompt-priority auto: on in splitwise mode, mixed workers too
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--mixed", "1"), "--mixed 1 goes with --mode splitwise"),
+    (("--mode", "splitwise", "--prefill", "1", "--decode", "1", "--mixed", "-1"), "worker counts must be >= 0"),
+    (("--mode", "splitwise", "--prefill", "0", "--decode", "0", "--mixed", "0"), "no workers"),
+    (("--mode", "splitwise", "--workers", "4", "--mixed", "1"), "explicit --prefill P --decode D --mixed M"),
+])
+def test_bad_mixed_pool_flags_are_refused_with_a_message(argv, message, capsys):
+    from pdserve.commands.serve import run
+
+    assert run(_serve_args(*argv)) == 2
+    assert message in capsys.readouterr().err
