@@ -40,6 +40,7 @@ from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.router.router import Router
 from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
+from pdserve.workers.tp_rank import TpShape
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
 
 
@@ -78,6 +79,7 @@ class ServeConfig:
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
+    tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
     runahead_min_tokens: int = 1024  # the shortest prompt a chain prefills
     kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
@@ -196,7 +198,8 @@ class _Launcher:
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
-                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key)
+                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
+                              tp=cfg.tp)
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

@@ -7,6 +7,7 @@ import sys
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
+from pdserve.workers.tp_rank import add_tp_flags, shape_from_args
 
 DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
 
@@ -24,6 +25,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="splitwise: M mixed workers that serve both phases, taking prompt work while the prompt "
                         "pool is pressed and token work while the token pool is (router/mixed_pool.py)")
     p.add_argument("--replicas", type=int, default=2, help="colocated workers (colocated)")
+    add_tp_flags(p)
     p.add_argument("--model", default="tiny", help="tiny | small | path to a HF checkpoint dir")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=EngineConfig.dtype)
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None,
@@ -158,6 +160,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
         prefill_runahead=getattr(args, "prefill_runahead", 0), runahead_min_tokens=getattr(args, "runahead_min_tokens", 1024),
         kv_sharing=not getattr(args, "no_kv_sharing", False),
+        tp=shape_from_args(args),
     )
 
 

@@ -69,6 +69,7 @@ class Engine:
             self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
         else:  # rank 0 of a tensor-parallel group; followers run the other shards (tp_group.py)
             self.model = tp_group.start_engine_group(config, self.model_dir, state, self.pool)
+            self.pool.tp = config.tp
         self.tokenizer = load_tokenizer(self.model_dir)
         self.numerics = {**cpu_report(), "compute_dtype": str(compute).removeprefix("torch."),
                          "products": self.model.products.describe()}  # `cpu` in reports and /workers

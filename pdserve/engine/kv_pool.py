@@ -32,6 +32,7 @@ class KvPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.abi = abi
         self.num_blocks = num_blocks
+        self.tp = 1  # tensor-parallel ranks sharing this pool, each over its K/V heads (engine/tp_group.py)
         self.shape = (abi.num_layers, 2, num_blocks, abi.block_size, abi.num_kv_heads, abi.head_dim)
         self.nbytes = int(np.prod(self.shape)) * abi.dtype_bytes
         self._shm: shared_memory.SharedMemory | None = None

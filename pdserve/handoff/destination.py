@@ -31,6 +31,7 @@ from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, SealFrame
 from pdserve.handoff.kvbytes import chunk_checksum
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, check_fence, check_identity
+from pdserve.handoff.shard_map import check_layout
 from pdserve.handoff.reservations import DestinationBlocks, Reservation
 from pdserve.handoff.states import ChunkState, ChunkTable, TxnState, check_txn_move
 from pdserve.handoff.trace import TraceSink
@@ -116,6 +117,7 @@ class DestinationTransfer:
             raise HandoffError(RejectReason.WRONG_TRANSFER, manifest.transfer_id)
         check_fence(self.expected_fence(), manifest.fence)
         check_identity(identity, pool_abi, manifest)
+        check_layout(manifest.shards, pool_abi)  # any TP layout that tiles the logical heads (shard_map.py)
         if manifest.prompt.digest != self.request.prompt_digest or manifest.prompt.num_tokens != self.request.num_tokens:
             raise HandoffError(RejectReason.WRONG_PROMPT, manifest.prompt.digest)
         if manifest.dst_blocks != self.reservation.prompt_blocks:

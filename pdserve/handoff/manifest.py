@@ -18,6 +18,7 @@ import msgspec
 
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.shard_map import ShardLayout
 
 
 class IdentityFence(msgspec.Struct, frozen=True):
@@ -61,6 +62,7 @@ class HandoffManifest(msgspec.Struct, frozen=True):
     dst_blocks: tuple[int, ...]  # destination block of each transferred prompt block, in order
     chunks: tuple[ChunkSpec, ...]
     schedule: str = "layerwise"  # or "serialized"
+    shards: ShardLayout = msgspec.field(default_factory=ShardLayout)  # the source's TP layout beside the logical ABI (shard_map.py)
 
     @property
     def num_transfer_blocks(self) -> int:
@@ -110,14 +112,15 @@ def plan_chunks(abi: KvAbi, prompt: PromptSpan, num_blocks: int, blocks_per_chun
 
 def build_manifest(transfer_id: str, fence: IdentityFence, prompt: PromptSpan, identity: CacheIdentity,
                    abi: KvAbi, dst_blocks: list[int], blocks_per_chunk: int,
-                   schedule: str = "layerwise") -> HandoffManifest:
+                   schedule: str = "layerwise", shards: ShardLayout | None = None) -> HandoffManifest:
     """Plan the expected chunks for moving `dst_blocks` worth of prompt K/V under `fence`."""
     needed = -(-(prompt.num_tokens - prompt.first_token(abi.block_size)) // abi.block_size)
     if needed != len(dst_blocks):
         raise HandoffError(RejectReason.INCOMPLETE_COVERAGE,
                            f"prompt needs {needed} transferred blocks, reservation gives {len(dst_blocks)}")
     chunks = plan_chunks(abi, prompt, len(dst_blocks), blocks_per_chunk)
-    return HandoffManifest(transfer_id, fence, prompt, identity, abi, tuple(dst_blocks), chunks, schedule)
+    return HandoffManifest(transfer_id, fence, prompt, identity, abi, tuple(dst_blocks), chunks, schedule,
+                           shards or ShardLayout())
 
 
 _FENCE_REASONS = (

@@ -36,20 +36,22 @@ def tpot_slack_s(tpot_slo_s: float, decode_step_s: float, decode_tokens: int, ar
 
 def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: float, ttft_slo_s: float,
                        wait_s: float = 0.0, arrival_rate_rps: float = 0.0, decode_step_s: float = 0.0,
-                       decode_tokens: int = 1) -> float:
+                       decode_tokens: int = 1, own_stall_s: float = 0.0) -> float:
     """SLO time a local prefill costs on its decode worker, run as the mixed steps `step_s` (each
     holding a prompt chunk beside the B running decodes, whose own step is `decode_step_s`) after
     `wait_s` of prompt work already queued there:
       - each running decode waits the steps' prefill part; what exceeds its TPOT slack
         (`tpot_slack_s` over `decode_tokens` tokens) is late;
-      - the request's first token is late by the wait and the steps beyond the TTFT objective.
+      - the request's first token is late by the wait and the steps beyond the TTFT objective;
+      - less what disaggregating costs the request itself: handed off, it decodes beside the
+        prompt work still queued at D when its K/V lands (`own_stall_s`), late beyond its slack.
     `arrival_rate_rps` shares the slack among the prefills expected during a decode's life.
-    Disaggregating saves exactly this."""
+    Disaggregating saves exactly this (negative: it costs more than it saves)."""
     busy_s = sum(step_s)
     stall_s = busy_s - len(step_s) * decode_step_s if decode_batch else 0.0
     slack_s = tpot_slack_s(tpot_slo_s, decode_step_s, decode_tokens, arrival_rate_rps)
     late_decodes = decode_batch * max(0.0, stall_s - slack_s)
-    return late_decodes + max(0.0, wait_s + busy_s - ttft_slo_s)
+    return late_decodes + max(0.0, wait_s + busy_s - ttft_slo_s) - max(0.0, own_stall_s - slack_s)
 
 
 def should_enable_pd(terms: MarginTerms, safety_margin_s: float, ttft_gate_passes: bool, tpot_gate_passes: bool) -> bool:

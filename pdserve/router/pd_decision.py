@@ -28,12 +28,17 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
                         reported decoding batch (plus grants not yet applied) and the router's
                         live routes to D, which also holds the requests still prefilling at P or
                         queued at D (D reports only the sequences already decoding, so a decision
-                        from the report alone sees an idle D while P prepares its next decodes)
+                        from the report alone sees an idle D while P prepares its next decodes).
+                        Less what the handoff does not save: a handed-off request whose K/V lands
+                        at D (after P's queue, its prefill and the exposed transfer) before D's
+                        queued prompt work drains decodes beside that work; its own stall beyond
+                        its slack counts against disaggregating (a local prefill waits behind it)
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
-    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the wait a local
-                        prefill has at D, queue_s(D's pending prompt tokens)
+    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the part of the
+                        wait a local prefill has at D, queue_s(D's pending prompt tokens), that the
+                        handed-off request escapes: what drains before its K/V lands at D
     failure penalty     the observed transfer-failure rate x the recompute cost prefill_s(prompt)
 
 Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + prefill_s(u_P) +
@@ -172,16 +177,23 @@ def local_wait_s(facts: PdFacts, cost: CostModel) -> float:
     return float(cost.queue_s(facts.decode_pending_tokens))
 
 
+def remote_ttft_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """When a handed-off request's K/V is at D: P's queue, its prefill there, the exposed transfer."""
+    return (float(cost.queue_s(facts.prefill_pending_tokens)) + float(cost.prefill_s(facts.remote_compute_tokens))
+            + exposed_s(facts, policy, cost))
+
+
 def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float,
                  steps: list[float] | None = None) -> MarginTerms:
     """The four terms; `steps`: the local route's mixed steps when the caller has them already."""
     steps = local_steps_s(facts, policy, cost) if steps is None else steps
-    wait_s = local_wait_s(facts, cost)
+    wait_s, landed_s = local_wait_s(facts, cost), remote_ttft_s(facts, policy, cost)
     return MarginTerms(
         interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
-                                                facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens),
+                                                facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens,
+                                                own_stall_s=max(0.0, wait_s - landed_s)),
         transfer_exposed_s=exposed_s(facts, policy, cost),
-        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - wait_s,
+        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
         failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
     )
 
@@ -207,10 +219,9 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
         return PINNED["always"]
     steps = local_steps_s(facts, policy, cost)  # once: the terms and the gates read the same steps
     terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps)
-    remote_ttft_s = terms.route_delta_s + float(cost.prefill_s(facts.remote_compute_tokens)) + terms.transfer_exposed_s
     remote_tpot_s = float(cost.decode_step_s(facts.delayed_batch + 1))
     # each gate: the disaggregated route meets the target, or does no worse than the local route
-    ttft_gate = remote_ttft_s <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
+    ttft_gate = remote_ttft_s(facts, policy, cost) <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
     tpot_gate = remote_tpot_s <= max(tpot_slo_s, max(steps, default=0.0))
     enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
     margin_ok = net_margin_s(terms) > policy.safety_margin_s

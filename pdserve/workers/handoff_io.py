@@ -45,6 +45,7 @@ from pdserve.handoff.frames import Frame, ManifestFrame
 from pdserve.handoff.guard import LinkGuard, source_expectation
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest
+from pdserve.handoff.shard_map import layout_of
 from pdserve.handoff.gate import LayerGate
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
@@ -111,7 +112,7 @@ class HandoffSender:
         if self.max_chunk_blocks:
             per_chunk = min(per_chunk, self.max_chunk_blocks)
         manifest = build_manifest(plan.transfer_id, fence, span, self.identity, abi,
-                                  list(plan.dest_blocks[plan.num_visible_blocks:]), per_chunk, schedule)
+                                  list(plan.dest_blocks[plan.num_visible_blocks:]), per_chunk, schedule, layout_of(self.pool))
         expected = logical_transfer_bytes(manifest.num_transfer_blocks, abi.block_size, abi.num_layers,
                                           abi.num_kv_heads, abi.head_dim, abi.dtype_bytes)
         if manifest.total_bytes != expected:  # the chunk plan must move exactly the ledger's transfer set

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.workers.main import encode_config
+from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine
 from pdserve.workers.worker import WorkerConfig
 
 
@@ -32,22 +33,24 @@ class LaunchConfig:
     heartbeat_s: float = 0.25
     lease_s: float = 30.0
     capability_key: str | None = None  # the router's public key (hex), given to every worker
+    tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/tp_rank.py)
 
 
 def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | None = None) -> list[WorkerConfig]:
     host = host_id or socket.gethostname()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    configs, counters = [], {}
-    for index, role in enumerate(launch.roles):
+    configs, counters, offset = [], {}, 0
+    for role in launch.roles:
         n = counters[role] = counters.get(role, -1) + 1
         worker_id = f"{role}-{n}"
-        per = launch.threads_per_worker
-        affinity = tuple(cpus[(index * per + k) % len(cpus)] for k in range(per)) if launch.pin_cpus else ()
+        per, tp = launch.threads_per_worker, launch.tp.for_role(role)
+        affinity = worker_cores(cpus, offset, max(per, tp)) if launch.pin_cpus else ()
+        offset += max(per, tp)
         trace = os.path.join(launch.trace_dir, f"{worker_id}.jsonl") if launch.trace_dir else None
         steps = os.path.join(launch.trace_dir, f"{worker_id}.steps.jsonl") if launch.trace_dir else None
         configs.append(WorkerConfig(
             worker_id=worker_id, role=role, router_address=router_address, host_id=host,
-            engine=replace(launch.engine, num_threads=per), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
+            engine=worker_engine(launch.engine, tp, per, affinity), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
             exit_with_parent=True, capability_key=launch.capability_key,
         ))

@@ -374,6 +374,7 @@ class Worker:
         self.trace.close()
         if self.engine.step_log is not None:
             self.engine.step_log.close()
+        self.engine.close()  # tensor-parallel followers stop (engine/tp_group.py)
         self.engine.pool.close(unlink=True)
 
 

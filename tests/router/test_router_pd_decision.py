@@ -248,3 +248,29 @@ def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
     for request_id in ("r0", "r1", "r2", "r3"):
         router.complete(request_id)
     router.assert_no_leaks()
+
+
+def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
+    """The study's other miss: a short prompt handed off while D's queue held a long local prefill
+    (2 s). Its K/V lands at D after 81.4 ms (64-token prefill 74 ms + 7.4 ms transfer), so it
+    escapes only that much of D's wait and decodes beside the rest: a 1.919 s stall against
+    72 x (40 - 21) ms = 1.368 s of slack. Prefilled locally it waits behind that work instead."""
+    short = PdFacts(prompt_tokens=64, local_compute_tokens=64, remote_compute_tokens=64, transfer_bytes=6400,
+                    same_host=True, decode_batch=0, prefill_pending_tokens=0, failure_rate=0.0,
+                    decode_pending_tokens=2000, decode_tokens=72, decode_routed=1)
+    landed = 0.074 + 0.0074
+    decision = decide_pd(short, MARGIN, COST, ttft_slo_s=10.0, tpot_slo_s=0.04)
+    own_late = (2.0 - landed) - 72 * (0.04 - 0.021)
+    assert decision.terms.route_delta_s == pytest.approx(-landed, abs=1e-12)  # not the whole -2 s
+    assert decision.terms.interference_saved_s == pytest.approx(-own_late, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(-own_late - 0.0074 + landed, abs=1e-12)
+    assert not decision.disaggregate and decision.reason == "margin" and decision.ttft_gate
+    # D's queue drained before the K/V lands (a long prompt's own prefill at P): nothing is met
+    long = PdFacts(**{**vars(short), "prompt_tokens": 2500, "local_compute_tokens": 2500,
+                      "remote_compute_tokens": 2500, "transfer_bytes": 250_000})
+    terms = margin_terms(long, MARGIN, COST, 10.0, 0.04)
+    assert terms.route_delta_s == pytest.approx(-2.0, abs=1e-12)
+    assert decide_pd(long, MARGIN, COST, 10.0, 0.04).disaggregate
+    # the TTFT gate reads the handed-off request's own clock, not P's queue less D's
+    busy_p = PdFacts(**{**vars(short), "prefill_pending_tokens": 11_000})
+    assert decide_pd(busy_p, MARGIN, COST, 10.0, 0.04).ttft_gate is False  # 11.08 s > max(10 s, 2.095 s); less D's 2 s: 9.08
