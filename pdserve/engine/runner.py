@@ -1,8 +1,14 @@
 """Turns a `StepPlan` into flat tensors, runs the model once, returns logits per sampled row.
 
-Contract: rows are laid out decode-first (one per decoding sequence), then each prefill chunk.
-A sequence is sampled when this step computes its last known token (every decode row; a prefill
-chunk only when it completes the prompt, or the recompute of prompt + outputs). After the R
+Contract: rows are laid out decode-first (one per decoding sequence, then the replay rows of
+recomputed sequences), then each prefill chunk. A recompute (after a preemption or a fallback)
+prefills the prompt on its usual chunk grid and then *replays* the positions that hold outputs
+as decode rows, one row per position, each seeing the keys up to its own position: these are
+the rows that computed them the first time, so where decode is batch-invariant the recomputed
+K/V and the next token are bitwise those of the uninterrupted run (prefill attention sums in
+another order than decode, so prefilling those positions would not be). A sequence is sampled
+when this step computes its last known token (every decode row; a prefill chunk only when it
+completes the prompt; a replay only at its last output). After the R
 sampled rows come the rows whose logits give prompt logprobs (`prompt_rows`: requests that asked
 for them, prompt positions not yet scored). The runner never changes sequence state: the engine
 applies results after the model returns.
@@ -41,16 +47,20 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
     slots: list[int] = []
     sampled: list[Sequence] = []
     logits_rows: list[int] = []
-    for seq in plan.decode:
-        pos = seq.num_computed
-        tokens.append(seq.output_ids[-1])
+    replays = [(s, rows) for s, rows in plan.prefill if is_replay(s)]
+    chunks = [(s, rows) for s, rows in plan.prefill if not is_replay(s)]
+    decode_rows = [(seq, seq.num_computed) for seq in plan.decode]
+    decode_rows += [(seq, pos) for seq, rows in replays for pos in range(seq.num_computed, seq.num_computed + rows)]
+    for seq, pos in decode_rows:
+        tokens.append(_token_at(seq, pos))
         positions.append(pos)
         slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-        logits_rows.append(len(tokens) - 1)
-        sampled.append(seq)
-    decode = _decode_batch(plan.decode, block_size, dtype, padded_groups)
+        if pos == seq.num_tokens - 1:
+            logits_rows.append(len(tokens) - 1)
+            sampled.append(seq)
+    decode = _decode_batch(decode_rows, block_size, dtype, padded_groups)
     prefills = []
-    for seq, rows in plan.prefill:
+    for seq, rows in chunks:
         start, all_tokens = seq.num_computed, seq.tokens
         prefills.append(_prefill_slice(seq, len(tokens), rows, block_size))
         for pos in range(start, start + rows):
@@ -60,7 +70,7 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
         if start + rows == seq.num_tokens:
             logits_rows.append(len(tokens) - 1)
             sampled.append(seq)
-    prompt_rows = _prompt_logprob_rows(plan, logits_rows, len(plan.decode))
+    prompt_rows = _prompt_logprob_rows(chunks, logits_rows, len(decode_rows))
     meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), decode=decode, prefills=tuple(prefills))
     return StepBatch(
         token_ids=torch.tensor(tokens, dtype=torch.int64),
@@ -72,11 +82,22 @@ def build_batch(plan: StepPlan, block_size: int, dtype: torch.dtype = torch.floa
     )
 
 
-def _prompt_logprob_rows(plan: StepPlan, logits_rows: list[int], q_start: int) -> tuple[tuple[Sequence, int, int], ...]:
+def _token_at(seq: Sequence, pos: int) -> int:
+    prompt = len(seq.prompt_ids)
+    return seq.output_ids[pos - prompt] if pos >= prompt else seq.prompt_ids[pos]
+
+
+def is_replay(seq: Sequence) -> bool:
+    """A scheduled chunk of positions that hold outputs: a recompute, replayed as decode rows
+    (the scheduler ends a recompute's prompt chunks at the prompt's end, so no chunk spans both)."""
+    return seq.num_computed >= len(seq.prompt_ids)
+
+
+def _prompt_logprob_rows(chunks: list[tuple[Sequence, int]], logits_rows: list[int], q_start: int) -> tuple[tuple[Sequence, int, int], ...]:
     """Append the flat rows of prompt positions still to be scored; `q_start` is the first
     prefill row. Position p's logits score prompt token p + 1, so positions run up to P - 2."""
     out = []
-    for seq, rows in plan.prefill:
+    for seq, rows in chunks:
         start = seq.num_computed
         if needs_prompt_logits(seq):
             first = max(start, len(seq.prompt_logprobs))
@@ -97,28 +118,28 @@ def _prefill_slice(seq: Sequence, q_start: int, rows: int, block_size: int) -> P
 DECODE_BUCKET_BLOCKS = 8  # decode K/V is read padded to a multiple of this many blocks
 
 
-def _decode_batch(seqs: list[Sequence], block_size: int, dtype: torch.dtype, padded_groups: bool) -> DecodeBatch | None:
-    """Every row's block table and length; with `padded_groups`, rows grouped by padded K/V
-    length too (the padding depends only on a row's own length)."""
-    if not seqs:
+def _decode_batch(rows: list[tuple[Sequence, int]], block_size: int, dtype: torch.dtype, padded_groups: bool) -> DecodeBatch | None:
+    """Every decode row's block table and length (a row at position p sees p + 1 keys); with
+    `padded_groups`, rows grouped by padded K/V length too (a function of a row's own length)."""
+    if not rows:
         return None
+    lens = [pos + 1 for _, pos in rows]
     buckets: dict[int, list[int]] = {}
-    for i, seq in enumerate(seqs if padded_groups else ()):
-        blocks = -(-(seq.num_computed + 1) // block_size)
+    for i, n in enumerate(lens if padded_groups else ()):
+        blocks = -(-n // block_size)
         width = -(-blocks // DECODE_BUCKET_BLOCKS) * DECODE_BUCKET_BLOCKS
         buckets.setdefault(width, []).append(i)
-    groups = tuple(_decode_group([seqs[i] for i in rows], rows, width, block_size, dtype) for width, rows in buckets.items())
-    lens = [s.num_computed + 1 for s in seqs]
+    groups = tuple(_decode_group([rows[i][0] for i in idx], [lens[i] for i in idx], idx, width, block_size, dtype)
+                   for width, idx in buckets.items())
     width = -(-max(lens) // block_size)
-    rows = [seq.block_table[: -(-n // block_size)] for seq, n in zip(seqs, lens)]
-    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)  # [Bd, M], padded with 0
-    return DecodeBatch(num_rows=len(seqs), groups=groups, block_tables=tables,
+    tables_rows = [seq.block_table[: -(-n // block_size)] for (seq, _), n in zip(rows, lens)]
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in tables_rows], dtype=torch.int64)  # [Bd, M], padded with 0
+    return DecodeBatch(num_rows=len(rows), groups=groups, block_tables=tables,
                        context_lens=torch.tensor(lens, dtype=torch.int64))
 
 
-def _decode_group(seqs: list[Sequence], rows: list[int], width: int, block_size: int, dtype: torch.dtype) -> DecodeGroup:
+def _decode_group(seqs: list[Sequence], ctx: list[int], rows: list[int], width: int, block_size: int, dtype: torch.dtype) -> DecodeGroup:
     tables = torch.zeros((len(seqs), width), dtype=torch.int64)  # [g, M]
-    ctx = [s.num_computed + 1 for s in seqs]
     for i, (seq, c) in enumerate(zip(seqs, ctx)):
         n = -(-c // block_size)
         tables[i, :n] = torch.tensor(seq.block_table[:n], dtype=torch.int64)

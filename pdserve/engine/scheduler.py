@@ -182,8 +182,13 @@ class Scheduler:
 
     # ---- prefill chunks ---------------------------------------------------------------------
     def _aligned_rows(self, seq: Sequence) -> int:
+        """A prompt's next chunk ends on the chunk grid and never past the prompt; a recompute's
+        output positions follow as replay rows (engine/runner.py), up to a chunk's worth a step."""
         chunk = self.config.max_num_batched_tokens
-        return min(seq.num_uncomputed, chunk - seq.num_computed % chunk)
+        prompt = len(seq.prompt_ids)
+        if seq.num_computed >= prompt:
+            return min(seq.num_uncomputed, chunk)
+        return min(prompt - seq.num_computed, chunk - seq.num_computed % chunk)
 
     def _fit_chunk(self, seq: Sequence, budget: int, first: bool) -> int:
         """Rows of `seq` to prefill now (its next aligned chunk, whole); allocates the blocks."""
