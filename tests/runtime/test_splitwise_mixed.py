@@ -61,6 +61,41 @@ def test_a_mixed_worker_prefills_for_a_handoff_decodes_a_handoff_and_runs_whole(
     assert "pdserve_role_changes_total{" not in metrics  # nobody moved: mixed workers serve both pools in place
 
 
+# any K/V in use at the decode worker presses the token pool, for good; the prompt pool never is
+TOKEN_MARKS = Thresholds(prompt_high_s=1e6, prompt_low_s=1e5, kv_high=1e-9, kv_low=0.0, hold=1, cooldown_s=3600.0)
+HOLDING = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0)
+
+
+async def _controller_scenario():
+    cfg = config(mode="splitwise", num_prefill=1, num_decode=1, num_mixed=1, splitwise=TOKEN_MARKS)
+    async with cluster(cfg) as (backend, _):
+        holder = asyncio.create_task(collect(backend, "hold", PROMPTS[0], HOLDING))  # calm offer: p0 -> d0
+        deadline = asyncio.get_running_loop().time() + 60
+        while not backend.router.mixed_offer.decode:  # the controller latched the token pool's pressure
+            assert asyncio.get_running_loop().time() < deadline and not holder.done(), backend.router.mixed_offer
+            await asyncio.sleep(0.05)
+        offer = backend.router.mixed_offer
+        second = await asyncio.wait_for(collect(backend, "next", PROMPTS[1], PARAMS), 120)
+        lines = {line["request_id"]: line for line in backend.trace.recent}
+        first = await asyncio.wait_for(holder, 120)
+        lines = {**lines, **{line["request_id"]: line for line in backend.trace.recent}}
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        return offer, first, second, lines
+
+
+def test_the_pool_controller_offers_the_mixed_worker_to_a_pressed_token_pool():
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    want_first = list(alone.generate([list(PROMPTS[0])], HOLDING)[0].output_ids)
+    want_second = list(alone.generate([list(PROMPTS[1])], PARAMS)[0].output_ids)
+    offer, first, second, lines = asyncio.run(_controller_scenario())
+    assert offer == MixedOffer(prefill=False, decode=True)
+    assert first[0] == want_first and second[0] == want_second
+    assert (lines["hold"]["prefill"], lines["hold"]["decode"]) == ("prefill-0", "decode-0")
+    # jsq over the decode pool [decode-0 (decoding "hold"), mixed-0 (idle)]: the mixed worker decodes
+    assert (lines["next"]["prefill"], lines["next"]["decode"]) == ("prefill-0", "mixed-0")
+
+
 def _serve_args(*argv: str) -> argparse.Namespace:
     from pdserve.commands import serve
 
