@@ -14,7 +14,8 @@ Target: route p99 <= 200 us at 64 prefill x 64 decode workers.
 Block events (`--kv-events N`, N events per worker report; 0 skips it): at 64 x 64, `route`
 timed in three arms interleaved decision by decision, so all see the same machine: `quiet`
 (nothing before it), `events` (a worker's block events into the router's cluster K/V index
-first, `Router.report_kv`) and `control` (the same index work on a detached index: the cost of
+first, `Router.report_kv`: stored, removed, demoted to and promoted from a host tier, so the
+prefix policy also prices host-tier hits; synthetic.EventFlow) and `control` (the same index work on a detached index: the cost of
 any such work in the thread, with the router's state untouched); `kv_apply` is the report
 itself. Target: route p99 with events <= 1.2 x without (`p99/quiet`).
 """

@@ -82,25 +82,42 @@ def random_router(
 
 
 class EventFlow:
-    """Seeded block events per worker: each report removes `events_per_report / 2` blocks the
-    worker holds and stores as many (a document block it lacks, else a fresh chain hash),
-    numbered on from the worker's full set (sequence 0)."""
+    """Seeded block events per worker, every kind a host tier produces: each report evicts
+    `events_per_report / 2` blocks the worker holds (a device block is DEMOTED to the host tier
+    or REMOVED, one chance in two; once the host tier holds over half as many, a host-tier
+    block is REMOVED instead) and brings as many in (one in
+    four a host-tier block PROMOTED back when there is one, else a document block it lacks or a
+    fresh chain hash STORED), numbered on from the worker's full set (sequence 0)."""
 
     def __init__(self, held: dict[str, frozenset[int]], workload: Workload, events_per_report: int = 64):
         self.held = {w: list(keys) for w, keys in held.items()}
+        self.host: dict[str, list[int]] = {w: [] for w in held}  # each worker's host-tier blocks
         self.seq = dict.fromkeys(held, 0)
         self.workload, self.half = workload, max(1, events_per_report // 2)
 
     def report(self, rng: random.Random, worker_id: str) -> KvDelta:
-        held, events = self.held[worker_id], []
-        members = set(held)
+        held, host, events = self.held[worker_id], self.host[worker_id], []
+        members = set(held) | set(host)
         for _ in range(self.half):
-            if held:
+            if host and (not held or len(host) > len(held) // 2):  # the host tier is full: its LRU goes
+                gone = host.pop(rng.randrange(len(host)))
+                members.discard(gone)
+                events.append((BlockEventKind.REMOVED, gone, KvTier.HOST))
+            elif held:
                 i = rng.randrange(len(held))
                 held[i], held[-1] = held[-1], held[i]
                 gone = held.pop()
-                members.discard(gone)
-                events.append((BlockEventKind.REMOVED, gone, KvTier.DEVICE))
+                if rng.random() < 0.5:
+                    host.append(gone)
+                    events.append((BlockEventKind.DEMOTED, gone, KvTier.HOST))
+                else:
+                    members.discard(gone)
+                    events.append((BlockEventKind.REMOVED, gone, KvTier.DEVICE))
+            if host and rng.random() < 0.25:
+                back = host.pop(rng.randrange(len(host)))
+                held.append(back)
+                events.append((BlockEventKind.PROMOTED, back, KvTier.DEVICE))
+                continue
             doc = rng.choice(self.workload.documents)
             key = doc[rng.randrange(len(doc))]
             if key in members:

@@ -24,7 +24,7 @@ from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.policies import PolicyContext, prefix_aware
 from pdserve.router.prefix_terms import PrefixTerms, host_blocks
 from pdserve.router.router import Router
-from pdserve.router.synthetic import chain
+from pdserve.router.synthetic import EventFlow, chain, random_router
 
 # 1 ms per prompt token, 1 MB of K/V per token (16 MB a block), 2 GB/s on a host, 100 MB/s across,
 # host tier -> pool at 1.6 GB/s (10 ms a block), no fixed overheads unless a test sets one
@@ -190,3 +190,21 @@ def test_the_router_prices_a_demoted_prefix_from_block_events():
     router.complete(plan.request_id)
     router.complete(plan2.request_id)
     router.assert_no_leaks()
+
+
+def test_bench_router_s_event_flow_keeps_the_index_in_step():
+    """The synthetic block events bench-router feeds (every kind a host tier produces) leave the
+    index holding exactly the flow's device + host blocks, its host subset the flow's host tier."""
+    _, workload = random_router(3, 2, 2, "prefix")
+    held = {"a": frozenset(workload.documents[0]), "b": frozenset()}
+    flow, index, rng, kinds = EventFlow(held, workload, 16), KvIndex(), random.Random(5), set()
+    for w, keys in held.items():
+        index.replace(w, 1, keys)
+    for step in range(60):
+        w = "ab"[step % 2]
+        delta = flow.report(rng, w)
+        kinds |= {kind for kind, _, _ in delta.events}
+        index.apply(w, 1, delta)
+        assert index.held(w) == set(flow.held[w]) | set(flow.host[w]) and index.host_held(w) == set(flow.host[w])
+    assert kinds == {K.STORED, K.REMOVED, K.DEMOTED, K.PROMOTED}
+    index.check_invariants()
