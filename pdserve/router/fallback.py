@@ -10,9 +10,9 @@ The chain, first applicable wins:
     otherwise                                  -> FAIL with reason "kv_not_visible"
 
 Only a published K/V counts as visible; a partly received one never does (handoff's job). The
-TTFT budget a WAIT may use counts from the transfer's start (router/recovery.py), not from
-arrival: time a request spent queued in admission, before any prefill work, is not held
-against its K/V once that work is spent.
+TTFT budget a WAIT may use counts from the prefill's end (router/recovery.py), not from
+arrival: time a request spent queued, in admission or at its prefill worker, is not held
+against its K/V once the prefill work is spent.
 """
 
 from __future__ import annotations

@@ -60,10 +60,14 @@ class InFlight:
         self.transfer_start_s = time.monotonic()
 
     def wait_clock_s(self) -> float:
-        """Where the decode-start wait budget counts from (router/recovery.py): the transfer's
-        start, so time queued in admission (no work spent yet) is not held against a K/V that is
-        already on its way; arrival before any transfer."""
-        return self.arrival_s if self.transfer_start_s is None else self.transfer_start_s
+        """Where the decode-start wait budget counts from (router/recovery.py): the prefill's end
+        (its first token: the prompt's work is spent and the transfer's last leg runs), else the
+        transfer's start, else arrival. Time queued in admission or in the prefill worker's queue
+        is never held against a K/V that is already on its way."""
+        for start in (self.first_token_s, self.transfer_start_s):
+            if start is not None:
+                return start
+        return self.arrival_s
 
     def note(self, **fields) -> None:
         self.trace.update(fields)

@@ -8,10 +8,11 @@ decides with `fallback.decide_decode_start` (the pure function the tests check) 
                         and the first token (which StartDecode carries) is known
     kv_expected_in_s    while the transfer still runs: the cost model's time for its planned
                         bytes; None once it failed or a worker of the route was lost
-    ttft_budget_left_s  the router's TTFT target minus the time since the transfer started
-                        (InFlight.wait_clock_s): a request that queued in admission past its
-                        TTFT target still waits for a K/V whose prefill work is already spent,
-                        instead of recomputing it or failing `kv_not_visible`
+    ttft_budget_left_s  the router's TTFT target minus the time since the prefill ended (its
+                        first token; before it, since the transfer started: InFlight.wait_clock_s):
+                        a request that queued in admission or at its prefill worker past its TTFT
+                        target still waits for a K/V whose prefill work is already spent, instead
+                        of recomputing it or failing `kv_not_visible`
     visible_at          other live decode workers whose prefix cache holds every full prompt
                         block, with headroom for the hold (router.takeover_holds)
     can_recompute       some live decode worker has headroom for the hold

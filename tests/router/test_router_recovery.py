@@ -277,3 +277,31 @@ def test_a_request_queued_past_its_ttft_target_waits_for_its_landing_kv():
         h.backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_prompt_that_queued_at_its_prefill_worker_past_the_ttft_target_waits_for_its_kv():
+    """Routed at once, but the prefill worker's queue held the prompt longer than the TTFT
+    target (the load-shift study's fixed pair: TTFT 80-200 s against a 17 s target). Its first
+    token says the prefill is spent and the transfer's last leg runs: the wait counts from there,
+    so decode starts when the K/V publishes instead of failing `kv_not_visible` (d0 has no room
+    for a recompute beside the reservation)."""
+
+    async def main():
+        h = harness(["p0"], ["d0"], ttft_slo_s=0.3)
+        h.backend.report_load(m.Heartbeat("d0", 1, m.Load(0, 0, 0, 2, 0, 0, 1000)))  # room for this request only
+        task = asyncio.create_task(collect(h.backend, "r"))
+        _, reserve = await h.next_sent(m.ReserveKv)
+        await h.deliver(m.Reserved("d0", 1, "r", reserve.transfer_id, True, None, (0, 1), 0, "res"))
+        await h.next_sent(m.Prefill)
+        await asyncio.sleep(0.4)  # queued behind other prompts at p0, past the TTFT target
+        await h.deliver(m.Tokens("p0", 1, (m.TokenItem("r", (7,), "", False, None, len(PROMPT), 0, prefilled=True),)))
+        wid, _ = await h.next_sent(m.StartDecode)
+        assert wid == "d0" and not task.done() and "Generate" not in h.sent_kinds()
+        await h.deliver(m.TransferDone("d0", 1, "r", reserve.transfer_id, reserve.generation, "destination", True))
+        await h.deliver(m.Tokens("d0", 1, (m.TokenItem("r", (8, 9, 10, 11), "", True, "length", len(PROMPT), 0),)))
+        ids, event = await task
+        assert isinstance(event, FinishEvent) and ids == [7, 8, 9, 10, 11]
+        assert line(h)["decode_start"] == "wait" and "fallback" not in line(h) and line(h)["ttft_s"] >= 0.4
+        h.backend.router.assert_no_leaks()
+
+    asyncio.run(main())
