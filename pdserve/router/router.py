@@ -19,6 +19,9 @@ answers; nothing here does I/O or sleeps. One call per event:
     drain(worker) / set_disaggregation(enabled)       a role change begins (no new routes to the
                                                       worker) / live disable: whole requests on
                                                       the decode and colocated workers
+    set_mixed_offer(offer)                            Splitwise's mixed workers: the pools they join
+                                                      now (mixed_pool.py; a refused route retries
+                                                      with them in both pools)
 
 Every route decision is counted by (policy, result) in `RouterCounters`. In disaggregated mode
 each routed request also gets a P/D decision (pd_decision.py, over the same snapshot, before any
