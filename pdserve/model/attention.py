@@ -77,6 +77,8 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttnMetadata
 ) -> torch.Tensor:
     """q: [T, H_q, D]; k, v: [T, H_kv, D] (this step's rows, already in the pool) -> [T, H_q, D]."""
+    if not meta.prefills and meta.decode is not None and meta.decode.num_rows == q.shape[0]:
+        return _decode_attention(q, cache_k, cache_v, meta.decode)  # a decode-only step: no copy
     out = torch.empty_like(q)
     if meta.decode is not None and meta.decode.num_rows:
         n = meta.decode.num_rows

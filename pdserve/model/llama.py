@@ -74,11 +74,17 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, 
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, D]; cos, sin_rot: [T, 1, D] in x's dtype, sin_rot = cat(-sin[:D/2],
+    sin[D/2:]) (`rotary_sin`). x * cos + roll(x, D/2) * sin_rot is bit for bit x * cos +
+    cat(-x[D/2:], x[:D/2]) * sin (negating a factor is exact) in two fewer operations."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_rot
+
+
+def rotary_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin: [P, D] -> [P, D] with the first half negated, the form apply_rope takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 class LlamaModel:
@@ -104,7 +110,7 @@ class LlamaModel:
         self.final_norm = state["model.norm.weight"].to(self.dtype)
         self.layers = [self._fuse_layer(state, i) for i in range(config.num_layers)]
         cos, sin = rope_tables(config, config.max_position_embeddings)
-        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)  # [P, D]
+        self.rope_cos, self.rope_sin = cos.to(self.dtype), rotary_sin(sin.to(self.dtype))  # [P, D]
 
     def _fuse_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -161,12 +167,15 @@ class LlamaModel:
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, cfg.head_dim
         qkv = linear(h, layer.wqkv, layer.bqkv, self.skinny)  # [T, (H_q + 2 H_kv) * D]
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k = q.view(num_rows, hq, d), k.view(num_rows, hkv, d)  # [T, H_q, D], [T, H_kv, D]
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's D values, before RoPE
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k = q.view(num_rows, hq, d), k.view(num_rows, hkv, d)  # [T, H_q, D], [T, H_kv, D]
             q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.reshape(num_rows, hkv, d)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one RoPE pass over the query and key heads together (adjacent columns of qkv)
+            qk = apply_rope(qkv[:, :(hq + hkv) * d].view(num_rows, hq + hkv, d), cos, sin)  # [T, H_q + H_kv, D]
+            q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, (hq + hkv) * d:].reshape(num_rows, hkv, d)
         if kv_layer.dtype != k.dtype:  # attend over the rounded values the pool holds
             k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)
             write_kv(kv_layer[0], kv_layer[1], k, v, meta.slot_mapping)

@@ -110,7 +110,7 @@ class TiledWeight:
 
 
 class PairedWeight:
-    """A weight [N, K] whose one-row products run as two rows (the second zero). A BLAS sends a
+    """A weight [N, K] whose one-row products run as two rows (the row twice). A BLAS sends a
     single row down its matrix-vector kernel, which sums in another order than its matrix
     kernel (x86 bf16: about one row in twelve rounds differently), while in the matrix kernel a
     row's bits do not depend on its batch mates (the probe checks both on each machine)."""
@@ -123,7 +123,7 @@ class PairedWeight:
         """x: [T, K] -> [T, N]."""
         if x.shape[0] != 1:
             return _product(x, self.inner)
-        return _product(torch.cat([x, x.new_zeros(1, x.shape[1])]), self.inner)[:1]
+        return _product(x.expand(2, x.shape[1]), self.inner)[:1]  # the row twice: one copy, no zeros
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

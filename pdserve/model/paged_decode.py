@@ -12,7 +12,12 @@ softmax(q K^T / sqrt(D)) V over each row's first `context_lens[i]` keys, compute
 pool entries widen exactly) and returned in q's dtype. A row's result depends only on its own
 query, block table and length (the C loops run in an order fixed by the row's length), so it is
 batch-invariant by construction and bitwise the same for any thread count: rows are split across
-`torch.get_num_threads()` threads, each calling the kernel on its own rows (ctypes releases the GIL).
+`torch.get_num_threads()` threads. Built with `-fopenmp`, the kernel splits them itself on the
+process's one GNU OpenMP runtime: the shared object names libgomp.so.1, which resolves to the copy
+torch already loaded, so the kernel runs on torch's own worker threads (the ones that just ran
+the GEMMs and spin waiting for the next parallel region) instead of a second pool competing with
+them for the cores; without OpenMP, Python threads each call the kernel on their own rows
+(ctypes releases the GIL).
 
 The kernel is compiled once per machine (`cc -O3 -march=native`, cached under
 ~/.cache/pdserve/ keyed by source, flags and CPU); with no C compiler `AVAILABLE` is False and
@@ -41,6 +46,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # fast-math lets GCC vectorise the D-long dot products, sums and expf (libmvec); it is applied at
 # compile time only: linking a shared object with it would switch the whole process to flush-to-zero.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11")
+BUILD_VERSION = ("openmp-or-not",)  # part of the cache key: how _build links
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 _I64 = ctypes.c_int64
 
@@ -50,10 +56,19 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, out: Path) -> None:
+    """Compile with OpenMP where the compiler has it, else without (the pragma is then ignored)."""
     with tempfile.TemporaryDirectory() as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True)
+        for omp in (["-fopenmp"], []):
+            try:
+                subprocess.run([compiler, *COMPILE_FLAGS, *omp, "-c", str(SOURCE), "-o", str(obj)], check=True,
+                               capture_output=True)
+                subprocess.run([compiler, "-shared", *omp, str(obj), "-o", str(lib), "-lm"], check=True,
+                               capture_output=True)
+                break
+            except subprocess.CalledProcessError:
+                if not omp:
+                    raise
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(lib, staged)
@@ -66,7 +81,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     report = cpu_report()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + BUILD_VERSION).encode()
                          + f"{report['model']}|{sorted(report['features'].items())}".encode()).hexdigest()[:16]
     path = _cache_dir() / f"paged_decode-{key}.so"
     try:
@@ -77,7 +92,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p,
-                                                         ctypes.c_void_p] + [_I64] * 7
+                                                         ctypes.c_void_p] + [_I64] * 7 + [ctypes.c_int]
+    lib.paged_decode_openmp.restype = ctypes.c_int
     return lib
 
 
@@ -94,6 +110,17 @@ def eligible(cache: torch.Tensor) -> bool:
 
 _executor: ThreadPoolExecutor | None = None
 _executor_key: tuple[int, int] = (0, 0)  # (pid, workers): a forked child must not reuse its parent's threads
+
+
+_LOADED_PID = os.getpid()  # GNU OpenMP's thread pool does not survive fork()
+
+
+def openmp() -> bool:
+    """Whether the built kernel splits rows over OpenMP threads itself: not in a forked child,
+    where the runtime's inherited pool has no threads behind it and a parallel region hangs
+    (torch's own parallel ops hang there too; the Python-thread split still works)."""
+    lib = _library()
+    return lib is not None and bool(lib.paged_decode_openmp()) and os.getpid() == _LOADED_PID
 
 
 def _run(calls: list[tuple]) -> None:
@@ -125,12 +152,14 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     tables = block_tables.to(torch.int64).contiguous()  # [Bd, M]
     lens = context_lens.to(torch.int64).contiguous()  # [Bd]
     out = torch.empty(qf.shape, dtype=torch.float32)  # [Bd, H_q, D]
-    max_len = int(lens.max())
+    max_len = tables.shape[1] * block_size  # sizes the score scratch; no per-call sync on lens.max()
     threads = max(1, min(torch.get_num_threads(), rows))
-    cuts = [rows * k // threads for k in range(threads + 1)]
+    inner = threads if openmp() else 1  # OpenMP threads inside one call, else one Python thread per cut
+    cuts = [0, rows] if inner > 1 else [rows * k // threads for k in range(threads + 1)]
     calls = [(qf.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), int(cache_k.dtype == torch.bfloat16),
               tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), cuts[k], cuts[k + 1], max_len,
-              block_size, num_kv_heads, head_dim, num_q_heads) for k in range(threads) if cuts[k + 1] > cuts[k]]
+              block_size, num_kv_heads, head_dim, num_q_heads, inner)
+             for k in range(len(cuts) - 1) if cuts[k + 1] > cuts[k]]
     with torch.profiler.record_function("pdserve::paged_decode"):  # named in profiles (not an aten op)
         _run(calls)
     return out.to(q.dtype)

@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
@@ -120,25 +123,42 @@ static void one_row(const float *q, const void *ck, const void *cv, int bf16, co
     else one_row_nc(q, ck, cv, bf16, table, len, bs, hk, d, g, scores, tile, out, d / 16);
 }
 
-/* Rows [start, stop) of the call; returns 0, -1 when scratch cannot be allocated, -2 for a D
-   that is not a multiple of 16 or above 256. */
+/* Rows [start, stop) of the call, split over `threads` OpenMP threads when built with -fopenmp
+   (each row is one thread's alone, so a row's bits do not depend on the split); returns 0, -1
+   when scratch cannot be allocated, -2 for a D that is not a multiple of 16 or above 256. */
 int paged_decode(const float *q, const void *cache_k, const void *cache_v, int bf16,
                  const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
                  int64_t start, int64_t stop, int64_t max_len,
-                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads) {
+                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS) return -2;
     const int64_t g = num_q_heads / num_kv_heads;
-    float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
-    v16f *tile = aligned_alloc(64, sizeof(v16f) * (size_t)(block_size * num_kv_heads * head_dim / 16));
-    if (scores == NULL || tile == NULL) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
+        v16f *tile = aligned_alloc(64, sizeof(v16f) * (size_t)(block_size * num_kv_heads * head_dim / 16));
+        failed = scores == NULL || tile == NULL;
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        /* the same contiguous cuts as a static schedule, without depending on the runtime's */
+        const int64_t first = start + (stop - start) * id / nt, last = start + (stop - start) * (id + 1) / nt;
+        for (int64_t r = first; r < last && !failed; r++)
+            one_row(q + r * num_q_heads * head_dim, cache_k, cache_v, bf16, tables + r * table_stride, lens[r],
+                    block_size, num_kv_heads, head_dim, g, scores, tile, out + r * num_q_heads * head_dim);
         free(scores);
         free(tile);
-        return -1;
     }
-    for (int64_t r = start; r < stop; r++)
-        one_row(q + r * num_q_heads * head_dim, cache_k, cache_v, bf16, tables + r * table_stride, lens[r],
-                block_size, num_kv_heads, head_dim, g, scores, tile, out + r * num_q_heads * head_dim);
-    free(scores);
-    free(tile);
+    return failed ? -1 : 0;
+}
+
+/* 1 when rows are split over OpenMP threads inside the call (built with -fopenmp), else 0. */
+int paged_decode_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
     return 0;
+#endif
 }
