@@ -162,3 +162,28 @@ def test_cluster_shape_refuses_bad_counts(counts, message):
 def test_cluster_shape_with_a_mixed_pool_launches_its_roles():
     assert ClusterShape.disaggregated(1, 1, 1).roles() == [Role.PREFILL, Role.DECODE, Role.MIXED]
     assert ClusterShape.disaggregated(0, 0, 2).roles() == [Role.MIXED, Role.MIXED]
+
+
+@pytest.mark.parametrize("policy", ["prefix", "slo", "round_robin"])
+def test_every_policy_routes_over_twin_slots_and_prefix_sets_follow_both(policy):
+    from pdserve.router.pd_decision import PdPolicy
+
+    r = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy=policy, pd=PdPolicy("always"), ttft_slo_s=1e9,
+                            tpot_slo_s=1e9))
+    for wid in ("p0", "d0", "m0"):
+        r.register(WorkerInfo(wid, "h0", ROLE[wid[0]], 1, 100, "m", "abi"))
+        r.report_load(wid, 1, WorkerLoad(0, 0, 100))
+    blocks = (11, 12, 13, 14, 15, 16)  # the request's 6 full blocks, all held by m0 only
+    r.report_load("m0", 1, WorkerLoad(0, 0, 100, prefix_hashes=frozenset(blocks)))
+    r.set_mixed_offer(MixedOffer(prefill=True, decode=True))
+    snap = r.snapshot()
+    p_hits, d_hits = snap.leading_hits(blocks)
+    assert list(p_hits) == [0, 6] and list(d_hits) == [0, 6]  # slots: [p0, m0] and [d0, m0]
+    plan = r.route(RouteRequest("r", prompt_tokens=100, expected_output_tokens=60, block_hashes=blocks))
+    assert isinstance(plan, RoutePlan)
+    if policy == "prefix":  # the whole prefix at m0, in both pools: it runs there, reusing it
+        assert pair(plan) == ("m0", "m0") and plan.pd.reason == "mixed_whole" and plan.decode_hit_blocks == 6
+    else:  # round robin's turn 0, and slo (no prefix credit: equal costs): the lowest slots, own-role workers
+        assert pair(plan) == ("p0", "d0")
+    r.complete("r")
+    r.assert_no_leaks()
