@@ -52,7 +52,7 @@ log = logging.getLogger("pdserve.worker")
 @dataclass(frozen=True)
 class WorkerConfig:
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: str  # "prefill" | "decode" | "colocated" | "mixed" (roles.py)
     router_address: str  # zmq endpoint, e.g. tcp://127.0.0.1:5555
     epoch: int = 1
     host_id: str = "localhost"
