@@ -7,8 +7,10 @@ only), replicas (worker counts), max_num_batched_tokens (the chunk budget), max_
 pd_decision, reserve ("static" | "dynamic": then `predictor` names the
 predictor file, or `--predictor` gives it), predictor, prefill_runahead (0 or 1: off; K >= 2: a
 KV-Runahead chain of K prefill workers, which the file's prefill count must cover), and per-role parallelism prefill_tp,
-prefill_pp, decode_tp, decode_pp, tp, pp (1). `check_runnable` refuses what this runtime cannot
-run, naming what is missing (tensor or pipeline parallelism, a runahead chain longer than the prefill pool); `apply(args, config, explicit)` sets every argparse destination the file names unless
+prefill_pp, decode_tp, decode_pp, tp, pp (1): the TP sizes become `--prefill-tp`, `--decode-tp`
+and `--tp` (workers of N ranks, workers/tp_rank.py; the model's heads must split N ways, checked
+when a worker starts). `check_runnable` refuses what this runtime cannot
+run, naming what is missing (pipeline parallelism, a runahead chain longer than the prefill pool); `apply(args, config, explicit)` sets every argparse destination the file names unless
 the user set that flag (a value other than its default).
 """
 
@@ -23,8 +25,9 @@ VERSION_KEY = "pdserve_serve_config"
 ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "mixed": "mixed", "replicas": "replicas",
           "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs", "policy": "policy",
           "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice",
-          "prefill_runahead": "prefill_runahead"}
+          "prefill_runahead": "prefill_runahead", "prefill_tp": "prefill_tp", "decode_tp": "decode_tp", "tp": "tp"}
 PARALLEL_KEYS = ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "tp", "pp")
+TP_KEYS = ("prefill_tp", "decode_tp", "tp")  # run by workers of N ranks (workers/tp_rank.py)
 
 
 class ConfigError(ValueError):
@@ -47,8 +50,10 @@ def load(path: str | Path) -> dict:
 
 def check_runnable(config: dict) -> None:
     """Raise ConfigError naming every feature the configuration needs and this runtime lacks."""
-    missing = [f"{key} {config[key]} (tensor/pipeline parallelism: workers here run TP 1, PP 1)"
-               for key in PARALLEL_KEYS if int(config.get(key, 1)) != 1]
+    missing = [f"{key} {config[key]} (pipeline parallelism: workers here run PP 1)"
+               for key in PARALLEL_KEYS if key not in TP_KEYS and int(config.get(key, 1)) != 1]
+    missing += [f"{key} {config[key]} (a tensor-parallel size is at least 1)"
+                for key in TP_KEYS if int(config.get(key, 1)) < 1]
     if config.get("reserve", "static") not in ("static", "dynamic"):
         missing.append(f"reserve {config['reserve']} (static or dynamic reservations only)")
     k, prefill = int(config.get("prefill_runahead", 0)), config.get("prefill")

@@ -86,7 +86,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
                                           "hits": load.host_hits, "evictions": load.host_evictions}}
     state = backend.router.worker_state(reg.worker_id)
     return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
-                      load_dict, reg.cpu)
+                      load_dict, reg.cpu, reg.tp)
 
 
 def report_load(backend, hb: m.Heartbeat) -> None:

@@ -182,6 +182,7 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     handoff_address: tuple[str, int] | None = None
     shm_name: str | None = None
     fetch_address: tuple[str, int] | None = None  # the prefix-fetch listener (workers/fetch.py)
+    tp: int = 1  # tensor-parallel ranks of this worker (engine/tp_group.py)
 
 
 class Load(msgspec.Struct, frozen=True):

@@ -121,7 +121,7 @@ class Worker:
             abi_hash=eng.abi.abi_hash, bytes_per_token=eng.abi.bytes_per_token, max_model_len=eng.max_model_len,
             prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
             handoff_address=self.decode.address if self.decode else (self.runahead.address if self.runahead else None), shm_name=eng.pool.shm_name,
-            fetch_address=self.fetch.address,
+            fetch_address=self.fetch.address, tp=eng.config.tp,
         ))
 
     def _heartbeat_loop(self) -> None:

@@ -13,6 +13,7 @@ from pdserve.api.server import cluster
 from pdserve.cli import build_parser
 from pdserve.commands import deploy_config
 from pdserve.commands.serve import serve_config, with_config_file
+from pdserve.workers.tp_rank import TpShape
 
 
 def write(tmp_path, **config) -> str:
@@ -35,12 +36,21 @@ def test_the_file_sets_the_deployment_and_set_flags_override_it(tmp_path):
     assert config.engine.max_num_batched_tokens == 128 and config.engine.max_num_seqs == 8
 
 
-@pytest.mark.parametrize("key, value, named", [("prefill_tp", 2, "prefill_tp 2"), ("decode_pp", 4, "decode_pp 4"),
+@pytest.mark.parametrize("key, value, named", [("prefill_tp", 0, "prefill_tp 0 \\(a tensor-parallel size"),
+                                               ("decode_pp", 4, "decode_pp 4"),
                                                ("prefill_runahead", 2, "prefill_runahead 2 \\(a KV-Runahead chain needs 2")])
 def test_what_the_runtime_lacks_is_refused_by_name(tmp_path, key, value, named):
     path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, **{key: value})
     with pytest.raises(deploy_config.ConfigError, match=named):
         parse("--config", path)
+
+
+def test_tensor_parallel_sizes_become_the_workers_tp(tmp_path):
+    path = write(tmp_path, mode="disaggregated", prefill=1, decode=1, prefill_tp=2, decode_tp=1, prefill_pp=1)
+    assert serve_config(parse("--config", path)).tp == TpShape(prefill=2, decode=1, other=1)
+    assert serve_config(parse("--config", path, "--decode-tp", "2")).tp == TpShape(prefill=2, decode=2, other=1)
+    colocated = write(tmp_path, mode="colocated", replicas=1, tp=2, pp=1)
+    assert serve_config(parse("--config", colocated)).tp == TpShape(prefill=2, decode=2, other=2)
 
 
 def test_reserve_dynamic_is_accepted_and_needs_a_predictor(tmp_path):
