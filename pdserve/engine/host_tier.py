@@ -12,7 +12,8 @@ Capacity, use, hits (blocks promoted), demotions and evictions are counted for t
 report (`/workers`, `pdserve_kv_tier_blocks`). The copy rate is measured for the router's cost
 model (router/kv_rates.py: a host-tier hit is priced at its promotion): `copy_bytes` and `copy_s`
 sum a calibration at start (`CALIBRATION_BLOCKS` device -> free host slot copies, which change
-nothing) and then every promotion's own copy.
+nothing, timed on a second pass: the first one maps fresh pages, a one-off cost that would price
+every later promotion ~1,000x too high) and then every promotion's own copy.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class HostTier:
         self.num_evictions = 0
         self.block_bytes = device.abi.bytes_per_block
         self.copy_bytes, self.copy_s = 0, 0.0
-        for slot in range(min(CALIBRATION_BLOCKS, num_blocks)):  # every slot is free: nothing changes
+        slots = range(min(CALIBRATION_BLOCKS, num_blocks))  # free slots: the copies change nothing
+        for slot in slots:  # untimed: the first write maps the slot's pages (and warms torch's copy path)
+            self._copy(self.pool, slot, self.device, 0)
+        for slot in slots:
             self._timed_copy(self.pool, slot, self.device, 0)
 
     @property
