@@ -132,7 +132,10 @@ class TpLeader:
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
                 logits_rows: torch.Tensor, layer_hook=None) -> torch.Tensor:
-        """Broadcast the step's rows, then run rank 0's shard -> logits [R, V] fp32."""
+        """Broadcast the step's rows, then run rank 0's shard -> logits [R, V] fp32. `layer_hook`
+        runs on rank 0 only, after layer i's attention and before its MLP: no follower passes layer
+        i's down_proj all_reduce until it returns, so a hook that waits for K/V to land (a
+        KV-Runahead stage's next prefix layer) also holds back the followers' next layer."""
         dist.broadcast_object_list([(token_ids, positions, meta, logits_rows)], src=0)
         return self.shard.forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
 

@@ -152,3 +152,31 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_waiting_layer_hook_holds_back_every_rank(tmp_path):
+    """While rank 0's hook for layer 0 waits (a KV-Runahead stage waiting for its next prefix layer),
+    rank 1 has not written layer 1's K/V yet (it waits in layer 0's down_proj all_reduce); once
+    the forward returns, it has."""
+    ckpt = make_random_checkpoint(tmp_path, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=64)
+    engine = tp_engine(ckpt)
+    try:
+        prompt = list(range(3, 40))
+        seq = Sequence("hook", tuple(prompt), SamplingParams(), seed=0)
+        seq.block_table = engine.blocks.allocate(-(-len(prompt) // engine.abi.block_size))
+        batch = build_batch(StepPlan(prefill=[(seq, len(prompt))]), engine.abi.block_size)
+        rank1_layer1 = lambda: engine.pool.tensor[1, :, seq.block_table, :, 1]  # [2, n, B, D]: K/V head 1 = rank 1's
+        seen = []
+
+        def hook(layer: int) -> None:
+            if layer == 0:
+                time.sleep(0.5)
+                seen.append(bool(rank1_layer1().abs().sum() == 0))
+
+        engine.model.forward(batch.token_ids, batch.positions, batch.meta, engine.pool.tensor, batch.logits_rows, hook)
+        assert seen == [True]
+        assert rank1_layer1().abs().sum() > 0
+        engine.blocks.release(seq.block_table)
+        engine.assert_no_leaks()
+    finally:
+        engine.close()
