@@ -140,14 +140,17 @@ class TpLeader:
         return self.shard.forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop and join the followers (idempotent)."""
+        """Stop and join the followers (idempotent); a group a follower already left is torn down
+        and the rest killed after `timeout_s`."""
         if self.closed:
             return
         self.closed = True
         try:
             dist.broadcast_object_list([None], src=0)
-            dist.destroy_process_group()
+        except RuntimeError:  # a follower is gone: the group cannot carry the stop
+            pass
         finally:
+            dist.destroy_process_group()
             for p in self.procs:
                 p.join(timeout_s)
                 if p.is_alive():

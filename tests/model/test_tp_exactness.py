@@ -180,3 +180,21 @@ def test_a_waiting_layer_hook_holds_back_every_rank(tmp_path):
         engine.assert_no_leaks()
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_follower_fails_the_next_step_instead_of_hanging(tmp_path):
+    """kill -9 of a follower: rank 0's next collective raises (the worker then exits and its
+    supervisor starts it again), it does not wait forever."""
+    ckpt = make_random_checkpoint(tmp_path, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=64)
+    engine = tp_engine(ckpt)
+    (pid,) = engine.model.follower_pids
+    os.kill(pid, 9)
+    while _alive(pid):
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError):
+        engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
+    segment = f"/dev/shm/{engine.pool.shm_name}"
+    assert os.path.exists(segment)
+    engine.close()  # tears the broken group down; the pool it made for the followers is unlinked
+    assert not os.path.exists(segment)
