@@ -6,15 +6,28 @@ typical inter-node NIC GB/s per GPU; every built-in profile names its sources. N
 as datasheets quote it, both directions together (A100: 12 links x 50 GB/s = 600 GB/s); what one
 GPU can send while it receives, as every ring all-reduce step and every K/V push does, is half
 of that (`nvlink_send_bytes_per_s`). A NIC's Gb/s is already per direction. The efficiency,
-latency and overhead fields are modeling assumptions, stated as such in the file.
+latency and overhead fields are modeling assumptions, stated as such in the file. A profile may
+also carry measured kernel terms (`kernel_costs.py`): a `gemm` block (a fit to measured GEMMs),
+an `allreduce_us` table (measured all-reduce latencies per TP degree) and an `elementwise` block
+(a layer's norm, residual and activation kernels); the roofline then times each GEMM kernel,
+each all-reduce and those kernels by them instead of by the flat efficiencies.
 `load_hardware` accepts a built-in name (``a100-80g``, ``h100``, ``h200``) or a path.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from pdserve.latency.kernel_costs import (
+    AllReduceTable,
+    ElementwiseCost,
+    GemmCurve,
+    allreduce_from_dict,
+    elementwise_from_dict,
+    gemm_curve_from_dict,
+)
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 BUILTIN_HARDWARE = ("a100-80g", "h100", "h200")
@@ -36,12 +49,19 @@ class HardwareProfile:
     memory_utilization: float = 0.9
     collective_latency_s: float = 10e-6
     step_overhead_s: float = 1e-3
+    gemm: GemmCurve | None = None  # measured GEMM kernels (None: the flat efficiencies)
+    allreduce: AllReduceTable | None = None  # measured all-reduces (None: bandwidth + latency)
+    elementwise: ElementwiseCost | None = None  # a layer's norms, residuals, activation (None: free)
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware profile {self.name}: {name} must be positive")
+
+    def without_measured_kernels(self) -> HardwareProfile:
+        """The same GPU on the plain roofline (flat efficiencies, bandwidth + latency collectives)."""
+        return replace(self, gemm=None, allreduce=None, elementwise=None)
 
     @property
     def nvlink_send_bytes_per_s(self) -> float:
@@ -65,10 +85,11 @@ class HardwareProfile:
 def hardware_from_dict(d: dict) -> HardwareProfile:
     """Parse the JSON profile format (datasheet units: TFLOP/s, TB/s, GB, GB/s, us, ms)."""
     try:
+        peak_flops, hbm = float(d["peak_bf16_tflops"]) * 1e12, float(d["hbm_tb_per_s"]) * 1e12
         return HardwareProfile(
             name=str(d["name"]),
-            peak_flops_per_s=float(d["peak_bf16_tflops"]) * 1e12,
-            hbm_bytes_per_s=float(d["hbm_tb_per_s"]) * 1e12,
+            peak_flops_per_s=peak_flops,
+            hbm_bytes_per_s=hbm,
             memory_bytes=float(d["memory_gb"]) * 1e9,
             nvlink_bytes_per_s=float(d["nvlink_gb_per_s"]) * 1e9,
             internode_bytes_per_s=float(d["internode_gb_per_s"]) * 1e9,
@@ -78,6 +99,9 @@ def hardware_from_dict(d: dict) -> HardwareProfile:
             memory_utilization=float(d.get("memory_utilization", 0.9)),
             collective_latency_s=float(d.get("collective_latency_us", 10.0)) * 1e-6,
             step_overhead_s=float(d.get("step_overhead_ms", 1.0)) * 1e-3,
+            gemm=gemm_curve_from_dict(d["gemm"], peak_flops, hbm) if "gemm" in d else None,
+            allreduce=allreduce_from_dict(d["allreduce_us"]) if "allreduce_us" in d else None,
+            elementwise=elementwise_from_dict(d["elementwise"], hbm) if "elementwise" in d else None,
             sources=dict(d.get("sources", {})),
         )
     except KeyError as exc:

@@ -15,9 +15,15 @@ weight read. F, W and the K/V bytes are exactly `pdserve.ledger.phase` (`linear_
 attention are on the same side of their ridge (a long prompt: both compute; a decode step: both
 memory) an iteration equals `lower_bound_s` of the ledger's work plus overhead and
 communication, and it is never below it. TP adds two ring all-reduces of the activations per
-layer, 2(tp-1)/tp * rows*d*b bytes each plus a collective latency; PP adds (pp-1) point-to-point
-activation hops. Links are NVLink in one direction (half the datasheet's bidirectional figure)
-when the instance fits in one node, else the inter-node NIC.
+layer, 2(tp-1)/tp * rows*d*b bytes each plus a collective latency, always on NVLink in one
+direction (half the datasheet's bidirectional figure): a stage's TP group sits in one node. PP
+adds (pp-1) point-to-point activation hops; stages fill nodes gpus_per_node // tp at a time, and
+only the hops between nodes cross the inter-node NIC (`hop_links`).
+
+A profile with measured kernel terms (`kernel_costs.py`, the A100's) replaces the GEMM roofline
+by its four GEMM kernels per layer on the measured curve, the all-reduces by the measured table,
+and adds the layer's elementwise kernels, which every TP rank runs whole (`rows_s`); attention
+keeps the flat efficiencies.
 
 Pipeline parallelism (docs/planner.md, "Pipeline parallelism and its costs"): an instance keeps pp
 micro-batches in flight, one per stage; a cycle (every micro-batch advances one stage) lasts pp
@@ -43,6 +49,7 @@ from typing import Sequence
 from pdserve.ledger.phase import attention_flops, linear_flops
 from pdserve.latency.geometry import ModelSpec, load_model_spec
 from pdserve.latency.hardware import HardwareProfile, load_hardware
+from pdserve.latency.kernel_costs import layer_gemms
 from pdserve.latency.base import LatencyModel
 
 
@@ -55,25 +62,60 @@ class RooflineLatency(LatencyModel):
     tp: int = 1
     pp: int = 1
     _coef: tuple = field(init=False, repr=False, compare=False)
+    _rows_memo: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
             raise ValueError("tp and pp must be >= 1")
         g, hw = self.model.geometry, self.hardware
-        gpus = self.tp * self.pp
-        link = hw.nvlink_send_bytes_per_s if gpus <= hw.gpus_per_node else hw.internode_bytes_per_s
         act_bytes_per_row = g.d_model * g.dtype_bytes
         tp_bytes_per_row = 2 * g.layers * 2 * (self.tp - 1) / self.tp * act_bytes_per_row
+        near, far = self.hop_links
+        hops_per_row = act_bytes_per_row * (near / hw.nvlink_send_bytes_per_s + far / hw.internode_bytes_per_s)
+        tp_per_row = 0.0 if hw.allreduce is not None else tp_bytes_per_row / hw.nvlink_send_bytes_per_s
+        tp_fixed = 2 * g.layers * hw.collective_latency_s if self.tp > 1 and hw.allreduce is None else 0.0
         coef = (
             linear_flops(g, 1) / (self.tp * hw.effective_flops_per_s),  # s per new row (compute)
             attention_flops(g, 1) / (self.tp * hw.effective_flops_per_s),  # s per causal pair
             g.weight_bytes / (self.tp * hw.effective_bytes_per_s),  # s to read the weights once
             g.kv_bytes_per_token / (self.tp * hw.effective_bytes_per_s),  # s per K/V token touched
-            (tp_bytes_per_row + (self.pp - 1) * act_bytes_per_row) / link,  # s of comm per row
-            hw.step_overhead_s + (2 * g.layers * hw.collective_latency_s if self.tp > 1 else 0.0)
-            + (self.pp - 1) * hw.collective_latency_s,
+            tp_per_row + hops_per_row,  # s of comm per row
+            hw.step_overhead_s + tp_fixed + (self.pp - 1) * hw.collective_latency_s,
         )
         object.__setattr__(self, "_coef", coef)
+        object.__setattr__(self, "_rows_memo", {})
+
+    @property
+    def hop_links(self) -> tuple[int, int]:
+        """(NVLink hops, inter-node hops) between the pp stages: a stage's tp GPUs sit in one
+        node (`gpus_per_node // tp` stages to a node, DistServe's placement), so only the hops
+        between nodes cross the NIC; TP's all-reduces always stay on NVLink."""
+        per_node = max(1, self.hardware.gpus_per_node // self.tp)
+        far = (self.pp - 1) // per_node
+        return self.pp - 1 - far, far
+
+    def rows_s(self, rows: int) -> float:
+        """The part of an iteration that depends only on its new rows: step overhead, the GEMM
+        kernels, TP's all-reduces and PP's activation hops (memoised per row count)."""
+        memo = self._rows_memo
+        value = memo.get(rows)
+        if value is None:
+            value = memo[rows] = self._rows_s(rows)
+        return value
+
+    def _rows_s(self, rows: int) -> float:
+        row_f, _, weight_b, _, comm, fixed = self._coef
+        g, hw = self.model.geometry, self.hardware
+        if hw.gemm is None:
+            linear = row_f * rows
+            gemms = linear if linear > weight_b else weight_b
+        else:
+            gemms = g.layers * sum(hw.gemm.seconds(rows, n, k, g.dtype_bytes) for n, k in layer_gemms(g, self.tp))
+        if hw.allreduce is not None:
+            gemms += 2 * g.layers * hw.allreduce.seconds(rows * g.d_model * g.dtype_bytes, self.tp)
+        if hw.elementwise is not None:
+            gemms += g.layers * hw.elementwise.seconds(rows, g.d_model, g.dtype_bytes)
+        return fixed + comm * rows + gemms
 
     @property
     def pipeline_stages(self) -> int:  # type: ignore[override]
@@ -92,10 +134,9 @@ class RooflineLatency(LatencyModel):
     def iteration_s(self, rows: int, pairs: float, kv_tokens: float) -> float:
         """Full-stack time of one iteration with `rows` new rows (the GEMMs) and one attention
         class of `pairs` query-key pairs touching `kv_tokens` K/V tokens (read or written)."""
-        row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
-        linear, w = row_f * rows, weight_b
+        _, pair_f, _, kv_b, _, _ = self._coef
         attn, kv = pair_f * pairs, kv_b * kv_tokens
-        return fixed + comm * rows + (linear if linear > w else w) + (attn if attn > kv else kv)
+        return self.rows_s(rows) + (attn if attn > kv else kv)
 
     def attention_s(self, pairs: float, kv_tokens: float) -> float:
         """One more attention class in an iteration (its own kernels, its own roofline)."""
@@ -124,8 +165,8 @@ class RooflineLatency(LatencyModel):
         """Both decode_step_s values of a segment in one call (the simulator's hot path)."""
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
-        row_f, pair_f, weight_b, kv_b, comm, fixed = self._coef
-        base = fixed + comm * micro + self.pipeline_overhead_s + max(row_f * micro, weight_b)
+        _, pair_f, _, kv_b, _, _ = self._coef
+        base = self.rows_s(micro) + self.pipeline_overhead_s
         compute, memory = pair_f * ctx, kv_b * (ctx + micro)
         d0 = base + (compute if compute > memory else memory)
         compute, memory = compute + pair_f * micro, memory + kv_b * micro

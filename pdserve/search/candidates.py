@@ -2,7 +2,9 @@
 
 Contract: `parallel_shapes` lists every TP x PP shape that divides the model (heads by tp, layers
 by pp), keeps TP inside one node, and fits the model and one largest request in memory (the
-ledger's `fits_on_gpus` plus the roofline's K/V capacity). The bounds are per instance:
+ledger's `fits_on_gpus` plus the roofline's K/V capacity). Degrees are any such divisors, not
+only powers of two (OPT-66B's 72 heads take TP 3 and 6; DistServe placed OPT-175B at TP 3 x PP 3),
+with PP up to `MAX_PP` stages. The bounds are per instance:
 
 - prefill: zero when one mean prompt alone misses the TTFT gate; otherwise the rate-matching
   capacity pp / D, and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f with stage
@@ -28,7 +30,7 @@ from pdserve.latency.base import LatencyModel
 from pdserve.latency.roofline import RooflineLatency
 from pdserve.latency.spec import LatencyFamily
 
-POWERS = (1, 2, 4, 8, 16)
+MAX_PP = 16
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,10 @@ def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape:
     capacity from `family`'s model of the shape; the roofline's when None)."""
     g = model.geometry
     out = []
-    for tp in POWERS:
-        for pp in POWERS:
+    for tp in range(1, hw.gpus_per_node + 1):
+        for pp in range(1, MAX_PP + 1):
             par = Parallel(tp, pp)
-            if par.gpus > max_gpus or tp > hw.gpus_per_node or g.q_heads % tp or g.kv_heads % tp and tp % g.kv_heads:
+            if par.gpus > max_gpus or g.q_heads % tp or g.kv_heads % tp and tp % g.kv_heads:
                 continue
             if g.layers % pp or not fits_on_gpus(model.total_weight_bytes, par.gpus, int(hw.usable_memory_bytes)):
                 continue

@@ -5,7 +5,10 @@ max(instance free time, earliest queued arrival) with every request that has arr
 eligible; the batch takes up to `max_batch` requests (and, when set, up to `max_batch_tokens`
 new tokens, always at least one request) from the head of the queue in policy order. A batch's
 results are ready after the model's full latency; the instance accepts its next batch after
-latency / pipeline_stages. Pure: no state outlives the call.
+latency / pipeline_stages. With pp stages a batch spends latency / pp in each stage, in order,
+and cannot overtake the batch ahead of it: a short prompt behind a long one waits for each
+stage the long one still holds (`_Pipe`), so a pipeline of ragged prompts runs below pp / D.
+Pure: no state outlives the call.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def run_prefill_pool(
     free = [(0.0, k) for k in range(instances)]
     queue = _Queue(policy.order, new_tokens, arrivals_s)
     cost = _BatchCost(model, new_tokens, cached_tokens)
-    stages = model.pipeline_stages
+    pipes = [_Pipe(model.pipeline_stages) for _ in range(instances)]
     nxt = 0
     while nxt < len(order) or queue:
         free_s, k = heapq.heappop(free)
@@ -75,10 +78,10 @@ def run_prefill_pool(
             queue.push(order[nxt])
             nxt += 1
         batch = queue.take(t, policy.max_batch, policy.max_batch_tokens)
-        latency_s = cost(batch)
+        first_free_s, done_s = pipes[k].run(t, cost(batch))
         for i in batch:
-            start[i], done[i], where[i] = t, t + latency_s, k
-        heapq.heappush(free, (t + latency_s / stages, k))
+            start[i], done[i], where[i] = t, done_s, k
+        heapq.heappush(free, (first_free_s, k))
     return PrefillOutcome(start, done, where)
 
 
@@ -86,14 +89,38 @@ def _fcfs_single(arrivals_s, order, cost, stages: int, instances: int, out) -> N
     """One request per batch in arrival order: each goes to the earliest-free instance."""
     start, done, where = out
     free = [(0.0, k) for k in range(instances)]
+    pipes = [_Pipe(stages) for _ in range(instances)] if stages > 1 else None
     memo, new, cached = cost.memo, cost.new, cost.cached
     for i in order:
         free_s, k = free[0]
         t = arrivals_s[i] if arrivals_s[i] > free_s else free_s
         key = (new[i], cached[i])
         latency_s = memo.get(key) or cost([i])
-        start[i], done[i], where[i] = t, t + latency_s, k
-        heapq.heapreplace(free, (t + latency_s / stages, k))
+        if pipes is None:
+            start[i], done[i], where[i] = t, t + latency_s, k
+            heapq.heapreplace(free, (t + latency_s, k))
+            continue
+        first_free_s, done[i] = pipes[k].run(t, latency_s)
+        start[i], where[i] = t, k
+        heapq.heapreplace(free, (first_free_s, k))
+
+
+class _Pipe:
+    """The stages of one instance: when each finishes the last batch it took (FIFO, no overtaking)."""
+
+    __slots__ = ("busy_until",)
+
+    def __init__(self, stages: int) -> None:
+        self.busy_until = [0.0] * stages
+
+    def run(self, start_s: float, latency_s: float) -> tuple[float, float]:
+        """Push a batch in at `start_s`; (first stage free again, last stage done)."""
+        stage_s = latency_s / len(self.busy_until)
+        t = start_s
+        for j, busy in enumerate(self.busy_until):
+            t = (t if t > busy else busy) + stage_s
+            self.busy_until[j] = t
+        return self.busy_until[0], t
 
 
 class _Queue:

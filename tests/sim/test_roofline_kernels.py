@@ -1,8 +1,10 @@
 """The roofline charges each kernel class on its own roofline (GEMMs, prefill attention, decode
 attention), and TP all-reduces at NVLink's one-direction bandwidth (docs/planner.md, "Kernels,
-not one fused step")."""
+not one fused step"). These hold the plain roofline: the A100 profile without its measured kernel
+terms (`test_measured_kernels.py` holds those)."""
 
 from __future__ import annotations
+
 
 import pytest
 
@@ -22,8 +24,12 @@ from pdserve.latency.roofline import RooflineLatency
 
 @pytest.fixture(scope="module")
 def a100_13b():
-    spec, hw = load_model_spec("llama-13b-class"), load_hardware("a100-80g")
+    spec, hw = load_model_spec("llama-13b-class"), _flat_a100()
     return spec.geometry, hw, RooflineLatency(spec, hw)
+
+
+def _flat_a100():
+    return load_hardware("a100-80g").without_measured_kernels()
 
 
 def test_a_mixed_step_pays_the_chunk_compute_and_the_decode_kv_read(a100_13b):
@@ -63,7 +69,7 @@ def test_never_below_the_ledger_bound(a100_13b, new, cached):
 
 
 def test_all_reduces_run_at_nvlink_one_direction():
-    spec, hw = load_model_spec("llama-13b-class"), load_hardware("a100-80g")
+    spec, hw = load_model_spec("llama-13b-class"), _flat_a100()
     assert hw.nvlink_send_bytes_per_s == 300e9  # the datasheet's 600 GB/s counts both directions
     g = spec.geometry
     tp2 = RooflineLatency(spec, hw, tp=2)

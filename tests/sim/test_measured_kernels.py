@@ -1,0 +1,160 @@
+"""The A100 profile's measured kernel terms (docs/planner.md, "Measured kernels on the A100"):
+one GEMM kernel and one all-reduce to exact numbers, the roofline built from them, TP's
+all-reduces on NVLink with only PP's node-crossing hops on the NIC, and a prefill pipeline that
+no prompt overtakes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import pytest
+
+from pdserve.latency.base import LatencyModel
+from pdserve.latency.geometry import load_model_spec
+from pdserve.latency.hardware import load_hardware
+from pdserve.latency.kernel_costs import AllReduceTable, ElementwiseCost, GemmCurve, layer_gemms
+from pdserve.latency.roofline import RooflineLatency
+from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
+
+CURVE = GemmCurve(peak_flops_per_s=312e12, peak_bytes_per_s=2.039e12, compute_efficiency_max=0.9,
+                  compute_half_flops=4e9, compute_ramp_exponent=0.5, memory_efficiency=0.7, kernel_floor_s=5e-6)
+
+
+def test_layer_gemms_hold_the_layer_weights_split_over_the_ranks():
+    g = load_model_spec("llama-13b-class").geometry
+    assert sum(n * k for n, k in layer_gemms(g, 1)) == g.params_per_layer
+    assert sum(n * k for n, k in layer_gemms(g, 4)) * 4 == g.params_per_layer
+    g70 = load_model_spec("llama-70b-class").geometry  # 8 K/V heads: at tp 16 each rank keeps one
+    assert layer_gemms(g70, 16)[0] == ((64 // 16 + 2) * 128, 8192)
+
+
+def test_a_gemm_is_its_memory_time_plus_the_floor_or_its_ramped_compute():
+    # one row: memory-bound, bytes = weights + input + output
+    assert CURVE.seconds(1, 4096, 4096, 2) == pytest.approx(
+        2 * (4096 * 4096 + 4096 + 4096) / (2.039e12 * 0.7) + 5e-6, rel=1e-12)
+    # F = F_half: half the peak efficiency
+    m, n, k = 2000, 1000, 1000  # F = 4e9
+    assert CURVE.seconds(m, n, k, 2) == pytest.approx(4e9 / (312e12 * 0.9 / 2), rel=1e-12)
+    # large: the ramp fades, sqrt(4e9 / F) of extra time
+    m, n, k = 4096, 8192, 8192
+    f = 2 * m * n * k
+    assert CURVE.seconds(m, n, k, 2) == pytest.approx(f * (1 + math.sqrt(4e9 / f)) / (312e12 * 0.9), rel=1e-12)
+    assert CURVE.seconds(0, n, k, 2) == 0.0
+
+
+def test_elementwise_kernels_read_and_write_the_activation_at_every_tp():
+    cost = ElementwiseCost(kernels=6, floor_s=3e-6, bytes_per_s=1e12)
+    assert cost.seconds(100, 5120, 2) == pytest.approx(6 * (3e-6 + 2 * 100 * 5120 * 2 / 1e12), rel=1e-12)
+    assert cost.seconds(0, 5120, 2) == 0.0
+    spec, hw = load_model_spec("opt-13b"), load_hardware("a100-80g")
+    # replicated on every rank: the same at tp 1 and tp 4
+    per_layer = hw.elementwise.seconds(607, spec.geometry.d_model, 2)
+    assert per_layer == pytest.approx(6 * (3e-6 + 2 * 607 * 5120 * 2 / (2.039e12 * 0.694)), rel=1e-12)
+
+
+def test_all_reduce_interpolates_the_measured_points():
+    table = AllReduceTable(((2, ((1e3, 10e-6), (1e5, 40e-6), (1e6, 100e-6))), (8, ((1e3, 20e-6), (1e6, 200e-6)))))
+    assert table.seconds(1e5, 2) == pytest.approx(40e-6)
+    assert table.seconds(1e4, 2) == pytest.approx(20e-6)  # half way in log size: geometric mean of 10 and 40
+    assert table.seconds(10, 2) == 10e-6  # below the smallest: its latency
+    assert table.seconds(2e6, 2) == pytest.approx(100e-6 + 1e6 * 60e-6 / 9e5)  # past the largest: its bandwidth
+    assert table.seconds(1e3, 4) == 20e-6  # an unmeasured degree takes the next larger one
+    assert table.seconds(1e5, 1) == 0.0
+    with pytest.raises(ValueError):
+        AllReduceTable(((2, ((1e3, 1e-5), (1e3, 2e-5))),))
+
+
+def test_the_a100_roofline_is_its_measured_kernels():
+    spec, hw = load_model_spec("opt-13b"), load_hardware("a100-80g")
+    g = spec.geometry
+    model = RooflineLatency(spec, hw, tp=2)
+    rows = 607
+    gemms = g.layers * sum(hw.gemm.seconds(rows, n, k, 2) for n, k in layer_gemms(g, 2))
+    comm = 2 * g.layers * hw.allreduce.seconds(rows * g.d_model * 2, 2)
+    # six elementwise kernels per layer, each a full activation read and write plus a 3 us floor
+    elementwise = g.layers * 6 * (3e-6 + 2 * rows * g.d_model * 2 / (2.039e12 * 0.694))
+    pairs = rows * (rows + 1) // 2
+    attn = max(4 * g.layers * g.q_heads * g.head_dim * pairs / (2 * hw.effective_flops_per_s),
+               g.kv_bytes_per_token * 2 * rows / (2 * hw.effective_bytes_per_s))
+    assert model.prefill_s(rows) == pytest.approx(hw.step_overhead_s + gemms + comm + elementwise + attn, rel=1e-12)
+    assert hw.allreduce.seconds(512, 2) == pytest.approx(9.98e-6)  # NCCL's smallest measured message, tp 2
+
+
+def test_measured_tp_scales_below_the_flat_roofline():
+    """Figures docs/planner.md quotes: OPT-13B, a decode step at batch 1 and 1,000 tokens, and a
+    607-token prefill, at TP 1/2/4 (ms)."""
+    spec, hw = load_model_spec("opt-13b"), load_hardware("a100-80g")
+    flat = hw.without_measured_kernels()
+    decode = [RooflineLatency(spec, hw, tp).decode_step_s(1, 1000) * 1e3 for tp in (1, 2, 4)]
+    prefill = [RooflineLatency(spec, hw, tp).prefill_s(607) * 1e3 for tp in (1, 2, 4)]
+    flat_decode = [RooflineLatency(spec, flat, tp).decode_step_s(1, 1000) * 1e3 for tp in (1, 2, 4)]
+    assert decode == pytest.approx([20.88, 12.66, 8.38], abs=0.01)
+    assert prefill == pytest.approx([67.9, 44.1, 30.1], abs=0.1)
+    assert flat_decode == pytest.approx([16.93, 9.77, 5.79], abs=0.01)
+    assert decode[0] / decode[1] < flat_decode[0] / flat_decode[1]
+
+
+@pytest.mark.parametrize("tp,pp,links", [(2, 4, (3, 0)), (4, 3, (1, 1)), (8, 2, (0, 1)), (3, 3, (1, 1)), (1, 16, (14, 1))])
+def test_pipeline_hops_cross_the_nic_only_between_nodes(tp, pp, links):
+    spec, hw = load_model_spec("opt-175b"), load_hardware("a100-80g")
+    assert RooflineLatency(spec, hw, tp, pp).hop_links == links
+
+
+def test_tensor_parallel_all_reduces_stay_on_nvlink_past_one_node():
+    spec = load_model_spec("opt-66b")
+    hw = load_hardware("a100-80g").without_measured_kernels()
+    g = spec.geometry
+    one, two = RooflineLatency(spec, hw, 8, 1), RooflineLatency(spec, hw, 8, 2)
+    rows = 100
+    hop = rows * g.d_model * g.dtype_bytes / hw.internode_bytes_per_s + hw.collective_latency_s
+    # 16 GPUs: the same TP8 all-reduces (NVLink) plus one activation hop over the NIC
+    assert two.rows_s(rows) - one.rows_s(rows) == pytest.approx(hop, rel=1e-12)
+
+
+@dataclass(frozen=True)
+class _Linear(LatencyModel):
+    """1 ms per prompt token, `stages` pipeline stages."""
+
+    stages: int
+
+    @property
+    def pipeline_stages(self) -> int:  # type: ignore[override]
+        return self.stages
+
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
+        return sum(new_tokens) * 1e-3
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return 0.0
+
+    def mixed_step_s(self, *args) -> float:
+        return 0.0
+
+    def to_dict(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("policy", [PrefillPolicy(), PrefillPolicy(max_batch=1, order="sjf")])
+def test_a_short_prompt_cannot_overtake_a_long_one_in_the_pipeline(policy):
+    model = _Linear(4)
+    # a 400-token prompt, then a 40-token one behind it: the short one enters at 100 ms (stage 1
+    # free) and waits at each later stage for the long one to leave it: done at 410 ms, not 140
+    out = run_prefill_pool([0.0, 0.001], [0, 1], [400, 40], [0, 0], model, 1, policy)
+    assert (out.start_s, out.done_s) == (pytest.approx([0.0, 0.1]), pytest.approx([0.4, 0.41]))
+    # equal prompts fill the pipe: the second is done one stage after the first
+    out = run_prefill_pool([0.0, 0.001], [0, 1], [400, 400], [0, 0], model, 1, policy)
+    assert out.done_s == pytest.approx([0.4, 0.5])
+    # one stage: back to back
+    out = run_prefill_pool([0.0, 0.001], [0, 1], [400, 40], [0, 0], _Linear(1), 1, policy)
+    assert out.done_s == pytest.approx([0.4, 0.44])
+
+
+def test_pipeline_parallelism_never_shortens_one_prompts_ttft():
+    spec, hw = load_model_spec("opt-13b"), load_hardware("a100-80g")
+    alone, piped = RooflineLatency(spec, hw, 1, 1), RooflineLatency(spec, hw, 1, 4)
+    # every stage in turn, plus three activation hops
+    assert piped.prefill_s(512) > alone.prefill_s(512)
+    out = run_prefill_pool([0.0], [0], [512], [0], piped, 1, PrefillPolicy())
+    assert out.done_s[0] == pytest.approx(piped.prefill_s(512), rel=1e-12)
