@@ -5,10 +5,15 @@ Contract: `KvRates` turns what the runtime observed into the cost model's three 
 in the cost model changes.
 - `observe_link(bytes, link_s)`: a holder's FetchDone (bytes over the time its sender moved
   them) -> the fetch link bandwidth, an EWMA with weight `weight` (the first sample sets it).
-- `observe_fetch(bytes, wall_s, same_host)`: a landed fetch's router wall time (plan to the
-  destination's FetchDone) -> the per-fetch overhead sample `wall_s - fetch_s(bytes)` at the
+- `observe_fetch(base, bytes, wall_s, same_host)`: a landed fetch's router wall time (plan to
+  the destination's FetchDone) -> the per-fetch overhead sample `wall_s - fetch_s(bytes)` at the
   current bandwidth without overhead (clamped at 0: what the link time does not explain, the
-  reserve/serve/done round trips), an EWMA with the same weight.
+  reserve/serve/done round trips and the holder's wait for its engine step). The overhead is the
+  median of the last `window` samples no older than `max_age_s`: not an EWMA, because one
+  fetch that waited seconds behind a busy holder would price every later fetch above its
+  recompute, so none would run and re-measure it (seen live: one 3.8 s sample turned every later
+  fetch of a run into a recompute); a median sheds it, and with every sample aged out the
+  overhead is unmeasured again, so the next fetch measures afresh.
 - `observe_host_copies(bytes, seconds)`: the workers' cumulative host-tier copy bytes and
   seconds (their loads; a calibration copy at start, then every promotion) -> the host -> pool
   copy rate, their ratio.
@@ -18,20 +23,27 @@ in the cost model changes.
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from pdserve.router.cost import CostModel
 
-WEIGHT = 0.3  # EWMA weight of a new sample
+WEIGHT = 0.3  # EWMA weight of a new link-rate sample
+WINDOW = 8  # overhead samples kept
+MAX_AGE_S = 60.0  # an overhead sample older than this no longer counts
 
 
 class KvRates:
-    def __init__(self, weight: float = WEIGHT):
-        if not 0 < weight <= 1:
-            raise ValueError(f"EWMA weight must be in (0, 1], got {weight}")
-        self.weight = weight
+    def __init__(self, weight: float = WEIGHT, window: int = WINDOW, max_age_s: float = MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 < weight <= 1 or window < 1 or max_age_s <= 0:
+            raise ValueError(f"need 0 < weight <= 1, window >= 1, max_age_s > 0; got {weight}, {window}, {max_age_s}")
+        self.weight, self.max_age_s, self.clock = weight, max_age_s, clock
         self.link_bytes_per_s: float | None = None
-        self.overhead_s: float | None = None
+        self._overheads: deque[tuple[float, float]] = deque(maxlen=window)  # (observed at, seconds)
         self.host_copy_bytes_per_s: float | None = None
         self._cached: tuple[CostModel, CostModel] | None = None  # (base, with the rates)
 
@@ -49,9 +61,21 @@ class KvRates:
             return None
         link_only = replace(self.cost(base), fetch_overhead_s=0.0)
         sample = max(0.0, wall_s - float(link_only.fetch_s(nbytes, int(same_host))))
-        self.overhead_s = self._ewma(self.overhead_s, sample)
+        self._overheads.append((self.clock(), sample))
         self._cached = None
         return sample
+
+    @property
+    def overhead_s(self) -> float | None:
+        """The median of the live overhead samples; None when none is younger than max_age_s."""
+        self._age_out()
+        return statistics.median(s for _, s in self._overheads) if self._overheads else None
+
+    def _age_out(self) -> None:
+        oldest = self.clock() - self.max_age_s
+        while self._overheads and self._overheads[0][0] < oldest:
+            self._overheads.popleft()
+            self._cached = None
 
     def observe_host_copies(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0 and nbytes / seconds != self.host_copy_bytes_per_s:
@@ -59,6 +83,7 @@ class KvRates:
             self._cached = None
 
     def cost(self, base: CostModel) -> CostModel:
+        self._age_out()
         if self._cached is not None and self._cached[0] is base:
             return self._cached[1]
         measured = {k: v for k, v in (("fetch_bytes_per_s", self.link_bytes_per_s), ("fetch_overhead_s", self.overhead_s),

@@ -106,8 +106,9 @@ def test_rates_measure_link_overhead_and_host_copies():
     assert rates.cost(COST).fetch_bytes_per_s == 4e9 and rates.cost(COST) is rates.cost(COST)
     assert rates.observe_fetch(COST, 16_000_000, 0.044, True) == pytest.approx(0.040)  # 44 ms wall - 4 ms link
     assert rates.observe_fetch(COST, 32_000_000, 0.108, True) == pytest.approx(0.100)  # 108 - 8 ms
-    assert rates.overhead_s == pytest.approx(0.040 + 0.3 * (0.100 - 0.040))
+    assert rates.overhead_s == pytest.approx(0.070)  # the median of 40 and 100 ms
     assert rates.observe_fetch(COST, 16_000_000, 0.001, True) == 0.0  # faster than the link: no negative overhead
+    assert rates.overhead_s == pytest.approx(0.040)
     assert rates.observe_fetch(COST, 0, 1.0, True) is None
     rates.observe_host_copies(10 * 16_000_000, 0.1)
     cost = rates.cost(COST)
@@ -208,3 +209,19 @@ def test_bench_router_s_event_flow_keeps_the_index_in_step():
         assert index.held(w) == set(flow.held[w]) | set(flow.host[w]) and index.host_held(w) == set(flow.host[w])
     assert kinds == {K.STORED, K.REMOVED, K.DEMOTED, K.PROMOTED}
     index.check_invariants()
+
+
+def test_one_fetch_stuck_behind_a_busy_holder_neither_dominates_nor_locks_fetch_out():
+    now = [0.0]
+    rates = KvRates(window=4, max_age_s=60.0, clock=lambda: now[0])
+    rates.observe_link(16_000_000, 0.008)  # 2 GB/s
+    rates.observe_fetch(COST, 16_000_000, 3.808, True)  # 3.8 s waiting for the holder's step
+    held = {"w0": set(), "w1": set(DOC)}
+    assert plan_fetch("w0", DOC, held, 8, rates.cost(COST), lambda w: True).decision == RECOMPUTE  # 3.8 + 0.064 > 0.128
+    now[0] = 61.0  # no fetch ran since: the sample ages out, the next fetch is planned and re-measures
+    assert rates.overhead_s is None and rates.cost(COST).fetch_overhead_s == COST.fetch_overhead_s
+    assert plan_fetch("w0", DOC, held, 8, rates.cost(COST), lambda w: True).decision == FETCH
+    for wall in (3.808, 0.048, 0.058):  # an outlier among ordinary fetches: the median sheds it
+        rates.observe_fetch(COST, 16_000_000, wall, True)
+    assert rates.overhead_s == pytest.approx(0.050)
+    assert plan_fetch("w0", DOC, held, 8, rates.cost(COST), lambda w: True).fetch_s == pytest.approx(0.064 + 0.050)
