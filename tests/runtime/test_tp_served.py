@@ -1,12 +1,13 @@
 """Workers with tensor parallelism served end to end (tiny model, fp32): prefill TP 2 -> decode TP 1,
 TP 1 -> TP 2 and colocated TP 2 give the tokens of a TP 1 engine (fp32, where the row-parallel
 sums' rounding does not flip a choice: on these prompts it does not); each TP worker runs its
-followers; pools and holds end empty."""
+followers; pools and holds end empty; a killed TP worker leaves no follower and comes back."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.workers.supervisor import RestartPolicy
 from pdserve.workers.tp_rank import TpShape
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
 
@@ -74,3 +76,38 @@ def test_tp_workers_serve_the_tokens_of_tp1(reference_engine, mode, tp, workers)
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_killed_tp_worker_leaves_no_followers_and_comes_back(reference_engine):
+    """kill -9 a TP 2 prefill worker: its follower exits with it, the supervisor starts the worker
+    again under its next epoch (with a new follower) and it serves the TP 1 engine's tokens."""
+    async def main():
+        cfg = config(engine=FP32, tp=TpShape(prefill=2, decode=1), transport="auto",
+                     restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0))
+        async with cluster(cfg) as (backend, launcher):
+            old_pid = launcher.pid("prefill-0")
+            (old_follower,) = followers(old_pid)
+            launcher.kill("prefill-0")
+            deadline = time.monotonic() + 30
+            while _running(old_follower):
+                assert time.monotonic() < deadline, "the follower outlived its worker"
+                await asyncio.sleep(0.05)
+            while not any(w.id == "prefill-0" and w.epoch == 2 and w.state == "live" and w.load for w in backend.workers()):
+                assert time.monotonic() < deadline + 120
+                await asyncio.sleep(0.1)
+            assert len(followers(launcher.pid("prefill-0"))) == 1
+            p, s = prompt(280, 9), SamplingParams(max_tokens=8, ignore_eos=True)
+            ids, event = await collect(backend, "after-kill", p, s)
+            assert isinstance(event, FinishEvent) and ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
