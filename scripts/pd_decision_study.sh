@@ -10,7 +10,8 @@
 #      RATE req/s (Poisson, the same seed) -> good request throughput (requests meeting both clocks
 #      per second, vLLM's per-run goodput) and joint attainment; medians over rounds in summary.json
 #      `uptime` before each served mode goes to OUT_DIR/uptime.log (the machine's load per arm)
-# Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long), PORT, EXTRA_SERVE_ARGS.
+# Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long), MODES ("always never
+# margin"; the summary's ratios need all three), PORT, EXTRA_SERVE_ARGS.
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
 mkdir -p "$out"
@@ -39,10 +40,10 @@ source "$(dirname "$0")/study_server.sh"
 read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo 1536)")
 echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N, \"workload\": \"$WORKLOAD\"}" | tee "$out/slos.json"
 
-modes=(always never margin)
+read -r -a modes <<< "${MODES:-always never margin}"
 for run in $(seq 1 "$RUNS"); do
-  for k in 0 1 2; do
-    mode=${modes[$(( (k + run - 1) % 3 ))]}
+  for k in $(seq 0 $(( ${#modes[@]} - 1 ))); do
+    mode=${modes[$(( (k + run - 1) % ${#modes[@]} ))]}
     echo "$mode.$run $(date -u +%H:%M:%S) $(uptime)" >> "$out/uptime.log"
     start_server "$mode.$run" --mode disaggregated --prefill 1 --decode 1 --pd-decision "$mode" \
       --trace-dir "$out/$mode.$run.trace" --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT"
@@ -53,6 +54,7 @@ for run in $(seq 1 "$RUNS"); do
   done
 done
 
+[[ ${#modes[@]} == 3 ]] || exit 0
 python3 - "$out" "$RUNS" <<'PY'
 import json, statistics, sys
 out, runs = sys.argv[1], int(sys.argv[2])

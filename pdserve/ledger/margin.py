@@ -36,7 +36,7 @@ def tpot_slack_s(tpot_slo_s: float, decode_step_s: float, decode_tokens: int, ar
 
 def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: float, ttft_slo_s: float,
                        wait_s: float = 0.0, arrival_rate_rps: float = 0.0, decode_step_s: float = 0.0,
-                       decode_tokens: int = 1, own_stall_s: float = 0.0) -> float:
+                       decode_tokens: int = 1, own_stall_s: float = 0.0, measured_tpot_s: float = 0.0) -> float:
     """SLO time a local prefill costs on its decode worker, run as the mixed steps `step_s` (each
     holding a prompt chunk beside the B running decodes, whose own step is `decode_step_s`) after
     `wait_s` of prompt work already queued there:
@@ -45,11 +45,13 @@ def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: f
       - the request's first token is late by the wait and the steps beyond the TTFT objective;
       - less what disaggregating costs the request itself: handed off, it decodes beside the
         prompt work still queued at D when its K/V lands (`own_stall_s`), late beyond its slack.
-    `arrival_rate_rps` shares the slack among the prefills expected during a decode's life.
+    `arrival_rate_rps` shares the slack among the prefills expected during a decode's life;
+    `measured_tpot_s` (the TPOT the worker's live decodes have had, 0: unknown) replaces the
+    predicted step in the slack when larger: a slower machine than the profile's leaves less.
     Disaggregating saves exactly this (negative: it costs more than it saves)."""
     busy_s = sum(step_s)
     stall_s = busy_s - len(step_s) * decode_step_s if decode_batch else 0.0
-    slack_s = tpot_slack_s(tpot_slo_s, decode_step_s, decode_tokens, arrival_rate_rps)
+    slack_s = tpot_slack_s(tpot_slo_s, max(decode_step_s, measured_tpot_s), decode_tokens, arrival_rate_rps)
     late_decodes = decode_batch * max(0.0, stall_s - slack_s)
     return late_decodes + max(0.0, wait_s + busy_s - ttft_slo_s) - max(0.0, own_stall_s - slack_s)
 

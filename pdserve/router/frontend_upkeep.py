@@ -94,6 +94,7 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
+    backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
     if hb.kv is not None:
         outcome = backend.router.report_kv(hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
         if outcome is KvOutcome.RESYNC_NEEDED:
@@ -104,3 +105,11 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     preempted = backend.metrics.preemptions
     preempted.labels(hb.worker_id, "prompt_priority").set(hb.load.num_priority_preemptions)
     preempted.labels(hb.worker_id, "memory").set(hb.load.num_preemptions - hb.load.num_priority_preemptions)
+
+
+def measured_tpot_s(backend, worker_id: str) -> float:
+    """Mean TPOT of the worker's live requests so far (role_control's measure), 0 with none."""
+    from pdserve.router.role_control import measured_tpot_share  # role control imports the frontend's peers
+
+    share = measured_tpot_share(backend, [worker_id], time.monotonic())[worker_id]
+    return share * backend.router.config.tpot_slo_s

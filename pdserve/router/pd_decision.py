@@ -32,7 +32,10 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
                         Less what the handoff does not save: a handed-off request whose K/V lands
                         at D (after P's queue, its prefill and the exposed transfer) before D's
                         queued prompt work drains decodes beside that work; its own stall beyond
-                        its slack counts against disaggregating (a local prefill waits behind it)
+                        its slack counts against disaggregating (a local prefill waits behind it).
+                        The slack reads D's measured TPOT (its live requests' mean so far, from
+                        their token times) where that exceeds the profile's step: a profile fitted
+                        at start on a quieter machine otherwise promises slack D no longer has
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
@@ -99,6 +102,7 @@ class PdFacts:
     arrival_rate_rps: float = 0.0  # the router's recent request arrival rate
     decode_tokens: int = 1  # tokens a running decode makes (this request's expected output: the estimate)
     decode_routed: int = 0  # live routes to D (router ledger): decoding, prefilling at P, or queued at D
+    measured_tpot_s: float = 0.0  # mean TPOT of D's live requests so far (0: none measured)
 
     @property
     def delayed_batch(self) -> int:
@@ -115,6 +119,7 @@ class PdDecision:
     ttft_gate: bool | None = None
     tpot_gate: bool | None = None
     delayed_batch: int | None = None  # the B the margin read (PdFacts.delayed_batch)
+    measured_tpot_s: float | None = None  # D's measured TPOT the slack read (PdFacts.measured_tpot_s)
 
     @property
     def label(self) -> str:
@@ -127,7 +132,8 @@ class PdDecision:
             fields.update(pd_interference_saved_s=self.terms.interference_saved_s,
                           pd_transfer_exposed_s=self.terms.transfer_exposed_s, pd_route_delta_s=self.terms.route_delta_s,
                           pd_failure_penalty_s=self.terms.failure_penalty_s, pd_net_margin_s=self.net_margin_s,
-                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate, pd_delayed_batch=self.delayed_batch)
+                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate, pd_delayed_batch=self.delayed_batch,
+                          pd_measured_tpot_s=self.measured_tpot_s)
         return fields
 
 
@@ -136,7 +142,8 @@ PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "neve
 
 def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
               decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel,
-              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0, decode_routed: int = 0) -> PdFacts:
+              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0, decode_routed: int = 0,
+              measured_tpot_s: float = 0.0) -> PdFacts:
     """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
     bs = cost.block_size_tokens
     local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
@@ -148,6 +155,7 @@ def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks:
         same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
         failure_rate=failure_rate, decode_pending_tokens=decode_pending_tokens, arrival_rate_rps=arrival_rate_rps,
         decode_tokens=max(1, request.expected_output_tokens), decode_routed=decode_routed,
+        measured_tpot_s=measured_tpot_s,
     )
 
 
@@ -191,7 +199,8 @@ def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: 
     return MarginTerms(
         interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
                                                 facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens,
-                                                own_stall_s=max(0.0, wait_s - landed_s)),
+                                                own_stall_s=max(0.0, wait_s - landed_s),
+                                                measured_tpot_s=facts.measured_tpot_s),
         transfer_exposed_s=exposed_s(facts, policy, cost),
         route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
         failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
@@ -226,4 +235,5 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
     margin_ok = net_margin_s(terms) > policy.safety_margin_s
     reason = "margin" if enable or not margin_ok else "gate"
-    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch)
+    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch,
+                      facts.measured_tpot_s)

@@ -124,6 +124,7 @@ class Router:
         self._clock = clock
         self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
+        self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
         self._p2c = Sampler()
 
     # ----- workers -----
@@ -364,6 +365,10 @@ class Router:
             return Choice(slot, slot, hit[slot], hit[slot])
         return Choice(choice.prefill_slot, slot, choice.prefill_hit_blocks, hit[slot])
 
+    def note_measured_tpot(self, worker_id: str, tpot_s: float) -> None:
+        """The mean TPOT a worker's live requests have had so far (the frontend, per heartbeat)."""
+        self._measured_tpot[worker_id] = tpot_s
+
     def heavy_light(self, worker_id: str) -> tuple[int, int]:
         """(heavy, light) live routes on a decode worker (--decode-choice p2c's load)."""
         return self._heavy_light.counts(worker_id)
@@ -380,7 +385,8 @@ class Router:
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
                           self.transfer_failure_rate(), cfg.cost, int(snapshot.decode.pending_tokens[ds]),
                           self.arrivals.rate(self._clock()),
-                          sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])))  # live routes to D
+                          sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])),  # live routes to D
+                          self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0))
         ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
         tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
         return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)

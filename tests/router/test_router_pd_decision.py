@@ -274,3 +274,33 @@ def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
     # the TTFT gate reads the handed-off request's own clock, not P's queue less D's
     busy_p = PdFacts(**{**vars(short), "prefill_pending_tokens": 11_000})
     assert decide_pd(busy_p, MARGIN, COST, 10.0, 0.04).ttft_gate is False  # 11.08 s > max(10 s, 2.095 s); less D's 2 s: 9.08
+
+
+def test_the_slack_reads_d_s_measured_tpot_when_the_machine_runs_slower_than_its_profile():
+    # the 4,096-token prefill's 4.186 s stall fits 100 x (100 - 28) ms of slack by the profile; D's
+    # live requests measured at 70 ms per token leave 100 x 30 ms = 3 s: each of the 8 is 1.186 s late
+    long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
+                      "decode_tokens": 100})
+    slow = PdFacts(**{**vars(long), "measured_tpot_s": 0.07})
+    assert margin_terms(slow, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.186 - 3.0), abs=1e-9)
+    assert decide_pd(slow, MARGIN, COST, 10.0, 0.1).disaggregate and not decide_pd(long, MARGIN, COST, 10.0, 0.1).disaggregate
+    # a measurement below the profile's step changes nothing
+    fast = PdFacts(**{**vars(long), "measured_tpot_s": 0.01})
+    assert margin_terms(fast, MARGIN, COST, 10.0, 0.1) == margin_terms(long, MARGIN, COST, 10.0, 0.1)
+
+
+def test_the_router_passes_the_measured_tpot_of_the_chosen_decode_worker():
+    router = make_router("margin")
+    router.config = RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST, pd=MARGIN,
+                                 ttft_slo_s=10.0, tpot_slo_s=0.1)
+    router.report_load("d0", 1, WorkerLoad(0, 8, 100))
+    quiet = router.route(RouteRequest("quiet", prompt_tokens=400, expected_output_tokens=20))
+    router.note_measured_tpot("d0", 0.09)
+    slow = router.route(RouteRequest("slow", prompt_tokens=400, expected_output_tokens=20))
+    # 400 tokens beside 8 (then 9) decodes stall each ~0.4 s: within 20 x (100 - 28) ms by the
+    # profile, beyond 20 x (100 - 90) ms measured
+    assert quiet.colocated and quiet.pd.terms.interference_saved_s == 0.0
+    assert not slow.colocated and slow.pd.terms.interference_saved_s > 9 * (0.4 - 0.2)
+    for request_id in ("quiet", "slow"):
+        router.complete(request_id)
+    router.assert_no_leaks()
