@@ -16,7 +16,8 @@
 #   from the trace lines); summary.json holds the medians over rounds and the turn >= 1 ratio.
 # Knobs (env): TOPO (colocated), C (1), T (6), INPUT (1000), SHARED (0), TURN (160), OUTPUT (32),
 #   RUNS (3), KV_MB (512, each worker's pool), HOST_MB (0: the sharing arm's --host-kv-mb),
-#   POLICY (round_robin colocated, prefix otherwise), EXTRA_SERVE_ARGS.
+#   POLICY (round_robin colocated, prefix otherwise), EXTRA_SERVE_ARGS, PYTHON (python3: the
+#   summary's interpreter; one with matplotlib also draws ttft_per_turn.png).
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}
 mkdir -p "$out"
@@ -52,7 +53,7 @@ for run in $(seq 1 "$RUNS"); do
   done
 done
 
-python3 - "$out" "$RUNS" "$TOPO" <<'PY'
+"${PYTHON:-python3}" - "$out" "$RUNS" "$TOPO" <<'PY'
 import json, re, statistics, sys
 out, runs, topo = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 summary = {"topology": topo}
@@ -93,4 +94,21 @@ summary["ttft_ratio_no_sharing_over_sharing"] = (summary["no_sharing"]["median_l
                                                  / summary["sharing"]["median_later_turn_ttft_p50_s"])
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
 print(json.dumps(summary, indent=1))
+try:  # a small plot of TTFT per turn, both arms (skipped without matplotlib)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    for arm, style in (("sharing", "o-"), ("no_sharing", "s--")):
+        rows = summary[arm]["per_turn_median_ttft_p50_p90_s"]
+        turns = sorted(rows)
+        ax.plot(turns, [rows[t][0] for t in turns], style, label=f"{arm} p50")
+        ax.plot(turns, [rows[t][1] for t in turns], style, alpha=0.4, label=f"{arm} p90")
+    ax.set(xlabel="turn", ylabel="TTFT (s), median of runs", title=f"K/V sharing, {topo}")
+    ax.set_xticks(turns)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}/ttft_per_turn.png", dpi=110)
+except ImportError:
+    pass
 PY
