@@ -110,6 +110,10 @@ class TpLlamaModel(LlamaModel):
     def _row_linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         y = linear(x, w, None, self.skinny)  # [T, d]: this rank's partial sum
         if self.tp > 1:
+            # gloo reduces a tensor's storage as if it were dense: a tiled product's view over its
+            # padded column blocks (row stride > d when d is not a multiple of the tile) must be
+            # made dense first, or the sum lands on the wrong elements
+            y = y.contiguous()
             t0 = time.perf_counter()
             dist.all_reduce(y, group=self.group)
             self.reduce_s += time.perf_counter() - t0

@@ -28,6 +28,7 @@ GEOMETRIES = [
     ("llama", 8, 2, 32, False, True),
     ("qwen3", 4, 2, 48, False, False),
     ("qwen3", 8, 2, 32, True, True),
+    ("llama", 4, 2, 64, False, False),  # hidden 640 below: row-parallel outputs wider than a 512-column tile
 ]
 
 
@@ -50,7 +51,7 @@ def prefill_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family,heads,kv_heads,head_dim,tie,bias", GEOMETRIES)
 def test_tp2_prefill_logits_match_transformers(tmp_path, family, heads, kv_heads, head_dim, tie, bias):
     ckpt = make_random_checkpoint(
-        tmp_path, hidden=128, layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        tmp_path, hidden=640 if head_dim == 64 else 128, layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         intermediate=192, vocab=160, tie=tie, attention_bias=bias, seed=heads * 10 + kv_heads, family=family,
     )
     hf = load_hf_model(ckpt)
