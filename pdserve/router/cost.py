@@ -13,7 +13,8 @@ Defaults describe a 7B-class fp16 model on one modern GPU and are placeholders u
         + a fixed per-fetch overhead (the router's round trips; 0 until measured)
     host tier -> device pool copy (a host-tier hit's promotion): 10 GB/s until measured
 The serving router replaces the fetch and host-copy terms with live measurements
-(router/kv_rates.py); everything else stays as configured.
+(router/kv_rates.py) when its prefill terms are measured too (`fitted`); everything else stays
+as configured.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class CostModel:
     fetch_bytes_per_s: float = 0.0  # a prefix fetch's link rate; 0: the transfer path rates
     fetch_overhead_s: float = 0.0  # fixed seconds per fetch beyond transfer_s (reserve/serve/done round trips)
     host_copy_bytes_per_s: float = 10.0e9  # host tier -> device pool (a host-tier hit is copied back first)
+    fitted: bool = False  # prefill and decode terms measured on this machine (from_profile), not placeholders
 
     def __post_init__(self) -> None:
         rates = (self.same_host_bytes_per_s, self.cross_host_bytes_per_s, self.block_size_tokens)
@@ -81,7 +83,7 @@ class CostModel:
         and each sequence in a decode batch carries a context of that many tokens."""
         a_p, b_p, c_p = (float(x) for x in profile["prefill_coef"])
         a_d, b_d, c_d = (float(x) for x in profile["decode_coef"])
-        return cls.from_abi(abi, prefill_overhead_s=a_p, prefill_s_per_token=b_p + c_p * (reference_tokens + 1) / 2,
+        return cls.from_abi(abi, fitted=True, prefill_overhead_s=a_p, prefill_s_per_token=b_p + c_p * (reference_tokens + 1) / 2,
                             decode_step_base_s=a_d, decode_step_s_per_seq=b_d + c_d * reference_tokens,
                             decode_step_s_per_context_token=c_d, decode_reference_tokens=reference_tokens)
 

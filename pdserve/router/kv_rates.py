@@ -18,7 +18,12 @@ in the cost model changes.
   seconds (their loads; a calibration copy at start, then every promotion) -> the host -> pool
   copy rate, their ratio.
 - `cost(base)` is `base` with the measured terms in place of its own (unmeasured ones keep
-  `base`'s); the same object until a rate changes, so callers may compare by identity.
+  `base`'s); the same object until a rate changes, so callers may compare by identity. Only a
+  `fitted` base (prefill and decode measured on this machine) takes them: a fetch or promotion
+  is weighed against the prefill it saves, and this machine's fetch times against a placeholder
+  prefill (a GPU's 10k tokens/s) would call every fetch too slow (seen live: colocated serving,
+  unfitted, recomputed 14-block histories a fetch moved in 40 ms, and its TTFT gain fell from
+  3.2x to 1.8x). An unfitted base stays whole, placeholders against placeholders.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ class KvRates:
 
     def cost(self, base: CostModel) -> CostModel:
         self._age_out()
+        if not base.fitted:
+            return base
         if self._cached is not None and self._cached[0] is base:
             return self._cached[1]
         measured = {k: v for k, v in (("fetch_bytes_per_s", self.link_bytes_per_s), ("fetch_overhead_s", self.overhead_s),

@@ -30,7 +30,7 @@ from pdserve.router.synthetic import EventFlow, chain, random_router
 # host tier -> pool at 1.6 GB/s (10 ms a block), no fixed overheads unless a test sets one
 COST = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.0, decode_step_base_s=0.01, decode_step_s_per_seq=0.001,
                  same_host_bytes_per_s=2e9, cross_host_bytes_per_s=1e8, transfer_overhead_s=0.0,
-                 kv_bytes_per_token=1_000_000, host_copy_bytes_per_s=1.6e9)
+                 kv_bytes_per_token=1_000_000, host_copy_bytes_per_s=1.6e9, fitted=True)
 DOC = tuple(chain(1, 0, 8))  # an 8-block prefix (128 tokens)
 LONG = RouteRequest("long", prompt_tokens=8 * 16 + 10, expected_output_tokens=10, block_hashes=DOC)
 
@@ -225,3 +225,13 @@ def test_one_fetch_stuck_behind_a_busy_holder_neither_dominates_nor_locks_fetch_
         rates.observe_fetch(COST, 16_000_000, wall, True)
     assert rates.overhead_s == pytest.approx(0.050)
     assert plan_fetch("w0", DOC, held, 8, rates.cost(COST), lambda w: True).fetch_s == pytest.approx(0.064 + 0.050)
+
+
+def test_measured_rates_apply_only_to_a_fitted_cost_model():
+    """Placeholder prefill terms (a GPU's) against this machine's measured fetch would call every
+    fetch too slow: an unfitted model keeps its own placement terms."""
+    rates = KvRates()
+    rates.observe_link(16_000_000, 0.016)  # 1 GB/s
+    rates.observe_fetch(COST, 16_000_000, 0.056, True)  # 56 ms wall - 16 ms link
+    placeholder = replace(COST, fitted=False)
+    assert rates.cost(placeholder) is placeholder and rates.cost(COST).fetch_overhead_s == pytest.approx(0.040)

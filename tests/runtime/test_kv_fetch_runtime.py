@@ -7,6 +7,7 @@ the fetch would run falls back to recompute; pools, pins and router holds return
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import replace
 
@@ -139,16 +140,20 @@ def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():
     assert (first, second) == (first_off, second_off) and t2_off["cached_tokens"] == 6 * 16
 
 
-def test_host_tier_serves_an_evicted_history_and_shows_in_workers_and_metrics():
+def test_host_tier_serves_an_evicted_history_and_shows_in_workers_and_metrics(tmp_path):
     """One colocated replica with a 24-block device pool and a host tier: a conversation's history
     evicted by other prompts comes back from the host tier (tokens as without the tier); the
     prefix policy saw it in the host tier (the index's DEMOTED entries) and priced its promotion
-    at the worker's measured copy rate (the trace line's route terms)."""
+    at the worker's measured copy rate (the trace line's route terms; measured rates apply to a
+    fitted cost model, so the router gets a profile file)."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"prefill_coef": [0.005, 0.001, 0.0], "decode_coef": [0.01, 0.001, 0.0]}))
     engine = replace(TINY, num_blocks=24)
     params = SamplingParams(max_tokens=4, ignore_eos=True, seed=3)
 
     async def main(host_blocks: int):
-        cfg = config(mode="colocated", replicas=1, policy="prefix", engine=replace(engine, host_kv_bytes=host_blocks * BPB_TINY))
+        cfg = config(mode="colocated", replicas=1, policy="prefix", pd_profile=str(profile),
+                     engine=replace(engine, host_kv_bytes=host_blocks * BPB_TINY))
         async with cluster(cfg) as (backend, _):
             first, _ = await collect(backend, "t1", HISTORY, params)
             for i in range(3):  # 3 x 150 tokens through a 24-block pool: the history is evicted
