@@ -43,6 +43,15 @@ def kv_bytes(eng, request_id: str) -> list[np.ndarray]:
     return out
 
 
+def assert_same_run(eng, ref, request_id: str) -> None:
+    """Same outputs and the same K/V bits at every computed position; then both released."""
+    assert eng.seqs[request_id].output_ids == ref.seqs[request_id].output_ids
+    for mine, theirs in zip(kv_bytes(eng, request_id), kv_bytes(ref, request_id)):
+        assert np.array_equal(mine, theirs)
+    for e in (ref, eng):
+        e.abort(request_id)
+
+
 @pytest.mark.parametrize("dtype,compute", NUMERICS)
 @pytest.mark.parametrize("chunk", [16, 256])
 def test_recompute_is_bitwise_the_uninterrupted_run(gqa_ckpt, engine_factory, dtype, compute, chunk):
@@ -60,11 +69,7 @@ def test_recompute_is_bitwise_the_uninterrupted_run(gqa_ckpt, engine_factory, dt
     step_until(eng, "a", 25)
     force_preempt(eng, "a")  # and again, deeper into the output
     step_until(eng, "a", 40)
-    assert eng.seqs["a"].output_ids == ref.seqs["a"].output_ids
-    for mine, theirs in zip(kv_bytes(eng, "a"), kv_bytes(ref, "a")):
-        assert np.array_equal(mine, theirs)
-    for e in (ref, eng):
-        e.abort("a")
+    assert_same_run(eng, ref, "a")
 
 
 def test_recompute_steps_prefill_the_prompt_then_replay_the_outputs(gqa_ckpt, engine_factory):
@@ -108,8 +113,4 @@ def test_a_resumed_request_continues_bitwise(gqa_ckpt, engine_factory, dtype, co
     eng = engine_factory(gqa_ckpt, **mode)
     eng.add_request("a", p, PARAMS, seed=ref.seqs["a"].seed, resume_output_ids=streamed)
     step_until(eng, "a", 30)
-    assert eng.seqs["a"].output_ids == ref.seqs["a"].output_ids
-    for mine, theirs in zip(kv_bytes(eng, "a"), kv_bytes(ref, "a")):
-        assert np.array_equal(mine, theirs)
-    for e in (ref, eng):
-        e.abort("a")
+    assert_same_run(eng, ref, "a")
