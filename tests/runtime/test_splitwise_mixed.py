@@ -63,7 +63,9 @@ def test_a_mixed_worker_prefills_for_a_handoff_decodes_a_handoff_and_runs_whole(
 
 # any K/V in use at the decode worker presses the token pool, for good; the prompt pool never is
 TOKEN_MARKS = Thresholds(prompt_high_s=1e6, prompt_low_s=1e5, kv_high=1e-9, kv_low=0.0, hold=1, cooldown_s=3600.0)
-HOLDING = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0)
+# long enough (~8 s here at 9 ms a token; still seconds on a machine twice as fast) that the
+# controller's 0.5 s observations latch the offer and "next" is routed while "hold" still decodes
+HOLDING = SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0)
 
 
 async def _controller_scenario():
