@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.workers.main import encode_config
-from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine
+from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
 from pdserve.workers.worker import WorkerConfig
 
 
@@ -44,8 +44,8 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
         n = counters[role] = counters.get(role, -1) + 1
         worker_id = f"{role}-{n}"
         per, tp = launch.threads_per_worker, launch.tp.for_role(role)
-        affinity = worker_cores(cpus, offset, max(per, tp)) if launch.pin_cpus else ()
-        offset += max(per, tp)
+        affinity = worker_cores(cpus, offset, worker_width(per, tp)) if launch.pin_cpus else ()
+        offset += worker_width(per, tp)
         trace = os.path.join(launch.trace_dir, f"{worker_id}.jsonl") if launch.trace_dir else None
         steps = os.path.join(launch.trace_dir, f"{worker_id}.steps.jsonl") if launch.trace_dir else None
         configs.append(WorkerConfig(

@@ -7,6 +7,11 @@ still flow over the router's zmq socket and K/V still moves on the handoff trans
 across nodes. Placement uses placement groups: one PACK group for all workers by default, or with
 `pack_pairs` one STRICT_PACK group per (prefill-i, decode-i) pair so the K/V exchange stays on a
 node. Configs are completed after placement, once each actor's node is known.
+
+Tensor parallelism: a worker with TP N is one actor (rank 0) whose engine spawns its N - 1 follower
+processes on the actor's node, exactly as a local worker process does (engine/tp_group.py: gloo
+on 127.0.0.1, one torch thread per rank, followers die with the actor). Its bundle reserves
+`worker_width(threads, N)` CPUs; the ranks are not pinned (Ray hands out CPU counts, not cores).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.workers.launch import LaunchConfig, worker_configs
+from pdserve.workers.tp_rank import worker_width
 from pdserve.workers.worker import WorkerConfig, serve_worker
 
 log = logging.getLogger("pdserve.ray")
@@ -80,10 +86,13 @@ class RayCluster:
                  pack_pairs: bool = False, cpus_per_worker: float | None = None, placement_timeout_s: float = 120.0):
         self.launch = launch
         self.ray_address, self.pack_pairs = ray_address, pack_pairs
-        self.cpus_per_worker = float(launch.threads_per_worker) if cpus_per_worker is None else cpus_per_worker
         self.placement_timeout_s = placement_timeout_s
-        # host_id, handoff_host and affinity are filled in per node after placement.
-        self.configs = {c.worker_id: c for c in worker_configs(launch, router_address)}
+        # Ray does not hand out specific cores: built unpinned (no affinity, TP ranks unpinned);
+        # host_id and handoff_host are filled in per node after placement.
+        self.configs = {c.worker_id: c for c in worker_configs(replace(launch, pin_cpus=False), router_address)}
+        # CPUs each worker's bundle reserves: one per torch thread, or one per TP rank
+        self.cpus = {wid: float(worker_width(launch.threads_per_worker, c.engine.tp)) if cpus_per_worker is None
+                     else cpus_per_worker for wid, c in self.configs.items()}
         self.groups: list[PlacementGroup] = []
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.bundles: dict[str, tuple[PlacementGroup, int]] = {}  # worker id -> its placement bundle
@@ -104,10 +113,11 @@ class RayCluster:
             raise
 
     def _place_group(self, strategy: str, members: list[str]) -> None:
-        pg = placement_group([{"CPU": self.cpus_per_worker}] * len(members), strategy=strategy)
+        cpus = [self.cpus[wid] for wid in members]
+        pg = placement_group([{"CPU": n} for n in cpus], strategy=strategy)
         self.groups.append(pg)
         if not pg.wait(self.placement_timeout_s):
-            raise RuntimeError(f"placement group {strategy} {members} ({self.cpus_per_worker} CPU each) not placed "
+            raise RuntimeError(f"placement group {strategy} {members} ({cpus} CPUs) not placed "
                                f"within {self.placement_timeout_s}s; cluster has {ray.cluster_resources()}")
         for index, wid in enumerate(members):
             self.bundles[wid] = (pg, index)
@@ -119,7 +129,7 @@ class RayCluster:
     def _new_actor(self, worker_id: str) -> ray.actor.ActorHandle:
         pg, index = self.bundles[worker_id]
         in_group = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-        return WorkerActor.options(num_cpus=self.cpus_per_worker, scheduling_strategy=in_group).remote()
+        return WorkerActor.options(num_cpus=self.cpus[worker_id], scheduling_strategy=in_group).remote()
 
     def restart(self, worker_id: str, epoch: int) -> None:
         """A new actor in the dead worker's bundle, run under `epoch` (supervisor.py decides when)."""
@@ -148,10 +158,8 @@ class RayCluster:
         self.configs[worker_id] = replace(self.configs[worker_id], role=role)
 
     def _placed_config(self, worker_id: str) -> WorkerConfig:
-        # Ray does not hand out specific cores, so the local launcher's affinity does not apply.
         where = self.placements[worker_id]
-        return replace(self.configs[worker_id], host_id=where.node_id, handoff_host=where.node_ip, cpu_affinity=(),
-                       exit_with_parent=False)
+        return replace(self.configs[worker_id], host_id=where.node_id, handoff_host=where.node_ip, exit_with_parent=False)
 
     def dead(self) -> list[str]:
         if not self.runs:

@@ -4,8 +4,12 @@ Contract: `TpShape` is the `--tp N` / `--prefill-tp N` / `--decode-tp M` choice 
 runs `prefill` ranks, a decode worker `decode`, a colocated or mixed worker `other`). A worker with
 TP N > 1 is one worker process (rank 0: scheduling, block manager, handoff) plus N - 1 follower
 processes (engine/tp_group.py); `worker_engine` gives its engine configuration: N ranks, one
-torch thread each, rank r pinned to the r-th of the worker's cores. `worker_cores` hands each
-worker max(threads, N) consecutive cores of the machine, wrapping around when there are fewer.
+torch thread each, rank r pinned to the r-th of the worker's cores. `worker_width` is the number
+of cores a worker takes, max(threads, N): the local launcher hands each worker that many
+consecutive cores of the machine (`worker_cores`, wrapping around when there are fewer), and the
+Ray launcher reserves that many CPUs in the worker's placement bundle (ranks then run unpinned,
+since Ray does not hand out specific cores). Both launchers build every worker's configuration
+through `launch.worker_configs`, so a worker's ranks are set up the same way under either.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def shape_from_args(args: argparse.Namespace) -> TpShape:
     tp = getattr(args, "tp", 1) or 1
     prefill, decode = getattr(args, "prefill_tp", None), getattr(args, "decode_tp", None)
     return TpShape(prefill=prefill or tp, decode=decode or tp, other=tp)
+
+
+def worker_width(threads: int, tp: int) -> int:
+    """Cores (or Ray CPUs) one worker takes: its torch threads at TP 1, one per rank at TP N."""
+    return max(threads, tp)
 
 
 def worker_cores(cpus: list[int], offset: int, width: int) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """The Ray launcher on a local single-node Ray cluster: same workers, same answers as in-process.
 
-The test starts Ray itself (2 CPUs, no dashboard) so RayCluster joins it rather than owning it,
-and shuts it down at the end of the module.
+The test starts Ray itself (3 logical CPUs, no dashboard) so RayCluster joins it rather than owning
+it, and shuts it down at the end of the module. A TP 2 prefill worker under Ray (2 CPUs in its
+bundle, its follower spawned by the actor) serves the tokens of a TP 1 engine (fp32).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers.ray_launch import RayCluster, group_workers
-from tests.runtime.conftest import WORKER_THREADS
+from pdserve.workers.tp_rank import TpShape
+from tests.runtime.conftest import WORKER_THREADS, prompt, wait_baseline
+from tests.runtime.test_tp_served import followers
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 ENGINE = EngineConfig(model="tiny", kv_cache_bytes=32 << 20)
 REQUESTS_TIMEOUT_S = 120.0  # a lost handoff must fail the test, not hang it (loose: a loaded machine is slow)
 RAY_SETTLE_S = 60.0  # Ray frees actors and notices deaths asynchronously
+RAY_CPUS = 3  # logical: a TP 2 worker's bundle takes 2, its decode partner 1
 
 
 def prompts() -> list[list[int]]:
@@ -35,7 +39,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True)
     try:
         yield ray.get_runtime_context().get_node_id()
     finally:
@@ -48,10 +52,10 @@ def expected() -> list[tuple[int, ...]]:
     return [out.output_ids for out in engine.generate(prompts(), PARAMS)]
 
 
-async def collect(backend, rid: str, prompt: list[int]) -> tuple[int, ...]:
+async def collect(backend, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> tuple[int, ...]:
     tokens: list[int] = []
     finish = None
-    async for event in backend.submit(GenerationRequest(rid, tuple(prompt), PARAMS)):
+    async for event in backend.submit(GenerationRequest(rid, tuple(prompt), params)):
         if isinstance(event, ErrorEvent):
             raise AssertionError(f"{rid}: {event.code}: {event.message}")
         if isinstance(event, TokenEvent):
@@ -59,7 +63,7 @@ async def collect(backend, rid: str, prompt: list[int]) -> tuple[int, ...]:
         elif isinstance(event, FinishEvent):
             finish = event
     assert finish is not None and finish.finish_reason == "length"
-    assert finish.completion_tokens == len(tokens) == PARAMS.max_tokens
+    assert finish.completion_tokens == len(tokens) == params.max_tokens
     return tuple(tokens)
 
 
@@ -87,7 +91,7 @@ def assert_ray_released(timeout_s: float = RAY_SETTLE_S) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         free = ray.available_resources()
-        if free.get("CPU") == 2.0 and not any(k.startswith("bundle_group") for k in free):
+        if free.get("CPU") == RAY_CPUS and not any(k.startswith("bundle_group") for k in free):
             return
         assert time.monotonic() < deadline, f"Ray resources still held: {free}"
         time.sleep(0.1)
@@ -128,3 +132,30 @@ def test_pairs_share_a_strict_pack_group():
         ("STRICT_PACK", ["prefill-0", "decode-0"]), ("STRICT_PACK", ["prefill-1", "decode-1"]), ("PACK", ["decode-2"]),
     ]
     assert group_workers(["colocated-0", "colocated-1"], pack_pairs=True) == [("PACK", ["colocated-0", "colocated-1"])]
+
+
+def test_tp2_prefill_worker_on_ray_serves_the_tokens_of_tp1(ray_local):
+    """`--ray --prefill-tp 2`: the prefill actor reserves 2 CPUs, runs one follower rank and, with
+    a TP 1 decode actor, gives a TP 1 engine's greedy tokens (fp32); pools end at baseline."""
+    fp32 = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=32 << 20)
+    reference = Engine(EngineConfig(model="tiny", dtype="float32", num_blocks=256, num_threads=1))
+    cases = [prompt(n, 90 + n) for n in (20, 300)]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def main():
+        config = ServeConfig(ray=True, mode="disaggregated", engine=fp32, tp=TpShape(prefill=2, decode=1),
+                             transport="auto", ray_pack_pairs=True, startup_timeout_s=90.0, pd_decision="always")
+        async with cluster(config) as (backend, launcher):
+            assert launcher.impl.cpus == {"prefill-0": 2.0, "decode-0": 1.0}
+            assert [(c.engine.tp, c.engine.num_threads, c.engine.tp_cores, c.cpu_affinity)
+                    for c in launcher.impl.configs.values()] == [(2, 1, (), ()), (1, 1, (), ())]  # unpinned
+            assert {w.id: w.tp for w in backend.workers()} == {"prefill-0": 2, "decode-0": 1}
+            assert len(followers(launcher.pid("prefill-0"))) == 1 and followers(launcher.pid("decode-0")) == []
+            runs = (collect(backend, f"tp{i}", p, greedy) for i, p in enumerate(cases))
+            outputs = await asyncio.wait_for(asyncio.gather(*runs), REQUESTS_TIMEOUT_S)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+        assert_ray_released()
+        return outputs
+
+    assert asyncio.run(main()) == [reference.generate([list(p)], greedy)[0].output_ids for p in cases]
