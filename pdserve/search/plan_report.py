@@ -35,13 +35,19 @@ def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
     if plan is None:
         return None
     return {
-        "affinity": plan.affinity,
+        "affinity": plan.affinity, "node_segments": plan.segments or None,
         "prefill": _phase(plan.prefill, plan.n_prefill), "decode": _phase(plan.decode, plan.n_decode),
         "goodput_rps": plan.goodput_rps, "goodput_per_gpu": plan.goodput_per_gpu, "gpus": plan.gpus,
         "kv_demand_bytes_per_s": plan.kv_demand_bytes_per_s, "link_capacity_bytes_per_s": plan.link_capacity_bytes_per_s,
         "link_ok": plan.link_ok, "residency_bytes": plan.residency_bytes,
         "simulated_goodput_rps": e2e.rate if e2e else None,
     }
+
+
+def _affinity(dis: dict) -> str:
+    """"high", or "low" with its node segments when the phases' layers span more than one node."""
+    segments = dis.get("node_segments")
+    return f"low, {segments} nodes" if segments and segments > 1 else dis["affinity"]
 
 
 def plan_summary(result: PlanResult) -> dict:
@@ -83,7 +89,7 @@ def plan_table(summary: dict) -> str:
         lines.append(f"{'colocated':<16}{layout:<44}{colo['goodput_rps']:>12.3g}{colo['goodput_per_gpu']:>10.3g}{_num(colo['simulated_goodput_rps']):>10}")
     if dis:
         p, d = dis["prefill"], dis["decode"]
-        layout = f"P {p['replicas']} x tp{p['tp']}pp{p['pp']} + D {d['replicas']} x tp{d['tp']}pp{d['pp']} ({dis['affinity']})"
+        layout = f"P {p['replicas']} x tp{p['tp']}pp{p['pp']} + D {d['replicas']} x tp{d['tp']}pp{d['pp']} ({_affinity(dis)})"
         lines.append(f"{'disaggregated':<16}{layout:<44}{dis['goodput_rps']:>12.3g}{dis['goodput_per_gpu']:>10.3g}{_num(dis['simulated_goodput_rps']):>10}")
         lines.append(f"K/V demand {dis['kv_demand_bytes_per_s'] / 1e9:.3g} GB/s vs link {dis['link_capacity_bytes_per_s'] / 1e9:.3g} GB/s: "
                      + ("ok" if dis["link_ok"] else "INFEASIBLE"))

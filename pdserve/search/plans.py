@@ -9,8 +9,12 @@ the ledger's `best_per_gpu`. With a GPU budget (and no target) the replica split
 g_system within the budget, fewer GPUs breaking ties.
 
 High node affinity: phases are chosen independently; K/V crosses the inter-node NIC (one per
-GPU). Low node affinity: prefill and decode share a PP degree, stage j of every instance sits on
-node j (checked with the ledger's `stage_packing_violations`), and K/V moves over NVLink.
+GPU). Low node affinity (DistServe's): every instance's layers are cut into the same s node
+segments, segment j of every prefill and decode instance sits on node j of its group (checked
+with the ledger's `stage_packing_violations`, a segment standing for a stage), and K/V moves over
+NVLink. s divides both phases' PP degrees, which may differ: inside its segment an instance
+keeps pp / s stages of its own (OPT-66B's prefill TP4 PP1 beside decode TP2 PP2 on one node is
+s = 1). Every common divisor s is tried and the best packing kept.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class DisaggPlan:
     kv_bytes_per_request: float
     link_bytes_per_s_per_gpu: float
     weight_bytes: int
+    segments: int = 0  # low affinity: the node segments both phases' layers are cut into
 
     @property
     def prefill_gpus(self) -> int:
@@ -154,15 +159,21 @@ def high_affinity_plan(prefill: list[Score], decode: list[Score], budget: int, t
 def low_affinity_plan(prefill: list[Score], decode: list[Score], budget: int, target_rps: float | None,
                       gpus_per_node: int, kv_bytes_per_request: float, nvlink_bytes_per_s: float,
                       weight_bytes: int) -> DisaggPlan | None:
-    """DistServe low node affinity: equal PP, stage j of every instance on node j."""
+    """DistServe low node affinity: both phases' layers cut into the same node segments, segment
+    j of every instance on node j (the PP degrees may differ; see the module contract)."""
     plans = []
     for c_p, c_d in _viable_pairs(prefill, decode):
-        if c_p.par.pp != c_d.par.pp:
-            continue
-        counts = _pack_low(c_p, c_d, budget, target_rps, gpus_per_node)
-        if counts is not None:
-            plans.append(DisaggPlan("low", c_p, c_d, *counts, kv_bytes_per_request, nvlink_bytes_per_s, weight_bytes))
+        for segments in common_segments(c_p.par.pp, c_d.par.pp):
+            counts = _pack_low(c_p, c_d, segments, budget, target_rps, gpus_per_node)
+            if counts is not None:
+                plans.append(DisaggPlan("low", c_p, c_d, *counts, kv_bytes_per_request, nvlink_bytes_per_s,
+                                        weight_bytes, segments))
     return _top(plans, by_rate=not target_rps)
+
+
+def common_segments(pp_p: int, pp_d: int) -> list[int]:
+    """Node segments s both phases can be cut into: the common divisors of their PP degrees."""
+    return [s for s in range(1, min(pp_p, pp_d) + 1) if pp_p % s == 0 and pp_d % s == 0]
 
 
 def _viable_pairs(prefill: list[Score], decode: list[Score]):
@@ -175,26 +186,28 @@ def _top(plans: list[DisaggPlan], by_rate: bool) -> DisaggPlan | None:
     return max(sorted(plans, key=lambda p: (p.prefill.label, p.decode.label)), key=key, default=None)
 
 
-def _pack_low(c_p: Score, c_d: Score, budget: int, target_rps: float | None, gpus_per_node: int) -> tuple[int, int] | None:
-    """Replica counts whose stage-j segments share node j within `gpus_per_node` GPUs each."""
-    pp, tp_p, tp_d = c_p.par.pp, c_p.par.tp, c_d.par.tp
+def _pack_low(c_p: Score, c_d: Score, segments: int, budget: int, target_rps: float | None,
+              gpus_per_node: int) -> tuple[int, int] | None:
+    """Replica counts whose segment-j slices share node j within `gpus_per_node` GPUs each; an
+    instance's slice of a node is tp * pp / segments GPUs."""
+    w_p, w_d = c_p.par.gpus // segments, c_d.par.gpus // segments
     if target_rps:
         n_p, n_d = replica_count(target_rps, c_p.goodput_rps), replica_count(target_rps, c_d.goodput_rps)
-        groups = -(-(n_p * tp_p + n_d * tp_d) // gpus_per_node)
+        groups = -(-(n_p * w_p + n_d * w_d) // gpus_per_node)
         per_group = (-(-n_p // groups), -(-n_d // groups))
     else:
-        groups = max(1, budget // (pp * gpus_per_node))
-        per_node = min(gpus_per_node, budget // (groups * pp))
-        per_group = split_budget(c_p.goodput_rps, tp_p, c_d.goodput_rps, tp_d, per_node) if per_node else None
-    if per_group is None or stage_packing_violations(_group_slots(per_group, pp, tp_p, tp_d), pp, gpus_per_node):
+        groups = max(1, budget // (segments * gpus_per_node))
+        per_node = min(gpus_per_node, budget // (groups * segments))
+        per_group = split_budget(c_p.goodput_rps, w_p, c_d.goodput_rps, w_d, per_node) if per_node else None
+    if per_group is None or stage_packing_violations(_group_slots(per_group, segments, w_p, w_d), segments, gpus_per_node):
         return None
     return per_group[0] * groups, per_group[1] * groups
 
 
-def _group_slots(counts: tuple[int, int], pp: int, tp_p: int, tp_d: int) -> list[StageSlot]:
-    """One node group: stage j of every prefill and decode instance on node j."""
+def _group_slots(counts: tuple[int, int], segments: int, w_p: int, w_d: int) -> list[StageSlot]:
+    """One node group: segment j of every prefill and decode instance on node j."""
     slots = []
-    for phase, n, tp in (("prefill", counts[0], tp_p), ("decode", counts[1], tp_d)):
+    for phase, n, width in (("prefill", counts[0], w_p), ("decode", counts[1], w_d)):
         for k in range(n):
-            slots.extend(StageSlot(f"{phase[0]}{k}", phase, j, f"node{j}", tp) for j in range(pp))
+            slots.extend(StageSlot(f"{phase[0]}{k}", phase, j, f"node{j}", width) for j in range(segments))
     return slots

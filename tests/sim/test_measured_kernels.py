@@ -158,3 +158,37 @@ def test_pipeline_parallelism_never_shortens_one_prompts_ttft():
     assert piped.prefill_s(512) > alone.prefill_s(512)
     out = run_prefill_pool([0.0], [0], [512], [0], piped, 1, PrefillPolicy())
     assert out.done_s[0] == pytest.approx(piped.prefill_s(512), rel=1e-12)
+
+
+@pytest.mark.parametrize("name,fit,ar_1mb_tp8_us", [
+    ("h100", (0.818, 3.77e9, 0.835, 0.827, 3.57e-6), 25.41),
+    ("h200", (0.809, 3.44e9, 0.875, 0.805, 3.94e-6), 26.14),
+])
+def test_hopper_profiles_carry_their_fits(name, fit, ar_1mb_tp8_us):
+    """The H100/H200 GEMM curves and NCCL tables `scripts/aic_kernel_fit.py h100_sxm|h200_sxm` derives
+    from aiconfigurator's vLLM 0.24 GEMMs and NCCL all-reduces (docs/planner.md)."""
+    hw = load_hardware(name)
+    e_max, half, gamma, r, floor = fit
+    assert hw.gemm == GemmCurve(989e12, hw.hbm_bytes_per_s, e_max, pytest.approx(half), gamma, r, pytest.approx(floor))
+    assert hw.elementwise.floor_s == pytest.approx(3e-6) and hw.elementwise.bytes_per_s == pytest.approx(hw.hbm_bytes_per_s * r)
+    assert hw.allreduce.seconds(2**20, 8) * 1e6 == pytest.approx(ar_1mb_tp8_us, abs=0.01)
+    # one weight row through an 8192 x 8192 layer: memory-bound, at the fit's efficiency plus its floor
+    assert hw.gemm.seconds(1, 8192, 8192, 2) == pytest.approx(2 * (8192 * 8192 + 2 * 8192) / (hw.hbm_bytes_per_s * r) + floor, rel=1e-12)
+
+
+def test_hopper_measured_kernels_against_the_flat_roofline():
+    """Figures docs/planner.md quotes: llama-70b-class, a decode step at batch 1 and 1,000 tokens and
+    a 2,048-token prefill at TP 2/4/8 (ms); measured GEMMs beat 60% of peak on a long prompt, and
+    decode pays weight reads at the measured efficiency, kernel floors and NCCL's latencies."""
+    spec = load_model_spec("llama-70b-class")
+    got = {}
+    for name in ("h100", "h200"):
+        hw = load_hardware(name)
+        for kind, profile in (("measured", hw), ("flat", hw.without_measured_kernels())):
+            models = [RooflineLatency(spec, profile, tp) for tp in (2, 4, 8)]
+            got[name, kind] = ([round(m.decode_step_s(1, 1000) * 1e3, 2) for m in models],
+                               [round(m.prefill_s(2048) * 1e3, 1) for m in models])
+    assert got["h100", "measured"] == ([29.30, 17.53, 12.24], [217.7, 133.3, 92.6])
+    assert got["h100", "flat"] == ([27.69, 14.89, 8.49], [254.9, 140.4, 83.2])
+    assert got["h200", "measured"] == ([22.43, 14.13, 10.87], [215.1, 130.2, 89.2])
+    assert got["h200", "flat"] == ([19.95, 11.02, 6.56], [254.9, 140.4, 83.2])

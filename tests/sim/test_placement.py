@@ -8,7 +8,8 @@ from pdserve.ledger.goodput import replica_count, system_goodput, system_goodput
 from pdserve.ledger.placement import link_feasible, model_residency_bytes, payload_demand_bytes_per_s
 from pdserve.search.candidates import Parallel
 from pdserve.search.phase_search import Score
-from pdserve.search.plans import ColocatedPlan, colocated_plan, high_affinity_plan, low_affinity_plan, split_budget
+from pdserve.search.plans import (ColocatedPlan, colocated_plan, common_segments, high_affinity_plan, low_affinity_plan,
+                                  split_budget)
 
 
 def score(phase, tp, pp, rps, chunk=0):
@@ -57,14 +58,51 @@ def test_budget_plan_counts_every_gpu_of_both_pools():
     assert plan.goodput_rps == min(plan.n_prefill * plan.prefill.goodput_rps, plan.n_decode * plan.decode.goodput_rps)
 
 
-def test_low_affinity_pairs_stages_within_a_node():
+def test_low_affinity_pairs_segments_within_a_node():
     pre = [score("prefill", 1, 2, 6.0), score("prefill", 2, 1, 9.0)]
     dec = [score("decode", 2, 2, 20.0), score("decode", 1, 1, 3.0)]
     plan = low_affinity_plan(pre, dec, budget=16, target_rps=None, gpus_per_node=8, kv_bytes_per_request=1,
                              nvlink_bytes_per_s=1e11, weight_bytes=1)
-    assert plan.prefill.par.pp == plan.decode.par.pp
-    per_node = (plan.n_prefill * plan.prefill.par.tp + plan.n_decode * plan.decode.par.tp) // (plan.gpus // (8 * plan.prefill.par.pp) or 1)
+    s = plan.segments
+    assert plan.prefill.par.pp % s == 0 and plan.decode.par.pp % s == 0
+    groups = plan.gpus // (8 * s) or 1
+    per_node = (plan.n_prefill * plan.prefill.par.gpus + plan.n_decode * plan.decode.par.gpus) // (s * groups)
     assert per_node <= 8 and plan.gpus <= 16
+
+
+def test_common_segments_divide_both_pipelines():
+    assert common_segments(1, 2) == [1]
+    assert common_segments(4, 2) == [1, 2]
+    assert common_segments(3, 3) == [1, 3]
+    assert common_segments(6, 4) == [1, 2]
+
+
+def test_distserve_opt66b_unequal_pipelines_share_one_node():
+    """DistServe's OPT-66B placement, prefill TP4 PP1 beside decode TP2 PP2: one segment, 4 + 4 GPUs
+    of one node, K/V over NVLink; two nodes hold two such segments."""
+    pre, dec = [score("prefill", 4, 1, 2.0)], [score("decode", 2, 2, 2.0)]
+    plan = low_affinity_plan(pre, dec, budget=16, target_rps=None, gpus_per_node=8, kv_bytes_per_request=1,
+                             nvlink_bytes_per_s=1e11, weight_bytes=1)
+    assert (plan.segments, plan.n_prefill, plan.n_decode, plan.gpus) == (1, 2, 2, 16)
+    assert plan.goodput_rps == 4.0 and plan.goodput_per_gpu == 0.25
+
+
+def test_distserve_opt175b_segments_span_three_nodes():
+    """OPT-175B (3,3,4,3): both phases cut in 3 segments, 3 + 4 GPUs per node, 21 GPUs."""
+    pre, dec = [score("prefill", 3, 3, 1.0)], [score("decode", 4, 3, 1.0)]
+    plan = low_affinity_plan(pre, dec, budget=24, target_rps=None, gpus_per_node=8, kv_bytes_per_request=1,
+                             nvlink_bytes_per_s=1e11, weight_bytes=1)
+    assert (plan.segments, plan.n_prefill, plan.n_decode, plan.gpus) == (3, 1, 1, 21)
+
+
+def test_low_affinity_cuts_more_segments_when_one_node_cannot_hold_both():
+    # 8 + 8 GPUs cannot share one 8-GPU node; cut in two segments each node holds 4 + 4
+    pre, dec = [score("prefill", 4, 2, 1.0)], [score("decode", 4, 2, 1.0)]
+    plan = low_affinity_plan(pre, dec, budget=16, target_rps=None, gpus_per_node=8, kv_bytes_per_request=1,
+                             nvlink_bytes_per_s=1e11, weight_bytes=1)
+    assert (plan.segments, plan.n_prefill, plan.n_decode) == (2, 1, 1)
+    assert low_affinity_plan(pre, dec, budget=8, target_rps=None, gpus_per_node=8, kv_bytes_per_request=1,
+                             nvlink_bytes_per_s=1e11, weight_bytes=1) is None
 
 
 def test_colocated_plan_replicas():
