@@ -37,6 +37,7 @@ from pdserve.router.frontend import ClusterBackend
 from pdserve.router.pd_decision import PdPolicy
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
+from pdserve.router.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
 from pdserve.router.router import Router
 from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
@@ -126,9 +127,12 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     if source == AUTO and (config.mode == "colocated" or config.pd_decision != "margin"):
         source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len)
+    tp = config.tp  # each role's steps at its TP size (router/tp_pricing.py)
+    sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)
+    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0])
     cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(
         abi, profile, config.engine.max_num_batched_tokens)
+    cost = tp_cost(cost, scaling_for(mc, profile, config.threads_per_worker), *sizes, measured_tp(profile))
     pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
                   layerwise_min_tokens=config.layerwise_threshold_tokens, chunk_tokens=config.engine.max_num_batched_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or

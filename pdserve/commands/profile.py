@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the fitted model")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quick", action="store_true", help="a few points only (tests)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="time a TP N engine (N one-thread ranks; recorded as meta.tp, which the router's "
+                        "cost model prices TP N workers with as measured: router/tp_pricing.py)")
     p.add_argument("--repeats", type=int, help="timings per point (median after one warm-up)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="engine dtype; profile with the dtype you will serve with")
@@ -52,7 +55,7 @@ def run_profile_command(args: argparse.Namespace) -> int:
         model=args.model or "small", threads=args.threads, dtype=args.dtype)
     overrides = {"repeats": args.repeats, "prompt_lens": args.prompt_lens, "batches": args.batches,
                  "contexts": args.contexts, "chunk_tokens": args.max_num_batched_tokens,
-                 "compute_dtype": args.compute_dtype, "kv_cache_mb": args.kv_cache_mb}
+                 "compute_dtype": args.compute_dtype, "kv_cache_mb": args.kv_cache_mb, "tp": args.tp}
     plan = dataclasses.replace(plan, batch_invariant=not args.no_batch_invariant,
                                **{k: v for k, v in overrides.items() if v is not None})
     model = run_profile(plan)

@@ -42,6 +42,7 @@ class ProfilePlan:
     batch_invariant: bool = True  # match the server's `--no-batch-invariant`
     chunk_tokens: int | None = None  # prefill in chunks of this many tokens, as a server with this budget does
     kv_cache_mb: int = 256  # the K/V pool a server would give each worker (`pdserve serve --kv-cache-mb`)
+    tp: int = 1  # tensor-parallel ranks, one thread each, unpinned (a TP worker's steps; recorded as meta.tp)
 
     @classmethod
     def quick(cls, model: str = "tiny", threads: int | None = None, dtype: str = "bfloat16") -> ProfilePlan:
@@ -58,7 +59,8 @@ def _engine(plan: ProfilePlan):
     budget = plan.chunk_tokens or longest * max(plan.batches)
     config = EngineConfig(model=plan.model, dtype=plan.dtype, compute_dtype=plan.compute_dtype,
                           batch_invariant=plan.batch_invariant, enable_prefix_cache=False, num_blocks=blocks,
-                          max_num_seqs=max(plan.batches), max_num_batched_tokens=budget, num_threads=plan.threads)
+                          max_num_seqs=max(plan.batches), max_num_batched_tokens=budget, num_threads=plan.threads,
+                          tp=plan.tp)
     return Engine(config)
 
 
@@ -122,14 +124,17 @@ def run_profile(plan: ProfilePlan) -> ProfiledLatency:
     if plan.threads:
         torch.set_num_threads(plan.threads)
     engine = _engine(plan)
-    prefill = [(n, prefill_point_s(engine, n, plan.repeats)) for n in plan.prompt_lens]
-    decode = decode_points_s(engine, [(b, c) for b in plan.batches for c in plan.contexts], plan.repeats)
-    engine.assert_no_leaks()
+    try:
+        prefill = [(n, prefill_point_s(engine, n, plan.repeats)) for n in plan.prompt_lens]
+        decode = decode_points_s(engine, [(b, c) for b in plan.batches for c in plan.contexts], plan.repeats)
+        engine.assert_no_leaks()
+    finally:
+        engine.close()  # a TP engine's followers stop
     cfg = engine.config
     per_token = engine.abi.bytes_per_token  # the pool's own dtype
     meta = {"kv_cache_mb": plan.kv_cache_mb, "model": plan.model, "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype,
             "batch_invariant": cfg.batch_invariant, "chunk_tokens": plan.chunk_tokens,
-            "threads": torch.get_num_threads(), "block_size": cfg.block_size}
+            "threads": torch.get_num_threads(), "block_size": cfg.block_size, "tp": plan.tp}
     # Capacity is that of a serving engine with `kv_cache_mb` of K/V pool, not of this small pool.
     return fit_profile(prefill, decode, meta=meta, kv_bytes_per_token=per_token,
                        kv_capacity_tokens=(plan.kv_cache_mb << 20) // per_token)

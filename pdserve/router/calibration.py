@@ -4,9 +4,11 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
 `CostModel.from_profile` reads, or None for the cost model's placeholder numbers:
 
     source "auto"   time the served engine on this machine now (the router process, before the
-                    workers start, with the workers' thread count and numerics flags) at points
-                    sized by the serving chunk, and fit (latency/engine_profile.py) — seconds on
-                    the embedded models; what the per-request P/D margin decides with by default
+                    workers start, with the workers' thread count and numerics flags, at the
+                    prefill role's TP size `tp`) at points sized by the serving chunk, and fit
+                    (latency/engine_profile.py) — seconds on the embedded models; what the
+                    per-request P/D margin decides with by default. Other TP sizes are priced
+                    from it by router/tp_pricing.py
     source FILE     a `pdserve profile` JSON measured earlier (the same fit)
     source "none"   the placeholders (only for tests that pin the decision's inputs)
 
@@ -33,15 +35,16 @@ def profile_points(chunk_tokens: int, max_model_len: int) -> dict:
     return {"prompt_lens": tuple(prompts), "batches": (1, 8), "contexts": tuple(contexts), "repeats": 2}
 
 
-def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int) -> dict | None:
+def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int,
+                 tp: int = 1) -> dict | None:
     if source is None or source == NONE:
         return None
     if source != AUTO:
         return json.loads(Path(source).read_text())
-    return fit_now(engine, threads, model_dir, max_model_len)
+    return fit_now(engine, threads, model_dir, max_model_len, tp)
 
 
-def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int) -> dict:
+def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1) -> dict:
     import torch
 
     from pdserve.latency.engine_profile import ProfilePlan, run_profile
@@ -50,7 +53,7 @@ def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: 
     t0 = time.monotonic()
     plan = ProfilePlan(model=str(model_dir), threads=threads, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
                        batch_invariant=engine.batch_invariant, chunk_tokens=engine.max_num_batched_tokens,
-                       kv_cache_mb=max(1, engine.kv_cache_bytes >> 20) if engine.kv_cache_bytes else 256,
+                       kv_cache_mb=max(1, engine.kv_cache_bytes >> 20) if engine.kv_cache_bytes else 256, tp=tp,
                        **profile_points(engine.max_num_batched_tokens, max_model_len))
     try:
         fitted = run_profile(plan).to_dict()

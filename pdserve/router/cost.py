@@ -15,6 +15,11 @@ Defaults describe a 7B-class fp16 model on one modern GPU and are placeholders u
 The serving router replaces the fetch and host-copy terms with live measurements
 (router/kv_rates.py) when its prefill terms are measured too (`fitted`); everything else stays
 as configured.
+
+Tensor parallelism (router/tp_pricing.py): the prefill terms price a prefill worker and the decode
+terms a decode worker, each at its role's TP size (`scaled`); a prefill that runs on a decode
+worker (the P/D decision's local route) is priced by `at_decode_worker`, whose prefill terms are
+scaled by `decode_worker_prefill_factor` (1 when both roles run the same TP size).
 """
 
 from __future__ import annotations
@@ -44,11 +49,17 @@ class CostModel:
     # (`decode_step_at`); zero: a sequence costs the same whatever its context
     decode_step_s_per_context_token: float = 0.0
     decode_reference_tokens: int = 0
+    # a profile's per-causal-pair prefill cost and the prompt chunk `prefill_s_per_token` assumes
+    # (`prefill_chunk_s`); zero: a prompt token costs the same whatever the context before it
+    prefill_s_per_pair: float = 0.0
+    prefill_reference_tokens: int = 0
     # K/V placement (fetch_s, promote_s): measured by the serving router (router/kv_rates.py)
     fetch_bytes_per_s: float = 0.0  # a prefix fetch's link rate; 0: the transfer path rates
     fetch_overhead_s: float = 0.0  # fixed seconds per fetch beyond transfer_s (reserve/serve/done round trips)
     host_copy_bytes_per_s: float = 10.0e9  # host tier -> device pool (a host-tier hit is copied back first)
     fitted: bool = False  # prefill and decode terms measured on this machine (from_profile), not placeholders
+    # a prefill on a decode worker over one on a prefill worker (their TP sizes differ; tp_pricing.py)
+    decode_worker_prefill_factor: float = 1.0
 
     def __post_init__(self) -> None:
         rates = (self.same_host_bytes_per_s, self.cross_host_bytes_per_s, self.block_size_tokens)
@@ -59,6 +70,8 @@ class CostModel:
             raise ValueError("same-host bandwidth must be at least the cross-host bandwidth")
         if self.fetch_bytes_per_s < 0 or self.fetch_overhead_s < 0 or self.host_copy_bytes_per_s <= 0:
             raise ValueError("fetch rate and overhead must be >= 0 and the host copy rate positive")
+        if self.decode_worker_prefill_factor <= 0:
+            raise ValueError("decode_worker_prefill_factor must be positive")
         rates = np.array([[self.same_host_bytes_per_s], [self.cross_host_bytes_per_s]])  # [2, 1]
         rates.flags.writeable = False
         object.__setattr__(self, "_path_rates", rates)  # derived, not a field: eq, hash and repr ignore it
@@ -85,7 +98,27 @@ class CostModel:
         a_d, b_d, c_d = (float(x) for x in profile["decode_coef"])
         return cls.from_abi(abi, fitted=True, prefill_overhead_s=a_p, prefill_s_per_token=b_p + c_p * (reference_tokens + 1) / 2,
                             decode_step_base_s=a_d, decode_step_s_per_seq=b_d + c_d * reference_tokens,
-                            decode_step_s_per_context_token=c_d, decode_reference_tokens=reference_tokens)
+                            decode_step_s_per_context_token=c_d, decode_reference_tokens=reference_tokens,
+                            prefill_s_per_pair=c_p, prefill_reference_tokens=reference_tokens)
+
+    def scaled(self, prefill: float, decode: float) -> CostModel:
+        """This model with every prefill term times `prefill` and every decode term times `decode`
+        (a worker whose steps take that much longer than the ones these terms describe)."""
+        if prefill <= 0 or decode <= 0:
+            raise ValueError(f"time factors must be positive, got {prefill}, {decode}")
+        if prefill == 1.0 and decode == 1.0:
+            return self
+        return replace(self, prefill_overhead_s=self.prefill_overhead_s * prefill,
+                       prefill_s_per_token=self.prefill_s_per_token * prefill, prefill_s_per_pair=self.prefill_s_per_pair * prefill,
+                       decode_step_base_s=self.decode_step_base_s * decode, decode_step_s_per_seq=self.decode_step_s_per_seq * decode,
+                       decode_step_s_per_context_token=self.decode_step_s_per_context_token * decode)
+
+    def at_decode_worker(self) -> CostModel:
+        """The model of a prefill that runs on a decode worker (its prefill terms at the decode
+        role's TP size); this model itself when the roles' sizes price alike."""
+        if self.decode_worker_prefill_factor == 1.0:
+            return self
+        return replace(self.scaled(self.decode_worker_prefill_factor, 1.0), decode_worker_prefill_factor=1.0)
 
     def queue_s(self, pending_prompt_tokens: Num) -> Num:
         """Time for a prefill worker to drain the prompt tokens already queued on it."""
@@ -93,6 +126,20 @@ class CostModel:
 
     def prefill_s(self, compute_tokens: Num) -> Num:
         return self.prefill_overhead_s + compute_tokens * self.prefill_s_per_token
+
+    def prefill_chunk_s(self, chunk_tokens: int, context_tokens: int) -> float:
+        """One prefill step of `chunk_tokens` rows after `context_tokens` already in the sequence's
+        K/V (the profile's own form: each row attends to the context and the rows before it, so a
+        later chunk of a long prompt costs more; `prefill_s` prices every row at the reference)."""
+        pairs_per_row = context_tokens + (chunk_tokens + 1) / 2 - (self.prefill_reference_tokens + 1) / 2
+        return float(self.prefill_s(chunk_tokens)) + self.prefill_s_per_pair * chunk_tokens * pairs_per_row
+
+    def chunked_prefill_s(self, compute_tokens: int, cached_tokens: int, chunk_tokens: int) -> list[float]:
+        """The steps of a prefill of `compute_tokens` rows after `cached_tokens` of prefix, in
+        chunks of `chunk_tokens` (the worker's step budget): `prefill_chunk_s` of each."""
+        chunk = max(1, chunk_tokens)
+        return [self.prefill_chunk_s(min(chunk, compute_tokens - done), cached_tokens + done)
+                for done in range(0, compute_tokens, chunk)]
 
     def decode_step_s(self, batch: Num) -> Num:
         return self.decode_step_base_s + batch * self.decode_step_s_per_seq

@@ -106,11 +106,12 @@ def local_route_plan(
     snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel, policy: str, hold: BlockHold, pd: object
 ) -> RoutePlan:
     """A route whose prefill runs on its decode worker: prefill_id == decode_id, nothing moves.
-    Predicted TTFT: D's queued prompt tokens plus its own prefill; TPOT: D's next step."""
+    Predicted TTFT: D's queued prompt tokens plus its own prefill (at D's TP size); TPOT: D's next step."""
     d, ds, bs = snapshot.decode, choice.decode_slot, cost.block_size_tokens
     usable = int(demand.usable_prefill_hit(request, choice.decode_hit_blocks, bs))
     compute = int(demand.compute_tokens(request, usable, bs))
-    ttft_s = cost.queue_s(int(d.pending_tokens[ds])) + cost.prefill_s(compute)
+    at_d = cost.at_decode_worker()
+    ttft_s = at_d.queue_s(int(d.pending_tokens[ds])) + at_d.prefill_s(compute)
     return RoutePlan(
         request.request_id, policy, d.worker_ids[ds], d.worker_ids[ds], usable, choice.decode_hit_blocks, compute, 0, 0,
         float(ttft_s), float(cost.decode_step_s(int(d.active_batch[ds]) + 1)), None, hold, pd,
