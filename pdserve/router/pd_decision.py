@@ -16,7 +16,8 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
 
     interference saved  a local prefill of u_D tokens (its uncached prompt at D) runs in chunks of
                         the step budget left beside the B decodes at D; each mixed step
-                        takes decode_step_s(B) + prefill_s(chunk). Counted against the SLOs (the
+                        takes decode_step_s(B) + prefill_chunk_s(chunk, context so far): a later
+                        chunk of a long prompt attends to more keys. Counted against the SLOs (the
                         ledger's `slo_interference_s`): B x the stall (the steps' prefill part)
                         beyond each decode's TPOT slack (TPOT target - decode_step_s(B)) x its
                         tokens, shared by the 1 + lambda x lifetime prefills landing during its
@@ -42,9 +43,10 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
     route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the part of the
                         wait a local prefill has at D, queue_s(D's pending prompt tokens), that the
                         handed-off request escapes: what drains before its K/V lands at D
-    failure penalty     the observed transfer-failure rate x the recompute cost prefill_s(prompt)
+    failure penalty     the observed transfer-failure rate x the recompute cost (the whole prompt's
+                        chunked prefill)
 
-Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + prefill_s(u_P) +
+Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + its chunked prefill of u_P +
 exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
 mixed steps); TPOT passes when D's next decode step decode_step_s(B + 1) is within the TPOT
 target or no longer than the local route's longest mixed step. A gate vetoes disaggregation only
@@ -172,23 +174,25 @@ def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[flo
     """The mixed steps a local prefill of u_D tokens takes at D: chunks of the budget the B
     decode rows leave, each step also carrying those rows."""
     batch, todo = facts.delayed_batch, facts.local_compute_tokens
-    chunk = max(1, policy.chunk_tokens - batch)
     decode_s = running_step_s(facts, cost)
-    steps = [decode_s + float(cost.prefill_s(chunk))] * (todo // chunk)
-    if todo % chunk:
-        steps.append(decode_s + float(cost.prefill_s(todo % chunk)))
-    return steps
+    chunks = cost.at_decode_worker().chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens - batch)
+    return [decode_s + chunk_s for chunk_s in chunks]
+
+
+def remote_prefill_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """P's prefill of its u_P uncached tokens, in chunks of the step budget after its cached prefix."""
+    todo = facts.remote_compute_tokens
+    return sum(cost.chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens)) or float(cost.prefill_s(0))
 
 
 def local_wait_s(facts: PdFacts, cost: CostModel) -> float:
-    """Prompt work already queued at D that a local prefill waits behind."""
-    return float(cost.queue_s(facts.decode_pending_tokens))
+    """Prompt work already queued at D that a local prefill waits behind (at D's TP size)."""
+    return float(cost.at_decode_worker().queue_s(facts.decode_pending_tokens))
 
 
 def remote_ttft_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
     """When a handed-off request's K/V is at D: P's queue, its prefill there, the exposed transfer."""
-    return (float(cost.queue_s(facts.prefill_pending_tokens)) + float(cost.prefill_s(facts.remote_compute_tokens))
-            + exposed_s(facts, policy, cost))
+    return float(cost.queue_s(facts.prefill_pending_tokens)) + remote_prefill_s(facts, policy, cost) + exposed_s(facts, policy, cost)
 
 
 def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float,
@@ -203,7 +207,7 @@ def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: 
                                                 measured_tpot_s=facts.measured_tpot_s),
         transfer_exposed_s=exposed_s(facts, policy, cost),
         route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
-        failure_penalty_s=facts.failure_rate * float(cost.prefill_s(facts.prompt_tokens)),
+        failure_penalty_s=facts.failure_rate * sum(cost.chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)),
     )
 
 
@@ -211,7 +215,7 @@ def exposed_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
     """Transfer time not hidden behind P's prefill. A layer-wise stream sends layer l once its
     prefill is done (ready at (l+1)/L of the prefill) and moves 1/L of the bytes per layer."""
     transfer = float(cost.transfer_s(facts.transfer_bytes, int(facts.same_host)))
-    prefill = float(cost.prefill_s(facts.remote_compute_tokens))
+    prefill = remote_prefill_s(facts, policy, cost)
     layers = policy.stream_layers if facts.remote_compute_tokens >= policy.layerwise_min_tokens else 1
     ready = [prefill * (i + 1) / layers for i in range(layers)]
     visible = layerwise_visible_times(ready, [transfer / layers] * layers)

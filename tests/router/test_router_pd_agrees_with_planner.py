@@ -24,10 +24,10 @@ What this finds (pinned below so that a change to either side shows here):
   is low: one long prefill in a short request's decode life breaks its TPOT), a local prefill
   beside an idle decode worker stalls nobody and meets TTFT, so it stays local. The router sides
   with the report's dT (< 0: colocated finishes sooner at that load), not with its verdict, which
-  is a capacity test at the SLO edge; it disaggregates from B = 3 on. Counting the router's live
+  is a capacity test at the SLO edge; it disaggregates from B = 2 on. Counting the router's live
   routes to D (requests still prefilling at P count in B) does not change this: at the matched
   0.0137 req/s P holds 0.12 requests by Little's law (8.6 s prefills) and D 0.08, so the median
-  request meets none, and with one (B = 1, below) the 5.6 s stall still fits its 10.1 s slack.
+  request meets none, and with one (B = 1, below) the 8.7 s stall still fits its 10.1 s slack.
   The two answer different questions (per request at today's load vs. which deployment carries
   more load within the SLOs), so no input of the per-request margin makes them agree here without
   deciding on a load the router does not see. So the agreement this
@@ -246,23 +246,27 @@ def test_long_prompts_stay_local_beside_an_idle_decode_worker(plans, profile_pat
     cost, (ttft_slo, tpot_slo) = router.config.cost, study_slo_s(LONG)
     idle = route_median_request(router, LONG, batch, pending)
     assert batch == 0 and not idle.disaggregate and idle.reason == "margin"
-    # three 512-token local chunks of 1.865 s: 5.596 s, within the 43.1 s TTFT target; no decode to delay
-    local_ttft = 3 * float(cost.prefill_s(512))
-    assert local_ttft == pytest.approx(5.595936, abs=1e-9) and local_ttft < ttft_slo
+    # three 512-token local chunks, each attending to the chunks before it (the profile's pair term):
+    # 1.865 + 2.914 + 3.962 = 8.742 s, the profile's own 1536-token prefill plus two more steps'
+    # overhead, within the 43.1 s TTFT target; no decode to delay
+    local_ttft = sum(cost.chunked_prefill_s(LONG.median_prompt, 0, ENGINE.max_num_batched_tokens))
+    assert local_ttft == pytest.approx(8.741664, abs=1e-9) and local_ttft < ttft_slo
+    assert local_ttft == pytest.approx(LATENCY.prefill_batch_s([LONG.median_prompt], [0]) + 2 * 0.06, abs=1e-9)
     assert idle.terms.interference_saved_s == 0.0
     assert pending > 0 and idle.terms.route_delta_s == pytest.approx(float(cost.queue_s(pending)), abs=1e-12)
     assert idle.net_margin_s == pytest.approx(-(idle.terms.transfer_exposed_s + idle.terms.route_delta_s), abs=1e-12)
     # the report's dT points the same way: at this load a request finishes sooner colocated
     assert plans["long"].net_margin_s < 0 and plans["long"].verdict.agrees is False
     # one running decode of ~1.6k-token context steps in 108.5 ms: 96 tokens x (214.2 - 108.5) ms = 10.1 s
-    # of TPOT slack absorb the 5.6 s stall; three such decodes step in 205.5 ms, leaving 0.8 s of slack
+    # of TPOT slack absorb the 8.7 s stall (chunks of 511 beside it); two such decodes step in 157 ms,
+    # leaving 5.5 s of slack each: both late by 3.3 s
     one = route_median_request(serving_router(profile_path, LONG), LONG, 1, pending)
     assert not one.disaggregate and one.terms.interference_saved_s == 0.0
-    three = route_median_request(serving_router(profile_path, LONG), LONG, 3, pending)
-    running = cost.decode_step_at(3, LONG.median_prompt + int(LONG.mean_output) / 2)
-    assert running == pytest.approx(0.06 + 3 * (1e-3 + 3e-5 * 1584), abs=1e-12)
-    assert three.disaggregate and three.reason == "margin" and three.ttft_gate and three.tpot_gate
-    assert three.terms.interference_saved_s > 3 * (local_ttft - 0.9)  # each of the 3 decodes late by > 4.7 s
+    two = route_median_request(serving_router(profile_path, LONG), LONG, 2, pending)
+    running = cost.decode_step_at(2, LONG.median_prompt + int(LONG.mean_output) / 2)
+    assert running == pytest.approx(0.06 + 2 * (1e-3 + 3e-5 * 1584), abs=1e-12)
+    assert two.disaggregate and two.reason == "margin" and two.ttft_gate and two.tpot_gate
+    assert two.terms.interference_saved_s == pytest.approx(6.636288, abs=1e-9)
 
 
 def test_short_prompts_stay_local_by_the_margin(plans, profile_path):

@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine.kv_abi import KvAbi
+from pdserve.latency.profiled import ProfiledLatency
 from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd, tpot_slack_s
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
@@ -304,3 +306,23 @@ def test_the_router_passes_the_measured_tpot_of_the_chosen_decode_worker():
     for request_id in ("quiet", "slow"):
         router.complete(request_id)
     router.assert_no_leaks()
+
+
+def test_a_long_local_prefill_prices_each_chunk_at_its_own_context():
+    """From a profile, a later chunk attends to more keys: the chunks sum to the profile's own
+    prefill of the whole prompt, not to the reference chunk's price per token."""
+    profile = {"prefill_coef": [0.06, 2.5e-3, 4e-6], "decode_coef": [0.06, 1e-3, 3e-5]}
+    abi = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
+    cost = CostModel.from_profile(abi, profile, 512)
+    fitted = ProfiledLatency(tuple(profile["prefill_coef"]), tuple(profile["decode_coef"]))
+    chunks = cost.chunked_prefill_s(1536, 0, 512)
+    # 0.06 + 1.28 + 4e-6 x 512 x (c + 256.5) for c = 0, 512, 1024: 1.865312, 2.913888, 3.962464 s
+    assert chunks == pytest.approx([1.865312, 2.913888, 3.962464], abs=1e-9)
+    assert chunks[0] == pytest.approx(float(cost.prefill_s(512)), abs=1e-12)  # the reference chunk
+    for cached in (0, 512, 1024):
+        assert cost.prefill_chunk_s(512, cached) == pytest.approx(fitted.prefill_batch_s([512], [cached]), abs=1e-12)
+    assert sum(cost.chunked_prefill_s(1536, 0, 1536)) == pytest.approx(fitted.prefill_batch_s([1536], [0]), abs=1e-12)
+    # a local prefill after a 1024-token cached prefix: its 512 new rows at context 1024
+    facts = PdFacts(prompt_tokens=1536, local_compute_tokens=512, remote_compute_tokens=1536, transfer_bytes=0,
+                    same_host=True, decode_batch=0, prefill_pending_tokens=0, failure_rate=0.0)
+    assert local_steps_s(facts, MARGIN, cost) == pytest.approx([3.962464], abs=1e-9)
