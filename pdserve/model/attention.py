@@ -6,8 +6,10 @@ runs, the step's new K/V rows are written into the pool at `slot_mapping`; atten
 reads every visible key of a sequence from its block table, so a sequence's earlier chunks,
 prefix-cache hits and imported (handed-off) blocks are all read the same way.
 
-- Prefill chunks: SDPA per sequence, grouped-query via `enable_gqa` (K/V never expanded),
-  a causal mask offset by the tokens already in cache.
+- Prefill chunks: read in place from the pool by `paged_prefill` (a C kernel: causal, fp32
+  softmax, a row's bits fixed by its position and keys whatever the chunking) when it is built on
+  this machine; otherwise SDPA per sequence, grouped-query via `enable_gqa` (K/V never
+  expanded), a causal mask offset by the tokens already in cache.
 - The pool may hold a narrower dtype than the compute dtype (bf16 K/V, fp32 math): gathered
   K/V are widened after the gather, so every reader sees the same rounded values.
 - Decode rows: read in place from the pool by `paged_decode` (a C kernel walking each row's
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import paged_decode
+from pdserve.model import paged_decode, paged_prefill
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def _prefill_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, chunk: PrefillSlice
 ) -> torch.Tensor:
     """q: [S, H_q, D] for S new rows after ctx_len - S cached rows -> [S, H_q, D]."""
+    if paged_prefill.eligible(cache_k):
+        return paged_prefill.prefill_attention(q, cache_k, cache_v, chunk.block_table, chunk.ctx_len)
     scale = q.shape[-1] ** -0.5
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, S, D]
     if chunk.ctx_len == chunk.q_len:

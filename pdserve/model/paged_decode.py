@@ -19,80 +19,40 @@ the GEMMs and spin waiting for the next parallel region) instead of a second poo
 them for the cores; without OpenMP, Python threads each call the kernel on their own rows
 (ctypes releases the GIL).
 
-The kernel is compiled once per machine (`cc -O3 -march=native`, cached under
-~/.cache/pdserve/ keyed by source, flags and CPU); with no C compiler `AVAILABLE` is False and
-attention.py keeps its gather + SDPA path. Because the build targets the local CPU, two machines
+The pool may be a tensor-parallel rank's strided view of its K/V heads: the kernel takes the
+block and key-row strides, so a rank's rows for its heads are bitwise the whole-pool kernel's
+rows for those heads (each query head reads only its own K/V head).
+
+The kernel is compiled once per machine (`model/ckernel.py`: `cc -O3 -march=native`, cached
+under ~/.cache/pdserve/ keyed by source, flags and CPU); with no C compiler `available()` is
+False and attention.py keeps its gather + SDPA path. Because the build targets the local CPU, two machines
 of different kinds may differ in a decode row's last bits (not within one machine).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.profiler
 
-from pdserve.model.cpu import cpu_report
+from pdserve.model import ckernel
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-# fast-math lets GCC vectorise the D-long dot products, sums and expf (libmvec); it is applied at
-# compile time only: linking a shared object with it would switch the whole process to flush-to-zero.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11")
-BUILD_VERSION = ("openmp-or-not",)  # part of the cache key: how _build links
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 _I64 = ctypes.c_int64
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-
-
-def _build(compiler: str, out: Path) -> None:
-    """Compile with OpenMP where the compiler has it, else without (the pragma is then ignored)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        for omp in (["-fopenmp"], []):
-            try:
-                subprocess.run([compiler, *COMPILE_FLAGS, *omp, "-c", str(SOURCE), "-o", str(obj)], check=True,
-                               capture_output=True)
-                subprocess.run([compiler, "-shared", *omp, str(obj), "-o", str(lib), "-lm"], check=True,
-                               capture_output=True)
-                break
-            except subprocess.CalledProcessError:
-                if not omp:
-                    raise
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staged = out.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(lib, staged)
-        os.replace(staged, out)  # atomic: concurrent builders leave one complete file
-
-
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    report = cpu_report()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + BUILD_VERSION).encode()
-                         + f"{report['model']}|{sorted(report['features'].items())}".encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode-{key}.so"
-    try:
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError):
+    lib = ckernel.load("paged_decode")
+    if lib is None:
         return None
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p,
-                                                         ctypes.c_void_p] + [_I64] * 7 + [ctypes.c_int]
+                                                         ctypes.c_void_p] + [_I64] * 9 + [ctypes.c_int]
     lib.paged_decode_openmp.restype = ctypes.c_int
     return lib
 
@@ -103,9 +63,17 @@ def available() -> bool:
 
 
 def eligible(cache: torch.Tensor) -> bool:
-    """cache: [N, B, H_kv, D]; the kernel takes fp32/bf16 pools with D a multiple of 16, up to 256."""
+    """cache: [N, B, H_kv, D]; the kernel takes fp32/bf16 pools with D a multiple of 16, up to 256,
+    whose heads are D apart and each head's D values contiguous (a whole pool, or a
+    tensor-parallel rank's view of some of its heads)."""
     head_dim = cache.shape[-1]
-    return cache.dtype in _POOL_DTYPES and head_dim % 16 == 0 and head_dim <= 256 and available()
+    return (cache.dtype in _POOL_DTYPES and head_dim % 16 == 0 and head_dim <= 256 and dense_heads(cache)
+            and available())
+
+
+def dense_heads(cache: torch.Tensor) -> bool:
+    """cache: [N, B, H, D] whose last two axes are dense ([H, D] rows, maybe a slice of wider rows)."""
+    return cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
 
 
 _executor: ThreadPoolExecutor | None = None
@@ -142,12 +110,14 @@ def _run(calls: list[tuple]) -> None:
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q: [Bd, H_q, D]; cache_*: [N, B, H_kv, D] fp32 or bf16, contiguous; block_tables: [Bd, M]
+    """q: [Bd, H_q, D]; cache_*: [N, B, H_kv, D] fp32 or bf16 with dense [H_kv, D] rows (strides
+    equal between K and V; a TP rank's head slice of a pool is fine); block_tables: [Bd, M]
     int64; context_lens: [Bd] int64, each in 1..M*B -> [Bd, H_q, D] in q's dtype."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache_k.shape
-    if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
-        raise ValueError("decode_attention reads the pool in place: cache_k and cache_v must be contiguous")
+    if not (dense_heads(cache_k) and cache_v.stride() == cache_k.stride()):
+        raise ValueError("decode_attention reads the pool in place: each key row's [H_kv, D] must be contiguous, "
+                         "with the same strides in cache_k and cache_v")
     qf = q.detach().float().contiguous()  # [Bd, H_q, D]
     tables = block_tables.to(torch.int64).contiguous()  # [Bd, M]
     lens = context_lens.to(torch.int64).contiguous()  # [Bd]
@@ -158,7 +128,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     cuts = [0, rows] if inner > 1 else [rows * k // threads for k in range(threads + 1)]
     calls = [(qf.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), int(cache_k.dtype == torch.bfloat16),
               tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), cuts[k], cuts[k + 1], max_len,
-              block_size, num_kv_heads, head_dim, num_q_heads, inner)
+              block_size, cache_k.stride(0), cache_k.stride(1), num_kv_heads, head_dim, num_q_heads, inner)
              for k in range(len(cuts) - 1) if cuts[k + 1] > cuts[k]]
     with torch.profiler.record_function("pdserve::paged_decode"):  # named in profiles (not an aten op)
         _run(calls)

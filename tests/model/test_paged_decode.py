@@ -126,3 +126,17 @@ def test_a_forked_child_runs_the_kernel_on_threads_of_its_own():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tp_ranks_head_slice_reads_the_strided_pool_bitwise(dtype):
+    """A tensor-parallel rank reads its K/V heads as a strided view of the whole pool; its rows equal
+    the whole-pool kernel's rows for those query heads bit for bit (model/tp.py's layout)."""
+    q, k, v, tables, ctx = _setup(dtype, [1, 17, 40, 70, 33], num_kv_heads=4, group=3, head_dim=64)
+    full = paged_decode.decode_attention(q, k, v, tables, ctx)  # [Bd, 12, D]
+    for rank in range(2):
+        heads = slice(2 * rank, 2 * rank + 2)  # this rank's 2 K/V heads -> query heads 6r .. 6r + 6
+        ks, vs = k[:, :, heads], v[:, :, heads]
+        assert not ks.is_contiguous()
+        got = paged_decode.decode_attention(q[:, 6 * rank:6 * rank + 6].contiguous(), ks, vs, tables, ctx)
+        assert torch.equal(got, full[:, 6 * rank:6 * rank + 6])

@@ -1,6 +1,9 @@
 /* Decode attention read in place from the paged K/V pool; see pdserve/model/paged_decode.py.
 
-   Layout: cache_k, cache_v [N, B, H_kv, D] (fp32, or bf16 as raw uint16 bits); q, out [rows, H_q, D]
+   Layout: cache_k, cache_v [N, B, H_kv, D] (fp32, or bf16 as raw uint16 bits), a block `block_stride`
+   elements after the previous one and a key row `row_stride` after the previous one (H_kv * D
+   for a whole pool; a tensor-parallel rank's strided view of its heads has the whole pool's
+   strides), each head's D values contiguous and adjacent heads D apart; q, out [rows, H_q, D]
    fp32; tables [rows, table_stride] int64 block ids; lens [rows] int64 visible keys (>= 1);
    D a multiple of 16 (at most 256). For one row, each query head is scored against every visible
    key of the K/V head it shares with its G = H_q / H_kv neighbours, softmaxed in fp32 and summed
@@ -50,28 +53,34 @@ static inline float hsum(v16f a) {  /* a fixed pairwise tree: 16 -> 8 -> 4 -> 1 
 }
 
 /* tile [rows * H_kv * D / 16] <- the first `rows` rows of block `blk`, read front to back */
-static inline void load_tile(const void *cache, int bf16, int64_t blk, int64_t row_elems, int64_t block_elems,
-                             int64_t rows, v16f *tile) {
-    const size_t at = (size_t)(blk * block_elems);
-    const int64_t n = rows * row_elems / 16;
-    for (int64_t i = 0; i < n; i++) tile[i] = load16(cache, bf16, at + 16 * (size_t)i);
+static inline void load_tile(const void *cache, int bf16, int64_t blk, int64_t row_elems, int64_t block_stride,
+                             int64_t row_stride, int64_t rows, v16f *tile) {
+    const int64_t n = row_elems / 16;
+    for (int64_t t = 0; t < rows; t++) {
+        const size_t at = (size_t)(blk * block_stride + t * row_stride);
+        for (int64_t i = 0; i < n; i++) tile[t * n + i] = load16(cache, bf16, at + 16 * (size_t)i);
+    }
 }
 
-static inline void prefetch_block(const void *cache, int64_t blk, int64_t block_bytes) {
-    const char *base = (const char *)cache + (size_t)blk * (size_t)block_bytes;
-    for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(base + off, 0, 2);
+static inline void prefetch_block(const void *cache, int64_t blk, int64_t block_stride, int64_t row_stride,
+                                  int64_t rows, int64_t row_bytes, int64_t esize) {
+    for (int64_t t = 0; t < rows; t++) {
+        const char *base = (const char *)cache + (size_t)(blk * block_stride + t * row_stride) * (size_t)esize;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(base + off, 0, 2);
+    }
 }
 
 static inline __attribute__((always_inline)) void one_row_nc(
         const float *q, const void *ck, const void *cv, int bf16, const int64_t *table, int64_t len,
-        int64_t bs, int64_t hk, int64_t d, int64_t g, float *scores, v16f *tile, float *out, const int64_t nc) {
-    const int64_t hq = hk * g, nb = (len + bs - 1) / bs, row_elems = hk * d, block_elems = bs * hk * d;
-    const int64_t block_bytes = block_elems * (bf16 ? 2 : 4);
+        int64_t bs, int64_t sb, int64_t sr, int64_t hk, int64_t d, int64_t g, float *scores, v16f *tile, float *out,
+        const int64_t nc) {
+    const int64_t hq = hk * g, nb = (len + bs - 1) / bs, row_elems = hk * d, esize = bf16 ? 2 : 4;
+    const int64_t row_bytes = row_elems * esize;
     const float scale = 1.0f / sqrtf((float)d);
     for (int64_t b = 0; b < nb; b++) {  /* scores [H_q, len] = q K^T * scale */
         const int64_t rows = len - b * bs < bs ? len - b * bs : bs;
-        if (b + PREFETCH_AHEAD < nb) prefetch_block(ck, table[b + PREFETCH_AHEAD], block_bytes);
-        load_tile(ck, bf16, table[b], row_elems, block_elems, rows, tile);
+        if (b + PREFETCH_AHEAD < nb) prefetch_block(ck, table[b + PREFETCH_AHEAD], sb, sr, bs, row_bytes, esize);
+        load_tile(ck, bf16, table[b], row_elems, sb, sr, rows, tile);
         for (int64_t h = 0; h < hk; h++) {
             for (int64_t gi = 0; gi < g; gi++) {
                 const int64_t j = h * g + gi;
@@ -97,8 +106,8 @@ static inline __attribute__((always_inline)) void one_row_nc(
     memset(out, 0, (size_t)(hq * d) * sizeof(float));
     for (int64_t b = 0; b < nb; b++) {  /* out [H_q, D] += p [H_q, t] V [t, D] */
         const int64_t rows = len - b * bs < bs ? len - b * bs : bs;
-        if (b + PREFETCH_AHEAD < nb) prefetch_block(cv, table[b + PREFETCH_AHEAD], block_bytes);
-        load_tile(cv, bf16, table[b], row_elems, block_elems, rows, tile);
+        if (b + PREFETCH_AHEAD < nb) prefetch_block(cv, table[b + PREFETCH_AHEAD], sb, sr, bs, row_bytes, esize);
+        load_tile(cv, bf16, table[b], row_elems, sb, sr, rows, tile);
         for (int64_t h = 0; h < hk; h++) {
             for (int64_t gi = 0; gi < g; gi++) {
                 const int64_t j = h * g + gi;
@@ -117,10 +126,11 @@ static inline __attribute__((always_inline)) void one_row_nc(
 
 /* D = 64 and 128 get their own copies so a row's D/16 vectors stay in registers. */
 static void one_row(const float *q, const void *ck, const void *cv, int bf16, const int64_t *table, int64_t len,
-                    int64_t bs, int64_t hk, int64_t d, int64_t g, float *scores, v16f *tile, float *out) {
-    if (d == 64) one_row_nc(q, ck, cv, bf16, table, len, bs, hk, d, g, scores, tile, out, 4);
-    else if (d == 128) one_row_nc(q, ck, cv, bf16, table, len, bs, hk, d, g, scores, tile, out, 8);
-    else one_row_nc(q, ck, cv, bf16, table, len, bs, hk, d, g, scores, tile, out, d / 16);
+                    int64_t bs, int64_t sb, int64_t sr, int64_t hk, int64_t d, int64_t g, float *scores, v16f *tile,
+                    float *out) {
+    if (d == 64) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, hk, d, g, scores, tile, out, 4);
+    else if (d == 128) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, hk, d, g, scores, tile, out, 8);
+    else one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, hk, d, g, scores, tile, out, d / 16);
 }
 
 /* Rows [start, stop) of the call, split over `threads` OpenMP threads when built with -fopenmp
@@ -129,7 +139,8 @@ static void one_row(const float *q, const void *ck, const void *cv, int bf16, co
 int paged_decode(const float *q, const void *cache_k, const void *cache_v, int bf16,
                  const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
                  int64_t start, int64_t stop, int64_t max_len,
-                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
+                 int64_t block_size, int64_t block_stride, int64_t row_stride,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS) return -2;
     const int64_t g = num_q_heads / num_kv_heads;
     int failed = 0;
@@ -147,7 +158,8 @@ int paged_decode(const float *q, const void *cache_k, const void *cache_v, int b
         const int64_t first = start + (stop - start) * id / nt, last = start + (stop - start) * (id + 1) / nt;
         for (int64_t r = first; r < last && !failed; r++)
             one_row(q + r * num_q_heads * head_dim, cache_k, cache_v, bf16, tables + r * table_stride, lens[r],
-                    block_size, num_kv_heads, head_dim, g, scores, tile, out + r * num_q_heads * head_dim);
+                    block_size, block_stride, row_stride, num_kv_heads, head_dim, g, scores, tile,
+                    out + r * num_q_heads * head_dim);
         free(scores);
         free(tile);
     }

@@ -1,0 +1,85 @@
+"""Build and load the engine's C kernels (`model/csrc/*.c`), once per machine.
+
+Contract: `load(name)` returns a `ctypes.CDLL` of `csrc/<name>.c` compiled for this CPU, or None
+where no C compiler works. The build is `cc -O3 -march=<march> -ffast-math -fPIC`, with
+`-fopenmp` where the compiler has it (the kernels' `#pragma omp` loops then run on the process's
+one GNU OpenMP runtime: the shared object names libgomp.so.1, which resolves to the copy torch
+already loaded, so the kernels run on torch's own worker threads), else without (the pragmas are
+ignored and each call runs on one thread). The shared object is cached under
+~/.cache/pdserve/ (or $PDSERVE_CACHE_DIR), keyed by source, flags and the CPU's model and
+features, so a machine of another kind (AVX2-only vs AVX-512) builds its own: `-march=native`
+selects the instruction set at build time on the machine that runs it. `load(name, march=...)`
+builds for another target (tests build `x86-64-v3`, AVX2 without AVX-512, to check that path).
+-ffast-math is a compile-time flag only: linking a shared object with it would switch the whole
+process to flush-to-zero; `SOURCE_FLAGS` turns it off for sources that must round as written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from pdserve.model.cpu import cpu_report
+
+CSRC = Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=gnu11")
+BUILD_VERSION = ("openmp-or-not",)  # part of the cache key: how _build links
+# glue.c must round every operation as written, as eager torch does: no fast-math, no fused multiply-add
+SOURCE_FLAGS = {"glue": ("-fno-fast-math", "-ffp-contract=off")}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def flags(march: str, name: str = "") -> tuple[str, ...]:
+    return (BASE_FLAGS[0], f"-march={march}", *BASE_FLAGS[1:], *SOURCE_FLAGS.get(name, ()))
+
+
+def _build(cc: str, source: Path, march: str, out: Path) -> None:
+    """Compile with OpenMP where the compiler has it, else without (the pragmas are then ignored)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for omp in (["-fopenmp"], []):
+            try:
+                subprocess.run([cc, *flags(march, source.stem), *omp, "-c", str(source), "-o", str(obj)], check=True,
+                               capture_output=True)
+                subprocess.run([cc, "-shared", *omp, str(obj), "-o", str(lib), "-lm"], check=True,
+                               capture_output=True)
+                break
+            except subprocess.CalledProcessError:
+                if not omp:
+                    raise
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged = out.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(lib, staged)
+        os.replace(staged, out)  # atomic: concurrent builders leave one complete file
+
+
+@lru_cache(maxsize=None)
+def load(name: str, march: str = "native") -> ctypes.CDLL | None:
+    """csrc/<name>.c built for `march` (cached), or None without a working C compiler."""
+    cc = compiler()
+    if cc is None:
+        return None
+    source = CSRC / f"{name}.c"
+    report = cpu_report()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags(march, name) + BUILD_VERSION).encode()
+                         + f"{report['model']}|{sorted(report['features'].items())}".encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.so"
+    try:
+        if not path.exists():
+            _build(cc, source, march, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -1,0 +1,182 @@
+/* Causal prefill attention over the paged K/V pool; see pdserve/model/paged_prefill.py.
+
+   Layout: q [S, H_q, D] fp32 (the chunk's S new rows, at positions ctx - S .. ctx - 1); cache_k,
+   cache_v [N, B, H_kv, D] (fp32, or bf16 as raw uint16 bits), a block `block_stride` elements
+   after the previous one and a key row `row_stride` after the previous one, each head's D values
+   contiguous and adjacent heads D apart; table [ceil(ctx / B)] int64 block ids; out [S, H_q, D]
+   fp32. D a multiple of 16, at most 256.
+
+   Phase 1 widens the ctx visible keys of every K/V head once into fp32 scratch: K transposed
+   ([H_kv][D][ctx16], 16 keys per vector) and V as rows ([H_kv][ctx16][D]), zero past ctx.
+   Phase 2 takes work items (K/V head, block of QB query rows): the G query heads of the head and
+   QB rows give M = G * QB query vectors, scored 16 keys at a time (8 queries per pass, so a key
+   vector is loaded once per 8 queries), softmaxed per row in fp32 over exactly its visible keys
+   (positions 0 .. its own), and summed over V rows 16 keys at a time. A row's arithmetic is fixed
+   by its position and its own keys: scores are D-long sums in index order, the softmax runs over
+   the row's own key count, and the value sum runs over keys in position order, where keys the
+   row must not see enter with weight exactly 0 (p = 0 times a finite V adds +-0). So a row's bits
+   do not depend on the other rows of its item, how the prompt was chunked, the thread count or
+   how items were shared among threads. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+
+#define QB 16        /* query rows per work item */
+#define QK_ROWS 8    /* query vectors scored together */
+#define MAX_NC 16    /* D <= 256 */
+
+static inline float widen(const void *base, int bf16, size_t at) {
+    if (bf16) {  /* a bf16 is the high half of the fp32 with the same value: exact */
+        uint32_t u = (uint32_t)((const uint16_t *)base)[at] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)base)[at];
+}
+
+/* kt [D][ctx16] and vr [ctx16][D] of K/V head h <- keys [t0, t0 + 16), zeros past ctx */
+static void widen_tile(const void *ck, const void *cv, int bf16, const int64_t *table, int64_t ctx, int64_t bs,
+                       int64_t sb, int64_t sr, int64_t d, int64_t h, int64_t ctx16, int64_t t0, float *kt, float *vr) {
+    for (int64_t t = t0; t < t0 + 16; t++) {
+        if (t < ctx) {
+            const size_t at = (size_t)(table[t / bs] * sb + (t % bs) * sr + h * d);
+            for (int64_t i = 0; i < d; i++) {
+                kt[i * ctx16 + t] = widen(ck, bf16, at + i);
+                vr[t * d + i] = widen(cv, bf16, at + i);
+            }
+        } else {
+            for (int64_t i = 0; i < d; i++) kt[i * ctx16 + t] = 0.0f;
+            memset(vr + t * d, 0, sizeof(float) * (size_t)d);
+        }
+    }
+}
+
+/* s[r][t0 .. t0 + 16) = scale * qm[r] . k[t] for r < R (R a constant after inlining) */
+static inline __attribute__((always_inline)) void score_tile(const float *qm, const float *kt, int64_t d, int64_t ctx16,
+                                                             int64_t t0, float scale, float *s, int64_t lds,
+                                                             const int R) {
+    v16f acc[QK_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = (v16f){0};
+    for (int64_t i = 0; i < d; i++) {
+        v16f k;
+        memcpy(&k, kt + i * ctx16 + t0, sizeof k);
+        for (int r = 0; r < R; r++) acc[r] += qm[r * d + i] * k;
+    }
+    for (int r = 0; r < R; r++) {
+        acc[r] *= scale;
+        memcpy(s + r * lds + t0, &acc[r], sizeof(v16f));
+    }
+}
+
+/* o[r] += sum over t in [t0, t0 + 16) of p[r][t] * v[t], for r < R, D = 16 * NC */
+static inline __attribute__((always_inline)) void value_tile(const float *p, int64_t lds, const float *vr, int64_t t0,
+                                                             float *o, const int R, const int64_t nc) {
+    v16f acc[4][MAX_NC];
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < nc; c++) memcpy(&acc[r][c], o + (r * nc + c) * 16, sizeof(v16f));
+    for (int64_t t = t0; t < t0 + 16; t++) {
+        v16f v[MAX_NC];
+        for (int64_t c = 0; c < nc; c++) memcpy(&v[c], vr + t * nc * 16 + c * 16, sizeof(v16f));
+        for (int r = 0; r < R; r++) {
+            const float w = p[r * lds + t];
+            for (int64_t c = 0; c < nc; c++) acc[r][c] += w * v[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < nc; c++) memcpy(o + (r * nc + c) * 16, &acc[r][c], sizeof(v16f));
+}
+
+static inline __attribute__((always_inline)) void values(const float *p, int64_t lds, const float *vr,
+                                                         int64_t tiles, float *o, int64_t m, const int64_t nc) {
+    const int R = nc <= 4 ? 4 : nc <= 8 ? 2 : 1;
+    memset(o, 0, sizeof(float) * (size_t)(m * nc * 16));
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        int64_t r = 0;
+        for (; r + R <= m; r += R) value_tile(p + r * lds, lds, vr, tile * 16, o + r * nc * 16, R, nc);
+        for (; r < m; r++) value_tile(p + r * lds, lds, vr, tile * 16, o + r * nc * 16, 1, nc);
+    }
+}
+
+/* softmax of row r's first `vis` scores in place; weights of later keys (up to lds) set to 0 */
+static void softmax_row(float *s, int64_t vis, int64_t lds) {
+    float m = s[0], total = 0.0f;
+    for (int64_t t = 1; t < vis; t++) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < vis; t++) s[t] = expf(s[t] - m);
+    for (int64_t t = 0; t < vis; t++) total += s[t];
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < vis; t++) s[t] *= inv;
+    for (int64_t t = vis; t < lds; t++) s[t] = 0.0f;
+}
+
+/* One work item: K/V head h, query rows [r0, r1) of the chunk. */
+static void item(const float *q, const float *kt, const float *vr, float *out, int64_t r0, int64_t r1, int64_t offset,
+                 int64_t h, int64_t g, int64_t hq, int64_t d, int64_t ctx16, float *qm, float *s, float *o) {
+    const int64_t m = (r1 - r0) * g, tiles = (offset + r1 + 15) / 16, lds = tiles * 16;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int64_t i = 0; i < m; i++)  /* query vector i: row r0 + i / g, query head h * g + i % g */
+        memcpy(qm + i * d, q + ((r0 + i / g) * hq + h * g + i % g) * d, sizeof(float) * (size_t)d);
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        int64_t i = 0;
+        for (; i + QK_ROWS <= m; i += QK_ROWS)
+            score_tile(qm + i * d, kt, d, ctx16, tile * 16, scale, s + i * lds, lds, QK_ROWS);
+        for (; i < m; i++) score_tile(qm + i * d, kt, d, ctx16, tile * 16, scale, s + i * lds, lds, 1);
+    }
+    for (int64_t i = 0; i < m; i++) softmax_row(s + i * lds, offset + r0 + i / g + 1, lds);
+    if (d == 64) values(s, lds, vr, tiles, o, m, 4);
+    else if (d == 128) values(s, lds, vr, tiles, o, m, 8);
+    else values(s, lds, vr, tiles, o, m, d / 16);
+    for (int64_t i = 0; i < m; i++)
+        memcpy(out + ((r0 + i / g) * hq + h * g + i % g) * d, o + i * d, sizeof(float) * (size_t)d);
+}
+
+/* Returns 0, -1 when scratch cannot be allocated, -2 for a D that is not a multiple of 16 or above 256. */
+int paged_prefill(const float *q, const void *cache_k, const void *cache_v, int bf16, const int64_t *table,
+                  int64_t q_len, int64_t ctx, float *out, int64_t block_size, int64_t block_stride,
+                  int64_t row_stride, int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
+    const int64_t d = head_dim, hk = num_kv_heads, g = num_q_heads / num_kv_heads;
+    if (d % 16 != 0 || d > 16 * MAX_NC) return -2;
+    const int64_t ctx16 = (ctx + 15) / 16 * 16, tiles = ctx16 / 16, offset = ctx - q_len;
+    const int64_t blocks = (q_len + QB - 1) / QB, items = blocks * hk;
+    float *kt = malloc(sizeof(float) * (size_t)(hk * d * ctx16));
+    float *vr = malloc(sizeof(float) * (size_t)(hk * ctx16 * d));
+    if (kt == NULL || vr == NULL) {
+        free(kt);
+        free(vr);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < hk * tiles; w++)
+            widen_tile(cache_k, cache_v, bf16, table, ctx, block_size, block_stride, row_stride, d, w / tiles, ctx16,
+                       (w % tiles) * 16, kt + (w / tiles) * d * ctx16, vr + (w / tiles) * ctx16 * d);
+        float *qm = malloc(sizeof(float) * (size_t)(QB * g * d));
+        float *s = malloc(sizeof(float) * (size_t)(QB * g * ctx16));
+        float *o = malloc(sizeof(float) * (size_t)(QB * g * d));
+        failed = qm == NULL || s == NULL || o == NULL;
+        /* the last row blocks see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < items; w++) {
+            if (failed) continue;
+            const int64_t b = blocks - 1 - w / hk, h = w % hk;
+            const int64_t r0 = b * QB, r1 = r0 + QB < q_len ? r0 + QB : q_len;
+            item(q, kt + h * d * ctx16, vr + h * ctx16 * d, out, r0, r1, offset, h, g, num_q_heads, d, ctx16, qm, s,
+                 o);
+        }
+        free(qm);
+        free(s);
+        free(o);
+    }
+    free(kt);
+    free(vr);
+    return failed ? -1 : 0;
+}
