@@ -36,6 +36,7 @@ from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.inflight import InFlight, RequestTraceWriter
+from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.fetch_runner import FetchRunner
@@ -88,6 +89,7 @@ class ClusterBackend:
         self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
         self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
+        self.kv_inbox = KvInbox()  # heartbeats' block events, applied off the routing path (frontend_upkeep.apply_kv_slice)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:

@@ -6,7 +6,9 @@ Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers
 is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key and hands the new public key to every worker. `report_load` applies one
-heartbeat: its load, and its block events into the router's cluster K/V index (a gap sends the
+heartbeat's load and queues its block events for the cluster K/V index (router/kv_inbox.py);
+`apply_kv_slice` is the applier's turn: one slice of the queue, scheduled behind whatever is
+ready to run on the event loop (routes included) and again while reports remain (a gap sends the
 worker `ResyncKv`); `worker_view` is one row of GET /workers.
 """
 
@@ -17,7 +19,8 @@ import time
 
 from pdserve.router import frontend_events as ev
 from pdserve.router.contract import WorkerView
-from pdserve.router.kv_index import KvDelta, KvOutcome
+from pdserve.router.kv_inbox import SLICE_REPORTS
+from pdserve.router.kv_index import KvDelta
 from pdserve.router.leases import renewals
 from pdserve.router.messages import WorkerLoad
 from pdserve.workers import messages as m
@@ -83,7 +86,8 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
     if load is not None:  # the K/V tiers (engine/host_tier.py): blocks by state
         load_dict["kv_tiers"] = {"device": {"used": load.num_blocks - load.free_blocks, "cached": load.cached_blocks},
                                  "host": {"used": load.host_blocks, "capacity": load.host_capacity,
-                                          "hits": load.host_hits, "evictions": load.host_evictions}}
+                                          "hits": load.host_hits, "evictions": load.host_evictions,
+                                          "pinned": load.host_pinned, "inplace_reads": load.host_inplace_reads}}
     state = backend.router.worker_state(reg.worker_id)
     return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
                       load_dict, reg.cpu, reg.tp)
@@ -96,15 +100,30 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     backend.router.report_load(hb.worker_id, hb.epoch, load)
     backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
     if hb.kv is not None:
-        outcome = backend.router.report_kv(hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
-        if outcome is KvOutcome.RESYNC_NEEDED:
-            asyncio.get_running_loop().create_task(backend._send(hb.worker_id, m.ResyncKv()))
+        queue_kv(backend, hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
     backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
     backend.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
     backend.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)
     preempted = backend.metrics.preemptions
     preempted.labels(hb.worker_id, "prompt_priority").set(hb.load.num_priority_preemptions)
     preempted.labels(hb.worker_id, "memory").set(hb.load.num_preemptions - hb.load.num_priority_preemptions)
+
+
+def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:
+    """Queue a heartbeat's block events; the queue was empty, so no applier turn is pending: schedule one."""
+    backend.kv_inbox.put(worker_id, epoch, delta)
+    if len(backend.kv_inbox) == 1:
+        asyncio.get_running_loop().call_soon(apply_kv_slice, backend)
+
+
+def apply_kv_slice(backend) -> None:
+    """One applier turn (router/kv_inbox.py): a slice of the queued reports into the index, then
+    another turn behind everything ready to run while reports remain."""
+    loop = asyncio.get_running_loop()
+    for worker_id in backend.kv_inbox.drain(backend.router, SLICE_REPORTS):
+        loop.create_task(backend._send(worker_id, m.ResyncKv()))
+    if len(backend.kv_inbox):
+        loop.call_soon(apply_kv_slice, backend)
 
 
 def measured_tpot_s(backend, worker_id: str) -> float:

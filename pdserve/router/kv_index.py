@@ -14,37 +14,38 @@ Contract:
   worker's blocks vanish with it; a report under a newer epoch does the same first.
 - At most `max_entries` entries after every call: past the bound the least recently stored
   entries (any worker's) are evicted, counted in `num_evictions`; a later REMOVED for one is a
-  no-op.
-- `held(worker)` is the live set of block hashes the worker holds, mutated in place by later
-  calls (the same object for a worker epoch's whole life): the snapshot's per-slot prefix sets
+  no-op. Recency is a stamp per entry (an index-wide clock, advanced by each STORED), kept in
+  each worker's insertion-ordered dict, so the oldest entries are a merge of the workers' heads.
+- `held(worker)` is the live set of block hashes the worker holds (a dict's keys view), mutated
+  in place by later calls (the same object for a worker epoch's whole life): the snapshot's per-slot prefix sets
   are these views, patched by the `HeldChange`s every call returns (net additions and removals
   per worker, evictions included).
 - `host_held(worker)` is the live subset of `held(worker)` whose tier is HOST (demoted into the
   worker's host tier and not promoted since), kept like `held`; `host_workers` names the workers
   with a non-empty one (the prefix policy prices their hits at the promotion time).
 - Hashes are the routing keys: the first 8 bytes of the engine's 16-byte chain hash (`hash_key`).
-- `stats()` reports entries and a memory estimate (`BYTES_PER_ENTRY` per entry: the LRU map's
-  node, its key tuple and the per-worker set slot, measured with tracemalloc in the tests).
+- `stats()` reports entries and a memory estimate (`BYTES_PER_ENTRY` per entry: the worker
+  dict's slot, the key and its stamp, measured with tracemalloc in the tests).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator
+from itertools import islice
 from dataclasses import dataclass
 
 from pdserve.engine.kv_events import BlockEventKind, KvReport, KvTier
 
 DEFAULT_MAX_ENTRIES = 1 << 19  # 128 workers x 4,096 blocks
-BYTES_PER_ENTRY = 280  # estimate (see the contract); checked against tracemalloc in tests
+BYTES_PER_ENTRY = 108  # estimate (see the contract); checked against tracemalloc in tests
 BYTES_PER_WORKER = 1024
 RESYNC_RETRY_REPORTS = 8
 
 Event = tuple[int, int, int]  # (BlockEventKind, hash key, KvTier), plain ints
 _STORED, _REMOVED = int(BlockEventKind.STORED), int(BlockEventKind.REMOVED)
 _HOST = int(KvTier.HOST)
-_TIERS = {int(t): t for t in KvTier}
 
 
 def hash_key(block_hash: bytes) -> int:
@@ -108,12 +109,13 @@ class KvIndexStats:
 
 
 class _WorkerKv:
-    __slots__ = ("epoch", "applied_seq", "held", "host", "waiting")
+    __slots__ = ("epoch", "applied_seq", "stamps", "held", "host", "waiting")
 
     def __init__(self, epoch: int):
         self.epoch = epoch
         self.applied_seq: int | None = None  # None: no baseline, a resync is needed
-        self.held: set[int] = set()
+        self.stamps: dict[int, int] = {}  # key -> the index clock at its last STORED, oldest first
+        self.held = self.stamps.keys()  # the live view handed out (`held`)
         self.host: set[int] = set()  # the subset of `held` in the host tier
         self.waiting = 0  # reports seen since the resync was asked for
 
@@ -155,7 +157,8 @@ class KvIndex:
             raise ValueError(f"the K/V index needs room for an entry, got max_entries={max_entries}")
         self.max_entries = max_entries
         self.resync_retry_reports = resync_retry_reports
-        self._lru: OrderedDict[tuple[int, str], int] = OrderedDict()  # (key, worker) -> tier; least recent first
+        self._size = 0  # entries, over all workers
+        self._clock = 0  # stamps STORED events: the LRU order over every worker's entries
         self._workers: dict[str, _WorkerKv] = {}
         self.host_workers: set[str] = set()  # workers with a host-tier entry
         self.num_evictions = 0
@@ -197,8 +200,7 @@ class KvIndex:
             return ()
         del self._workers[worker_id]
         self.host_workers.discard(worker_id)
-        for key in state.held:
-            del self._lru[(key, worker_id)]
+        self._size -= len(state.stamps)
         return (HeldChange(worker_id, (), tuple(state.held)),) if state.held else ()
 
     # ---- views --------------------------------------------------------------------------
@@ -212,28 +214,30 @@ class KvIndex:
 
     def holders(self, key: int) -> tuple[Location, ...]:
         """Where the block is held, by worker id."""
-        lru = self._lru
-        return tuple(Location(w, _TIERS[lru[(key, w)]], s.epoch) for w, s in sorted(self._workers.items()) if key in s.held)
+        tier = lambda s: KvTier.HOST if key in s.host else KvTier.DEVICE  # noqa: E731
+        return tuple(Location(w, tier(s), s.epoch) for w, s in sorted(self._workers.items()) if key in s.stamps)
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._size
 
     def stats(self) -> KvIndexStats:
-        memory = len(self._lru) * BYTES_PER_ENTRY + len(self._workers) * BYTES_PER_WORKER
-        return KvIndexStats(len(self._lru), len(self._workers), self.max_entries, self.num_evictions,
+        memory = self._size * BYTES_PER_ENTRY + len(self._workers) * BYTES_PER_WORKER
+        return KvIndexStats(self._size, len(self._workers), self.max_entries, self.num_evictions,
                             self.num_resyncs_requested, self.num_resyncs_applied, memory)
 
     def check_invariants(self) -> None:
-        pairs = {(key, w) for w, s in self._workers.items() for key in s.held}
-        if pairs != self._lru.keys():
-            raise AssertionError("the LRU and the per-worker sets disagree")
+        if self._size != sum(len(s.stamps) for s in self._workers.values()):
+            raise AssertionError("the entry count and the per-worker sets disagree")
         for w, s in self._workers.items():
-            if not s.host <= s.held or any(self._lru[(key, w)] != _HOST for key in s.host):
-                raise AssertionError(f"{w}: host-tier keys disagree with the entries' tiers")
+            stamps = list(s.stamps.values())
+            if stamps != sorted(stamps) or (stamps and stamps[-1] >= self._clock):
+                raise AssertionError(f"{w}: entries out of LRU order")
+            if not s.host <= s.held:
+                raise AssertionError(f"{w}: host-tier keys outside the held set")
             if bool(s.host) != (w in self.host_workers):
                 raise AssertionError(f"{w}: host_workers is stale")
-        if len(self._lru) > self.max_entries:
-            raise AssertionError(f"{len(self._lru)} entries > bound {self.max_entries}")
+        if self._size > self.max_entries:
+            raise AssertionError(f"{self._size} entries > bound {self.max_entries}")
 
     # ---- internals ----------------------------------------------------------------------
     def _state(self, worker_id: str, epoch: int, changes: _Changes) -> _WorkerKv | None:
@@ -264,40 +268,39 @@ class KvIndex:
         self.num_resyncs_applied += int(count)
 
     def _events(self, worker_id: str, state: _WorkerKv, events, changes: _Changes) -> None:
-        """Apply events in order (one loop, inlined: this is the per-heartbeat cost), then the bound."""
-        lru, held, host = self._lru, state.held, state.host
+        """Apply events in order (one loop, inlined, over plain ints: this is the per-heartbeat
+        cost), then the bound. A STORED takes the next clock stamp and moves to the end of the
+        worker's dict; DEMOTED / PROMOTED change the tier only (no stamp, as before)."""
+        stamps, host, clock, before = state.stamps, state.host, self._clock, len(state.stamps)
         added, removed = changes.sets(worker_id)
         for kind, key, tier in events:
-            pair = (key, worker_id)
             if kind == _STORED:
-                if pair in lru:
-                    lru.move_to_end(pair)
-                else:
-                    held.add(key)
+                if stamps.pop(key, None) is None:
                     if key in removed:
                         removed.discard(key)
                     else:
                         added.add(key)
-                lru[pair] = tier
+                stamps[key] = clock
+                clock += 1
                 if tier == _HOST:
                     host.add(key)
                 elif host:
                     host.discard(key)
             elif kind == _REMOVED:
-                if lru.pop(pair, None) is not None:
-                    held.discard(key)
+                if stamps.pop(key, None) is not None:
                     if host:
                         host.discard(key)
                     if key in added:
                         added.discard(key)
                     else:
                         removed.add(key)
-            elif pair in lru:  # DEMOTED / PROMOTED: the block moved tier
-                lru[pair] = tier
+            elif key in stamps:  # DEMOTED / PROMOTED: the block moved tier
                 if tier == _HOST:
                     host.add(key)
                 else:
                     host.discard(key)
+        self._clock = clock
+        self._size += len(stamps) - before
         self._evict(changes)
         if host:
             self.host_workers.add(worker_id)
@@ -305,14 +308,24 @@ class KvIndex:
             self.host_workers.discard(worker_id)
 
     def _evict(self, changes: _Changes) -> None:
-        lru = self._lru
-        while len(lru) > self.max_entries:
-            (key, owner), tier = lru.popitem(last=False)
+        """Past the bound: the entries with the oldest stamps, any worker's (each worker's dict
+        is in stamp order, so a merge of their heads finds them)."""
+        excess = self._size - self.max_entries
+        if excess <= 0:
+            return
+        heads = [_aged(w, s.stamps) for w, s in self._workers.items()]
+        for _, key, owner in list(islice(heapq.merge(*heads), excess)):
             state = self._workers[owner]
-            state.held.discard(key)
-            if tier == _HOST:
+            del state.stamps[key]
+            if key in state.host:
                 state.host.discard(key)
                 if not state.host:
                     self.host_workers.discard(owner)
             changes.remove(owner, key)
-            self.num_evictions += 1
+        self._size -= excess
+        self.num_evictions += excess
+
+
+def _aged(worker_id: str, stamps: dict[int, int]) -> Iterator[tuple[int, int, str]]:
+    """(stamp, key, worker) of a worker's entries, oldest first."""
+    return ((stamp, key, worker_id) for key, stamp in stamps.items())

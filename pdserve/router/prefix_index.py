@@ -13,7 +13,9 @@ hit. O(len(hashes)) dictionary probes plus two vector operations over a [hits + 
 whatever the pool size. `replace_slot` patches one column in place (only the difference of the
 two held sets is touched) and `patch_slot` applies a change given as additions and removals
 (the cluster K/V index's block events, router/kv_index.py); rows nobody holds any more are
-recycled. Memory: one byte per (held hash, slot).
+recycled. A patch writes single bytes: the matrix is a numpy view over a `bytearray`, patched by
+index in plain Python (no array is built per patch), with a holder count per row to know when a
+row falls free. Memory: one byte per (held hash, slot), plus the counts.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ _SENTINEL = 0  # the row no slot holds
 
 
 class PrefixIndex:
-    __slots__ = ("rows", "held", "num_slots", "_free")
+    __slots__ = ("rows", "held", "num_slots", "_free", "_bytes", "_holders")
 
     def __init__(self, num_slots: int, capacity: int = 64):
         self.rows: dict[int, int] = {}  # block hash -> row of `held` (never the sentinel)
-        self.held = np.zeros((capacity + 1, num_slots), dtype=bool)  # [rows, slots]
+        self._bytes = bytearray((capacity + 1) * num_slots)  # row-major: held[row, slot] is byte row * slots + slot
+        self.held = np.frombuffer(self._bytes, dtype=bool).reshape(capacity + 1, num_slots)  # [rows, slots]
+        self._holders = [0] * (capacity + 1)  # per row: how many slots hold it
         self.num_slots = num_slots
         self._free = list(range(capacity, 0, -1))  # unused rows, popped from the end (lowest first)
 
@@ -57,33 +61,36 @@ class PrefixIndex:
 
     def patch_slot(self, slot: int, added: Iterable[int], removed: Iterable[int]) -> None:
         """One slot gained `added` and lost `removed` (a held-set change, router/kv_index.py)."""
-        rows = self.rows
-        gone = [h for h in removed if h in rows]
-        if gone:
-            gone_rows = [rows[h] for h in gone]
-            self.held[gone_rows, slot] = False
-            still_held = self.held[gone_rows].any(axis=1).tolist()  # [len(gone)]
-            for block_hash, row, kept in zip(gone, gone_rows, still_held):
-                if not kept:  # nobody holds it any more: recycle the (now all-false) row
+        rows, flat, holders, width = self.rows, self._bytes, self._holders, self.num_slots
+        for block_hash in removed:
+            row = rows.get(block_hash)
+            if row is not None and flat[row * width + slot]:
+                flat[row * width + slot] = 0
+                holders[row] -= 1
+                if not holders[row]:  # nobody holds it any more: recycle the (now all-false) row
                     del rows[block_hash]
                     self._free.append(row)
-        added_rows = [self._row_for(h) for h in added]
-        if added_rows:
-            self.held[added_rows, slot] = True  # after `_row_for`, which may have grown the matrix
+        for block_hash in added:
+            row = rows.get(block_hash)
+            if row is None:
+                row = self._new_row(block_hash)
+                flat = self._bytes  # `_new_row` may have grown the matrix
+            if not flat[row * width + slot]:
+                flat[row * width + slot] = 1
+                holders[row] += 1
 
-    def _row_for(self, block_hash: int) -> int:
-        row = self.rows.get(block_hash)
-        if row is None:
-            if not self._free:
-                self._grow()
-            row = self.rows[block_hash] = self._free.pop()
+    def _new_row(self, block_hash: int) -> int:
+        if not self._free:
+            self._grow()
+        row = self.rows[block_hash] = self._free.pop()
         return row
 
     def _grow(self) -> None:
-        old = len(self.held)
-        grown = np.zeros((2 * old, self.num_slots), dtype=bool)  # [rows, slots]
-        grown[:old] = self.held
-        self.held = grown
+        old = len(self._holders)
+        grown = bytearray(2 * old * self.num_slots)
+        grown[: len(self._bytes)] = self._bytes
+        self._bytes, self.held = grown, np.frombuffer(grown, dtype=bool).reshape(2 * old, self.num_slots)  # [rows, slots]
+        self._holders.extend([0] * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def leading_rows(self, block_hashes: Sequence[int]) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv_events import BlockEvent, BlockEventKind, KvReport, KvTier
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv_index import KvDelta
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
@@ -127,3 +127,11 @@ class EventFlow:
             events.append((BlockEventKind.STORED, key, KvTier.DEVICE))
         self.seq[worker_id] += len(events)
         return KvDelta(self.seq[worker_id], tuple(events))
+
+
+def engine_report(delta: KvDelta) -> KvReport:
+    """The report a worker's heartbeat would carry for `delta` (16-byte chain hashes whose first 8
+    bytes are the routing keys, kv_index.hash_key), so the router's receive work is measured too."""
+    events = tuple(BlockEvent(BlockEventKind(kind), key.to_bytes(8, "little") * 2, KvTier(tier))
+                   for kind, key, tier in delta.events)
+    return KvReport(delta.last_seq, events, delta.resync)
