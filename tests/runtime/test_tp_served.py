@@ -1,7 +1,9 @@
 """Workers with tensor parallelism served end to end (tiny model, fp32): prefill TP 2 -> decode TP 1,
 TP 1 -> TP 2 and colocated TP 2 give the tokens of a TP 1 engine (fp32, where the row-parallel
 sums' rounding does not flip a choice: on these prompts it does not); each TP worker runs its
-followers; pools and holds end empty; a killed TP worker leaves no follower and comes back."""
+followers; pools and holds end empty; a killed TP worker leaves no follower and comes back; a
+KV-Runahead chain over two TP 2 prefill workers and a prefix fetch into a TP 2 pool give the TP 1
+tokens too."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.workers.supervisor import RestartPolicy
 from pdserve.workers.tp_rank import TpShape
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
+from tests.runtime.test_kv_index_runtime import until
 
 FP32 = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=48 << 20)
 
@@ -54,11 +57,10 @@ def _cmdline(pid: str) -> bytes:
 CASES = [(20, 0.0), (300, 0.0), (61, 0.8)]
 
 
-@pytest.mark.parametrize("mode,tp,workers", [
-    ("disaggregated", TpShape(prefill=2, decode=1), {"prefill-0": 2, "decode-0": 1}),
+@pytest.mark.parametrize("mode,tp,workers", [  # prefill TP 2 -> decode TP 1: the runahead test below
     ("disaggregated", TpShape(prefill=1, decode=2), {"prefill-0": 1, "decode-0": 2}),
     ("colocated", TpShape(other=2), {"colocated-0": 2}),
-], ids=["p2-d1", "p1-d2", "colocated-2"])
+], ids=["p1-d2", "colocated-2"])
 def test_tp_workers_serve_the_tokens_of_tp1(reference_engine, mode, tp, workers):
     async def main():
         cfg = config(engine=FP32, mode=mode, replicas=1, tp=tp, transport="auto")
@@ -111,3 +113,51 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+RUNAHEAD = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=48 << 20, max_num_batched_tokens=64)
+
+
+def test_runahead_chain_and_prefix_fetch_into_tp2_prefill_workers():
+    """Two TP 2 prefill workers and a TP 1 decode worker (fp32): the CASES (greedy and sampled)
+    hand off TP 2 -> TP 1; a 320-token prompt runs as a KV-Runahead chain over both TP 2 workers;
+    a second turn's prefill worker fetches the answer's blocks from the decode worker into its
+    TP 2 pool. Tokens equal a TP 1 engine's; pools at baseline."""
+    reference = Engine(EngineConfig(**{**RUNAHEAD.__dict__, "num_threads": 1, "num_blocks": 256}))
+    long_prompt, history = prompt(320, 1), prompt(96, 11)  # 5 chunks of 64; six full blocks
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    answer = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def want(ids, params):
+        return list(reference.generate([list(ids)], params)[0].output_ids)
+
+    async def main():
+        cfg = config(engine=RUNAHEAD, num_prefill=2, tp=TpShape(prefill=2, decode=1), transport="auto",
+                     prefill_runahead=2, runahead_min_tokens=300)
+        async with cluster(cfg) as (backend, launcher):
+            assert {w.id: w.tp for w in backend.workers()} == {"prefill-0": 2, "prefill-1": 2, "decode-0": 1}
+            assert all(len(followers(launcher.pid(w))) == 1 for w in ("prefill-0", "prefill-1"))
+            assert followers(launcher.pid("decode-0")) == []
+            cases = [(prompt(n, 70 + i), SamplingParams(max_tokens=16, ignore_eos=True, temperature=t, seed=3 + i))
+                     for i, (n, t) in enumerate(CASES)]
+            results = await asyncio.gather(*(collect(backend, f"c{i}", p, s) for i, (p, s) in enumerate(cases)))
+            for (ids, event), (p, s) in zip(results, cases):
+                assert isinstance(event, FinishEvent) and ids == want(p, s)
+            chained, event = await collect(backend, "chain", long_prompt, greedy)
+            assert isinstance(event, FinishEvent) and chained == want(long_prompt, greedy)
+            first, _ = await collect(backend, "t1", history, answer)
+            keys = backend._block_hashes(history + tuple(first[:-1]))  # 135 computed tokens: 8 blocks
+            await until(lambda: all(backend.router.kv_holders(k) for k in keys))
+            turn2 = history + tuple(first) + prompt(20, 12)
+            second, event = await collect(backend, "t2", turn2, greedy)
+            assert isinstance(event, FinishEvent)
+            assert (first, second) == (want(history, answer), want(turn2, greedy))
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            return {line["request_id"]: line for line in backend.trace.recent}
+
+    lines = asyncio.run(main())
+    assert sorted(lines["chain"]["runahead_workers"]) == ["prefill-0", "prefill-1"]
+    t2 = lines["t2"]
+    assert (t2["fetch"], t2["fetch_holder"], t2["fetch_landed_blocks"]) == ("fetch", "decode-0", 2), t2
+    assert t2["prefill"] in ("prefill-0", "prefill-1") and t2["cached_tokens"] == 8 * 16
