@@ -5,15 +5,21 @@ Contract:
     their epochs (the identity fence's route), the transfer id and generation, the K/V ABI digest,
     the direction ("push": the source sends the bytes, over TCP or into the destination's staging
     area; "pull": the destination copies them out of the source's shared pool), the destination
-    blocks it may write (`regions`), a byte bound, an expiry (Unix seconds) and a single-use
-    nonce. It is signed with Ed25519 by the router (`sign`); a token is `signature || claims`
+    blocks it may write (`regions`), a byte bound, an expiry (Unix seconds), a single-use
+    nonce and, for a prefix fetch, the source blocks it may read: `src_slots`, (segment, slot)
+    pairs in transfer order, segment i being the shared-memory segment `src_segments[i]` (the
+    holder's device pool, then its host tier; advertised at registration). Empty: the source's
+    blocks are not bound here (a prefill -> decode handoff; the source grants them in-band). It is signed with Ed25519 by the router (`sign`); a token is `signature || claims`
     (64 bytes, then msgpack as an array), a few hundred bytes.
   * `Verifier` holds only the issuer's public key and key epoch. `verify(token, expect)` returns
     the claims or raises `HandoffError` with a `capability_*` reason, in this order: present and
     well formed, signature by the current key (an older key epoch reads `capability_revoked`),
     unexpired with a lifetime within `max_ttl_s`, every equality field equal to `expect`,
-    `expect.regions` a subset of the allowed regions, 0 < `expect.nbytes` <= the bound, and
-    last the nonce unused (`ReplayCache`). The caller runs it before any memory is touched.
+    `expect.regions` a subset of the allowed regions, 0 < `expect.nbytes` <= the bound, the
+    source blocks (when the checker knows them: the holder, from its own pins) exactly the
+    capability's (`capability_source`), and last the nonce unused (`ReplayCache`). A reader that
+    learns the source blocks only from frames (the pull destination) enforces `src_slots` per
+    read instead (transports/pull.py). The caller runs it before any memory is touched.
   * Revocation: `Verifier.install(public_key, key_epoch)` moves to a new key (a bumped epoch);
     every capability signed under an older key is refused from then on. Keys are never logged
     or printed: no repr here shows one.
@@ -60,6 +66,8 @@ class Claims(msgspec.Struct, frozen=True, array_like=True):
     max_bytes: int
     expires_at: float  # Unix seconds (time.time), comparable across hosts
     nonce: bytes
+    src_segments: tuple[str, ...] = ()  # shared-memory segments the source blocks live in
+    src_slots: tuple[tuple[int, int], ...] = ()  # (segment index, slot) of each source block; () unbound
 
 
 @dataclass(frozen=True)
@@ -77,9 +85,12 @@ class Expectation:
     direction: str
     regions: tuple[int, ...]  # blocks this use touches
     nbytes: int  # bytes this use moves
+    src_segments: tuple[str, ...] | None = None  # None: not known here (the reader checks each read)
+    src_slots: tuple[tuple[int, int], ...] | None = None
 
 
-EQUALITY_FIELDS = tuple(f.name for f in fields(Expectation) if f.name not in ("regions", "nbytes"))
+EQUALITY_FIELDS = tuple(f.name for f in fields(Expectation)
+                        if f.name not in ("regions", "nbytes", "src_segments", "src_slots"))
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Claims)
 
@@ -161,6 +172,10 @@ def check_claims(claims: Claims, expect: Expectation, now: float, max_ttl_s: flo
         raise _deny(RejectReason.CAPABILITY_REGION, f"blocks {sorted(outside)[:8]} outside the capability")
     if not 0 < expect.nbytes <= claims.max_bytes:
         raise _deny(RejectReason.CAPABILITY_BYTES, f"{expect.nbytes} B outside (0, {claims.max_bytes}]")
+    if expect.src_slots is not None and (tuple(claims.src_segments), tuple(map(tuple, claims.src_slots))) \
+            != (tuple(expect.src_segments or ()), tuple(expect.src_slots)):
+        raise _deny(RejectReason.CAPABILITY_SOURCE,
+                    f"source {list(expect.src_slots)[:8]} is not the capability's {list(claims.src_slots)[:8]}")
     if len(claims.nonce) != NONCE_BYTES:
         raise _deny(RejectReason.CAPABILITY_MALFORMED, "nonce size")
 

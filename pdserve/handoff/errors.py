@@ -69,6 +69,7 @@ class RejectReason(str, Enum):
     CAPABILITY_MISMATCH = "capability_mismatch"
     CAPABILITY_REGION = "capability_region"
     CAPABILITY_BYTES = "capability_bytes"
+    CAPABILITY_SOURCE = "capability_source"  # source slots other than the capability's (segment, slot) pairs
     CAPABILITY_REPLAYED = "capability_replayed"
     CAPABILITY_REPLAY_FULL = "capability_replay_full"
 

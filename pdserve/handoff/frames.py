@@ -76,6 +76,7 @@ class StagingOffer(msgspec.Struct, frozen=True, tag=True):
 class SourcePoolHello(msgspec.Struct, frozen=True, tag=True):
     shm_name: str  # the source's K/V pool segment, which a pull receiver maps read-only
     num_blocks: int
+    extra: tuple[tuple[str, int], ...] = ()  # further segments (name, slots): a holder's host tier (segments.py)
 
 
 class SourceBlockGrant(msgspec.Struct, frozen=True, tag=True):

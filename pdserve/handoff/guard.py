@@ -6,14 +6,16 @@ Contract:
     transfer's `ManifestFrame` passes, and only if the capability it carries verifies against
     the destination's own reservation (tenant, source worker and epoch, transfer id and
     generation; this worker and epoch; its pool's K/V ABI; the link's direction), the blocks the
-    manifest would write and the bytes those writes cover (`on_admit` then runs: a staging link
-    creates and offers its segment only now). After admission, frames of any other
+    manifest would write and the bytes those writes cover (`on_claims(claims)` then runs: a
+    pull link restricts its reads to the source blocks the capability names; then `on_admit`: a
+    staging link creates and offers its segment only now). After admission, frames of any other
     transfer are dropped and `landing` (a `GrantedLanding`) refuses to write a chunk of another
     transfer or outside the capability's blocks. A denial aborts the unpublished transfer
     (its blocks go back once no write is in flight) and answers the source with a refused
     `PublishAck` carrying the `capability_*` reason; nothing has been written by then.
   * Source (its pool is read, or its bytes leave the process): `source_expectation` is what
-    `Verifier.verify` is checked against before the link is opened; a denial ends the transfer
+    `Verifier.verify` is checked against before the link is opened (with a fetch holder's own
+    pinned (segment, slot) pairs, which must be exactly the capability's); a denial ends the transfer
     there, before the source's memory is revealed to anyone.
 Verification itself is handoff/capability.py; this module only knows the protocol's objects.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from pdserve.handoff.capability import Expectation, Verifier
+from pdserve.handoff.capability import Claims, Expectation, Verifier
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
@@ -49,11 +51,12 @@ def destination_expectation(endpoint: DecodeEndpoint, transfer_id: str, manifest
 
 
 def source_expectation(manifest: HandoffManifest, source: str, source_epoch: int, abi_hash: str,
-                       direction: str) -> Expectation:
+                       direction: str, src_segments: tuple[str, ...] | None = None,
+                       src_slots: tuple[tuple[int, int], ...] | None = None) -> Expectation:
     f = manifest.fence
     return Expectation(f.tenant, source, source_epoch, f.destination_worker, f.destination_epoch,
                        manifest.transfer_id, f.generation, abi_hash, direction, tuple(manifest.dst_blocks),
-                       manifest.total_bytes)
+                       manifest.total_bytes, src_segments, src_slots)
 
 
 def _transfer_id_of(frame: Frame) -> str | None:
@@ -83,9 +86,10 @@ class GuardedLanding(GrantedLanding):
 
 class LinkGuard:
     def __init__(self, verifier: Verifier, endpoint: DecodeEndpoint, transfer_id: str, direction: str, lock=None,
-                 on_admit: Callable[[], None] | None = None):
+                 on_admit: Callable[[], None] | None = None, on_claims: Callable[[Claims], None] | None = None):
         self.verifier, self.endpoint = verifier, endpoint
         self.on_admit = on_admit  # e.g. a staging link offers its segment only now
+        self.on_claims = on_claims  # e.g. a pull link reads only the source blocks the capability names
         self.transfer_id, self.direction = transfer_id, direction
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.landing = GuardedLanding(endpoint, lock)
@@ -116,6 +120,8 @@ class LinkGuard:
             expect = destination_expectation(self.endpoint, self.transfer_id, frame.manifest, self.direction)
         claims = self.verifier.verify(frame.capability, expect)
         self.landing.regions = frozenset(claims.regions)
+        if self.on_claims is not None:
+            self.on_claims(claims)
         self.landing.transfer_id = self.transfer_id
         if self.on_admit is not None:
             self.on_admit()

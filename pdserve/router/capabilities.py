@@ -5,8 +5,10 @@ private key in this process only; workers get `public_key_hex` in their launch c
 worker can mint a capability. `issue(plan, ...)` returns the `TransferPlan` with a capability
 bound to its tenant, both workers and epochs, transfer id, generation, K/V ABI digest, direction,
 the destination blocks the transfer writes (those not already visible there), their exact byte
-count as the bound, an expiry `ttl_s` ahead and a fresh nonce. `rotate()` revokes every
-outstanding capability: a new key under the next key epoch (workers must be given the new public
+count as the bound, an expiry `ttl_s` ahead and a fresh nonce; for a prefix fetch also the
+holder's source blocks as the plan names them (`plan.src_slots`, (segment, slot) pairs) and the
+segments those index (`src_segments`: the holder's registered device and host-tier segments).
+`rotate()` revokes every outstanding capability: a new key under the next key epoch (workers must be given the new public
 key with `Verifier.install`). The format and the check live in handoff/capability.py.
 """
 
@@ -43,12 +45,13 @@ class CapabilityIssuer:
         return self.public_key_hex, self.key_epoch
 
     def issue(self, plan: TransferPlan, source: str, source_epoch: int, abi: str, pull: bool,
-              bytes_per_block: int) -> TransferPlan:
+              bytes_per_block: int, src_segments: tuple[str, ...] = ()) -> TransferPlan:
         """`plan` with its capability: `pull` when the destination will copy from the source's
         shared pool, `bytes_per_block` the K/V ABI's bytes of one block (all layers, K and V)."""
         regions = tuple(plan.dest_blocks[plan.num_visible_blocks :])
         claims = Claims(self.key_epoch, plan.tenant, source, source_epoch, plan.dest_worker, plan.dest_epoch,
                         plan.transfer_id, plan.generation, abi, PULL if pull else PUSH, regions,
-                        len(regions) * bytes_per_block, self.clock() + self.ttl_s, new_nonce())
+                        len(regions) * bytes_per_block, self.clock() + self.ttl_s, new_nonce(),
+                        src_segments if plan.src_slots else (), plan.src_slots)
         self.num_issued += 1
         return msgspec.structs.replace(plan, capability=sign(self._key, claims))

@@ -4,12 +4,15 @@ Contract: `prepare(live, dest)` runs before the request's first message to the w
 prefill it (Generate, or Prefill on a prefill worker). It plans with `fetch_plan.plan_fetch` over
 the cluster K/V index (the tenant-rooted keys of the prompt, each worker's held set), writes the
 decision and its terms on the trace line, and when the fetch pays:
-    FetchReserve -> destination answers FetchReserved (its blocks, what it already had)
-    FetchServe(plan, capability) -> holder; the holder's link lands, validates and publishes at
+    FetchReserve -> destination answers FetchReserved (its blocks, what it already had), and at
+    the same time FetchPin -> holder answers FetchPinned (the (segment, slot) of each prefix
+    block, pinned where it is: device pool or host tier, read in place)
+    FetchServe(plan, capability) -> holder, the plan and its capability naming exactly the pinned
+    (segment, slot) pairs of the blocks moved; the holder's link lands, validates and publishes at
     the destination, which inserts the blocks into its prefix cache -> FetchDone (both sides)
 and returns once the destination's FetchDone came, the fetch failed, the holder left the
 registry (died, or re-registered under another epoch) or the deadline passed; in the last three
-cases the destination is told FetchAbort (its unpublished blocks return) and the request simply
+cases both are told FetchAbort (unpublished blocks and the holder's pins return) and the request simply
 recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
 for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
 Rates (router/kv_rates.py): each holder's FetchDone measures the fetch link, each landed fetch's
@@ -20,8 +23,9 @@ Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv
 `pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
 fetch brought, "remote", and the rest, "local"; "host" is the tokens the workers' host tiers
 promoted back, summed from their loads: a promoted block served to a request's prefill is also
-one of its "local" tokens) and `pdserve_kv_tier_blocks{worker,tier,state}` (device: used, cached,
-free; host: used, free; read from the workers' last loads at scrape time).
+one of its "local" tokens; "host_peer" the tokens of host-tier blocks peers' fetches read in
+place, also "remote" tokens at their destinations) and `pdserve_kv_tier_blocks{worker,tier,state}`
+(device: used, cached, free; host: used, free, pinned; from the workers' last loads at scrape time).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class _Fetch:
     dest: str
     holder: str
     reserved: asyncio.Future
+    pinned: asyncio.Future  # the holder's FetchPinned
     landed: asyncio.Future  # the destination's FetchDone
     source_failed: bool = False
     started_s: float = field(default_factory=time.monotonic)
@@ -72,12 +77,15 @@ class TierBlocks:
             if load.host_capacity:
                 family.add_metric([wid, "host", "used"], load.host_blocks)
                 family.add_metric([wid, "host", "free"], load.host_capacity - load.host_blocks)
+                family.add_metric([wid, "host", "pinned"], load.host_pinned)
         yield family
 
 
 class HitTokens:
     """`pdserve_prefix_hit_tokens_total{where}`: local and remote from finished requests, host
-    from the workers' host-tier promotions (their loads)."""
+    from the workers' host-tier promotions, host_peer from the host-tier blocks peers' fetches
+    read in place (both from the workers' loads; host_peer tokens are also "remote" ones at the
+    destination)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -86,8 +94,10 @@ class HitTokens:
         family = CounterMetricFamily("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
                                      "the K/V came from", labels=["where"])
         r = self.runner
-        host = sum(load.host_hits for load in r.backend.loads.values()) * r.backend._block_size
-        for where, tokens in (("local", r.local_tokens), ("remote", r.remote_tokens), ("host", host)):
+        loads, bs = r.backend.loads.values(), r.backend._block_size
+        host = sum(load.host_hits for load in loads) * bs
+        peer = sum(load.host_inplace_reads for load in loads) * bs
+        for where, tokens in (("local", r.local_tokens), ("remote", r.remote_tokens), ("host", host), ("host_peer", peer)):
             family.add_metric([where], tokens)
         yield family
 
@@ -152,34 +162,38 @@ class FetchRunner:
         b, loop = self.backend, asyncio.get_running_loop()
         bs = b._block_size
         fetch_id = f"{live.engine_id}/fetch{next(self._ids)}"
-        job = _Fetch(fetch_id, dest, terms.holder, loop.create_future(), loop.create_future())
+        job = _Fetch(fetch_id, dest, terms.holder, loop.create_future(), loop.create_future(), loop.create_future())
         self.pending[fetch_id] = job
         holder = b.registered[terms.holder]
         prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
         try:
             await b._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+            await b._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
             reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
-            if not isinstance(reserved, m.FetchReserved) or not reserved.ok:
-                live.note(fetch_failure=reserved if isinstance(reserved, str) else reserved.reason)
-                if isinstance(reserved, str):
-                    await b._send(dest, m.FetchAbort(fetch_id))  # a late reservation is returned
-                return 0
-            plan = self._plan(live, job, reserved)
-            if plan is None:  # a side left the registry meanwhile: the reservation is returned
-                live.note(fetch_failure="holder_lost")
-                await b._send(dest, m.FetchAbort(fetch_id))
+            pinned = await self._wait(job.pinned, job, RESERVE_TIMEOUT_S)
+            failure = _refused(reserved) or _refused(pinned)
+            plan = None if failure else self._plan(live, job, reserved, pinned)
+            if plan is None:  # refused, late, or a side left the registry meanwhile
+                live.note(fetch_failure=failure or "holder_lost")
+                await self._abort(job)
                 return 0
             await b._send(terms.holder, m.FetchServe(prefix, plan))
             done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
             if isinstance(done, m.FetchDone) and done.published:
                 return done.blocks
             live.note(fetch_failure=done if isinstance(done, str) else done.reason or "aborted")
-            await b._send(dest, m.FetchAbort(fetch_id))
+            await self._abort(job)
             return 0
         finally:
             self.pending.pop(fetch_id, None)
 
-    def _plan(self, live, job: _Fetch, reserved: m.FetchReserved) -> m.TransferPlan | None:
+    async def _abort(self, job: _Fetch) -> None:
+        """Both sides return what they hold for the fetch (a worker holding nothing ignores it)."""
+        for wid in (job.dest, job.holder):
+            if wid in self.backend.registered:
+                await self.backend._send(wid, m.FetchAbort(job.fetch_id))
+
+    def _plan(self, live, job: _Fetch, reserved: m.FetchReserved, pinned: m.FetchPinned) -> m.TransferPlan | None:
         b = self.backend
         dest, holder = b.registered.get(job.dest), b.registered.get(job.holder)
         if dest is None or holder is None or dest.fetch_address is None:
@@ -187,9 +201,11 @@ class FetchRunner:
         same_host = dest.host_id == holder.host_id and dest.shm_name is not None and b.transport != "tcp"
         plan = m.TransferPlan(job.fetch_id, 1, m.FIRST_ATTEMPT, live.req.tenant, job.dest, dest.epoch,
                               reserved.reservation_id, reserved.dest_blocks, reserved.num_visible_blocks,
-                              "shm" if same_host else "tcp", tuple(dest.fetch_address), dest.shm_name, dest.num_blocks)
+                              "shm" if same_host else "tcp", tuple(dest.fetch_address), dest.shm_name, dest.num_blocks,
+                              src_slots=tuple(pinned.src_slots[reserved.num_visible_blocks:]))
+        segments = tuple(name for name in (holder.shm_name, holder.host_shm_name) if name)
         return b.capabilities.issue(plan, job.holder, holder.epoch, dest.abi_hash, same_host and holder.shm_name is not None,
-                                    dest.bytes_per_token * dest.block_size)
+                                    dest.bytes_per_token * dest.block_size, segments)
 
     async def _wait(self, future: asyncio.Future, job: _Fetch, timeout_s: float):
         """The future's result; else why not: "holder_lost" once the holder (or the destination)
@@ -216,7 +232,8 @@ class FetchRunner:
             return
         if job is None:
             return
-        future = job.reserved if isinstance(msg, m.FetchReserved) else job.landed
+        future = job.reserved if isinstance(msg, m.FetchReserved) else job.pinned if isinstance(msg, m.FetchPinned) \
+            else job.landed
         if not future.done():
             future.set_result(msg)
 
@@ -234,3 +251,11 @@ class FetchRunner:
         remote = min(cached, live.trace.get("fetch_landed_blocks", 0) * self.backend._block_size)
         self.remote_tokens += remote
         self.local_tokens += cached - remote
+
+
+def _refused(answer) -> str | None:
+    """Why a FetchReserved / FetchPinned answer stops the fetch ("timeout", "holder_lost", its
+    reason), or None when it was granted."""
+    if isinstance(answer, str):
+        return answer
+    return None if answer.ok else answer.reason or "refused"

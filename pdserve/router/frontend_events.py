@@ -35,7 +35,7 @@ async def dispatch(backend, msg) -> None:
             live.reserved.set_result(msg)
     elif isinstance(msg, m.TransferDone):
         await _on_transfer_done(backend, msg)
-    elif isinstance(msg, (m.FetchReserved, m.FetchDone)):
+    elif isinstance(msg, (m.FetchReserved, m.FetchPinned, m.FetchDone)):
         backend.fetches.on_message(msg)  # cross-worker prefix fetch (router/fetch_runner.py)
     elif isinstance(msg, m.WorkerError):
         live = backend.lookup(msg.request_id)

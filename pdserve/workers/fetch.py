@@ -1,4 +1,4 @@
-"""Cross-worker prefix fetch, a worker's side of it (issue 19, parts 2 and 3).
+"""Cross-worker prefix fetch, a worker's side of it (issue 19, parts 2 to 4).
 
 A fetch is one handoff transaction whose source is a worker that holds a prefix in its prefix
 cache (the holder) and whose destination is the worker about to prefill a request that lacks it:
@@ -13,11 +13,9 @@ Destination (router -> FetchReserve):
     dropped (the blocks stay cached, evictable) -> FetchDone(side="destination", published)
     FetchAbort, a failed link or an expired lease -> the unpublished reservation returns its
     blocks through the endpoint's one abort path; nothing is registered, nothing read.
-Holder (router -> FetchServe(plan)):
-    the prefix's leading blocks are acquired (pinned: no eviction while they are read) under a
-    lease; fewer than the plan names -> FetchDone(failed, "holder_miss") at once; else the
-    sender reads them (the gate is all ready: cached blocks are final) -> the pins drop when the
-    sender ends -> FetchDone(side="source", bytes, seconds).
+Holder (router -> FetchPin, then FetchServe(plan)): workers/fetch_holder.py pins the prefix's
+    blocks where they are (device blocks; host-tier slots, read in place by the peer) under a
+    lease, serves the plan's (segment, slot) pairs and drops the pins when the sender ends.
 Every call that touches the block manager runs under the worker lock; `tables()` lists the
 blocks a fetch pins so the engine's integrity check counts them (Engine.external_tables).
 """
@@ -35,7 +33,8 @@ from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.reservations import Reservation
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
-from pdserve.workers.handoff_io import HandoffListener, HandoffSender, prompt_digest
+from pdserve.workers.fetch_holder import FetchHolder
+from pdserve.workers.handoff_io import HandoffListener, prompt_digest
 
 log = logging.getLogger("pdserve.worker")
 FETCH_GENERATION = 1  # a fetch is never rerouted: one generation, one attempt
@@ -130,11 +129,9 @@ class FetchSide:
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host, verifier=worker.verifier,
                                         on_done=lambda tid, state: worker.events.put(("fetch_dest", (tid, state))))
-        self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
-                                    on_done=lambda fid, src, dt, phys: worker.events.put(("fetch_source", (fid, src, dt, phys))),
-                                    verifier=worker.verifier)
-        self.serving: dict[str, list[int]] = {}  # fetch id -> holder blocks pinned while read
         self.leases = LeaseTable(worker.config.lease_s)
+        self.holder = FetchHolder(worker, self.leases, pin_prefix)
+        self.sender = self.holder.sender
         self._next_lease_check = 0.0
 
     @property
@@ -194,46 +191,23 @@ class FetchSide:
             txn = self.endpoint.transfers.get(fetch_id)
             if txn is not None and txn.state < TxnState.PUBLISHED:
                 self.endpoint.abort(fetch_id, reason)
-            self.sender.cancel(fetch_id)
+            self.holder.abort(fetch_id)
         if txn is not None and txn.quiescent and txn.state is TxnState.ABORTED:
             self._landed(fetch_id, TxnState.ABORTED)  # no link will report it
 
-    # ---- holder ---------------------------------------------------------------------------
-    def on_serve(self, msg: m.FetchServe) -> None:
-        plan, me = msg.plan, self.worker
-        with me.lock:
-            bm = self.engine.blocks
-            n = len(plan.dest_blocks)
-            hashes = bm.hashes_for(msg.prompt_ids, plan.tenant)[:n]
-            held = pin_prefix(bm, hashes, msg.prompt_ids, n)
-            if held is None or len(held) < n:  # evicted since the router's index saw it, or no room
-                bm.release(held or [])          # to pin it: never read missing bytes
-                reason = "holder_busy" if held is None else "holder_miss"
-                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, reason))
-                return
-            self.serving[plan.transfer_id] = held
-            self.leases.grant(plan.transfer_id, time.monotonic())
-            self.sender.start(plan.transfer_id, msg.prompt_ids, held, plan, plan.tenant, "serialized")
-        gate = self.sender.gate(plan.transfer_id)
-        if gate is not None:
-            gate.mark_all_ready()  # cached blocks are final: every layer may be read now
+    # ---- holder (fetch_holder.py) -------------------------------------------------------
+    def on_pin(self, msg: m.FetchPin) -> None:
+        self.worker.send(self.holder.pin(msg))
 
-    def _served(self, fetch_id: str, src, transfer_s: float, physical: int) -> None:
-        published = src.state is TxnState.PUBLISHED
-        with self.worker.lock:
-            self.leases.drop(fetch_id)
-            self.engine.blocks.release(self.serving.pop(fetch_id))
-        reason = None if published else (src.terminal_reason.value if src.terminal_reason else "aborted")
-        self.worker.send(m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "source", published, reason,
-                                     bytes=src.manifest.total_bytes if published else 0, physical_bytes=physical,
-                                     transfer_s=transfer_s))
+    def on_serve(self, msg: m.FetchServe) -> None:
+        self.holder.serve(msg)
 
     # ---- worker loop ----------------------------------------------------------------------
     def on_event(self, kind: str, payload) -> None:
         if kind == "fetch_dest":
             self._landed(*payload)
         else:
-            self._served(*payload)
+            self.holder.served(*payload)
 
     def tick(self) -> None:
         """Expire the leases of fetches nobody finished (every 0.2 s)."""
@@ -246,16 +220,16 @@ class FetchSide:
             self.abort(fetch_id, RejectReason.CANCELLED)
 
     def tables(self) -> list[list[int]]:
-        return self.blocks.tables() + [list(b) for b in self.serving.values()]
+        return self.blocks.tables() + self.holder.tables()
 
     @property
     def busy(self) -> bool:
         """A fetch still pins blocks here (a role change waits for it: its links touch the pool)."""
-        return bool(self.serving) or bool(self.blocks.tables())
+        return self.holder.busy or bool(self.blocks.tables())
 
     def assert_no_leaks(self) -> None:
         self.blocks.assert_no_leaks()
-        assert not self.serving, f"holder pins held: {sorted(self.serving)}"
+        self.holder.assert_no_leaks()
         self.endpoint.assert_no_leaks()
 
     def close(self) -> None:

@@ -12,6 +12,9 @@ Contract:
   land in reserved blocks outside it. Each landing grant is ended (`end_landing`) as soon as the
   transport's receive returns or fails, so an abort meanwhile frees the blocks only after the
   write is over (quiescence). The final state is reported through `on_done`.
+A fetch holder's sender reads `SourceSegments` (handoff/segments.py: its device pool and its host
+tier, host slots read in place) instead of its pool alone; a pull link then announces both
+segments, and the capability must name exactly the plan's (segment, slot) pairs.
 Link preamble: one byte, b"P" (shm pull: the destination copies from this worker's shared pool),
 b"S" (shm staging, when the pool is private) or b"T" (tcp), then frames.
 Capabilities (docs/security.md): with a `Verifier` (the router's public key from the launch
@@ -48,6 +51,7 @@ from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan,
 from pdserve.handoff.shard_map import layout_of
 from pdserve.handoff.gate import LayerGate
 from pdserve.handoff.source import SourceTransfer
+from pdserve.handoff.segments import SourceSegments
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.trace import TraceSink
 from pdserve.ledger.kv import logical_transfer_bytes
@@ -76,13 +80,17 @@ def transfer_blocks(src_blocks: list[int], plan: TransferPlan) -> list[int]:
 class HandoffSender:
     def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
                  on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20,
-                 max_concurrent: int = 4, prefill_chunk_tokens: int | None = None, verifier: Verifier | None = None):
+                 max_concurrent: int = 4, prefill_chunk_tokens: int | None = None, verifier: Verifier | None = None,
+                 sources: SourceSegments | None = None):
         self.worker_id, self.epoch = worker_id, epoch
         self.verifier = verifier  # None: this worker runs without capabilities (tests, benches)
         # transfer chunks no longer than a prefill chunk: each becomes sendable as soon as the prefill
         # chunk(s) writing it passed its layer (aligned unless the destination already had a prefix)
         self.max_chunk_blocks = max(1, prefill_chunk_tokens // pool.abi.block_size) if prefill_chunk_tokens else None
         self.pool, self.raw, self.identity, self.trace = pool, pool_bytes(pool), identity, trace
+        self.sources = sources  # None: source blocks are this pool's blocks
+        if sources is not None:
+            self.raw = sources
         self.credit_bytes = credit_bytes
         self.on_done = on_done
         self.gates: dict[str, LayerGate] = {}
@@ -145,8 +153,10 @@ class HandoffSender:
         """The transfer's link once its capability verified, else None with the source aborted."""
         try:
             if self.verifier is not None:
+                segments = tuple(n for n in self.sources.names if n) if self.sources is not None else ()
                 self.verifier.verify(plan.capability, source_expectation(
-                    src.manifest, self.worker_id, self.epoch, self.pool.abi.abi_hash, self._direction(plan)))
+                    src.manifest, self.worker_id, self.epoch, self.pool.abi.abi_hash, self._direction(plan),
+                    segments if plan.src_slots else None, plan.src_slots or None))
             return self._open_link(plan, src.credits.capacity_bytes)
         except HandoffError as err:
             log.warning("handoff %s denied at the source: %s", src.manifest.transfer_id, err)
@@ -183,7 +193,9 @@ class HandoffSender:
         sock.settimeout(None)
         if plan.transport == "shm" and self.pool.shm_name is not None:  # pull from this pool's segment
             sock.sendall(b"P")
-            return ShmPullSenderLink(SocketChannel(sock), self.pool.shm_name, self.pool.num_blocks)
+            extra = () if self.sources is None else tuple(
+                (name, raw.shape[2]) for name, raw in zip(self.sources.names[1:], self.sources.raws[1:]) if name)
+            return ShmPullSenderLink(SocketChannel(sock), self.pool.shm_name, self.pool.num_blocks, extra)
         if plan.transport == "shm":
             sock.sendall(b"S")
             return ShmSenderLink(SocketChannel(sock), window)
@@ -268,7 +280,7 @@ class HandoffListener:
         transfer_id = first.manifest.transfer_id
         guard = None if self.verifier is None else \
             LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
-                      on_admit=getattr(link, "open_staging", None))
+                      on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
         state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
         if guard is not None and guard.refused:
             _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes

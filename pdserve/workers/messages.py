@@ -12,8 +12,10 @@ Request life cycle over these messages (disaggregated):
     router -> D: StartDecode(first token, seed)  D -> router: Tokens ... finished
 Colocated: router -> W: Generate;  W -> router: Tokens ... finished.
 Recompute fallback: router -> W: Generate(resume_output_ids=[tokens already streamed]).
-Prefix fetch (before the request's own messages): router -> W: FetchReserve -> FetchReserved;
-router -> holder H: FetchServe(plan); H -> W over a handoff link; both send FetchDone.
+Prefix fetch (before the request's own messages): router -> W: FetchReserve -> FetchReserved and,
+at once, router -> holder H: FetchPin -> FetchPinned (H pins the prefix's blocks where they are:
+device blocks and host-tier slots, read in place); router -> H: FetchServe(plan naming those
+(segment, slot) pairs, bound into its capability); H -> W over a handoff link; both send FetchDone.
 Prefix cache: each Heartbeat carries the block events since the previous one (`kv`, a numbered
 KvReport: engine/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
 by the next Heartbeat with the whole key set marked as a resync (router/kv_index.py).
@@ -47,6 +49,7 @@ class TransferPlan(msgspec.Struct, frozen=True):
     dest_shm_name: str | None = None
     dest_num_blocks: int = 0
     capability: bytes | None = None  # the router's signed permission for this transfer (handoff/capability.py)
+    src_slots: tuple[tuple[int, int], ...] = ()  # prefix fetch: the holder's (segment, slot) per transferred block
 
 
 # ---- router -> worker ---------------------------------------------------------------------
@@ -147,6 +150,16 @@ class FetchReserve(msgspec.Struct, frozen=True, tag=True):
     holder_epoch: int
 
 
+class FetchPin(msgspec.Struct, frozen=True, tag=True):
+    """Cross-worker prefix fetch, at the holder: pin the leading `num_blocks` blocks of
+    `prompt_ids` where they are (device blocks; host-tier slots, read in place) under a lease."""
+
+    fetch_id: str
+    prompt_ids: tuple[int, ...]
+    tenant: str
+    num_blocks: int
+
+
 class FetchServe(msgspec.Struct, frozen=True, tag=True):
     """Cross-worker prefix fetch, at the holder: send the cached prefix blocks the plan names."""
 
@@ -183,6 +196,7 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     shm_name: str | None = None
     fetch_address: tuple[str, int] | None = None  # the prefix-fetch listener (workers/fetch.py)
     tp: int = 1  # tensor-parallel ranks of this worker (engine/tp_group.py)
+    host_shm_name: str | None = None  # the host tier's segment (engine/host_tier.py): prefix fetches read it in place
 
 
 class Load(msgspec.Struct, frozen=True):
@@ -207,6 +221,8 @@ class Load(msgspec.Struct, frozen=True):
     host_evictions: int = 0  # blocks the host tier itself evicted (since start)
     host_copy_bytes: int = 0  # host tier <-> pool copies timed (a calibration at start, then promotions)
     host_copy_s: float = 0.0  # their seconds: the router's measured host -> pool rate (router/kv_rates.py)
+    host_pinned: int = 0  # host slots a live fetch pins (read in place by a peer)
+    host_inplace_reads: int = 0  # host-tier blocks peers' fetches read in place (since start)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -278,6 +294,18 @@ class FetchReserved(msgspec.Struct, frozen=True, tag=True):
     reservation_id: str = ""
 
 
+class FetchPinned(msgspec.Struct, frozen=True, tag=True):
+    """The holder's pins for a fetch: (segment, slot) per block, segment 0 its device pool and 1
+    its host tier (Register.shm_name, Register.host_shm_name), or why not (`reason`)."""
+
+    worker_id: str
+    epoch: int
+    fetch_id: str
+    ok: bool
+    reason: str | None = None
+    src_slots: tuple[tuple[int, int], ...] = ()
+
+
 class FetchDone(msgspec.Struct, frozen=True, tag=True):
     """One side of a fetch ended: published (destination: `blocks` inserted into its prefix
     cache) or not (`reason`); the source side reports the manifest's bytes and its seconds."""
@@ -303,8 +331,9 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
 
 
 ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | ResyncKv
-            | FetchReserve | FetchServe | FetchAbort)
-ToRouter = Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchDone
+            | FetchReserve | FetchPin | FetchServe | FetchAbort)
+ToRouter = (Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchPinned
+            | FetchDone)
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

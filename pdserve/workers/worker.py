@@ -122,6 +122,7 @@ class Worker:
             prefix_identity=eng.identity.identity_hash, cpu=eng.numerics,
             handoff_address=self.decode.address if self.decode else (self.runahead.address if self.runahead else None), shm_name=eng.pool.shm_name,
             fetch_address=self.fetch.address, tp=eng.config.tp,
+            host_shm_name=eng.blocks.host.shm_name if eng.blocks.host is not None else None,
         ))
 
     def _heartbeat_loop(self) -> None:
@@ -229,6 +230,8 @@ class Worker:
                     self.kv_resync_wanted = True  # answered by the next heartbeat
             elif isinstance(msg, m.FetchReserve):
                 self.fetch.on_reserve(msg)
+            elif isinstance(msg, m.FetchPin):
+                self.fetch.on_pin(msg)
             elif isinstance(msg, m.FetchServe):
                 self.fetch.on_serve(msg)
             elif isinstance(msg, m.FetchAbort):
@@ -376,6 +379,8 @@ class Worker:
             self.engine.step_log.close()
         self.engine.close()  # tensor-parallel followers stop (engine/tp_group.py)
         self.engine.pool.close(unlink=True)
+        if self.engine.blocks.host is not None:
+            self.engine.blocks.host.close()  # its shared segment too
 
 
 def host_tier_load(host) -> dict:
@@ -383,7 +388,8 @@ def host_tier_load(host) -> dict:
     if host is None:
         return {}
     return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
-            "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s}
+            "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s,
+            "host_pinned": host.num_pinned, "host_inplace_reads": host.num_inplace_reads}
 
 
 def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:

@@ -140,7 +140,7 @@ def test_the_replay_cache_is_bounded_and_forgets_expired_nonces():
 
 def test_every_capability_reason_is_a_reject_reason_with_the_prefix():
     assert {r.value for r in CAPABILITY_DENIALS} == {r.value for r in RejectReason if r.value.startswith("capability_")}
-    assert len(CAPABILITY_DENIALS) == 10
+    assert len(CAPABILITY_DENIALS) == 11
 
 
 def _ledger_view(c: Claims, e: Expectation, signed_ok: bool) -> tuple[dict, dict]:

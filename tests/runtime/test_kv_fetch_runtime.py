@@ -88,9 +88,9 @@ def test_holder_killed_before_the_fetch_recomputes_with_the_same_tokens():
             runner = backend.fetches
             original = runner._plan
 
-            def plan_then_kill(live, job, reserved):
+            def plan_then_kill(live, job, *answers):  # the destination's reservation, the holder's pins
                 launcher.kill(holder)
-                return original(live, job, reserved)
+                return original(live, job, *answers)
 
             runner._plan = plan_then_kill
             turn2 = HISTORY + tuple(first) + prompt(20, 12)

@@ -14,6 +14,11 @@ block reused or changed before the copy fails that checksum and the chunk is ref
 as with staging, only the destination writes its pool and only into chunks the protocol has not
 accepted. One copy instead of staging's two: the source keeps its prompt blocks until the
 publication is acknowledged anyway, so they are the staging area.
+Several segments (a prefix fetch's holder: device pool, then host tier; handoff/segments.py): the
+hello names the extra ones too, and chunk frames carry addresses in their joint space. A link
+whose admitted capability binds source blocks (`bind(claims)`: `src_segments`, `src_slots`) maps
+only segments of those names, in that order, and copies only the bound (segment, slot) pairs
+(each still granted): a reader never touches another slot, hence another tenant's K/V.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from multiprocessing import shared_memory
 import msgspec
 import numpy as np
 
+from pdserve.handoff.capability import Claims
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame, SourceBlockGrant, SourcePoolHello
 from pdserve.handoff.kvbytes import copy_and_checksum
+from pdserve.handoff.segments import SourceSegments
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, SenderLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.segment import SegmentReceiverLink, forget_attached
@@ -34,10 +41,11 @@ class ShmPullSenderLink(SenderLink):
     """Announces the source pool with the first chunk and grants each transfer's blocks as its
     chunks need them; a chunk frame names the blocks to copy from."""
 
-    def __init__(self, channel: SocketChannel, pool_shm_name: str, num_blocks: int):
+    def __init__(self, channel: SocketChannel, pool_shm_name: str, num_blocks: int,
+                 extra: tuple[tuple[str, int], ...] = ()):
         super().__init__()
         self.channel = channel
-        self._hello: SourcePoolHello | None = SourcePoolHello(pool_shm_name, num_blocks)
+        self._hello: SourcePoolHello | None = SourcePoolHello(pool_shm_name, num_blocks, extra)
         self._transfer: str | None = None
         self._granted: set[int] = set()
 
@@ -72,9 +80,17 @@ class ShmPullReceiverLink(SegmentReceiverLink):
 
     def __init__(self, channel: SocketChannel, dst_raw: np.ndarray):
         super().__init__(channel, dst_raw)
-        self.src_raw: np.ndarray | None = None  # read-only uint8 view, shaped like dst_raw but N source blocks
+        self.src_raw: SourceSegments | None = None  # read-only uint8 views of the source's segments
         self.transfer: str | None = None  # the transfer the grant belongs to
         self.granted: frozenset[int] = frozenset()
+        self.bound: Claims | None = None  # a capability that names the source blocks (None: grants only)
+        self.allowed: frozenset[int] | None = None  # the bound blocks' addresses, once mapped
+        self._extra: list[shared_memory.SharedMemory] = []
+
+    def bind(self, claims: Claims) -> None:
+        """The admitted capability: when it names source blocks, only those may be read."""
+        if claims.src_slots:
+            self.bound = claims
 
     def recv(self, timeout_s: float, landing):
         frame = super().recv(timeout_s, landing)
@@ -91,31 +107,54 @@ class ShmPullReceiverLink(SegmentReceiverLink):
             raise LinkClosed("source pool announced before any manifest")
         if self._shm is not None:
             raise LinkClosed("source pool announced twice")
-        shape = (self.dst_raw.shape[0], 2, hello.num_blocks) + self.dst_raw.shape[3:]
+        segments = ((hello.shm_name, hello.num_blocks),) + tuple(hello.extra)
+        if self.bound is not None and tuple(n for n, _ in segments[: len(self.bound.src_segments)]) \
+                != tuple(self.bound.src_segments):
+            raise LinkClosed("source segments are not the capability's")
+        views = [self._map(name, num_blocks, first=i == 0) for i, (name, num_blocks) in enumerate(segments)]
+        self.src_raw = SourceSegments(views, [name for name, _ in segments])
+        if self.bound is not None:
+            self.allowed = frozenset(self.src_raw.address(seg, slot) for seg, slot in self.bound.src_slots)
+
+    def _map(self, name: str, num_blocks: int, first: bool) -> np.ndarray:
+        """A read-only uint8 view [L, 2, num_blocks, B, H, D * dtype_bytes] of one source segment."""
+        shape = (self.dst_raw.shape[0], 2, num_blocks) + self.dst_raw.shape[3:]
         nbytes = int(np.prod(shape))
         try:
-            self._shm = shared_memory.SharedMemory(name=hello.shm_name, create=False)
+            shm = shared_memory.SharedMemory(name=name, create=False)
         except (FileNotFoundError, ValueError) as exc:
-            raise LinkClosed(f"source pool {hello.shm_name!r}: {exc}") from exc
-        forget_attached(self._shm)
-        if self._shm.size < nbytes:
-            raise LinkClosed(f"source pool {hello.shm_name!r} holds {self._shm.size} B, {nbytes} B announced")
-        view = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
+            raise LinkClosed(f"source pool {name!r}: {exc}") from exc
+        forget_attached(shm)
+        if first:
+            self._shm = shm
+        else:
+            self._extra.append(shm)
+        if shm.size < nbytes:
+            raise LinkClosed(f"source pool {name!r} holds {shm.size} B, {nbytes} B announced")
+        view = np.ndarray(shape, dtype=np.uint8, buffer=shm.buf)
         view.flags.writeable = False
-        self.src_raw = view
+        return view
+
+    def _readable(self, frame: ChunkFrame) -> bool:
+        if not self.granted.issuperset(frame.src_blocks):
+            return False
+        return self.bound is None or (self.allowed is not None and self.allowed.issuperset(frame.src_blocks))
 
     def _land(self, frame: ChunkFrame, blocks: list[int] | None) -> int | None:
         src = self.src_raw
-        if blocks is None or src is None or not _well_formed(frame, blocks, src.shape) \
-                or frame.transfer_id != self.transfer or not self.granted.issuperset(frame.src_blocks):
+        if blocks is None or src is None or not _well_formed(frame, blocks, src) \
+                or frame.transfer_id != self.transfer or not self._readable(frame):
             return None
         return copy_and_checksum(src, list(frame.src_blocks), self.dst_raw, blocks, frame.layer)
 
     def _drop_views(self) -> None:
         self.src_raw = None
+        for shm in self._extra:
+            shm.close()
+        self._extra = []
 
 
-def _well_formed(frame: ChunkFrame, blocks: list[int], src_shape: tuple[int, ...]) -> bool:
-    """The frame names one source block per landing block, all inside the mapped pool."""
-    return (len(frame.src_blocks) == len(blocks) and 0 <= frame.layer < src_shape[0]
-            and all(0 <= b < src_shape[2] for b in frame.src_blocks))
+def _well_formed(frame: ChunkFrame, blocks: list[int], src: SourceSegments) -> bool:
+    """The frame names one source block per landing block, all inside the mapped segments."""
+    return (len(frame.src_blocks) == len(blocks) and 0 <= frame.layer < src.shape[0]
+            and all(src.valid(b) for b in frame.src_blocks))
