@@ -39,8 +39,9 @@ def measured_tp(profile: dict | None) -> int:
 def scaling_for(mc, profile: dict | None, threads_per_worker: int) -> TpScaling:
     """The documented model for `mc`, with a TP 1 worker's threads: the profile's own when it
     timed TP 1 (those are the threads its terms describe), else the served `threads_per_worker`."""
-    meta = (profile or {}).get("meta", {})
-    threads = int(meta.get("threads") or threads_per_worker) if measured_tp(profile) == 1 and profile else threads_per_worker
+    threads = threads_per_worker
+    if profile is not None and measured_tp(profile) == 1:
+        threads = int(profile.get("meta", {}).get("threads") or threads_per_worker)
     return model_scaling(mc, threads)
 
 
