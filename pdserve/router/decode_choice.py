@@ -8,7 +8,8 @@ the ledger's one copy of the rule); equal ratios (all-light workers, say) go to 
 live decodes, then by name. With one eligible slot it is that slot;
 with none, None (the policy's choice stands and admission refuses as before).
 `HeavyLight` counts, per decode worker, the live routes predicted heavy and light; the router
-adds a route when it is admitted and removes it with its holds.
+adds a route when it is admitted and removes it with its holds. `p2c_choice` applies the rule to
+a policy's `Choice` over a snapshot (the router's step after the policy).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
+
 from pdserve.ledger.tetri import DecodeWorker, heavy_light_ratio_after, power_of_two_choice
+from pdserve.router import demand
+from pdserve.router.choice import Choice
+from pdserve.router.messages import RouteRequest
+from pdserve.router.policies import prefix_hits
+from pdserve.router.snapshot import Snapshot
 
 CHOICES = ("policy", "p2c")
 
@@ -41,6 +49,25 @@ def p2c_slot(names: Sequence[str], headroom: Sequence[int], need: Sequence[int],
         return min((a, b), key=lambda s: heavy[s] + light[s])  # equal mix (e.g. all light): the less loaded
     chosen = power_of_two_choice(workers[a], workers[b], request_heavy)
     return a if chosen is workers[a] else b
+
+
+def p2c_choice(snapshot: Snapshot, request: RouteRequest, choice: Choice, heavy_light: HeavyLight,
+               picks: tuple[int, int], block_size: int) -> Choice:
+    """Keep the policy's prefill slot and re-choose the decode slot by `p2c_slot` over the slots'
+    headroom, the request's decode hold at each (its visible hit there) and their heavy/light
+    routes. Colocated: the one worker is the decode worker, so both slots move."""
+    d = snapshot.decode
+    _, d_hit = prefix_hits(snapshot, request, block_size)
+    hit = [int(d_hit[s]) if isinstance(d_hit, np.ndarray) else int(d_hit) for s in range(len(d))]
+    need = [int(demand.decode_blocks(request, h, block_size)) for h in hit]
+    counts = [heavy_light.counts(w) for w in d.worker_ids]
+    slot = p2c_slot(list(d.worker_ids), [int(x) for x in d.headroom_blocks], need, [c[0] for c in counts],
+                    [c[1] for c in counts], request.heavy, picks)
+    if slot is None or slot == choice.decode_slot:
+        return choice
+    if snapshot.colocated:
+        return Choice(slot, slot, hit[slot], hit[slot])
+    return Choice(choice.prefill_slot, slot, choice.prefill_hit_blocks, hit[slot])
 
 
 class Sampler:

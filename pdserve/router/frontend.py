@@ -4,7 +4,8 @@ Contract: implements the API's `Backend`. One asyncio task receives every worker
 applies it; `submit` drives one request through its life cycle (messages.py):
     route (early rejection -> Rejection, no prefill work spent)
     disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
-        -> first token from P (TTFT) -> StartDecode at D -> tokens from D -> finish
+        (both sent by frontend_start.py) -> first token from P (TTFT) -> StartDecode at D
+        -> tokens from D -> finish
     colocated, or a local prefill (the router's P/D decision, router/pd_decision.py):
         Generate at W (the decode worker) -> tokens -> finish
 Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
@@ -28,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.router.admission_retry import ADMISSION_POLL_S, AdmissionRetry, CapacityShort, RouteLost, admission_waits
+from pdserve.router.admission_retry import ADMISSION_POLL_S, AdmissionRetry, admission_waits
 from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
 from pdserve.engine.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
@@ -40,13 +41,13 @@ from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.fetch_runner import FetchRunner
+from pdserve.router.frontend_start import start
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.workers import messages as m
 
-RESERVE_TIMEOUT_S = 10.0
 
 
 class ClusterBackend:
@@ -237,7 +238,7 @@ class ClusterBackend:
         while True:
             plan = await self._route(live, deadline)
             try:
-                await self._start(live, plan)
+                await start(self, live, plan)  # frontend_start.py
                 return
             except AdmissionRetry as retry:
                 self.release(live.req.request_id, completed=False)
@@ -277,69 +278,6 @@ class ClusterBackend:
 
     def _bytes_per_token(self) -> int:
         return next(iter(self.registered.values())).bytes_per_token if self.registered else 0
-
-    async def _start(self, live: InFlight, plan: RoutePlan) -> None:
-        req = live.req
-        await self.fetches.prepare(live, plan.prefill_id)  # the prefill worker gets a prefix it lacks
-        if not self._route_alive(plan):
-            raise RouteLost("worker_lost")
-        if not live.disaggregated:
-            live.owners = {plan.decode_id}
-            await self._send(plan.decode_id, m.Generate(req.request_id, req.prompt_ids, req.params, live.seed,
-                                                        grant_seq=plan.decode_hold.grant_seq))
-            return
-        if not self.router.handoff_enabled:  # rolled back: the router routes whole requests only
-            raise RouteLost("handoff_disabled")
-        live.generation = next(self._gen)
-        live.transfer_id = f"{req.request_id}/g{live.generation}"
-        reserved = await self._reserve(live, plan)
-        dest, src = self.registered[plan.decode_id], self.registered[plan.prefill_id]
-        same_host = dest.host_id == src.host_id and dest.shm_name is not None and self.transport != "tcp"
-        transfer = m.TransferPlan(
-            live.transfer_id, live.generation, m.FIRST_ATTEMPT, req.tenant, plan.decode_id, dest.epoch, reserved.reservation_id,
-            reserved.dest_blocks, reserved.num_visible_blocks, "shm" if same_host else "tcp",
-            tuple(dest.handoff_address), dest.shm_name, dest.num_blocks,
-        )
-        transfer = self.capabilities.issue(transfer, plan.prefill_id, src.epoch, dest.abi_hash, same_host and src.shm_name is not None,
-                                           dest.bytes_per_token * dest.block_size)
-        live.start_transfer(plan.prefill_id, plan.decode_id)
-        self.metrics.kv_transfer_attempts.inc()
-        grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0
-        if self.runahead is not None and await self.runahead.start(self, live, plan, transfer, grant):
-            return  # a KV-Runahead chain prefills it (router/runahead.py)
-        await self._send(plan.prefill_id, m.Prefill(req.request_id, req.prompt_ids, req.params, live.seed, transfer, grant))
-
-    async def _reserve(self, live: InFlight, plan: RoutePlan) -> m.Reserved:
-        req, src = live.req, self.registered[plan.prefill_id]
-        live.reserved = asyncio.get_running_loop().create_future()
-        t0 = time.monotonic()
-        await self._send(plan.decode_id, m.ReserveKv(req.request_id, live.transfer_id, live.generation, req.prompt_ids,
-                                                     req.params, plan.prefill_id, src.epoch, m.FIRST_ATTEMPT, req.tenant,
-                                                     plan.decode_hold.grant_seq, reserve_tokens=self.tetri.reserve_tokens(req)))
-        try:
-            reserved = await asyncio.wait_for(live.reserved, RESERVE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            reserved = None
-        live.note(reserve_wait_s=time.monotonic() - t0)
-        if not self._route_alive(plan):  # woken by the worker-loss path, or lost while the answer waited
-            await self._send(plan.decode_id, m.Abort(req.request_id, "route_lost"))  # a live D returns its blocks
-            raise RouteLost("worker_lost")
-        if reserved is None or not reserved.ok:
-            await self._send(plan.decode_id, m.Abort(req.request_id, "reservation_abandoned"))  # a late grant is returned
-            reason = "no_decode_capacity" if reserved is None else (reserved.reason or "no_decode_capacity")
-            if reason in ("no_kv_capacity", "no_decode_capacity"):
-                raise CapacityShort(reason)
-            self.metrics.early_rejections.labels(reason).inc()
-            raise InvalidRequest(f"decode worker refused the request: {reason}")
-        return reserved
-
-    def _route_alive(self, plan: RoutePlan) -> bool:
-        """Each worker the plan holds blocks on is still registered in the epoch of its hold."""
-        for hold in (plan.prefill_hold, plan.decode_hold):
-            reg = None if hold is None else self.registered.get(hold.worker_id)
-            if hold is not None and (reg is None or reg.epoch != hold.role_epoch):
-                return False
-        return True
 
     # ---- worker messages ------------------------------------------------------------------
     async def _send(self, worker_id: str, msg) -> bool:

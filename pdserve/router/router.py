@@ -36,13 +36,11 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
-from pdserve.router import demand, kernels
+from pdserve.router import kernels
 from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
-from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_slot
+from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
 from pdserve.router.messages import (
@@ -57,7 +55,7 @@ from pdserve.router.messages import (
 )
 from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
 from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
-from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal, prefix_hits
+from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.errors import UnknownWorkerError
 from pdserve.router.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
@@ -256,7 +254,7 @@ class Router:
     def _choose(self, snapshot: Snapshot, request: RouteRequest, name: str) -> RoutePlan | Refusal:
         choice = POLICIES[name](snapshot, request, self._context(name))
         if self.config.decode_choice == "p2c" and isinstance(choice, Choice):
-            choice = self._decode_by_p2c(snapshot, request, choice)
+            choice = p2c_choice(snapshot, request, choice, self._heavy_light, self._p2c.picks(), self.config.cost.block_size_tokens)
         return self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
 
     def set_mixed_offer(self, offer: MixedOffer) -> None:
@@ -347,23 +345,6 @@ class Router:
         if pd.disaggregate:
             return route_plan(snapshot, request, choice, cost, policy, holds, pd)
         return local_route_plan(snapshot, request, choice, cost, policy, holds[1], pd)
-
-    def _decode_by_p2c(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> Choice:
-        """`--decode-choice p2c`: keep the policy's prefill slot, re-choose the decode slot by
-        power-of-two choices on heavy/light load among the slots with room (decode_choice.py).
-        Colocated: the one worker is the decode worker, so both slots move."""
-        d, bs = snapshot.decode, self.config.cost.block_size_tokens
-        _, d_hit = prefix_hits(snapshot, request, bs)
-        hit = [int(d_hit[s]) if isinstance(d_hit, np.ndarray) else int(d_hit) for s in range(len(d))]
-        need = [int(demand.decode_blocks(request, h, bs)) for h in hit]
-        counts = [self._heavy_light.counts(w) for w in d.worker_ids]
-        slot = p2c_slot(list(d.worker_ids), [int(x) for x in d.headroom_blocks], need, [c[0] for c in counts],
-                        [c[1] for c in counts], request.heavy, self._p2c.picks())
-        if slot is None or slot == choice.decode_slot:
-            return choice
-        if snapshot.colocated:
-            return Choice(slot, slot, hit[slot], hit[slot])
-        return Choice(choice.prefill_slot, slot, choice.prefill_hit_blocks, hit[slot])
 
     def note_measured_tpot(self, worker_id: str, tpot_s: float) -> None:
         """The mean TPOT a worker's live requests have had so far (the frontend, per heartbeat)."""

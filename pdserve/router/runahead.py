@@ -130,7 +130,7 @@ class Runahead:
                                                live.seed, onward, grant if last else 0, stage))
 
     def _link_plan(self, backend, live, src_id: str, dest_id: str, answer: m.Reserved, stage: int) -> m.TransferPlan:
-        """The handoff plan of one chain link, signed like the route's own (frontend._start)."""
+        """The handoff plan of one chain link, signed like the route's own (frontend_start.start)."""
         dest, src = backend.registered[dest_id], backend.registered[src_id]
         same_host = dest.host_id == src.host_id and dest.shm_name is not None and backend.transport != "tcp"
         plan = m.TransferPlan(self._link_id(live, stage), live.generation, m.FIRST_ATTEMPT, live.req.tenant, dest_id,
