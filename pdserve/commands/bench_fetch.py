@@ -6,7 +6,11 @@ round, on a prefix of `nbytes` (default 24 MiB of the `small` geometry):
   handoff_inproc_gbps  HandoffSender -> HandoffListener/DecodeEndpoint: reserve -> publish
   fetch_gbps           FetchSide (holder, its cached blocks pinned) -> FetchSide (destination):
                        FetchReserve -> published and inserted into the destination's prefix cache
-  fetch_ratio          fetch_gbps / handoff_inproc_gbps (medians over rounds)
+  fetch_host_gbps      the same fetch from a holder whose prefix sits in its host tier (a shared
+                       segment): the destination reads the pinned host slots in place (issue 19 part 4)
+  fetch_memcpy_gbps    one np.copyto of the same bytes between two private buffers, same rounds
+  fetch_ratio          fetch_gbps / handoff_inproc_gbps; fetch_host_ratio fetch_host_gbps / fetch_gbps;
+  *_memcpy_ratio       fetch_gbps and fetch_host_gbps over fetch_memcpy_gbps (medians over rounds)
 No model runs: the holder's blocks hold random bytes registered under a prefix's chain hashes.
 """
 
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.host_tier import HostTier
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.destination import ReserveRequest
@@ -50,11 +55,13 @@ class _Node:
         self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=60.0)
         self.fetch: FetchSide | None = None
 
-    def fresh(self) -> None:
-        """An empty prefix cache and a new fetch side (the previous one's listener closed)."""
+    def fresh(self, host_blocks: int = 0) -> None:
+        """An empty prefix cache (and host tier) and a new fetch side (the previous one's listener closed)."""
         if self.fetch is not None:
             self.fetch.close()
         self.engine.blocks = BlockManager(self.pool.num_blocks, SMALL_ABI.block_size, IDENTITY.identity_hash)
+        if host_blocks:
+            self.engine.blocks.host = HostTier(self.pool, host_blocks)
         self.fetch = FetchSide(self)
 
     def send(self, msg) -> None:
@@ -78,6 +85,8 @@ class _Node:
     def close(self) -> None:
         if self.fetch is not None:
             self.fetch.close()
+        if self.engine.blocks is not None and self.engine.blocks.host is not None:
+            self.engine.blocks.host.close()
         self.pool.close(unlink=True)
 
 
@@ -89,6 +98,16 @@ def _fill_holder(holder: _Node, tokens: list[int]) -> None:
     for j, (block, h) in enumerate(zip(blocks, bm.hashes_for(tokens))):
         bm.register(block, h, tuple(tokens[j * bs:(j + 1) * bs]))
     bm.release(blocks)  # cached, unreferenced: what a finished request leaves behind
+    if bm.host is not None:  # demote the whole prefix: allocating every block evicts every cached one
+        bm.release(bm.allocate(bm.num_blocks))
+        if bm.host.num_used != len(blocks):
+            raise AssertionError(f"host tier holds {bm.host.num_used} of {len(blocks)} blocks")
+
+
+def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
 
 
 def _fetch_once(holder: _Node, dest: _Node, tokens: list[int], n: int) -> float:
@@ -137,21 +156,31 @@ def fetch_vs_handoff(runs: int, nbytes: int = 24 << 20) -> dict:
     """Medians over `runs` interleaved rounds (see the module docstring)."""
     n = -(-nbytes // SMALL_ABI.bytes_per_block)
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, 250, n * SMALL_ABI.block_size)]
-    holder, dest = _Node("h0", n), _Node("d0", n)
+    holder, host_holder, dest = _Node("h0", n), _Node("h1", n), _Node("d0", n)
     holder.fresh()
-    samples: dict[str, list[float]] = {"fetch": [], "handoff": []}
+    host_holder.fresh(host_blocks=n)
+    moved = n * SMALL_ABI.bytes_per_block
+    src, dst = np.ones(moved, dtype=np.uint8), np.zeros(moved, dtype=np.uint8)  # pages touched before timing
+    samples: dict[str, list[float]] = {"fetch": [], "handoff": [], "fetch_host": [], "memcpy": []}
     try:
         _fill_holder(holder, tokens)
+        _fill_holder(host_holder, tokens)
         for run in range(runs):
-            arms = (("fetch", _fetch_once), ("handoff", _handoff_once))
+            arms = (("fetch", lambda: _fetch_once(holder, dest, tokens, n)),
+                    ("fetch_host", lambda: _fetch_once(host_holder, dest, tokens, n)),
+                    ("handoff", lambda: _handoff_once(holder, dest, tokens, n)),
+                    ("memcpy", lambda: _memcpy_once(src, dst)))
             for name, once in arms if run % 2 == 0 else arms[::-1]:
-                samples[name].append(once(holder, dest, tokens, n))
+                samples[name].append(once())
+        if host_holder.engine.blocks.host.num_hits:
+            raise AssertionError("the host-tier holder promoted blocks: the arm did not read in place")
     finally:
-        holder.close()
-        dest.close()
-    moved = n * SMALL_ABI.bytes_per_block
-    fetch_gbps = moved / statistics.median(samples["fetch"]) / 1e9
-    handoff_gbps = moved / statistics.median(samples["handoff"]) / 1e9
-    return {"fetch_bytes": moved, "fetch_gbps": fetch_gbps, "handoff_inproc_gbps": handoff_gbps,
-            "fetch_ratio": fetch_gbps / handoff_gbps,
+        for node in (holder, host_holder, dest):
+            node.close()
+    gbps = {k: moved / statistics.median(v) / 1e9 for k, v in samples.items()}
+    return {"fetch_bytes": moved, "fetch_gbps": gbps["fetch"], "handoff_inproc_gbps": gbps["handoff"],
+            "fetch_host_gbps": gbps["fetch_host"], "fetch_memcpy_gbps": gbps["memcpy"],
+            "fetch_ratio": gbps["fetch"] / gbps["handoff"], "fetch_host_ratio": gbps["fetch_host"] / gbps["fetch"],
+            "fetch_memcpy_ratio": gbps["fetch"] / gbps["memcpy"],
+            "fetch_host_memcpy_ratio": gbps["fetch_host"] / gbps["memcpy"],
             "fetch_samples_ms": {k: [round(t * 1e3, 2) for t in v] for k, v in samples.items()}}
