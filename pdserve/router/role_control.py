@@ -133,7 +133,7 @@ def pool_signals(backend) -> PoolSignals | None:
             prompt[wid] = float(cost.queue_s(load.pending_prompt_tokens))
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
-            local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+            local[wid] = float(cost.at_decode_worker().queue_s(load.pending_prompt_tokens))  # at D's TP size
         elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
             local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
     return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
