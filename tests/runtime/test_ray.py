@@ -22,7 +22,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers.ray_launch import RayCluster, group_workers
 from pdserve.workers.tp_rank import TpShape
-from tests.runtime.conftest import WORKER_THREADS, prompt, wait_baseline
+from tests.runtime.conftest import WORKER_THREADS, wait_baseline
 from tests.runtime.test_tp_served import followers
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -52,10 +52,10 @@ def expected() -> list[tuple[int, ...]]:
     return [out.output_ids for out in engine.generate(prompts(), PARAMS)]
 
 
-async def collect(backend, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> tuple[int, ...]:
+async def collect(backend, rid: str, prompt: list[int]) -> tuple[int, ...]:
     tokens: list[int] = []
     finish = None
-    async for event in backend.submit(GenerationRequest(rid, tuple(prompt), params)):
+    async for event in backend.submit(GenerationRequest(rid, tuple(prompt), PARAMS)):
         if isinstance(event, ErrorEvent):
             raise AssertionError(f"{rid}: {event.code}: {event.message}")
         if isinstance(event, TokenEvent):
@@ -63,7 +63,7 @@ async def collect(backend, rid: str, prompt: list[int], params: SamplingParams =
         elif isinstance(event, FinishEvent):
             finish = event
     assert finish is not None and finish.finish_reason == "length"
-    assert finish.completion_tokens == len(tokens) == params.max_tokens
+    assert finish.completion_tokens == len(tokens) == PARAMS.max_tokens
     return tuple(tokens)
 
 
@@ -97,11 +97,31 @@ def assert_ray_released(timeout_s: float = RAY_SETTLE_S) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_disaggregated_on_ray_matches_in_process(ray_local, expected, transport):
+def test_disaggregated_on_ray_matches_in_process(ray_local, expected):
     config = ServeConfig(ray=True, mode="disaggregated", num_prefill=1, num_decode=1, engine=ENGINE,
-                         transport=transport, ray_pack_pairs=True, startup_timeout_s=60.0, pd_decision="always")
+                         transport="tcp", ray_pack_pairs=True, startup_timeout_s=60.0, pd_decision="always")
     assert asyncio.run(run_cluster(config, ray_local)) == expected
+
+
+def test_tp2_prefill_worker_on_ray_serves_the_tokens_of_tp1(ray_local):
+    """`--ray --prefill-tp 2` (transport auto): the prefill actor reserves 2 CPUs and runs one
+    follower rank; with a TP 1 decode actor it gives a TP 1 engine's greedy tokens (fp32); pools
+    end at baseline and every actor and bundle is released."""
+    fp32 = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=32 << 20)
+    reference = Engine(EngineConfig(model="tiny", dtype="float32", num_threads=WORKER_THREADS))
+    want = [out.output_ids for out in reference.generate(prompts(), PARAMS)]
+
+    async def check_ranks(backend, launcher):
+        assert launcher.impl.cpus == {"prefill-0": 2.0, "decode-0": 1.0}
+        assert [(c.engine.tp, c.engine.num_threads, c.engine.tp_cores, c.cpu_affinity)
+                for c in launcher.impl.configs.values()] == [(2, 1, (), ()), (1, 1, (), ())]  # unpinned
+        assert {w.id: w.tp for w in backend.workers()} == {"prefill-0": 2, "decode-0": 1}
+        assert len(followers(launcher.pid("prefill-0"))) == 1 and followers(launcher.pid("decode-0")) == []
+        await wait_baseline(backend)
+
+    config = ServeConfig(ray=True, mode="disaggregated", engine=fp32, tp=TpShape(prefill=2, decode=1), transport="auto",
+                         ray_pack_pairs=True, startup_timeout_s=90.0, pd_decision="always")
+    assert asyncio.run(run_cluster(config, ray_local, then=check_ranks)) == want
 
 
 def test_colocated_on_ray_matches_in_process_and_survives_a_killed_actor(ray_local, expected):
@@ -133,29 +153,3 @@ def test_pairs_share_a_strict_pack_group():
     ]
     assert group_workers(["colocated-0", "colocated-1"], pack_pairs=True) == [("PACK", ["colocated-0", "colocated-1"])]
 
-
-def test_tp2_prefill_worker_on_ray_serves_the_tokens_of_tp1(ray_local):
-    """`--ray --prefill-tp 2`: the prefill actor reserves 2 CPUs, runs one follower rank and, with
-    a TP 1 decode actor, gives a TP 1 engine's greedy tokens (fp32); pools end at baseline."""
-    fp32 = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=32 << 20)
-    reference = Engine(EngineConfig(model="tiny", dtype="float32", num_blocks=256, num_threads=1))
-    cases = [prompt(n, 90 + n) for n in (20, 300)]
-    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-
-    async def main():
-        config = ServeConfig(ray=True, mode="disaggregated", engine=fp32, tp=TpShape(prefill=2, decode=1),
-                             transport="auto", ray_pack_pairs=True, startup_timeout_s=90.0, pd_decision="always")
-        async with cluster(config) as (backend, launcher):
-            assert launcher.impl.cpus == {"prefill-0": 2.0, "decode-0": 1.0}
-            assert [(c.engine.tp, c.engine.num_threads, c.engine.tp_cores, c.cpu_affinity)
-                    for c in launcher.impl.configs.values()] == [(2, 1, (), ()), (1, 1, (), ())]  # unpinned
-            assert {w.id: w.tp for w in backend.workers()} == {"prefill-0": 2, "decode-0": 1}
-            assert len(followers(launcher.pid("prefill-0"))) == 1 and followers(launcher.pid("decode-0")) == []
-            runs = (collect(backend, f"tp{i}", p, greedy) for i, p in enumerate(cases))
-            outputs = await asyncio.wait_for(asyncio.gather(*runs), REQUESTS_TIMEOUT_S)
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
-        assert_ray_released()
-        return outputs
-
-    assert asyncio.run(main()) == [reference.generate([list(p)], greedy)[0].output_ids for p in cases]
