@@ -1,7 +1,7 @@
 """Prefix fetches that read a holder's host tier in place (workers/fetch_holder.py, issue 19
 part 4), between in-process fetch sides over real sockets, the shm pull transport and
 capabilities: host slots fetched in place land bitwise equal to the same prefix fetched from a
-holder's device pool (and to a recompute) with no promotion at the holder; the tier's eviction
+holder's device pool (and to a recompute) with no promotion at the holder, over shm pull and TCP; the tier's eviction
 is held off while a fetch pins its slots and takes them after release; an expired lease unpins
 and the fetch fails cleanly to recompute; a holder that dies mid-read leaves pools, pins and
 credits at baseline and the request recomputes the same tokens; a capability for one slot set
@@ -101,7 +101,7 @@ def put_in_host(holder: HostNode, history, tenant="default") -> None:
     assert all(h in holder.host.lru and h not in holder.engine.blocks.cached for h in hashes)
 
 
-def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None) -> tuple:
+def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None, transport="shm") -> tuple:
     """What the router does (router/fetch_runner.py): reserve and pin, then serve a plan naming
     the pinned (segment, slot) pairs, its capability binding them (or `bind`, a wrong set)."""
     n = len(ids) // BS
@@ -112,9 +112,9 @@ def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None)
     assert reserved.ok and pinned.ok, (reserved, pinned)
     slots = tuple(pinned.src_slots[reserved.num_visible_blocks:])
     plan = m.TransferPlan(fid, 1, m.FIRST_ATTEMPT, tenant, dest.id, dest.epoch, reserved.reservation_id,
-                          reserved.dest_blocks, reserved.num_visible_blocks, "shm", dest.fetch.address,
+                          reserved.dest_blocks, reserved.num_visible_blocks, transport, dest.fetch.address,
                           dest.engine.pool.shm_name, dest.engine.pool.num_blocks, src_slots=bind or slots)
-    plan = issuer.issue(plan, holder.id, holder.epoch, dest.engine.abi.abi_hash, True, BPB, holder.segments)
+    plan = issuer.issue(plan, holder.id, holder.epoch, dest.engine.abi.abi_hash, transport == "shm", BPB, holder.segments)
     if bind is not None:
         plan = msgspec.structs.replace(plan, src_slots=slots)  # the plan names the pins; the capability does not
     return prefix, plan, pinned
@@ -168,6 +168,20 @@ def test_host_slots_read_in_place_land_bitwise_as_the_device_pool_path(issuer, m
     turn2 = history + prompt(30, 2)
     out = dest.engine.generate([turn2], PARAMS)[0]
     assert out.num_cached_tokens == 96 and out.output_ids == Engine(TINY).generate([turn2], PARAMS)[0].output_ids
+    baseline(holder, dest)
+
+
+def test_over_tcp_the_holder_sends_host_slots_in_place(issuer, made):
+    history = prompt(100, 3)
+    holder = holder_with_host_history(issuer, made, history)
+    dest = HostNode("d", issuer)
+    made.append(dest)
+    prefix, plan, _ = plan_fetch(issuer, holder, dest, history, transport="tcp")
+    slots = [holder.host.lru[h][0] for h in holder.engine.blocks.hashes_for(history)[:6]]
+    serve(holder, prefix, plan)
+    assert all(finished.published for finished in finish(holder, dest))
+    assert all(torch.equal(a, b) for a, b in zip(fetched(dest, history, 6), holder.host.pool.tensor[:, :, slots].unbind(2)))
+    assert (holder.host.num_hits, holder.host.num_inplace_reads) == (0, 6)
     baseline(holder, dest)
 
 
