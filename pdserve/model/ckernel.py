@@ -9,7 +9,9 @@ ignored and each call runs on one thread). The shared object is cached under
 ~/.cache/pdserve/ (or $PDSERVE_CACHE_DIR), keyed by source, flags and the CPU's model and
 features, so a machine of another kind (AVX2-only vs AVX-512) builds its own: `-march=native`
 selects the instruction set at build time on the machine that runs it. `load(name, march=...)`
-builds for another target (tests build `x86-64-v3`, AVX2 without AVX-512, to check that path).
+builds for another target, as does $PDSERVE_MARCH for a whole process (tests build `x86-64-v3`,
+AVX2 and FMA without AVX-512, to check that path on an AVX-512 machine; the kernel modules ask
+`default_march()` at each call, so a test may swap it).
 -ffast-math is a compile-time flag only: linking a shared object with it would switch the whole
 process to flush-to-zero; `SOURCE_FLAGS` turns it off for sources that must round as written.
 """
@@ -66,20 +68,35 @@ def _build(cc: str, source: Path, march: str, out: Path) -> None:
         os.replace(staged, out)  # atomic: concurrent builders leave one complete file
 
 
-@lru_cache(maxsize=None)
-def load(name: str, march: str = "native") -> ctypes.CDLL | None:
-    """csrc/<name>.c built for `march` (cached), or None without a working C compiler."""
-    cc = compiler()
-    if cc is None:
-        return None
+@lru_cache(maxsize=1)
+def default_march() -> str:
+    """`-march=` of the engine's builds: native, or $PDSERVE_MARCH as the process found it."""
+    return os.environ.get("PDSERVE_MARCH", "native")
+
+
+def load(name: str, march: str | None = None) -> ctypes.CDLL | None:
+    """csrc/<name>.c built for `march` (default: default_march(); cached), or None without a working C compiler."""
+    return _load(name, march or default_march())
+
+
+def library_path(name: str, march: str) -> Path:
+    """Where the shared object of csrc/<name>.c for `march` is cached on this machine."""
     source = CSRC / f"{name}.c"
     report = cpu_report()
     key = hashlib.sha256(source.read_bytes() + " ".join(flags(march, name) + BUILD_VERSION).encode()
                          + f"{report['model']}|{sorted(report['features'].items())}".encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{key}.so"
+    return cache_dir() / f"{name}-{key}.so"
+
+
+@lru_cache(maxsize=None)
+def _load(name: str, march: str) -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        return None
+    path = library_path(name, march)
     try:
         if not path.exists():
-            _build(cc, source, march, path)
+            _build(cc, CSRC / f"{name}.c", march, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -4,7 +4,9 @@ Contract: `LlamaModel.forward` takes the flat rows of one engine step (token ids
 `AttnMetadata`), writes each layer's new K/V rows into the pool *before* attending, and returns
 logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `transformers`:
 RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP; Qwen3's
-per-head q/k RMSNorm runs before RoPE, as transformers' does.
+per-head q/k RMSNorm runs before RoPE, as transformers' does. The residual adds, the norms and
+RoPE run as model/glue.py's C passes where it is built (RoPE and the adds bit for bit the eager
+formulas; a norm's sum of squares in an order of its own).
 
 Weights are rounded to the storage dtype and held in the compute dtype (see `numerics`); every
 matmul goes through `numerics.linear` under the product plan chosen at load
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
-from pdserve.model import skinny
+from pdserve.model import glue, skinny
 from pdserve.model.numerics import Weight, choose_plan, linear, prepare
 
 
@@ -57,11 +59,7 @@ def _product_shapes(state: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ..
     return tuple(sorted(fused | ({tuple(head.shape)} if head is not None else set())))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., d] -> [..., d] normalised over the last axis; the reduction runs in fp32, as transformers does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+rms_norm = glue.rms_norm_eager  # x: [..., d] -> [..., d]; the reduction in fp32, as transformers does
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,28 +149,42 @@ class LlamaModel:
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """-> logits [R, V] in fp32."""
-        cfg = self.config
-        x = self.embed[token_ids]  # [T, d]
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin, meta, kv[i])
+        cfg, eps, layers = self.config, self.config.rms_norm_eps, self.layers
+        x = self.embed[token_ids]  # [T, d], a copy: the residual stream, updated in place
+        rope = (positions, None, None)
+        if cfg.qk_norm or not glue.available():  # the eager RoPE's per-row tables
+            rope = (positions, self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        h = glue.add_rms_norm(x, None, layers[0].input_norm, eps)  # [T, d]
+        for i, layer in enumerate(layers):
+            a = self._attention(layer, h, rope, meta, kv[i])
             if layer_hook is not None:
                 layer_hook(i)
-            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
-        x = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)  # [R, d]
+            h = glue.add_rms_norm(x, a, layer.post_norm, eps)  # x += a; h = norm(x)
+            m = self._mlp(layer, h)
+            if i + 1 < len(layers):
+                h = glue.add_rms_norm(x, m, layers[i + 1].input_norm, eps)
+            else:
+                x = x + m
+        x = glue.add_rms_norm(x[logits_rows], None, self.final_norm, eps)  # [R, d]
         return linear(x, self.lm_head, skinny_rows=self.skinny).float()  # [R, V]
 
-    def _attention(self, layer: LayerWeights, h: torch.Tensor, cos, sin, meta: AttnMetadata, kv_layer: torch.Tensor):
+    def _attention(self, layer: LayerWeights, h: torch.Tensor, rope, meta: AttnMetadata, kv_layer: torch.Tensor):
+        """rope: (positions [T], cos [T, 1, D] | None, sin_rot [T, 1, D] | None); None tables: RoPE in glue.rope_."""
         cfg = self.config
         num_rows, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, cfg.head_dim
+        positions, cos, sin = rope
         qkv = linear(h, layer.wqkv, layer.bqkv, self.skinny)  # [T, (H_q + 2 H_kv) * D]
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's D values, before RoPE
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k = q.view(num_rows, hq, d), k.view(num_rows, hkv, d)  # [T, H_q, D], [T, H_kv, D]
             q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif cos is None and glue.rope_(qkv, hq + hkv, d, positions, self.rope_cos, self.rope_sin):
+            q = qkv[:, :hq * d].view(num_rows, hq, d)  # rotated in place: [T, H_q, D]
+            k = qkv[:, hq * d:(hq + hkv) * d].view(num_rows, hkv, d)  # [T, H_kv, D]
         else:  # one RoPE pass over the query and key heads together (adjacent columns of qkv)
+            if cos is None:
+                cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             qk = apply_rope(qkv[:, :(hq + hkv) * d].view(num_rows, hq + hkv, d), cos, sin)  # [T, H_q + H_kv, D]
             q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d:].reshape(num_rows, hkv, d)

@@ -45,14 +45,18 @@ _POOL_DTYPES = (torch.float32, torch.bfloat16)
 _I64 = ctypes.c_int64
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = ckernel.load("paged_decode")
+    return _bound(ckernel.default_march())
+
+
+@lru_cache(maxsize=None)
+def _bound(march: str) -> ctypes.CDLL | None:
+    lib = ckernel.load("paged_decode", march)
     if lib is None:
         return None
     lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p,
-                                                         ctypes.c_void_p] + [_I64] * 9 + [ctypes.c_int]
+    lib.paged_decode.argtypes = [ctypes.c_void_p, _I64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p] + [_I64] * 9 + [ctypes.c_int]
     lib.paged_decode_openmp.restype = ctypes.c_int
     return lib
 
@@ -118,18 +122,24 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     if not (dense_heads(cache_k) and cache_v.stride() == cache_k.stride()):
         raise ValueError("decode_attention reads the pool in place: each key row's [H_kv, D] must be contiguous, "
                          "with the same strides in cache_k and cache_v")
-    qf = q.detach().float().contiguous()  # [Bd, H_q, D]
-    tables = block_tables.to(torch.int64).contiguous()  # [Bd, M]
-    lens = context_lens.to(torch.int64).contiguous()  # [Bd]
-    out = torch.empty(qf.shape, dtype=torch.float32)  # [Bd, H_q, D]
+    qf = q.detach()  # bf16 rows are widened in C (and the result rounded back), read at their row stride
+    if qf.dtype != torch.bfloat16 or qf.stride(2) != 1 or qf.stride(1) != head_dim:
+        qf = qf.float().contiguous()  # [Bd, H_q, D]
+    tables = block_tables if block_tables.dtype == torch.int64 and block_tables.is_contiguous() else \
+        block_tables.to(torch.int64).contiguous()  # [Bd, M]
+    lens = context_lens if context_lens.dtype == torch.int64 and context_lens.is_contiguous() else \
+        context_lens.to(torch.int64).contiguous()  # [Bd]
+    out = torch.empty(qf.shape, dtype=qf.dtype)  # [Bd, H_q, D], contiguous
+    q_bf16 = int(qf.dtype == torch.bfloat16)
     max_len = tables.shape[1] * block_size  # sizes the score scratch; no per-call sync on lens.max()
     threads = max(1, min(torch.get_num_threads(), rows))
     inner = threads if openmp() else 1  # OpenMP threads inside one call, else one Python thread per cut
     cuts = [0, rows] if inner > 1 else [rows * k // threads for k in range(threads + 1)]
-    calls = [(qf.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), int(cache_k.dtype == torch.bfloat16),
+    calls = [(qf.data_ptr(), qf.stride(0), q_bf16, cache_k.data_ptr(), cache_v.data_ptr(),
+              int(cache_k.dtype == torch.bfloat16),
               tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), cuts[k], cuts[k + 1], max_len,
               block_size, cache_k.stride(0), cache_k.stride(1), num_kv_heads, head_dim, num_q_heads, inner)
              for k in range(len(cuts) - 1) if cuts[k + 1] > cuts[k]]
     with torch.profiler.record_function("pdserve::paged_decode"):  # named in profiles (not an aten op)
         _run(calls)
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -32,9 +32,13 @@ from pdserve.model import ckernel, paged_decode
 _I64 = ctypes.c_int64
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = ckernel.load("paged_prefill")
+    return _bound(ckernel.default_march())
+
+
+@lru_cache(maxsize=None)
+def _bound(march: str) -> ctypes.CDLL | None:
+    lib = ckernel.load("paged_prefill", march)
     if lib is None:
         return None
     lib.paged_prefill.restype = ctypes.c_int

@@ -140,3 +140,14 @@ def test_a_tp_ranks_head_slice_reads_the_strided_pool_bitwise(dtype):
         assert not ks.is_contiguous()
         got = paged_decode.decode_attention(q[:, 6 * rank:6 * rank + 6].contiguous(), ks, vs, tables, ctx)
         assert torch.equal(got, full[:, 6 * rank:6 * rank + 6])
+
+
+def test_bf16_query_rows_are_read_in_place_at_their_stride():
+    """The model's queries are a view of the fused q|k|v rows: read at that stride, bf16 in and out,
+    the same bits as the contiguous fp32 query's result rounded."""
+    q, k, v, tables, ctx = _setup(torch.bfloat16, [3, 40, 17], head_dim=64)
+    wide = torch.randn(3, 10, 64).bfloat16()  # [Bd, H_q + 4, D]: 6 query heads, then other columns
+    wide[:, :6] = q.bfloat16()
+    got = paged_decode.decode_attention(wide[:, :6], k, v, tables, ctx)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, paged_decode.decode_attention(wide[:, :6].float().contiguous(), k, v, tables, ctx).bfloat16())

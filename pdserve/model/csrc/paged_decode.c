@@ -133,22 +133,34 @@ static void one_row(const float *q, const void *ck, const void *cv, int bf16, co
     else one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, hk, d, g, scores, tile, out, d / 16);
 }
 
+/* fp32 -> bf16 bits, round to nearest even, NaN to 0x7fc0: torch's conversion (integer arithmetic,
+   so -ffast-math cannot change it) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* Rows [start, stop) of the call, split over `threads` OpenMP threads when built with -fopenmp
-   (each row is one thread's alone, so a row's bits do not depend on the split); returns 0, -1
-   when scratch cannot be allocated, -2 for a D that is not a multiple of 16 or above 256. */
-int paged_decode(const float *q, const void *cache_k, const void *cache_v, int bf16,
-                 const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
+   (each row is one thread's alone, so a row's bits do not depend on the split); q and out are
+   fp32, or bf16 bits when q_bf16, query row r at q + r * q_stride (widened exactly on the way in, rounded to nearest even on the
+   way out: the fp32 query's result rounded). Returns 0, -1 when scratch cannot be allocated, -2
+   for a D that is not a multiple of 16 or above 256. */
+int paged_decode(const void *q, int64_t q_stride, int q_bf16, const void *cache_k, const void *cache_v, int bf16,
+                 const int64_t *tables, int64_t table_stride, const int64_t *lens, void *out,
                  int64_t start, int64_t stop, int64_t max_len,
                  int64_t block_size, int64_t block_stride, int64_t row_stride,
                  int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS) return -2;
-    const int64_t g = num_q_heads / num_kv_heads;
+    const int64_t g = num_q_heads / num_kv_heads, width = num_q_heads * head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
         v16f *tile = aligned_alloc(64, sizeof(v16f) * (size_t)(block_size * num_kv_heads * head_dim / 16));
-        failed = scores == NULL || tile == NULL;
+        float *qrow = malloc(sizeof(float) * (size_t)width), *orow = malloc(sizeof(float) * (size_t)width);
+        failed = scores == NULL || tile == NULL || qrow == NULL || orow == NULL;
         int nt = 1, id = 0;
 #ifdef _OPENMP
         nt = omp_get_num_threads();
@@ -156,12 +168,27 @@ int paged_decode(const float *q, const void *cache_k, const void *cache_v, int b
 #endif
         /* the same contiguous cuts as a static schedule, without depending on the runtime's */
         const int64_t first = start + (stop - start) * id / nt, last = start + (stop - start) * (id + 1) / nt;
-        for (int64_t r = first; r < last && !failed; r++)
-            one_row(q + r * num_q_heads * head_dim, cache_k, cache_v, bf16, tables + r * table_stride, lens[r],
-                    block_size, block_stride, row_stride, num_kv_heads, head_dim, g, scores, tile,
-                    out + r * num_q_heads * head_dim);
+        for (int64_t r = first; r < last && !failed; r++) {
+            const float *qr = (const float *)q + r * q_stride;
+            float *or = (float *)out + r * width;
+            if (q_bf16) {
+                const uint16_t *qh = (const uint16_t *)q + r * q_stride;
+                for (int64_t i = 0; i < width; i++) {
+                    const uint32_t u = (uint32_t)qh[i] << 16;
+                    memcpy(qrow + i, &u, sizeof u);
+                }
+                qr = qrow;
+                or = orow;
+            }
+            one_row(qr, cache_k, cache_v, bf16, tables + r * table_stride, lens[r], block_size, block_stride,
+                    row_stride, num_kv_heads, head_dim, g, scores, tile, or);
+            if (q_bf16)
+                for (int64_t i = 0; i < width; i++) ((uint16_t *)out)[r * width + i] = to_bf16(orow[i]);
+        }
         free(scores);
         free(tile);
+        free(qrow);
+        free(orow);
     }
     return failed ? -1 : 0;
 }

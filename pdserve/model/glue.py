@@ -1,0 +1,96 @@
+"""A decoder layer's elementwise glue: residual add + RMSNorm and RoPE, one C pass each (eager
+torch where no C compiler works).
+
+Why: an eager layer ran ~35 torch operators (RMSNorm alone is eight: float, pow, mean, add, rsqrt,
+mul, to, mul), ~600 per decode step, each a dispatch plus a pass over memory; at decode @1 they
+cost ~4 ms of a ~20 ms step (docs/engine_speed.md). `csrc/glue.c` does each in one call.
+
+Contract (bf16 or fp32 activations, [T, d] contiguous):
+- `add_rms_norm(x, delta, weight, eps)` adds delta into x in place (the residual, rounded as torch's
+  add) and returns weight * RMSNorm(x) with the reduction in fp32 and the normalised value rounded
+  to x's dtype before the weight, as transformers' LlamaRMSNorm; `delta=None` only normalises.
+  The sum of squares runs in a fixed order of the row's own (not torch's), so the norm may
+  differ from eager torch in the last bit of the fp32 scale (never within one machine between
+  rows, batches or thread counts: a row's result depends on the row alone).
+- `rope_(qkv, heads, head_dim, positions, cos, sin_rot)` rotates the first `heads` heads of
+  every row of qkv [T, W] in place: bit for bit `x * cos + roll(x, D/2) * sin_rot` in eager torch
+  (see llama.apply_rope), each product and the sum rounded to the dtype as torch rounds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from pdserve.model import ckernel, paged_decode
+
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+PARALLEL_ROWS = 64  # fewer rows run on the calling thread (an OpenMP region costs more than the work)
+
+
+def _library() -> ctypes.CDLL | None:
+    return _bound(ckernel.default_march())
+
+
+@lru_cache(maxsize=None)
+def _bound(march: str) -> ctypes.CDLL | None:
+    lib = ckernel.load("glue", march)
+    if lib is None:
+        return None
+    lib.glue_add_rms_norm.restype = None
+    lib.glue_add_rms_norm.argtypes = [_P] * 4 + [_I64, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.glue_rope.restype = None
+    lib.glue_rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _threads(rows: int) -> int:
+    return torch.get_num_threads() if rows >= PARALLEL_ROWS and paged_decode.openmp() else 1  # not in a forked child
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in (torch.float32, torch.bfloat16) and t.is_contiguous() for t in tensors) and available()
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., d] -> [..., d]; transformers' formula in torch operators (the fallback and Qwen3's q/k norms)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, d] (updated in place by delta [T, d] when given); weight: [d] -> [T, d]."""
+    if delta is not None:
+        delta = delta.contiguous()  # a tiled product's output may be a strided view
+    parts = (x, weight) if delta is None else (x, delta, weight)
+    if x.dim() != 2 or not _fits(*parts) or len({t.dtype for t in parts}) != 1:
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm_eager(x, weight, eps)
+    out = torch.empty_like(x)
+    rows, d = x.shape
+    _library().glue_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                 out.data_ptr(), rows, d, eps, int(x.dtype == torch.bfloat16), _threads(rows))
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin_rot: torch.Tensor) -> bool:
+    """qkv: [T, W] with stride(1) == 1; positions: [T] int64; cos, sin_rot: [P, D] tables in qkv's
+    dtype. Rotates in place and returns True, or returns False (nothing done) where the C glue
+    cannot take these tensors."""
+    if not (qkv.dim() == 2 and qkv.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+            and _fits(cos, sin_rot) and qkv.dtype == cos.dtype == sin_rot.dtype):
+        return False
+    _library().glue_rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, positions.data_ptr(),
+                         cos.data_ptr(), sin_rot.data_ptr(), int(qkv.dtype == torch.bfloat16),
+                         _threads(qkv.shape[0]))
+    return True
