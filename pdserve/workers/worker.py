@@ -41,6 +41,7 @@ from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.fetch import FetchSide
+from pdserve.workers.heartbeat import heartbeat, heartbeat_loop
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
 from pdserve.workers.runahead_side import ChainBroken, RunaheadSide
@@ -99,7 +100,7 @@ class Worker:
         self.sock.connect(config.router_address)
         self.running = True
         self.applied_grant_seq = 0
-        self._last_integrity = True
+        self._last_integrity = True  # the pool check's last verdict (heartbeat.integrity_ok)
         self.leases = LeaseTable(config.lease_s)
         self.leases_reclaimed = 0
         self._next_lease_check = 0.0
@@ -125,65 +126,13 @@ class Worker:
             host_shm_name=eng.blocks.host.shm_name if eng.blocks.host is not None else None,
         ))
 
-    def _heartbeat_loop(self) -> None:
-        """Heartbeats from their own thread and socket: a long step never makes a worker look dead."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.id}#hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.config.router_address)
-        parent = os.getppid()
-        while self.running:
-            sock.send(m.encode(self.heartbeat()))
-            time.sleep(self.config.heartbeat_s)
-            if self.config.exit_with_parent and os.getppid() != parent:
-                log.warning("worker %s: router process is gone, exiting", self.id)
-                self.running = False
-        sock.close()
-
     def heartbeat(self) -> m.Heartbeat:
-        with self.lock:
-            eng = self.engine
-            running = eng.scheduler.running
-            local_prefills, local_tokens = self.local_prefills.load(eng)
-            load = m.Load(
-                pending_prompt_tokens=eng.scheduler.num_pending_prompt_tokens,
-                active_decode=sum(1 for s in running if s.is_decoding),
-                num_running=len(running) + len(eng.scheduler.waiting),
-                free_blocks=eng.blocks.num_free - eng.blocks.num_reserved,  # reserved growth is not free to route to
-                reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
-                applied_grant_seq=self.applied_grant_seq,
-                num_blocks=eng.pool.num_blocks,
-                integrity_ok=self._integrity_ok(),
-                leases_expired=self.leases_reclaimed,
-                local_prefills=local_prefills,
-                local_prefill_tokens=local_tokens,
-                role_state=self.roles.state.value,
-                num_preemptions=eng.scheduler.num_preemptions,
-                num_priority_preemptions=eng.scheduler.num_priority_preemptions,
-                cached_blocks=len(eng.blocks.evictable),
-                **host_tier_load(eng.blocks.host),
-            )
-            kv = eng.blocks.kv_report(resync=self.kv_resync_wanted)  # block events since the last beat
-            self.kv_resync_wanted, epoch = False, self.epoch  # the epoch these events belong to
-        return m.Heartbeat(self.id, epoch, load, kv)
-
-    def _integrity_ok(self) -> bool:
-        """The pool check walks every block, so it runs only while the engine is idle (when the
-        pool must be at rest anyway); a busy worker reports its last verdict."""
-        if self.engine.has_unfinished():
-            return self._last_integrity
-        try:
-            self.engine.check_integrity()
-            self._last_integrity = True
-        except AssertionError as exc:
-            log.error("worker %s: pool integrity check failed: %s", self.id, exc)
-            self._last_integrity = False
-        return self._last_integrity
+        return heartbeat(self)  # heartbeat.py
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> None:
         self.register()
-        threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat").start()
+        threading.Thread(target=heartbeat_loop, args=(self,), daemon=True, name="heartbeat").start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while self.running:
@@ -381,15 +330,6 @@ class Worker:
         self.engine.pool.close(unlink=True)
         if self.engine.blocks.host is not None:
             self.engine.blocks.host.close()  # its shared segment too
-
-
-def host_tier_load(host) -> dict:
-    """The host tier's Load fields (none without a tier)."""
-    if host is None:
-        return {}
-    return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
-            "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s,
-            "host_pinned": host.num_pinned, "host_inplace_reads": host.num_inplace_reads}
 
 
 def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:

@@ -1,0 +1,93 @@
+"""What a worker tells the router every `heartbeat_s` (split out of worker.py; each function takes
+the `Worker`).
+
+Contract: `heartbeat_loop` sends from its own thread and socket, so a long engine step never
+makes a worker look dead, and ends the process's serving when the router process is gone
+(`exit_with_parent`). `heartbeat` reads, under the worker's lock, its load (queue, batch, free
+and reserved blocks, the last applied grant, lease reclaims, local prefills, preemptions, the
+host tier's counters) and its prefix cache's block events since the last beat
+(engine/kv_events.py; the whole key set when the router asked for a resync or an epoch begins).
+`integrity_ok` runs the pool check only while the engine is idle and reports the last verdict
+while it is busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from pdserve.workers import messages as m
+
+log = logging.getLogger("pdserve.worker")
+
+
+def heartbeat_loop(worker) -> None:
+    """Heartbeats from their own thread and socket: a long step never makes a worker look dead."""
+    sock = worker.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{worker.id}#hb".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker.config.router_address)
+    parent = os.getppid()
+    while worker.running:
+        sock.send(m.encode(heartbeat(worker)))
+        time.sleep(worker.config.heartbeat_s)
+        if worker.config.exit_with_parent and os.getppid() != parent:
+            log.warning("worker %s: router process is gone, exiting", worker.id)
+            worker.running = False
+    sock.close()
+
+
+def heartbeat(worker) -> m.Heartbeat:
+    """One heartbeat: the load, and the prefix cache's block events since the last one (the
+    whole key set when a resync is wanted), under the epoch they belong to."""
+    with worker.lock:
+        eng = worker.engine
+        running = eng.scheduler.running
+        local_prefills, local_tokens = worker.local_prefills.load(eng)
+        load = m.Load(
+            pending_prompt_tokens=eng.scheduler.num_pending_prompt_tokens,
+            active_decode=sum(1 for s in running if s.is_decoding),
+            num_running=len(running) + len(eng.scheduler.waiting),
+            free_blocks=eng.blocks.num_free - eng.blocks.num_reserved,  # reserved growth is not free to route to
+            reserved_blocks=eng.blocks.num_reserved + sum(len(r.block_ids) for r in eng.imports.values()),
+            applied_grant_seq=worker.applied_grant_seq,
+            num_blocks=eng.pool.num_blocks,
+            integrity_ok=integrity_ok(worker),
+            leases_expired=worker.leases_reclaimed,
+            local_prefills=local_prefills,
+            local_prefill_tokens=local_tokens,
+            role_state=worker.roles.state.value,
+            num_preemptions=eng.scheduler.num_preemptions,
+            num_priority_preemptions=eng.scheduler.num_priority_preemptions,
+            cached_blocks=len(eng.blocks.evictable),
+            **host_tier_load(eng.blocks.host),
+        )
+        kv = eng.blocks.kv_report(resync=worker.kv_resync_wanted)  # block events since the last beat
+        worker.kv_resync_wanted, epoch = False, worker.epoch  # the epoch these events belong to
+    return m.Heartbeat(worker.id, epoch, load, kv)
+
+
+def integrity_ok(worker) -> bool:
+    """The pool check walks every block, so it runs only while the engine is idle (when the
+    pool must be at rest anyway); a busy worker reports its last verdict."""
+    if worker.engine.has_unfinished():
+        return worker._last_integrity
+    try:
+        worker.engine.check_integrity()
+        worker._last_integrity = True
+    except AssertionError as exc:
+        log.error("worker %s: pool integrity check failed: %s", worker.id, exc)
+        worker._last_integrity = False
+    return worker._last_integrity
+
+
+def host_tier_load(host) -> dict:
+    """The host tier's Load fields (none without a tier)."""
+    if host is None:
+        return {}
+    return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
+            "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s,
+            "host_pinned": host.num_pinned, "host_inplace_reads": host.num_inplace_reads}
