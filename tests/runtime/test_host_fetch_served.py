@@ -28,20 +28,25 @@ def test_second_turn_reads_the_holders_host_tier_in_place():
     async def main():
         cfg = config(mode="colocated", replicas=2, policy="round_robin", engine=engine)
         async with cluster(cfg) as (backend, _):
-            first, _ = await collect(backend, "t1", HISTORY, PARAMS)  # on colocated-0
-            for i in range(6):  # 3 x 150 tokens on each worker: colocated-0 demotes the history
+            first, _ = await collect(backend, "t1", HISTORY, PARAMS)  # on one worker, the holder
+            for i in range(6):  # 3 x 150 tokens on each worker: the holder demotes the history
                 await collect(backend, f"other{i}", prompt(150, 40 + i), PARAMS)
             keys = backend._block_hashes(HISTORY)
             await until(lambda: all(backend.router.kv_holders(k) and all(loc.tier == KvTier.HOST
                                                                        for loc in backend.router.kv_holders(k))
                                     for k in keys), timeout_s=10)
+            holder = backend.router.kv_holders(keys[0])[0].worker_id
+
+            def holder_load() -> dict:  # its /workers row (rows follow registration order)
+                return next(w.load for w in backend.workers() if w.id == holder)
+
             turn2 = HISTORY + tuple(first) + prompt(20, 12)
-            second, _ = await collect(backend, "t2", turn2, PARAMS)  # on colocated-1
+            second, _ = await collect(backend, "t2", turn2, PARAMS)  # on the other worker
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
-            await until(lambda: backend.workers()[0].load["kv_tiers"]["host"]["inplace_reads"] > 0, timeout_s=10)
+            await until(lambda: holder_load()["kv_tiers"]["host"]["inplace_reads"] > 0, timeout_s=10)
             lines = {line["request_id"]: line for line in backend.trace.recent}
-            return first, second, lines["t2"], backend.workers()[0].load, backend.metrics_text().decode(), turn2
+            return first, second, lines["t2"], holder_load(), backend.metrics_text().decode(), turn2
 
     first, second, t2, load, text, turn2 = asyncio.run(main())
     assert (t2["fetch"], t2["fetch_remote_blocks"], t2["fetch_landed_blocks"]) == ("fetch", 6, 6)
