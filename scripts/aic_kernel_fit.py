@@ -11,7 +11,7 @@ for one aiconfigurator system (`a100_sxm` -> a100-80g.json, `h100_sxm` -> h100.j
 - attention: the same curve form fitted to vLLM's measured flash-attention kernels of one layer
   (bf16 K/V, no window), one curve for context (causal prefill: F = 4 * pairs * heads * d_head,
   W = the K/V written and read) and one for generation (decode: F the same per visible token,
-  W = the K/V read);
+  W = the K/V read, with a bandwidth that ramps with W as the compute side does with F);
 - allreduce_us: NCCL's measured all-reduce latency of fp16 messages per TP degree, as
   (bytes, microseconds) points.
 
@@ -40,24 +40,31 @@ SYSTEMS = {
 }
 
 
-def fit_curve(flops, moved, t, peaks) -> dict:
-    """Least squares on log time of max(compute ramp, memory + floor) (see the module doc)."""
+def fit_curve(flops, moved, t, peaks, memory_ramp: bool = False) -> dict:
+    """Least squares on log time of max(compute ramp, memory + floor) (see the module doc); with
+    `memory_ramp` the bandwidth ramps with the bytes too, e(W) = r / (1 + (W_half / W) ** g)."""
     peak_flops, peak_bytes = peaks
 
     def model(p):
-        e_max, log_half, gamma, r, floor_us = p
+        e_max, log_half, gamma, r, floor_us, log_mhalf, mgamma = p if memory_ramp else (*p, 0, 1)
         compute = flops / (peak_flops * e_max) * (1 + (10 ** log_half / flops) ** gamma)
-        return np.maximum(compute, moved / (peak_bytes * r) + floor_us * 1e-6)
+        memory = moved / (peak_bytes * r) * (1 + (10 ** log_mhalf / moved) ** mgamma if memory_ramp else 1)
+        return np.maximum(compute, memory + floor_us * 1e-6)
 
-    fit = least_squares(lambda p: np.log(model(p)) - np.log(t), [0.9, 10, 0.5, 0.7, 5],
-                        bounds=([0.1, 5, 0.05, 0.1, 0], [1, 13, 2, 1, 50]))
-    e_max, log_half, gamma, r, floor_us = fit.x
+    start, lo, hi = [0.9, 10, 0.5, 0.7, 5], [0.1, 5, 0.05, 0.1, 0], [1, 13, 2, 1, 50]
+    if memory_ramp:
+        start, lo, hi = start + [7, 0.5], lo + [3, 0.05], hi + [11, 2]
+    fit = least_squares(lambda p: np.log(model(p)) - np.log(t), start, bounds=(lo, hi))
+    e_max, log_half, gamma, r, floor_us, *ramp = fit.x
     ratio = np.exp(fit.fun)
-    return {"compute_efficiency_max": round(e_max, 3), "compute_half_gflop": round(10 ** log_half / 1e9, 2),
-            "compute_ramp_exponent": round(gamma, 3), "memory_efficiency": round(r, 3),
-            "kernel_floor_us": round(floor_us, 2),
-            "fit": f"{len(t)} measured kernels, model/measured p10 {np.percentile(ratio, 10):.2f}, "
-                   f"median {np.median(ratio):.2f}, p90 {np.percentile(ratio, 90):.2f}"}
+    out = {"compute_efficiency_max": round(e_max, 3), "compute_half_gflop": round(10 ** log_half / 1e9, 2),
+           "compute_ramp_exponent": round(gamma, 3), "memory_efficiency": round(r, 3),
+           "kernel_floor_us": round(floor_us, 2)}
+    if memory_ramp:
+        out.update(memory_half_mb=round(10 ** ramp[0] / 1e6, 2), memory_ramp_exponent=round(ramp[1], 3))
+    out["fit"] = (f"{len(t)} measured kernels, model/measured p10 {np.percentile(ratio, 10):.2f}, "
+                  f"median {np.median(ratio):.2f}, p90 {np.percentile(ratio, 90):.2f}")
+    return out
 
 
 def fit_gemm(system: str) -> dict:
@@ -86,7 +93,7 @@ def fit_attention(system: str) -> dict:
             visible = a["step"].to_numpy(float) + 1
             pairs, kv_tokens = b * visible, b * (visible + 1)
         out[phase] = fit_curve(4 * pairs * h * d, kv_tokens * 2 * kvh * d * 2, a.latency.to_numpy(float) * 1e-3,
-                               (peak_flops, peak_bytes))
+                               (peak_flops, peak_bytes), memory_ramp=phase == "generation")
     return out
 
 

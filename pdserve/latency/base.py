@@ -10,8 +10,9 @@ Contract shared by every model (all times in seconds, all counts in tokens):
 - ``mixed_step_s(chunk, pairs, kv, fraction, batch, context)``: one colocated iteration running a
   prefill chunk of `chunk` rows with `pairs` causal query-key pairs touching `kv` K/V tokens
   (cached + 2 * new, summed; `fraction` of its requests' prompts) next to a decode batch;
-- ``pipeline_stages``: a prefill occupies the instance for latency / stages (the first stage
-  frees up), while its result is ready after the full latency;
+- ``pipeline_stages``: a prefill's result is ready after the full latency, while the instance
+  takes its next prefill once the first stage frees, after ``prefill_stage_s(latency)``
+  (latency / stages unless a model says which part of a prefill does not pipeline);
 - ``kv_bytes_per_token`` (0: transfers are free) and ``kv_capacity_tokens`` (None: unbounded).
 
 Kinds: ``constant`` (here; queueing-theory checks), ``roofline`` (analytic, `roofline.py`),
@@ -53,6 +54,10 @@ class LatencyModel(ABC):
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.prefill_batch_s((new_tokens,), (cached_tokens,))
+
+    def prefill_stage_s(self, latency_s: float) -> float:
+        """How long a prefill of `latency_s` holds the first pipeline stage (its stage interval)."""
+        return latency_s / self.pipeline_stages
 
     def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
         """(first step, growth per step) of a decode segment: d0 = step(B, C) and

@@ -8,9 +8,10 @@ GPU can send while it receives, as every ring all-reduce step and every K/V push
 of that (`nvlink_send_bytes_per_s`). A NIC's Gb/s is already per direction. The efficiency,
 latency and overhead fields are modeling assumptions, stated as such in the file. A profile may
 also carry measured kernel terms (`kernel_costs.py`): a `gemm` block (a fit to measured GEMMs),
-an `allreduce_us` table (measured all-reduce latencies per TP degree) and an `elementwise` block
-(a layer's norm, residual and activation kernels); the roofline then times each GEMM kernel,
-each all-reduce and those kernels by them instead of by the flat efficiencies.
+an `allreduce_us` table (measured all-reduce latencies per TP degree), an `elementwise` block
+(a layer's norm, residual and activation kernels) and an `attention` block (fits to measured
+context and generation attention kernels); the roofline then times each of those kernels by them
+instead of by the flat efficiencies.
 `load_hardware` accepts a built-in name (``a100-80g``, ``h100``, ``h200``) or a path.
 """
 
@@ -22,9 +23,11 @@ from pathlib import Path
 
 from pdserve.latency.kernel_costs import (
     AllReduceTable,
+    AttentionCurves,
     ElementwiseCost,
     GemmCurve,
     allreduce_from_dict,
+    attention_from_dict,
     elementwise_from_dict,
     gemm_curve_from_dict,
 )
@@ -52,6 +55,7 @@ class HardwareProfile:
     gemm: GemmCurve | None = None  # measured GEMM kernels (None: the flat efficiencies)
     allreduce: AllReduceTable | None = None  # measured all-reduces (None: bandwidth + latency)
     elementwise: ElementwiseCost | None = None  # a layer's norms, residuals, activation (None: free)
+    attention: AttentionCurves | None = None  # measured attention kernels (None: the flat efficiencies)
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +65,7 @@ class HardwareProfile:
 
     def without_measured_kernels(self) -> HardwareProfile:
         """The same GPU on the plain roofline (flat efficiencies, bandwidth + latency collectives)."""
-        return replace(self, gemm=None, allreduce=None, elementwise=None)
+        return replace(self, gemm=None, allreduce=None, elementwise=None, attention=None)
 
     @property
     def nvlink_send_bytes_per_s(self) -> float:
@@ -102,6 +106,7 @@ def hardware_from_dict(d: dict) -> HardwareProfile:
             gemm=gemm_curve_from_dict(d["gemm"], peak_flops, hbm) if "gemm" in d else None,
             allreduce=allreduce_from_dict(d["allreduce_us"]) if "allreduce_us" in d else None,
             elementwise=elementwise_from_dict(d["elementwise"], hbm) if "elementwise" in d else None,
+            attention=attention_from_dict(d["attention"], peak_flops, hbm) if "attention" in d else None,
             sources=dict(d.get("sources", {})),
         )
     except KeyError as exc:

@@ -1,4 +1,4 @@
-"""Measured kernel costs for a hardware profile: one GEMM kernel and one all-reduce.
+"""Measured kernel costs for a hardware profile: GEMM and attention kernels, all-reduces, elementwise.
 
 Contract: both are pure functions of a kernel's shape, built from a profile's optional `gemm`
 and `allreduce_us` blocks (`hardware.py`); a profile without them keeps the plain roofline.
@@ -9,6 +9,9 @@ and `allreduce_us` blocks (`hardware.py`); a profile without them keeps the plai
   e(F) = e_max / (1 + (F_half / F) ** gamma): small GEMMs fill fewer of the GPU's SMs and spend
   more of their time in prologue and tail. t_floor is the fixed time of a memory-bound kernel
   (launch, ramp-up, drain), which a tensor-parallel shard does not divide.
+- `AttentionCurves`: the same curve form fitted separately to measured context (prefill) and
+  generation (decode) flash-attention kernels of one layer; the kernel floor (10-20 us) is what
+  the flat efficiencies missed on a short prompt or a small decode batch.
 - `AllReduceTable.seconds(nbytes, tp)`: one all-reduce of `nbytes` over `tp` GPUs in one node,
   interpolated log-log between measured (bytes, seconds) points; below the smallest point its
   latency, past the largest the last segment's bandwidth. The latency term (10-22 us on an A100
@@ -46,15 +49,40 @@ class GemmCurve:
     compute_ramp_exponent: float
     memory_efficiency: float
     kernel_floor_s: float
+    memory_half_bytes: float = 0.0  # > 0: the bandwidth ramps with the bytes moved, like compute
+    memory_ramp_exponent: float = 1.0
 
     def seconds(self, m: int, n: int, k: int, dtype_bytes: int) -> float:
         if m <= 0:
             return 0.0
-        flops = 2.0 * m * n * k
+        return self.kernel_s(2.0 * m * n * k, dtype_bytes * (n * k + m * k + m * n))
+
+    def kernel_s(self, flops: float, nbytes: float) -> float:
+        """Any kernel of `flops` and `nbytes` on this curve (the attention fits use it directly)."""
+        if flops <= 0:
+            return self.kernel_floor_s + self._memory_s(nbytes)
         ramp = 1.0 + (self.compute_half_flops / flops) ** self.compute_ramp_exponent
         compute = flops * ramp / (self.peak_flops_per_s * self.compute_efficiency_max)
-        memory = dtype_bytes * (n * k + m * k + m * n) / (self.peak_bytes_per_s * self.memory_efficiency)
-        return max(compute, memory + self.kernel_floor_s)
+        return max(compute, self._memory_s(nbytes) + self.kernel_floor_s)
+
+    def _memory_s(self, nbytes: float) -> float:
+        memory = nbytes / (self.peak_bytes_per_s * self.memory_efficiency)
+        if self.memory_half_bytes > 0 and nbytes > 0:
+            memory *= 1.0 + (self.memory_half_bytes / nbytes) ** self.memory_ramp_exponent
+        return memory
+
+
+@dataclass(frozen=True)
+class AttentionCurves:
+    """One layer's attention kernels, fitted like a GEMM (`GemmCurve.kernel_s`) to measured
+    flash-attention latencies: `context` for a prefill chunk's causal kernel (F = 4 * pairs *
+    heads * d_head, W = the K/V it writes and reads), `generation` for the decode rows' kernel
+    (W = the K/V they read; its bandwidth ramps with W, e(W) = r / (1 + (W_half / W) ** g), as a
+    small batch's few K/V blocks cannot keep every SM reading). Each rank runs its heads' share
+    of every layer's kernel."""
+
+    context: GemmCurve
+    generation: GemmCurve
 
 
 @dataclass(frozen=True)
@@ -107,6 +135,8 @@ class AllReduceTable:
 def gemm_curve_from_dict(d: dict, peak_flops_per_s: float, peak_bytes_per_s: float) -> GemmCurve:
     """The profile's `gemm` block (GFLOP and microseconds, as the fit script prints them)."""
     return GemmCurve(
+        memory_half_bytes=float(d.get("memory_half_mb", 0.0)) * 1e6,
+        memory_ramp_exponent=float(d.get("memory_ramp_exponent", 1.0)),
         peak_flops_per_s=peak_flops_per_s,
         peak_bytes_per_s=peak_bytes_per_s,
         compute_efficiency_max=float(d["compute_efficiency_max"]),
@@ -115,6 +145,12 @@ def gemm_curve_from_dict(d: dict, peak_flops_per_s: float, peak_bytes_per_s: flo
         memory_efficiency=float(d["memory_efficiency"]),
         kernel_floor_s=float(d["kernel_floor_us"]) * 1e-6,
     )
+
+
+def attention_from_dict(d: dict, peak_flops_per_s: float, peak_bytes_per_s: float) -> AttentionCurves:
+    """The profile's `attention` block: a `gemm`-style fit for `context` and one for `generation`."""
+    return AttentionCurves(gemm_curve_from_dict(d["context"], peak_flops_per_s, peak_bytes_per_s),
+                           gemm_curve_from_dict(d["generation"], peak_flops_per_s, peak_bytes_per_s))
 
 
 def elementwise_from_dict(d: dict, peak_bytes_per_s: float) -> ElementwiseCost:

@@ -22,15 +22,20 @@ only the hops between nodes cross the inter-node NIC (`hop_links`).
 
 A profile with measured kernel terms (`kernel_costs.py`, the A100's) replaces the GEMM roofline
 by its four GEMM kernels per layer on the measured curve, the all-reduces by the measured table,
-and adds the layer's elementwise kernels, which every TP rank runs whole (`rows_s`); attention
-keeps the flat efficiencies.
+and adds the layer's elementwise kernels, which every TP rank runs whole (`rows_s`). A profile
+with an `attention` block times each layer's attention kernel on its measured curve, the
+context fit for a prefill chunk and the generation fit for decode rows (`attention_s`); without
+one, attention keeps the flat efficiencies.
 
 Pipeline parallelism (docs/planner.md, "Pipeline parallelism and its costs"): an instance keeps pp
 micro-batches in flight, one per stage; a cycle (every micro-batch advances one stage) lasts pp
 times the slowest stage's step, and every sequence gets one token per cycle.
 
 - prefill: a prompt traverses every stage (full latency, plus pp - 1 hops) and frees the first
-  stage after latency / pp (`pipeline_stages`), so back-to-back equal prefills fill the pipe;
+  stage after its share of the layers plus the whole step overhead (`prefill_stage_s`): the
+  driver that schedules each prompt is the first stage's process, so its per-prompt overhead
+  runs there, before that stage's layers, and does not pipeline (as in decode, below);
+  back-to-back equal prefills fill the pipe at that interval;
 - decode: the batch B splits into pp micro-batches of ceil(B/pp); each stage re-reads its
   weights for each of them, so a cycle costs the full-stack time of one micro-batch (PP adds
   K/V memory, not decode speed), plus the scheduler's step overhead once per micro-batch
@@ -131,23 +136,40 @@ class RooflineLatency(LatencyModel):
         free = self.tp * self.pp * self.hardware.usable_memory_bytes - self.model.total_weight_bytes
         return max(0, int(free // self.model.kv_bytes_per_token))
 
-    def iteration_s(self, rows: int, pairs: float, kv_tokens: float) -> float:
+    def iteration_s(self, rows: int, pairs: float, kv_tokens: float, phase: str = "context") -> float:
         """Full-stack time of one iteration with `rows` new rows (the GEMMs) and one attention
-        class of `pairs` query-key pairs touching `kv_tokens` K/V tokens (read or written)."""
-        _, pair_f, _, kv_b, _, _ = self._coef
-        attn, kv = pair_f * pairs, kv_b * kv_tokens
-        return self.rows_s(rows) + (attn if attn > kv else kv)
+        class (`phase`: "context" for prompt rows, "generation" for decode rows) of `pairs`
+        query-key pairs touching `kv_tokens` K/V tokens (read or written)."""
+        return self.rows_s(rows) + self.attention_s(pairs, kv_tokens, phase)
 
-    def attention_s(self, pairs: float, kv_tokens: float) -> float:
-        """One more attention class in an iteration (its own kernels, its own roofline)."""
+    def attention_s(self, pairs: float, kv_tokens: float, phase: str = "generation") -> float:
+        """One attention class in an iteration (its own kernels, its own roofline): each layer's
+        kernel on the profile's measured `phase` curve, else the flat efficiencies."""
         _, pair_f, _, kv_b, _, _ = self._coef
-        return max(pair_f * pairs, kv_b * kv_tokens)
+        curves = self.hardware.attention
+        if curves is None:
+            attn, kv = pair_f * pairs, kv_b * kv_tokens
+            return attn if attn > kv else kv
+        if pairs <= 0 and kv_tokens <= 0:
+            return 0.0  # no rows of this class: no kernel
+        g = self.model.geometry
+        curve = curves.context if phase == "context" else curves.generation
+        flops = attention_flops(g, 1) * pairs / (g.layers * self.tp)  # one layer, one rank's heads
+        nbytes = g.kv_bytes_per_token * kv_tokens / (g.layers * self.tp)
+        return g.layers * curve.kernel_s(flops, nbytes)
 
     def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
         rows = sum(new_tokens)
         pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new_tokens, cached_tokens))
         kv_tokens = sum(c + 2 * n for n, c in zip(new_tokens, cached_tokens))
         return self.iteration_s(rows, pairs, kv_tokens)
+
+    def prefill_stage_s(self, latency_s: float) -> float:
+        """The first stage's hold on a prefill: the step overhead plus 1/pp of the rest."""
+        if self.pp == 1:
+            return latency_s
+        overhead = min(self.hardware.step_overhead_s, latency_s)
+        return overhead + (latency_s - overhead) / self.pp
 
     @property
     def pipeline_overhead_s(self) -> float:
@@ -159,18 +181,15 @@ class RooflineLatency(LatencyModel):
             return 0.0
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
-        return self.iteration_s(micro, ctx, ctx + micro) + self.pipeline_overhead_s
+        return self.iteration_s(micro, ctx, ctx + micro, "generation") + self.pipeline_overhead_s
 
     def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
         """Both decode_step_s values of a segment in one call (the simulator's hot path)."""
         micro = -(-batch // self.pp)
         ctx = context_tokens * micro / batch
-        _, pair_f, _, kv_b, _, _ = self._coef
         base = self.rows_s(micro) + self.pipeline_overhead_s
-        compute, memory = pair_f * ctx, kv_b * (ctx + micro)
-        d0 = base + (compute if compute > memory else memory)
-        compute, memory = compute + pair_f * micro, memory + kv_b * micro
-        return d0, base + (compute if compute > memory else memory) - d0
+        d0 = base + self.attention_s(ctx, ctx + micro)
+        return d0, base + self.attention_s(ctx + micro, ctx + 2 * micro) - d0
 
     def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
                      batch: int, context_tokens: int) -> float:

@@ -7,8 +7,8 @@ only powers of two (OPT-66B's 72 heads take TP 3 and 6; DistServe placed OPT-175
 with PP up to `MAX_PP` stages. The bounds are per instance:
 
 - prefill: zero when one mean prompt alone misses the TTFT gate; otherwise the rate-matching
-  capacity pp / D, and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f with stage
-  interval S = D/pp) that centres the simulated sweep;
+  capacity 1 / S, and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f with stage
+  interval S = `prefill_stage_s(D)`, D/pp plus any serial part) that centres the simulated sweep;
 - decode: zero when a lone sequence misses the TPOT gate; otherwise the largest batch B that
   fits K/V and keeps a step under tau_o gives capacity B / ((O - 1) * step(B));
 - colocated: min of the two phase capacities (an estimate: the phases taking turns).
@@ -92,7 +92,7 @@ def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo) -> tuple[
     d = model.prefill_s(round(shape.mean_prompt), 0)
     if d > slo.ttft_s:
         return 0.0, 0.0
-    s = d / model.pipeline_stages
+    s = model.prefill_stage_s(d)
     slack = slo.ttft_s - d
     return 1 / s, 2 * slack / (s * s + 2 * slack * s)
 
@@ -112,15 +112,16 @@ def decode_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: 
 def colocated_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> tuple[float, float]:
     """(capacity, estimate) rps of one colocated instance.
 
-    Capacity: neither phase can run faster than it would alone, min(pp / D, decode capacity).
-    Estimate: the phases take turns, 1 / (D/pp + 1 / decode capacity); mixing shares the weight
+    Capacity: neither phase can run faster than it would alone, min(1 / S, decode capacity),
+    S the prefill stage interval. Estimate: the phases take turns, 1 / (S + 1 / decode
+    capacity); mixing shares the weight
     reads, so the truth lies between the two.
     """
     d = model.prefill_s(round(shape.mean_prompt), 0)
     decode_rps = decode_bound(model, shape, slo, max_seqs)
     if d > slo.ttft_s or decode_rps <= 0:
         return 0.0, 0.0
-    stage_s = d / model.pipeline_stages
+    stage_s = model.prefill_stage_s(d)
     return min(1 / stage_s, decode_rps), 1 / (stage_s + 1 / decode_rps)
 
 

@@ -4,10 +4,12 @@ Contract: whenever an instance is free and the queue holds work, it starts a bat
 max(instance free time, earliest queued arrival) with every request that has arrived by then
 eligible; the batch takes up to `max_batch` requests (and, when set, up to `max_batch_tokens`
 new tokens, always at least one request) from the head of the queue in policy order. A batch's
-results are ready after the model's full latency; the instance accepts its next batch after
-latency / pipeline_stages. With pp stages a batch spends latency / pp in each stage, in order,
-and cannot overtake the batch ahead of it: a short prompt behind a long one waits for each
-stage the long one still holds (`_Pipe`), so a pipeline of ragged prompts runs below pp / D.
+results are ready after the model's full latency; the instance accepts its next batch when
+the first stage frees, after `model.prefill_stage_s(latency)` (latency / pipeline_stages unless
+the model keeps a serial part on the first stage). The other pp - 1 stages share the rest
+equally, in order, and a batch cannot overtake the batch ahead of it: a short prompt behind a
+long one waits for each stage the long one still holds (`_Pipe`), so a pipeline of ragged
+prompts runs below pp / D.
 Pure: no state outlives the call.
 """
 
@@ -78,7 +80,8 @@ def run_prefill_pool(
             queue.push(order[nxt])
             nxt += 1
         batch = queue.take(t, policy.max_batch, policy.max_batch_tokens)
-        first_free_s, done_s = pipes[k].run(t, cost(batch))
+        latency_s = cost(batch)
+        first_free_s, done_s = pipes[k].run(t, latency_s, model.prefill_stage_s(latency_s))
         for i in batch:
             start[i], done[i], where[i] = t, done_s, k
         heapq.heappush(free, (first_free_s, k))
@@ -90,7 +93,7 @@ def _fcfs_single(arrivals_s, order, cost, stages: int, instances: int, out) -> N
     start, done, where = out
     free = [(0.0, k) for k in range(instances)]
     pipes = [_Pipe(stages) for _ in range(instances)] if stages > 1 else None
-    memo, new, cached = cost.memo, cost.new, cost.cached
+    memo, new, cached, first_stage = cost.memo, cost.new, cost.cached, cost.model.prefill_stage_s
     for i in order:
         free_s, k = free[0]
         t = arrivals_s[i] if arrivals_s[i] > free_s else free_s
@@ -100,7 +103,7 @@ def _fcfs_single(arrivals_s, order, cost, stages: int, instances: int, out) -> N
             start[i], done[i], where[i] = t, t + latency_s, k
             heapq.heapreplace(free, (t + latency_s, k))
             continue
-        first_free_s, done[i] = pipes[k].run(t, latency_s)
+        first_free_s, done[i] = pipes[k].run(t, latency_s, first_stage(latency_s))
         start[i], where[i] = t, k
         heapq.heapreplace(free, (first_free_s, k))
 
@@ -113,14 +116,17 @@ class _Pipe:
     def __init__(self, stages: int) -> None:
         self.busy_until = [0.0] * stages
 
-    def run(self, start_s: float, latency_s: float) -> tuple[float, float]:
-        """Push a batch in at `start_s`; (first stage free again, last stage done)."""
-        stage_s = latency_s / len(self.busy_until)
-        t = start_s
-        for j, busy in enumerate(self.busy_until):
-            t = (t if t > busy else busy) + stage_s
-            self.busy_until[j] = t
-        return self.busy_until[0], t
+    def run(self, start_s: float, latency_s: float, first_s: float) -> tuple[float, float]:
+        """Push a batch in at `start_s`, holding the first stage `first_s` and each later one an
+        equal share of the rest; (first stage free again, last stage done)."""
+        busy = self.busy_until
+        t = (start_s if start_s > busy[0] else busy[0]) + first_s
+        busy[0] = t
+        rest_s = (latency_s - first_s) / (len(busy) - 1) if len(busy) > 1 else 0.0
+        for j in range(1, len(busy)):
+            t = (t if t > busy[j] else busy[j]) + rest_s
+            busy[j] = t
+        return busy[0], t
 
 
 class _Queue:

@@ -75,9 +75,11 @@ def test_the_a100_roofline_is_its_measured_kernels():
     comm = 2 * g.layers * hw.allreduce.seconds(rows * g.d_model * 2, 2)
     # six elementwise kernels per layer, each a full activation read and write plus a 3 us floor
     elementwise = g.layers * 6 * (3e-6 + 2 * rows * g.d_model * 2 / (2.039e12 * 0.694))
+    # each layer's causal kernel on the measured context-attention curve, one rank's 20 heads
     pairs = rows * (rows + 1) // 2
-    attn = max(4 * g.layers * g.q_heads * g.head_dim * pairs / (2 * hw.effective_flops_per_s),
-               g.kv_bytes_per_token * 2 * rows / (2 * hw.effective_bytes_per_s))
+    flops, nbytes = 4 * (g.q_heads // 2) * g.head_dim * pairs, 2 * rows * 2 * (g.kv_heads // 2) * g.head_dim * 2
+    compute = flops * (1 + (22.62e9 / flops) ** 0.612) / (312e12 * 0.56)
+    attn = g.layers * max(compute, nbytes / (2.039e12 * 0.171) + 14.63e-6)
     assert model.prefill_s(rows) == pytest.approx(hw.step_overhead_s + gemms + comm + elementwise + attn, rel=1e-12)
     assert hw.allreduce.seconds(512, 2) == pytest.approx(9.98e-6)  # NCCL's smallest measured message, tp 2
 
@@ -90,8 +92,8 @@ def test_measured_tp_scales_below_the_flat_roofline():
     decode = [RooflineLatency(spec, hw, tp).decode_step_s(1, 1000) * 1e3 for tp in (1, 2, 4)]
     prefill = [RooflineLatency(spec, hw, tp).prefill_s(607) * 1e3 for tp in (1, 2, 4)]
     flat_decode = [RooflineLatency(spec, flat, tp).decode_step_s(1, 1000) * 1e3 for tp in (1, 2, 4)]
-    assert decode == pytest.approx([20.88, 12.66, 8.38], abs=0.01)
-    assert prefill == pytest.approx([67.9, 44.1, 30.1], abs=0.1)
+    assert decode == pytest.approx([22.52, 14.05, 9.56], abs=0.01)
+    assert prefill == pytest.approx([70.6, 46.2, 31.6], abs=0.1)
     assert flat_decode == pytest.approx([16.93, 9.77, 5.79], abs=0.01)
     assert decode[0] / decode[1] < flat_decode[0] / flat_decode[1]
 
@@ -179,7 +181,8 @@ def test_hopper_profiles_carry_their_fits(name, fit, ar_1mb_tp8_us):
 def test_hopper_measured_kernels_against_the_flat_roofline():
     """Figures docs/planner.md quotes: llama-70b-class, a decode step at batch 1 and 1,000 tokens and
     a 2,048-token prefill at TP 2/4/8 (ms); measured GEMMs beat 60% of peak on a long prompt, and
-    decode pays weight reads at the measured efficiency, kernel floors and NCCL's latencies."""
+    decode pays weight reads at the measured efficiency, kernel floors (attention's 15 us a layer)
+    and NCCL's latencies."""
     spec = load_model_spec("llama-70b-class")
     got = {}
     for name in ("h100", "h200"):
@@ -188,7 +191,45 @@ def test_hopper_measured_kernels_against_the_flat_roofline():
             models = [RooflineLatency(spec, profile, tp) for tp in (2, 4, 8)]
             got[name, kind] = ([round(m.decode_step_s(1, 1000) * 1e3, 2) for m in models],
                                [round(m.prefill_s(2048) * 1e3, 1) for m in models])
-    assert got["h100", "measured"] == ([29.30, 17.53, 12.24], [217.7, 133.3, 92.6])
+    assert got["h100", "measured"] == ([30.65, 18.77, 13.39], [223.8, 138.1, 96.4])
     assert got["h100", "flat"] == ([27.69, 14.89, 8.49], [254.9, 140.4, 83.2])
-    assert got["h200", "measured"] == ([22.43, 14.13, 10.87], [215.1, 130.2, 89.2])
+    assert got["h200", "measured"] == ([23.80, 15.38, 12.03], [221.1, 134.9, 92.9])
     assert got["h200", "flat"] == ([19.95, 11.02, 6.56], [254.9, 140.4, 83.2])
+
+
+def test_attention_kernels_on_their_measured_curves():
+    """Context and generation attention each on its own fit; no rows of a class, no kernel."""
+    spec, hw = load_model_spec("llama-70b-class"), load_hardware("h100")
+    g, gen = spec.geometry, hw.attention.generation
+    assert (gen.memory_efficiency, gen.kernel_floor_s, gen.memory_half_bytes, gen.memory_ramp_exponent) == (
+        1.0, pytest.approx(8.16e-6), pytest.approx(72.51e6), 0.749)
+    model = RooflineLatency(spec, hw, tp=4)
+    # a decode batch reading 32,000 K/V tokens: per layer and rank 2 of the 8 K/V heads, memory-bound,
+    # at a bandwidth that ramps with the bytes read
+    nbytes = 32_000 * 2 * 2 * g.head_dim * 2
+    memory = nbytes / 3.35e12 * (1 + (72.51e6 / nbytes) ** 0.749)
+    assert model.attention_s(31_968, 32_000) == pytest.approx(g.layers * (memory + 8.16e-6), rel=1e-12)
+    assert model.attention_s(0, 0) == 0.0 and model.attention_s(0, 0, "context") == 0.0
+    assert model.decode_step_s(32, 31_968) == pytest.approx(model.rows_s(32) + model.attention_s(31_968, 32_000), rel=1e-12)
+    # the flat profile: the old max(compute, memory) at 60% / 80% of peak
+    flat = RooflineLatency(spec, hw.without_measured_kernels(), tp=4)
+    assert flat.attention_s(31_968, 32_000) == pytest.approx(
+        g.kv_bytes_per_token * 32_000 / (4 * 3.35e12 * 0.8), rel=1e-12)
+
+
+def test_the_driver_overhead_does_not_pipeline():
+    """A PP prefill's first stage is the driver's process: each prompt's step overhead runs there,
+    before its layers, so the stage interval is overhead + (latency - overhead) / pp, not latency
+    / pp; a lone prompt's TTFT is still the full latency."""
+    spec, hw = load_model_spec("opt-13b"), load_hardware("a100-80g")
+    piped = RooflineLatency(spec, hw, 1, 8)
+    latency = piped.prefill_s(607)
+    assert round(latency * 1e3, 2) == 70.81 and hw.step_overhead_s == 1e-3
+    assert piped.prefill_stage_s(latency) == pytest.approx(1e-3 + (latency - 1e-3) / 8, rel=1e-12)
+    assert round(piped.prefill_stage_s(latency) * 1e3, 3) == 9.726  # was latency / 8 = 8.851 ms
+    assert RooflineLatency(spec, hw, 1, 1).prefill_stage_s(0.05) == 0.05
+    # two equal prompts back to back: the second enters when stage 0 frees, done one interval later
+    out = run_prefill_pool([0.0, 0.0], [0, 1], [607, 607], [0, 0], piped, 1, PrefillPolicy())
+    stage = piped.prefill_stage_s(latency)
+    assert out.start_s == pytest.approx([0.0, stage], rel=1e-12)
+    assert out.done_s == pytest.approx([latency, latency + stage], rel=1e-12)

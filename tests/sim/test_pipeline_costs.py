@@ -19,7 +19,7 @@ def test_decode_cycle_is_one_micro_batch_through_the_stack_plus_an_overhead_per_
     hw, m = shapes
     tp2pp4, tp2 = m[(2, 4)], m[(2, 1)]
     # a batch of 64 in 4 micro-batches of 16: the cycle is a 16-sequence full-stack step (+ 4 hops) ...
-    expected = tp2pp4.iteration_s(16, 16 * 2000, 16 * 2000 + 16) + 3 * hw.step_overhead_s
+    expected = tp2pp4.iteration_s(16, 16 * 2000, 16 * 2000 + 16, "generation") + 3 * hw.step_overhead_s
     assert tp2pp4.decode_step_s(64, 64 * 2000) == pytest.approx(expected)
     # ... so four times the GPUs give no faster token than TP2 alone (memory-bound: same weights per GPU-stage read)
     assert tp2pp4.decode_step_s(1, 2000) > tp2.decode_step_s(1, 2000)
@@ -55,4 +55,4 @@ def test_without_pipeline_nothing_changes(shapes):
     _, m = shapes
     tp2 = m[(2, 1)]
     assert tp2.mixed_step_s(512, 512 * 513 // 2, 1024, 0.5, 8, 8000) == tp2.iteration_s(520, 512 * 513 // 2, 1024) + tp2.attention_s(8000, 8008)
-    assert tp2.decode_step_s(8, 8000) == tp2.iteration_s(8, 8000, 8008)
+    assert tp2.decode_step_s(8, 8000) == tp2.iteration_s(8, 8000, 8008, "generation")
