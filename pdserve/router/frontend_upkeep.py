@@ -110,7 +110,8 @@ def report_load(backend, hb: m.Heartbeat) -> None:
 
 
 def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:
-    """Queue a heartbeat's block events; the queue was empty, so no applier turn is pending: schedule one."""
+    """Queue a heartbeat's block events; an applier turn is pending exactly while the queue is
+    not empty, so the first report into an empty queue schedules one."""
     backend.kv_inbox.put(worker_id, epoch, delta)
     if len(backend.kv_inbox) == 1:
         asyncio.get_running_loop().call_soon(apply_kv_slice, backend)

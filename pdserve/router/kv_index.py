@@ -17,9 +17,9 @@ Contract:
   no-op. Recency is a stamp per entry (an index-wide clock, advanced by each STORED), kept in
   each worker's insertion-ordered dict, so the oldest entries are a merge of the workers' heads.
 - `held(worker)` is the live set of block hashes the worker holds (a dict's keys view), mutated
-  in place by later calls (the same object for a worker epoch's whole life): the snapshot's per-slot prefix sets
-  are these views, patched by the `HeldChange`s every call returns (net additions and removals
-  per worker, evictions included).
+  in place by later calls (the same object for a worker epoch's whole life): the snapshot's
+  per-slot prefix sets are these views, patched by the `HeldChange`s every call returns (net
+  additions and removals per worker, evictions included).
 - `host_held(worker)` is the live subset of `held(worker)` whose tier is HOST (demoted into the
   worker's host tier and not promoted since), kept like `held`; `host_workers` names the workers
   with a non-empty one (the prefix policy prices their hits at the promotion time).
@@ -33,8 +33,8 @@ from __future__ import annotations
 import enum
 import heapq
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 
 from pdserve.engine.kv_events import BlockEventKind, KvReport, KvTier
 
