@@ -1,5 +1,5 @@
-"""A decoder layer's elementwise glue: residual add + RMSNorm and RoPE, one C pass each (eager
-torch where no C compiler works).
+"""A decoder layer's elementwise glue: residual add + RMSNorm, SiLU * up and RoPE, one C pass each
+(eager torch where no C compiler works).
 
 Why: an eager layer ran ~35 torch operators (RMSNorm alone is eight: float, pow, mean, add, rsqrt,
 mul, to, mul), ~600 per decode step, each a dispatch plus a pass over memory; at decode @1 they
@@ -12,6 +12,8 @@ Contract (bf16 or fp32 activations, [T, d] contiguous):
   The sum of squares runs in a fixed order of the row's own (not torch's), so the norm may
   differ from eager torch in the last bit of the fp32 scale (never within one machine between
   rows, batches or thread counts: a row's result depends on the row alone).
+- `silu_mul(gate_up)` is silu(gate) * up over a [T, 2F] gate|up product, each operator rounded
+  as torch rounds it; e^-x is computed by the C file's own polynomial (about an ulp from torch's).
 - `rope_(qkv, heads, head_dim, positions, cos, sin_rot)` rotates the first `heads` heads of
   every row of qkv [T, W] in place: bit for bit `x * cos + roll(x, D/2) * sin_rot` in eager torch
   (see llama.apply_rope), each product and the sum rounded to the dtype as torch rounds them.
@@ -42,6 +44,8 @@ def _bound(march: str) -> ctypes.CDLL | None:
         return None
     lib.glue_add_rms_norm.restype = None
     lib.glue_add_rms_norm.argtypes = [_P] * 4 + [_I64, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.glue_silu_mul.restype = None
+    lib.glue_silu_mul.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, ctypes.c_int]
     lib.glue_rope.restype = None
     lib.glue_rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int]
     return lib
@@ -94,3 +98,16 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
                          cos.data_ptr(), sin_rot.data_ptr(), int(qkv.dtype == torch.bfloat16),
                          _threads(qkv.shape[0]))
     return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2F] (gate columns, then up) -> [T, F] = silu(gate) * up, rounded as eager torch
+    rounds each operator; e^-x is the C file's own (within an ulp of torch's)."""
+    rows, width = gate_up.shape
+    if not _fits(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    out = gate_up.new_empty(rows, width // 2)
+    _library().glue_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16),
+                             _threads(rows))
+    return out

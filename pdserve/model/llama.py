@@ -5,8 +5,8 @@ Contract: `LlamaModel.forward` takes the flat rows of one engine step (token ids
 logits only for the rows named by `logits_rows`. Numerics follow Hugging Face `transformers`:
 RMSNorm in fp32 then cast, RoPE tables in fp32 cast to the compute dtype, SwiGLU MLP; Qwen3's
 per-head q/k RMSNorm runs before RoPE, as transformers' does. The residual adds, the norms and
-RoPE run as model/glue.py's C passes where it is built (RoPE and the adds bit for bit the eager
-formulas; a norm's sum of squares in an order of its own).
+RoPE and SiLU * up run as model/glue.py's C passes where it is built (RoPE and the adds bit for
+bit the eager formulas; a norm's sum of squares in an order of its own, SiLU's e^-x its own).
 
 Weights are rounded to the storage dtype and held in the compute dtype (see `numerics`); every
 matmul goes through `numerics.linear` under the product plan chosen at load
@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.model.attention import AttnMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
@@ -198,8 +197,8 @@ class LlamaModel:
         return self._row_linear(o.reshape(num_rows, hq * d), layer.wo, layer.bo)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer.w13, skinny_rows=self.skinny).chunk(2, dim=-1)  # [T, d_ff] each
-        return self._row_linear(F.silu(gate) * up, layer.w2, None)
+        gate_up = linear(h, layer.w13, skinny_rows=self.skinny)  # [T, 2 d_ff]: gate columns, then up
+        return self._row_linear(glue.silu_mul(gate_up), layer.w2, None)  # silu(gate) * up: [T, d_ff]
 
     def _row_linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """The products whose inner dimension tensor parallelism splits (o_proj, down_proj);

@@ -33,7 +33,8 @@ def run_all() -> dict[str, torch.Tensor]:
     qkv = torch.randn(5, 20 * 64, generator=gen).bfloat16()
     cos, sin = torch.randn(50, 64, generator=gen).bfloat16(), rotary_sin(torch.randn(50, 64, generator=gen)).bfloat16()
     glue.rope_(qkv, 16, 64, torch.tensor([0, 3, 9, 27, 49]), cos, sin)
-    return {"decode": decode, "prefill": prefill, "residual": x, "norm": norm, "rope": qkv}
+    silu = glue.silu_mul(3 * torch.randn(5, 2 * 384, generator=gen))
+    return {"decode": decode, "prefill": prefill, "residual": x, "norm": norm, "rope": qkv, "silu": silu}
 
 
 def test_an_avx2_build_computes_what_the_native_build_does(monkeypatch):
@@ -42,7 +43,7 @@ def test_an_avx2_build_computes_what_the_native_build_does(monkeypatch):
     assert paged_decode._library() is paged_decode._bound(AVX2) is not paged_decode._bound("native")
     avx2 = run_all()
     # the glue rounds every operation as written: the same bits on either instruction set
-    for name in ("residual", "norm", "rope"):
+    for name in ("residual", "norm", "rope", "silu"):
         assert torch.equal(avx2[name], native[name]), name
     # the attention kernels use fast-math (vector expf from libmvec, per-width): within fp32 rounding
     for name in ("decode", "prefill"):

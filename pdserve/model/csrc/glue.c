@@ -111,3 +111,43 @@ void glue_rope(void *qkv, int64_t row_stride, int64_t rows, int64_t heads, int64
         }
     }
 }
+
+/* e^x in fp32 to about 1 ulp, in plain arithmetic (no libm call) so the loop vectorises and rounds
+   alike on every instruction set: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
+   polynomial, times 2^n built in the exponent bits; x clamped to [-87, 89]. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x > 89.0f ? 89.0f : x;  /* above ~88.4, 2^n overflows to inf, as e^x does */
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln 2 = 0.693359375 - 2.12194440e-4 */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, void *out, int64_t f, int64_t r,
+                                                               const int bf16) {
+    for (int64_t i = 0; i < f; i++) {
+        const float g = ld(gu, bf16, r * 2 * f + i), u = ld(gu, bf16, r * 2 * f + f + i);
+        const float s = rnd(g / (1.0f + exp_f32(-g)), bf16);
+        st(out, bf16, r * f + i, s * u);
+    }
+}
+
+/* out [rows, f] = round(round(silu(gate)) * up), gate|up [rows, 2f] side by side: eager torch's
+   `F.silu(gate) * up` except that e^-x is exp_f32's (so a silu may differ from torch's in its last
+   fp32 bit, which bf16 rounding almost always hides). */
+void glue_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t f, int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) silu_mul_row(gate_up, out, f, r, 1);
+        else silu_mul_row(gate_up, out, f, r, 0);
+    }
+}
