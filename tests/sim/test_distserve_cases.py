@@ -7,7 +7,10 @@ a verdict must update the docs table with it.
 What holds: DistServe's disaggregate verdict for OPT-66B and OPT-175B, each above pdserve's
 default 10% margin too; OPT-13B colocates. What does not: prefill TP >= decode TP (DistServe's
 OPT-13B and OPT-66B tuples; its OPT-175B tuple itself has prefill TP 3 < decode TP 4): with these
-SLOs every prefill instance is TP1 with PP (docs/planner.md says why)."""
+SLOs every prefill instance is TP1 with PP (docs/planner.md says why: DistServe's search pairs one
+prefill with one decode instance per node segment, and its simulator caps a decode iteration at
+50,000 tokens at every TP degree; `scripts/distserve_segments.py` ranks pdserve's shapes by
+DistServe's rule)."""
 
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ CASES = {  # model: (GPUs, TTFT ms, TPOT ms), the paper's chatbot SLOs
 }
 # (verdict at margin 0, per-GPU gain of disaggregation, colocated (tp, pp), prefill (tp, pp), decode (tp, pp))
 EXPECTED = {
-    "opt-13b": ("colocate", -0.180, (2, 1), (1, 1), (2, 2)),
-    "opt-66b": ("disaggregate", 0.115, (6, 1), (1, 2), (4, 2)),
-    "opt-175b": ("disaggregate", 0.376, (8, 1), (1, 12), (6, 3)),
+    "opt-13b": ("colocate", -0.177, (2, 1), (1, 1), (2, 1)),
+    "opt-66b": ("disaggregate", 0.130, (6, 1), (1, 2), (8, 1)),
+    "opt-175b": ("disaggregate", 0.374, (8, 1), (1, 12), (6, 3)),
 }
 
 
