@@ -331,8 +331,12 @@ class Engine(HandoffSide):
         return [final[rid] for rid in ids]
 
     def close(self) -> None:
-        """Stop tensor-parallel followers and free a pool this engine made for them (tp_group.py)."""
+        """Stop tensor-parallel followers and free a pool this engine made for them (tp_group.py),
+        and close the host tier this engine made (unlinking its shared segment, if it has one).
+        The device pool stays its owner's to close (a worker unlinks it last)."""
         tp_group.close_engine_group(self)
+        if self.blocks.host is not None:
+            self.blocks.host.close()
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.seqs.values()] + [s.block_table for s in self.prefilled.values()]

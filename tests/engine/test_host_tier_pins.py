@@ -2,11 +2,12 @@
 victim (eviction skips it and takes it once released), a tier whose used slots are all pinned
 lets a demoted block pass through, a promotion or discard of a pinned block parks its slot until
 the last pin drops (the bytes a reader maps never change), and the tier's segment is shared
-memory, named after the device pool's, readable by another mapping and unlinked on close.
+memory, named after the device pool's, readable by another mapping and unlinked on close (by the engine that made it, too).
 `check()` runs after every step."""
 
 from __future__ import annotations
 
+import os
 import random
 from multiprocessing import shared_memory
 
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.engine.kv_pool import KvPool
@@ -118,3 +121,16 @@ def test_a_private_device_pool_keeps_a_private_tier():
     host = HostTier(KvPool(ABI, 4), 2)
     assert host.shm_name is None
     host.close()
+
+
+def test_an_engine_closes_the_shared_host_tier_it_made():
+    """An engine built outside a worker, on a shared pool with a host tier, leaves no segment."""
+    name = f"pdtest-engine-{random.getrandbits(32):08x}"
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", kv_shm_name=name, num_blocks=16, host_kv_bytes=1 << 20))
+    host = engine.blocks.host.shm_name
+    assert host == f"{name}-host" and os.path.exists(f"/dev/shm/{host}")
+    engine.close()
+    engine.close()  # twice is harmless
+    assert not os.path.exists(f"/dev/shm/{host}")
+    engine.pool.close(unlink=True)
+    assert not os.path.exists(f"/dev/shm/{name}")
