@@ -133,10 +133,19 @@ def test_cost_model_from_kv_abi():
 def test_bench_router_command_smoke(capsys):
     from pdserve.cli import main
 
-    assert main(["bench-router", "--json", "--decisions", "20", "--runs", "3"]) == 0
+    """One invocation for both parts of the report (each builds its clusters: ~half a minute)."""
+    assert main(["bench-router", "--json", "--decisions", "20", "--runs", "3", "--kv-events", "8"]) == 0
     report = json.loads(capsys.readouterr().out)
     clusters = {(r["cluster"], r["policy"], r["what"]) for r in report["results"]}
     assert ("64x64", "prefix", "route") in clusters and ("8x8", "slo", "policy") in clusters
     assert report["runs"] == 3 and report["compiled_kernels"] is True
     for row in report["results"]:
         assert len(row["p99_us_per_run"]) == 3 and row["p99_us"] == sorted(row["p99_us_per_run"])[1]
+    # route latency with and without block events flowing (issue 19's index update cost)
+    events = report["kv_events"]
+    assert events["events_per_report"] == 8 and events["target_ratio"] == 1.2
+    assert [r["policy"] for r in events["results"]] == ["round_robin", "jsq", "slo", "prefix"]
+    for row in events["results"]:
+        assert row["cluster"] == "64x64" and len(row["p99_ratio_per_run"]) == 3
+        assert row["p99_ratio"] == row["events_p99_us"] / row["quiet_p99_us"]
+        assert all(row[f"{arm}_p99_us"] >= row[f"{arm}_p50_us"] > 0 for arm in ("quiet", "events", "control", "kv_apply"))
