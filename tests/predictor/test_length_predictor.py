@@ -4,7 +4,6 @@ on a held-out split, round-trips through its file, and refuses another model's i
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +13,9 @@ from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.predictor.features import FeatureSpec, featurize
-from pdserve.predictor.manifest import DEFAULT_BUCKETS, Manifest, PredictorError, load
+from pdserve.predictor.manifest import DEFAULT_BUCKETS, PredictorError, load
 from pdserve.predictor.synth import TASKS, synth_entries
-from pdserve.predictor.training import fit, read_examples
-
-TRACE = Path(__file__).resolve().parents[2] / "docs" / "traces" / "tetri_lengths.jsonl"
+from tests.helpers.predictors import TRACE, tiny_fit
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +25,10 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def trained(tiny):
-    identity, tok = tiny
-    prompts, lengths = read_examples(TRACE, tok)
-    manifest = Manifest("tiny", identity, tok.identity_hash, {"temperature": 0.0}, 4096, DEFAULT_BUCKETS)
-    return fit(prompts, lengths, manifest, holdout=0.2, seed=0), prompts
+def trained():
+    """fit(..., holdout=0.2, seed=0) on TRACE, shared with the other tests that train it."""
+    predictor, score, prompts, _ = tiny_fit()
+    return (predictor, score), prompts
 
 
 def test_committed_trace_is_the_generator_output_and_lengths_follow_the_task():

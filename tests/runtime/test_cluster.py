@@ -15,6 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
+from tests.runtime.shared_cluster import SharedCluster
 
 
 @pytest.fixture(scope="module")
@@ -22,23 +23,45 @@ def reference_engine():
     return Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_1p1d_tokens_equal_engine_and_pools_return_to_baseline(reference_engine, transport):
+@pytest.fixture(scope="module")
+def default_1p1d():
+    """`config()` (1P1D, transport auto) served once for the tests below that leave it at baseline."""
+    served = SharedCluster(config())
+    yield served
+    served.close()
+
+
+def serve(request, cfg, body) -> None:
+    """Run `body(backend, launcher)` on a cluster of `cfg`: the module's shared 1P1D one when `cfg`
+    is the default deployment, else a cluster of its own."""
+    if cfg == config():
+        served = request.getfixturevalue("default_1p1d")
+        served.run(body(served.backend, served.launcher))
+        return
+
     async def main():
-        async with cluster(config(transport=transport)) as (backend, _):
-            cases = [(prompt(n, i), SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=7 + i))
-                     for i, (n, t) in enumerate([(20, 0.0), (300, 0.0), (33, 0.9), (520, 0.7)])]
-            results = await asyncio.gather(*(collect(backend, f"r{i}", p, s) for i, (p, s) in enumerate(cases)))
-            for (ids, event), (p, s) in zip(results, cases):
-                assert isinstance(event, FinishEvent) and event.finish_reason == "length"
-                assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
-            views = await wait_baseline(backend)
-            assert {w.role for w in views} == {"prefill", "decode"}
-            backend.router.assert_no_leaks()
-            text = backend.metrics_text().decode()
-            assert "pdserve_kv_transfer_bytes_total" in text and 'result="routed"' in text
+        async with cluster(cfg) as (backend, launcher):
+            await body(backend, launcher)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_1p1d_tokens_equal_engine_and_pools_return_to_baseline(request, reference_engine, transport):
+    async def main(backend, _):
+        cases = [(prompt(n, i), SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=7 + i))
+                 for i, (n, t) in enumerate([(20, 0.0), (300, 0.0), (33, 0.9), (520, 0.7)])]
+        results = await asyncio.gather(*(collect(backend, f"r{i}", p, s) for i, (p, s) in enumerate(cases)))
+        for (ids, event), (p, s) in zip(results, cases):
+            assert isinstance(event, FinishEvent) and event.finish_reason == "length"
+            assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
+        views = await wait_baseline(backend)
+        assert {w.role for w in views} == {"prefill", "decode"}
+        backend.router.assert_no_leaks()
+        text = backend.metrics_text().decode()
+        assert "pdserve_kv_transfer_bytes_total" in text and 'result="routed"' in text
+
+    serve(request, config(transport=transport), main)
 
 
 def test_small_prefill_chunks_stream_progressively_and_stay_exact():
@@ -62,16 +85,15 @@ def test_small_prefill_chunks_stream_progressively_and_stay_exact():
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 2)])
-def test_xpyd_serves_100_concurrent_requests(shape):
-    async def main():
-        async with cluster(config(num_prefill=shape[0], num_decode=shape[1])) as (backend, _):
-            params = SamplingParams(max_tokens=6, ignore_eos=True)
-            results = await asyncio.gather(*(collect(backend, f"c{i}", prompt(8 + i % 40, i), params) for i in range(100)))
-            assert all(isinstance(e, FinishEvent) and len(ids) == 6 for ids, e in results)
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
+def test_xpyd_serves_100_concurrent_requests(request, shape):
+    async def main(backend, _):
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        results = await asyncio.gather(*(collect(backend, f"c{i}", prompt(8 + i % 40, i), params) for i in range(100)))
+        assert all(isinstance(e, FinishEvent) and len(ids) == 6 for ids, e in results)
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
 
-    asyncio.run(main())
+    serve(request, config(num_prefill=shape[0], num_decode=shape[1]), main)
 
 
 def test_colocated_mode_serves_and_matches_engine(reference_engine):
@@ -133,38 +155,36 @@ def test_recompute_after_kill_gives_the_same_tokens(reference_engine):
     asyncio.run(main())
 
 
-def test_disconnect_mid_stream_frees_blocks_on_both_workers():
-    async def main():
-        async with cluster(config()) as (backend, _):
-            from pdserve.api.backend import GenerationRequest
+def test_disconnect_mid_stream_frees_blocks_on_both_workers(request):
+    async def main(backend, _):
+        from pdserve.api.backend import GenerationRequest
 
-            stream = backend.submit(GenerationRequest("gone", prompt(100, 3), SamplingParams(max_tokens=400, ignore_eos=True)))
-            seen = 0
-            async for _event in stream:
-                seen += 1
-                if seen == 3:
-                    break
-            await stream.aclose()  # what the HTTP layer does when the client leaves
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
+        stream = backend.submit(GenerationRequest("gone", prompt(100, 3), SamplingParams(max_tokens=400, ignore_eos=True)))
+        seen = 0
+        async for _event in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()  # what the HTTP layer does when the client leaves
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
 
-    asyncio.run(main())
+    serve(request, config(), main)
 
 
-def test_invalid_requests_are_refused_before_routing():
-    async def main():
-        async with cluster(config()) as (backend, _):
-            from pdserve.engine.errors import InvalidRequest
+def test_invalid_requests_are_refused_before_routing(request):
+    async def main(backend, _):
+        from pdserve.engine.errors import InvalidRequest
 
-            for ids, params in [((), SamplingParams()), ((1,) * 5000, SamplingParams()),
-                                ((1, 2), SamplingParams(max_tokens=0)), ((1, 9999), SamplingParams())]:
-                with pytest.raises(InvalidRequest):
-                    await collect(backend, "bad", ids, params)
-            ids, event = await collect(backend, "good", prompt(10, 1), SamplingParams(max_tokens=3, ignore_eos=True))
-            assert isinstance(event, FinishEvent)
-            await wait_baseline(backend)
+        for ids, params in [((), SamplingParams()), ((1,) * 5000, SamplingParams()),
+                            ((1, 2), SamplingParams(max_tokens=0)), ((1, 9999), SamplingParams())]:
+            with pytest.raises(InvalidRequest):
+                await collect(backend, "bad", ids, params)
+        ids, event = await collect(backend, "good", prompt(10, 1), SamplingParams(max_tokens=3, ignore_eos=True))
+        assert isinstance(event, FinishEvent)
+        await wait_baseline(backend)
 
-    asyncio.run(main())
+    serve(request, config(), main)
 
 
 def test_no_decode_capacity_is_an_early_rejection():

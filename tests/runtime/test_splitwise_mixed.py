@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from pdserve.api.backend import FinishEvent
+from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -49,7 +50,7 @@ async def _scenario():
 
 def test_a_mixed_worker_prefills_for_a_handoff_decodes_a_handoff_and_runs_whole():
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    expected = [list(alone.generate([list(p)], PARAMS)[0].output_ids) for p in PROMPTS]
+    expected = [list(out.output_ids) for out in alone.generate([list(p) for p in PROMPTS], PARAMS)]  # batch-invariant
     results, lines, roles, metrics = asyncio.run(_scenario())
     assert all(isinstance(event, FinishEvent) for _, event in results)
     assert [ids for ids, _ in results] == expected
@@ -63,36 +64,55 @@ def test_a_mixed_worker_prefills_for_a_handoff_decodes_a_handoff_and_runs_whole(
 
 # any K/V in use at the decode worker presses the token pool, for good; the prompt pool never is
 TOKEN_MARKS = Thresholds(prompt_high_s=1e6, prompt_low_s=1e5, kv_high=1e-9, kv_low=0.0, hold=1, cooldown_s=3600.0)
-# long enough (~8 s here at 9 ms a token; still seconds on a machine twice as fast) that the
-# controller's 0.5 s observations latch the offer and "next" is routed while "hold" still decodes
-HOLDING = SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0)
+# "hold" decodes until the test releases it (after "next" is served), so the controller's 0.5 s
+# observations latch the offer and "next" is routed while "hold" still decodes on any machine;
+# the cap (~30 s at 10 ms a token) is only reached if the release never comes
+HOLDING = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.0)
+
+
+async def _hold(backend, rid: str, ids: tuple[int, ...], release: asyncio.Event) -> list[int]:
+    """Stream `rid` until `release` is set, then leave as a client does (the stream is closed and
+    the router aborts the request); the tokens received by then."""
+    tokens: list[int] = []
+    stream = backend.submit(GenerationRequest(rid, ids, HOLDING))
+    try:
+        async for event in stream:
+            assert not isinstance(event, (FinishEvent, ErrorEvent)), f"{rid} ended before its release: {event}"
+            if isinstance(event, TokenEvent):
+                tokens.extend(event.token_ids)
+            if release.is_set():
+                break
+    finally:
+        await stream.aclose()
+    return tokens
 
 
 async def _controller_scenario():
     cfg = config(mode="splitwise", num_prefill=1, num_decode=1, num_mixed=1, splitwise=TOKEN_MARKS)
     async with cluster(cfg) as (backend, _):
-        holder = asyncio.create_task(collect(backend, "hold", PROMPTS[0], HOLDING))  # calm offer: p0 -> d0
+        release = asyncio.Event()
+        holder = asyncio.create_task(_hold(backend, "hold", PROMPTS[0], release))  # calm offer: p0 -> d0
         deadline = asyncio.get_running_loop().time() + 60
         while not backend.router.mixed_offer.decode:  # the controller latched the token pool's pressure
             assert asyncio.get_running_loop().time() < deadline and not holder.done(), backend.router.mixed_offer
             await asyncio.sleep(0.05)
         offer = backend.router.mixed_offer
         second = await asyncio.wait_for(collect(backend, "next", PROMPTS[1], PARAMS), 120)
-        lines = {line["request_id"]: line for line in backend.trace.recent}
+        release.set()
         first = await asyncio.wait_for(holder, 120)
-        lines = {**lines, **{line["request_id"]: line for line in backend.trace.recent}}
-        await wait_baseline(backend)
+        await wait_baseline(backend)  # the left hold's blocks and holds came back too
         backend.router.assert_no_leaks()
-        return offer, first, second, lines
+        return offer, first, second, {line["request_id"]: line for line in backend.trace.recent}
 
 
 def test_the_pool_controller_offers_the_mixed_worker_to_a_pressed_token_pool():
-    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    want_first = list(alone.generate([list(PROMPTS[0])], HOLDING)[0].output_ids)
-    want_second = list(alone.generate([list(PROMPTS[1])], PARAMS)[0].output_ids)
     offer, first, second, lines = asyncio.run(_controller_scenario())
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    # greedy: the held request's tokens up to its release are the prefix of a single engine's run
+    want_first, want_second = (list(out.output_ids) for out in alone.generate(
+        [list(PROMPTS[0]), list(PROMPTS[1])], [replace(HOLDING, max_tokens=len(first)), PARAMS]))
     assert offer == MixedOffer(prefill=False, decode=True)
-    assert first[0] == want_first and second[0] == want_second
+    assert first and first == want_first and second[0] == want_second
     assert (lines["hold"]["prefill"], lines["hold"]["decode"]) == ("prefill-0", "decode-0")
     # jsq over the decode pool [decode-0 (decoding "hold"), mixed-0 (idle)]: the mixed worker decodes
     assert (lines["next"]["prefill"], lines["next"]["decode"]) == ("prefill-0", "mixed-0")
