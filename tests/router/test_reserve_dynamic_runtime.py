@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -20,23 +19,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.default import resolve_model
-from pdserve.model.loader import checkpoint_hash
-from pdserve.model.tokenizer import load_tokenizer
-from pdserve.predictor.manifest import DEFAULT_BUCKETS, Manifest, PredictorError
-from pdserve.predictor.training import fit, read_examples
+from pdserve.predictor.manifest import PredictorError
 from pdserve.router.reserve_mode import load_policy
+from tests.helpers.predictors import TRACE, tiny_fit
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, wait_baseline
-
-TRACE = Path(__file__).resolve().parents[2] / "docs" / "traces" / "tetri_lengths.jsonl"
 
 
 @pytest.fixture(scope="module")
 def tiny_predictor(tmp_path_factory):
-    model_dir = resolve_model("tiny")
-    tok = load_tokenizer(model_dir)
-    prompts, lengths = read_examples(TRACE, tok)
-    manifest = Manifest("tiny", checkpoint_hash(model_dir), tok.identity_hash, {"temperature": 0.0}, 4096, DEFAULT_BUCKETS)
-    predictor, _ = fit(prompts, lengths, manifest)
+    predictor, _, _, tok = tiny_fit()  # fit(..., holdout=0.2, seed=0), shared with tests/predictor
     path = tmp_path_factory.mktemp("predictor") / "tiny.json"
     predictor.save(path)
     return path, predictor, tok
@@ -59,7 +50,8 @@ def test_outgrown_holds_grow_then_preempt_by_recompute_with_exact_tokens_and_no_
     engine = replace(TINY, dtype="float32", kv_cache_bytes=4 << 20)
     params = SamplingParams(max_tokens=120, ignore_eos=True)
     reference = Engine(EngineConfig(model="tiny", dtype="float32", num_blocks=256, num_threads=WORKER_THREADS))
-    expected = [list(reference.generate([list(p)], params)[0].output_ids) for p in prompts]
+    # one batch: the engine is batch-invariant (the served run batches them too), 5x less CPU than one by one
+    expected = [list(out.output_ids) for out in reference.generate([list(p) for p in prompts], params)]
 
     async def main():
         async with cluster(config(engine=engine, reserve="dynamic", predictor=str(path))) as (backend, _):
