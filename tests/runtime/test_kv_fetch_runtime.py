@@ -13,10 +13,12 @@ from dataclasses import replace
 
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KvTier
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router.cost import CostModel
-from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
+from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
 
 HISTORY = prompt(96, 11)  # six full blocks
@@ -102,15 +104,12 @@ def test_holder_killed_before_the_fetch_recomputes_with_the_same_tokens():
             backend.router.assert_no_leaks()
             return first, second, lines["t2"]
 
-    async def reference():
-        async with cluster(config(mode="colocated", replicas=1, kv_sharing=False)) as (backend, _):
-            first, _ = await collect(backend, "t1", HISTORY, PARAMS)
-            second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), PARAMS)
-            return first, second
-
     first, second, t2 = asyncio.run(main())
     assert t2["fetch"] == "fetch" and t2["fetch_landed_blocks"] == 0 and t2["fetch_failure"] in ("holder_lost", "source_failed", "transport_failure", "aborted")
-    assert (first, second) == asyncio.run(reference())
+    # the recompute's tokens: a single engine computing both turns from scratch (greedy)
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    assert first == list(alone.generate([list(HISTORY)], PARAMS)[0].output_ids)
+    assert second == list(alone.generate([list(HISTORY) + first + list(prompt(20, 12))], PARAMS)[0].output_ids)
 
 
 def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():

@@ -19,6 +19,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.ledger.release import ROLLBACK_ORDER, rollback_order_error
 from pdserve.workers import messages as m
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+from tests.runtime.shared_cluster import SharedCluster
 
 TOKEN = "s3cret-admin"
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
@@ -28,7 +29,16 @@ PROMPTS = [prompt(40 + 7 * i, 500 + i) for i in range(6)]
 @pytest.fixture(scope="module")
 def expected():
     engine = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    return [list(engine.generate([list(p)], PARAMS)[0].output_ids) for p in PROMPTS]
+    return [list(out.output_ids) for out in engine.generate([list(p) for p in PROMPTS], PARAMS)]  # batch-invariant
+
+
+@pytest.fixture(scope="module")
+def fresh_1p1d():
+    """A `config()` cluster for the admin-token test, which changes nothing, and then the switch
+    test (its last user: it moves the prefill worker to epoch 3)."""
+    served = SharedCluster(config())
+    yield served
+    served.close()
 
 
 def admin(app) -> httpx.AsyncClient:
@@ -50,29 +60,54 @@ def roles(backend) -> dict[str, tuple[str, int, str]]:
     return {w.id: (w.role, w.epoch, w.state) for w in backend.workers()}
 
 
-async def _switch_scenario():
-    async with cluster(config()) as (backend, _):
-        app = create_app(backend, admin_token=TOKEN)
-        async with admin(app) as client:
-            in_flight = asyncio.create_task(run_all(backend, "a"))
-            await asyncio.sleep(0.2)
-            off = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
-            during = await in_flight
-            after_off = await run_all(backend, "b")
-            roles_off, routes_off = roles(backend), routes(backend, "b")
-            again = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
-            on = (await client.post("/admin/disaggregation", json={"enabled": True})).json()
-            after_on = await run_all(backend, "c")
-            state = (await client.get("/admin/state")).json()
-        await wait_baseline(backend)
-        backend.router.assert_no_leaks()
-        return dict(off=off, during=during, after_off=after_off, roles_off=roles_off, routes_off=routes_off, again=again,
-                    on=on, after_on=after_on, routes_on=routes(backend, "c"), roles_on=roles(backend), state=state,
-                    metrics=backend.metrics_text().decode())
+async def _auth_scenario(backend):
+    app = create_app(backend, admin_token=TOKEN)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://pdserve") as anon:
+        missing = await anon.post("/admin/disaggregation", json={"enabled": False})
+        wrong = await anon.get("/admin/state", headers={"Authorization": "Bearer nope"})
+    async with admin(app) as client:
+        malformed = await client.post("/admin/disaggregation", json={"enabled": "sometimes", "extra": 1})
+        state = (await client.get("/admin/state")).json()
+    plain = create_app(backend)  # no token: no admin endpoints at all
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://pdserve") as c:
+        unmounted = await c.get("/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})
+    return missing, wrong, malformed, state, unmounted, roles(backend)
 
 
-def test_disable_and_enable_switch_a_running_cluster_without_losing_a_token(expected):
-    r = asyncio.run(_switch_scenario())
+def test_admin_endpoints_need_the_token_and_refuse_bad_bodies_without_changing_anything(fresh_1p1d):
+    missing, wrong, malformed, state, unmounted, after = fresh_1p1d.run(_auth_scenario(fresh_1p1d.backend))
+    for answer in (missing, wrong):
+        assert answer.status_code == 401
+        assert answer.json()["error"]["code"] == "invalid_admin_token"
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    assert unmounted.status_code == 404
+    assert state["state"] == "ACTIVE" and state["disaggregation"] is True
+    assert after == {"prefill-0": ("prefill", 1, "live"), "decode-0": ("decode", 1, "live")}
+
+
+async def _switch_scenario(backend):
+    app = create_app(backend, admin_token=TOKEN)
+    async with admin(app) as client:
+        in_flight = asyncio.create_task(run_all(backend, "a"))
+        await asyncio.sleep(0.2)
+        off = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
+        during = await in_flight
+        after_off = await run_all(backend, "b")
+        roles_off, routes_off = roles(backend), routes(backend, "b")
+        again = (await client.post("/admin/disaggregation", json={"enabled": False})).json()
+        on = (await client.post("/admin/disaggregation", json={"enabled": True})).json()
+        after_on = await run_all(backend, "c")
+        state = (await client.get("/admin/state")).json()
+    await wait_baseline(backend)
+    backend.router.assert_no_leaks()
+    return dict(off=off, during=during, after_off=after_off, roles_off=roles_off, routes_off=routes_off, again=again,
+                on=on, after_on=after_on, routes_on=routes(backend, "c"), roles_on=roles(backend), state=state,
+                metrics=backend.metrics_text().decode())
+
+
+def test_disable_and_enable_switch_a_running_cluster_without_losing_a_token(expected, fresh_1p1d):
+    r = fresh_1p1d.run(_switch_scenario(fresh_1p1d.backend))
     for results in (r["during"], r["after_off"], r["after_on"]):
         assert all(isinstance(event, FinishEvent) for _, event in results)
         assert [ids for ids, _ in results] == expected
@@ -135,33 +170,6 @@ def test_rollback_runs_the_spec_order_under_load_and_every_request_finishes(expe
     assert r["twice"].status_code == 409 and r["twice"].json()["error"]["code"] == "illegal_release_transition"
     assert "pdserve_stale_messages_total 1.0" in r["metrics"]
     assert "pdserve_rollback_seconds_count 1.0" in r["metrics"]
-
-
-async def _auth_scenario():
-    async with cluster(config()) as (backend, _):
-        app = create_app(backend, admin_token=TOKEN)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://pdserve") as anon:
-            missing = await anon.post("/admin/disaggregation", json={"enabled": False})
-            wrong = await anon.get("/admin/state", headers={"Authorization": "Bearer nope"})
-        async with admin(app) as client:
-            malformed = await client.post("/admin/disaggregation", json={"enabled": "sometimes", "extra": 1})
-            state = (await client.get("/admin/state")).json()
-        plain = create_app(backend)  # no token: no admin endpoints at all
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://pdserve") as c:
-            unmounted = await c.get("/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})
-        return missing, wrong, malformed, state, unmounted, roles(backend)
-
-
-def test_admin_endpoints_need_the_token_and_refuse_bad_bodies_without_changing_anything():
-    missing, wrong, malformed, state, unmounted, after = asyncio.run(_auth_scenario())
-    for answer in (missing, wrong):
-        assert answer.status_code == 401
-        assert answer.json()["error"]["code"] == "invalid_admin_token"
-    assert malformed.status_code == 400 and "error" in malformed.json()
-    assert unmounted.status_code == 404
-    assert state["state"] == "ACTIVE" and state["disaggregation"] is True
-    assert after == {"prefill-0": ("prefill", 1, "live"), "decode-0": ("decode", 1, "live")}
 
 
 def test_a_short_drill_under_steady_load_ends_every_request_and_leaks_nothing():

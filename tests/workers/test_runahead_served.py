@@ -38,9 +38,10 @@ async def _serve_all(backend, tag: str) -> list[list[int]]:
 
 
 def test_a_two_worker_chain_gives_the_single_worker_tokens(tmp_path):
+    # one prefill worker's tokens: a single engine of the workers' configuration (threads included)
+    single = [_reference(prompt(length, n)) for n, length in enumerate(LENGTHS)]
+
     async def main():
-        async with cluster(config(engine=ENGINE, num_prefill=2, prefill_runahead=0)) as (backend, _):
-            single = await _serve_all(backend, "k1")
         async with cluster(config(engine=ENGINE, num_prefill=2, prefill_runahead=2, runahead_min_tokens=128,
                                   trace_dir=str(tmp_path))) as (backend, _):
             chained = await _serve_all(backend, "k2")
