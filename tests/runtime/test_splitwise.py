@@ -41,7 +41,7 @@ async def _scenario():
 
 def test_a_prompt_backlog_moves_a_token_worker_to_the_prompt_pool():
     engine = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    expected = [list(engine.generate([list(p)], PARAMS)[0].output_ids) for p in PROMPTS]
+    expected = [list(out.output_ids) for out in engine.generate([list(p) for p in PROMPTS], PARAMS)]  # batch-invariant
     results, after, roles, metrics = asyncio.run(_scenario())
     assert all(isinstance(event, FinishEvent) for _, event in results)
     assert [ids for ids, _ in results] == expected and after[0] == expected[0]
@@ -78,7 +78,7 @@ def test_a_mixed_worker_gives_a_waiting_prompt_a_young_decodes_slot():
     engine = replace(TINY, max_num_seqs=2, prompt_priority=PromptPriority(age_override_ms=1e9, max_preemptions=1))
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
     params = [HELD, HELD, LONG]
-    expected = [list(alone.generate([list(p)], q)[0].output_ids) for p, q in zip(MIXED, params)]
+    expected = [list(out.output_ids) for out in alone.generate([list(p) for p in MIXED], params)]  # batch-invariant
     results, loads, metrics = asyncio.run(_mixed_scenario(engine))
     assert all(isinstance(event, FinishEvent) and len(ids) == q.max_tokens for (ids, event), q in zip(results, params))
     # the two that kept their slots are exact; the displaced one recomputed its K/V by prefill,
@@ -112,7 +112,7 @@ async def _two_machine_scenario():
 
 def test_the_last_prompt_worker_is_lent_to_the_token_pool_and_requests_run_whole():
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    expected = [list(alone.generate([list(p)], LONG)[0].output_ids) for p in MIXED]
+    expected = [list(out.output_ids) for out in alone.generate([list(p) for p in MIXED], LONG)]  # batch-invariant
     first, after, roles, metrics = asyncio.run(_two_machine_scenario())
     assert [ids for ids, _ in first] == expected and [ids for ids, _ in after] == expected
     assert roles == {"prefill-0": ("decode", 2), "decode-0": ("decode", 1)}
