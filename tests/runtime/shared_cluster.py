@@ -5,7 +5,8 @@ the CPU). Tests that only need the same deployment at baseline serve from one `S
 `cluster(cfg)` stays open on an event loop in a background thread and `run(coro)` runs a test's
 coroutine there. Contract: every test that uses it leaves the cluster where it found it (its
 requests finished, `wait_baseline` and `assert_no_leaks` passed), kills nothing and changes no
-setting; a test that faults a worker or needs counters from zero starts its own cluster."""
+setting, except the module's last user, which may change roles (its fixture's docstring names
+it); a test that faults a worker or needs counters from zero starts its own cluster."""
 
 from __future__ import annotations
 
