@@ -11,7 +11,8 @@ features, so a machine of another kind (AVX2-only vs AVX-512) builds its own: `-
 selects the instruction set at build time on the machine that runs it. `load(name, march=...)`
 builds for another target, as does $PDSERVE_MARCH for a whole process (tests build `x86-64-v3`,
 AVX2 and FMA without AVX-512, to check that path on an AVX-512 machine; the kernel modules ask
-`default_march()` at each call, so a test may swap it).
+`default_march()` at each call, so a test may swap it). `Binding(name, signatures)` is how a
+kernel module holds its library: the build for the current target with its C signatures declared.
 -ffast-math is a compile-time flag only: linking a shared object with it would switch the whole
 process to flush-to-zero; `SOURCE_FLAGS` turns it off for sources that must round as written.
 """
@@ -100,3 +101,30 @@ def _load(name: str, march: str) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+Signatures = dict  # C function name -> (restype, argtypes; None leaves the arguments unchecked)
+
+
+class Binding:
+    """csrc/<name>.c's library with its functions' C signatures declared, once per `-march`
+    target: `binding()` is the build for `default_march()` (None without a compiler),
+    `binding.bound(march)` the build for another target (cached)."""
+
+    def __init__(self, name: str, signatures: Signatures) -> None:
+        self.name, self.signatures = name, signatures
+        self.bound = lru_cache(maxsize=None)(self._bind)
+
+    def __call__(self) -> ctypes.CDLL | None:
+        return self.bound(default_march())
+
+    def _bind(self, march: str) -> ctypes.CDLL | None:
+        lib = load(self.name, march)
+        if lib is None:
+            return None
+        for function, (restype, argtypes) in self.signatures.items():
+            fn = getattr(lib, function)
+            fn.restype = restype
+            if argtypes is not None:
+                fn.argtypes = argtypes
+        return lib

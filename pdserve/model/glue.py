@@ -22,7 +22,6 @@ Contract (bf16 or fp32 activations, [T, d] contiguous):
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
@@ -33,22 +32,12 @@ _P = ctypes.c_void_p
 PARALLEL_ROWS = 64  # fewer rows run on the calling thread (an OpenMP region costs more than the work)
 
 
-def _library() -> ctypes.CDLL | None:
-    return _bound(ckernel.default_march())
-
-
-@lru_cache(maxsize=None)
-def _bound(march: str) -> ctypes.CDLL | None:
-    lib = ckernel.load("glue", march)
-    if lib is None:
-        return None
-    lib.glue_add_rms_norm.restype = None
-    lib.glue_add_rms_norm.argtypes = [_P] * 4 + [_I64, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.glue_silu_mul.restype = None
-    lib.glue_silu_mul.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, ctypes.c_int]
-    lib.glue_rope.restype = None
-    lib.glue_rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int]
-    return lib
+_library = ckernel.Binding("glue", {
+    "glue_add_rms_norm": (None, [_P] * 4 + [_I64, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]),
+    "glue_silu_mul": (None, [_P, _P, _I64, _I64, ctypes.c_int, ctypes.c_int]),
+    "glue_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int]),
+})
+_bound = _library.bound  # the build for another -march (tests)
 
 
 def available() -> bool:

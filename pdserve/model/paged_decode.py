@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 
 import torch
 import torch.profiler
@@ -45,20 +44,12 @@ _POOL_DTYPES = (torch.float32, torch.bfloat16)
 _I64 = ctypes.c_int64
 
 
-def _library() -> ctypes.CDLL | None:
-    return _bound(ckernel.default_march())
-
-
-@lru_cache(maxsize=None)
-def _bound(march: str) -> ctypes.CDLL | None:
-    lib = ckernel.load("paged_decode", march)
-    if lib is None:
-        return None
-    lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [ctypes.c_void_p, _I64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [
-        ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p] + [_I64] * 9 + [ctypes.c_int]
-    lib.paged_decode_openmp.restype = ctypes.c_int
-    return lib
+_library = ckernel.Binding("paged_decode", {
+    "paged_decode": (ctypes.c_int, [ctypes.c_void_p, _I64, ctypes.c_int] + [ctypes.c_void_p] * 2
+                     + [ctypes.c_int, ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p] + [_I64] * 9 + [ctypes.c_int]),
+    "paged_decode_openmp": (ctypes.c_int, None),
+})
+_bound = _library.bound  # the build for another -march (tests)
 
 
 def available() -> bool:

@@ -22,7 +22,6 @@ The pool may be a tensor-parallel rank's strided view of its heads, as for paged
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 import torch.profiler
@@ -32,19 +31,11 @@ from pdserve.model import ckernel, paged_decode
 _I64 = ctypes.c_int64
 
 
-def _library() -> ctypes.CDLL | None:
-    return _bound(ckernel.default_march())
-
-
-@lru_cache(maxsize=None)
-def _bound(march: str) -> ctypes.CDLL | None:
-    lib = ckernel.load("paged_prefill", march)
-    if lib is None:
-        return None
-    lib.paged_prefill.restype = ctypes.c_int
-    lib.paged_prefill.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, _I64, _I64,
-                                                          ctypes.c_void_p] + [_I64] * 6 + [ctypes.c_int])
-    return lib
+_library = ckernel.Binding("paged_prefill", {
+    "paged_prefill": (ctypes.c_int, [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, _I64, _I64, ctypes.c_void_p]
+                      + [_I64] * 6 + [ctypes.c_int]),
+})
+_bound = _library.bound  # the build for another -march (tests)
 
 
 def available() -> bool:
