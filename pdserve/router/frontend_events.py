@@ -140,7 +140,7 @@ async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> 
         if live.owners:
             await recover(backend, live, lost=worker_id)
         elif live.reserved is not None and not live.reserved.done():
-            live.reserved.set_result(None)  # the admission sees its route lost (frontend._reserve)
+            live.reserved.set_result(None)  # the admission sees its route lost (frontend_start._reserve)
 
 
 async def recover(backend, live: InFlight, lost: str) -> None:
