@@ -90,6 +90,16 @@ def holder_with_host_history(issuer, made, history, lease_s=30.0, host_blocks=40
     put_in_host(holder, history, tenant)
     return holder
 
+def holder_and_destination(issuer, made, seed: int, **holder_kw) -> tuple[list[int], HostNode, HostNode]:
+    """A 100-token history (six full blocks) evicted into a holder's host tier, and an empty
+    destination node: the set-up of every fetch scenario below."""
+    history = prompt(100, seed)
+    holder = holder_with_host_history(issuer, made, history, **holder_kw)
+    dest = HostNode("d", issuer)
+    made.append(dest)
+    return history, holder, dest
+
+
 
 def put_in_host(holder: HostNode, history, tenant="default") -> None:
     holder.engine.generate([history], replace(PARAMS, tenant=tenant))
@@ -172,10 +182,7 @@ def test_host_slots_read_in_place_land_bitwise_as_the_device_pool_path(issuer, m
 
 
 def test_over_tcp_the_holder_sends_host_slots_in_place(issuer, made):
-    history = prompt(100, 3)
-    holder = holder_with_host_history(issuer, made, history)
-    dest = HostNode("d", issuer)
-    made.append(dest)
+    history, holder, dest = holder_and_destination(issuer, made, 3)
     prefix, plan, _ = plan_fetch(issuer, holder, dest, history, transport="tcp")
     slots = [holder.host.lru[h][0] for h in holder.engine.blocks.hashes_for(history)[:6]]
     serve(holder, prefix, plan)
@@ -186,10 +193,7 @@ def test_over_tcp_the_holder_sends_host_slots_in_place(issuer, made):
 
 
 def test_eviction_is_held_off_while_pinned_and_happens_after_release(issuer, made):
-    history = prompt(100, 4)
-    holder = holder_with_host_history(issuer, made, history, host_blocks=8)
-    dest = HostNode("d", issuer)
-    made.append(dest)
+    history, holder, dest = holder_and_destination(issuer, made, 4, host_blocks=8)
     prefix, plan, pinned = plan_fetch(issuer, holder, dest, history)
     slots = [slot for _, slot in pinned.src_slots]
     before = holder.host.pool.tensor[:, :, slots].clone()
@@ -252,10 +256,7 @@ class DyingSender(HandoffSender):
 
 
 def test_holder_death_mid_read_recomputes_with_pools_pins_and_credits_at_baseline(issuer, made):
-    history = prompt(100, 6)
-    holder = holder_with_host_history(issuer, made, history)
-    dest = HostNode("d", issuer)
-    made.append(dest)
+    history, holder, dest = holder_and_destination(issuer, made, 6)
     holder.fetch.holder.sender.__class__ = DyingSender
     prefix, plan, _ = plan_fetch(issuer, holder, dest, history)
     serve(holder, prefix, plan)
@@ -270,10 +271,7 @@ def test_holder_death_mid_read_recomputes_with_pools_pins_and_credits_at_baselin
 
 
 def test_a_capability_for_other_slots_is_refused_at_the_holder(issuer, made):
-    history = prompt(100, 7)
-    holder = holder_with_host_history(issuer, made, history)
-    dest = HostNode("d", issuer)
-    made.append(dest)
+    history, holder, dest = holder_and_destination(issuer, made, 7)
     other = ((HOST, 39),) * 6
     prefix, plan, _ = plan_fetch(issuer, holder, dest, history, bind=other)
     serve(holder, prefix, plan)
