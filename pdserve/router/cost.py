@@ -118,7 +118,11 @@ class CostModel:
         role's TP size); this model itself when the roles' sizes price alike."""
         if self.decode_worker_prefill_factor == 1.0:
             return self
-        return replace(self.scaled(self.decode_worker_prefill_factor, 1.0), decode_worker_prefill_factor=1.0)
+        found = self.__dict__.get("_at_decode_worker")  # built once: a route asks several times
+        if found is None:
+            found = replace(self.scaled(self.decode_worker_prefill_factor, 1.0), decode_worker_prefill_factor=1.0)
+            object.__setattr__(self, "_at_decode_worker", found)  # derived, not a field: eq, hash and repr ignore it
+        return found
 
     def queue_s(self, pending_prompt_tokens: Num) -> Num:
         """Time for a prefill worker to drain the prompt tokens already queued on it."""
