@@ -13,6 +13,13 @@ and the instance has fewer than `max_seqs` sequences. When decode growth overflo
 newest decode member is preempted back to the front of the queue, to recompute prompt +
 generated - 1 rows. With no prefill to run, the batch advances by whole segments.
 
+Driven incrementally (`MixedInstance`: `add_prompt`, `advance`, `drain`), the same iterations
+serve a decode worker that also prefills locally (sim/margin_routed.py): decode-only requests
+whose K/V arrives from a prefill worker join the batch at the first step boundary at or after
+their ready time, FCFS, when it has a free slot and the pool keeps room for one more step (as
+decode_pool.py admits), and decode segments stop at `until_s` and at the next join. `run`, the
+batch simulation, is unchanged by this and uses none of it.
+
 `mixed=False` is the prefill-first scheduler without mixing (vLLM 0.2's, DistServe's colocated
 baseline): waiting prompts run whole (not cut into chunks), up to `chunk_tokens` tokens (the first
 one even past it), in an iteration of their own while the whole decode batch waits.
@@ -51,8 +58,9 @@ class ColocatedRun:
     num_preempted: int = 0
 
 
-class _Instance:
-    """State of one simulated instance; `run` drives it to completion."""
+class MixedInstance:
+    """State of one simulated instance; `run` drives it to completion over known arrivals, or
+    `add_prompt` / `advance` / `drain` step it as a caller's events arrive (module contract)."""
 
     def __init__(self, prompt, output, cached, model: LatencyModel, limits: ColocatedLimits) -> None:
         self.prompt, self.output, self.cached, self.model, self.limits = prompt, output, cached, model, limits
@@ -62,6 +70,57 @@ class _Instance:
         self.reserved = 0
         self.result = ColocatedRun({}, {})
         self.t = 0.0
+        self.joins: deque[tuple[float, int]] = deque()  # (K/V ready time, idx) of decode-only requests, sorted
+
+    def add_prompt(self, idx: int) -> None:
+        """Request `idx` arrives now (at or before `t`): its prompt queues FCFS."""
+        self.pending.append([idx, self.prompt[idx] - self.cached[idx], 0, 0, 0])
+
+    def add_join(self, ready_s: float, idx: int) -> None:
+        """Request `idx`'s prompt and first token are ready here at `ready_s` (not before the last join's)."""
+        self.joins.append((ready_s, idx))
+
+    def pending_prompt_tokens(self) -> int:
+        """Prompt rows queued or part-way (what an engine reports as its pending prompt tokens)."""
+        return sum(e[1] - e[2] for e in self.pending)
+
+    def advance(self, until_s: float) -> None:
+        """Run iterations while the clock is before `until_s`; an iteration is atomic, so the last
+        may end past it, and a decode segment ends at the first step boundary at or after it."""
+        while self.t < until_s:
+            self._admit_joins()
+            self._preempt_overflow()
+            if self.pending and self._mixed_iteration():
+                continue
+            upcoming = self.joins[0][0] if self.joins and self.joins[0][0] > self.t else None
+            if self.batch.size == 0:
+                if self.pending:
+                    raise ValueError(f"request {self.pending[0][0]} cannot fit an empty instance")
+                if not self.joins:
+                    self.t = self.t if until_s == float("inf") else until_s  # idle until the caller's event
+                    return
+                self.t = min(until_s, self.joins[0][0])
+                continue
+            bound = until_s if upcoming is None else min(until_s, upcoming)
+            self._decode_segment(None if bound == float("inf") else bound)
+
+    def drain(self) -> ColocatedRun:
+        """Run until every queued prompt, join and decode has finished."""
+        self.advance(float("inf"))
+        return self.result
+
+    def _admit_joins(self) -> None:
+        """Ready decode-only requests join FCFS while a slot and the pool's room allow."""
+        batch, joins = self.batch, self.joins
+        while joins and joins[0][0] <= self.t:
+            idx = joins[0][1]
+            started = sum(1 for e in self.pending if e[4])
+            context = self.prompt[idx] + 1
+            room = self.cap - batch.context_sum - self.reserved - batch.size - 1
+            if batch.size + started >= self.limits.max_seqs or ((batch.size or self.reserved) and context > room):
+                return
+            joins.popleft()
+            batch.add(idx, context, 1, self.output[idx] - 1)
 
     def run(self, arrivals_s: Sequence[float], idxs: Sequence[int]) -> ColocatedRun:
         j, n = 0, len(idxs)
@@ -185,4 +244,4 @@ def run_colocated_instance(
     limits: ColocatedLimits,
 ) -> ColocatedRun:
     """Simulate one instance; request `idxs[j]` arrives at `arrivals_s[j]` (sorted)."""
-    return _Instance(prompt_tokens, output_tokens, cached_tokens, model, limits).run(arrivals_s, idxs)
+    return MixedInstance(prompt_tokens, output_tokens, cached_tokens, model, limits).run(arrivals_s, idxs)

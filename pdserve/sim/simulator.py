@@ -11,16 +11,23 @@ in completion order, over that instance's ingress link (`transfer.py`), and deco
 (`decode_pool.py`). Colocated: arrivals are dealt round-robin to `replicas` instances that mix
 chunked prefill with decode (`colocated.py`). Routing is oblivious (round-robin), so instances
 are independent and each is simulated by itself, with no global event heap.
+
+Margin-routed (`decide` given, disaggregated only): the router decides per request, from the
+deployment's live state at the arrival, to hand the request off or prefill it on its decode
+instance (`margin_routed.py`, one event clock); `SimResult.local_requests` names those kept
+local and `arrival_views` what each decision read. Without `decide` every request is handed off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.bench.records import RequestRecord
 from pdserve.sim.colocated import ColocatedLimits, run_colocated_instance
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
 from pdserve.latency.base import LatencyModel
+from pdserve.sim.margin_routed import ArrivalView, Decide, RoutedShape, run_margin_routed
 from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
 from pdserve.sim.requests import SimRequests, records
 from pdserve.sim.transfer import LinkSpec, transfer_s, visible_at_s
@@ -63,6 +70,8 @@ class SimResult:
     num_rejected: int
     num_preempted: int
     mean_transfer_exposed_s: float = 0.0
+    local_requests: tuple[int, ...] = ()  # margin-routed: prefilled on their decode instance
+    arrival_views: tuple[ArrivalView, ...] = ()  # margin-routed: what each decision read, in arrival order
 
 
 def simulate(
@@ -71,11 +80,15 @@ def simulate(
     config: SimConfig,
     prefill_model: LatencyModel,
     decode_model: LatencyModel | None = None,
+    decide: Decide | None = None,
 ) -> SimResult:
-    """Run the workload at `rate` req/s; colocated uses `prefill_model` for its instances."""
+    """Run the workload at `rate` req/s; colocated uses `prefill_model` for its instances;
+    `decide`: route each disaggregated request by it (module contract)."""
     arrivals = requests.arrivals_at(rate)
     if config.mode == "colocated":
         return _colocated(requests, arrivals, config, prefill_model)
+    if decide is not None:
+        return _margin_routed(requests, arrivals, config, prefill_model, decode_model or prefill_model, decide)
     return _disaggregated(requests, arrivals, config, prefill_model, decode_model or prefill_model)
 
 
@@ -137,6 +150,21 @@ def _disaggregated(requests, arrivals, config: SimConfig, prefill_model: Latency
             finish[i] = t
         preempted += run.num_preempted
     return _result(requests, arrivals, pre.done_s, finish, rejected, preempted, exposed_s)
+
+
+def _margin_routed(requests, arrivals, config: SimConfig, prefill_model: LatencyModel, decode_model: LatencyModel,
+                   decide: Decide) -> SimResult:
+    if config.prefill != PrefillPolicy():
+        raise ValueError("margin routing simulates the FCFS single-request prefill pool only")
+    rejected = _rejected(requests, prefill_model.kv_capacity_tokens, decode_model.kv_capacity_tokens)
+    shape = RoutedShape(config.prefill_replicas, config.decode_replicas, config.chunk_tokens, config.max_decode_seqs,
+                        config.link)
+    run = run_margin_routed(arrivals, _arrival_order(arrivals, rejected), requests.prompt_tokens, requests.output_tokens,
+                            requests.cached_tokens, shape, prefill_model, decode_model, decide)
+    result = _result(requests, arrivals, run.first_token_s, run.finish_s, rejected, run.num_preempted,
+                     run.mean_transfer_exposed_s)
+    local = tuple(v.request for v in run.views if not run.disaggregated[v.request])
+    return dataclasses.replace(result, local_requests=local, arrival_views=run.views)
 
 
 def _handoff(requests: SimRequests, order: list[int], pre, config: SimConfig, kv_bytes_per_token: int):
