@@ -65,7 +65,8 @@ class Engine(HandoffSide):
         mc = self.model_config
         self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
-        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name or tp_group.private_pool_name(config.tp))
+        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name or tp_group.private_pool_name(config.tp),
+                           prefault=True)  # no page faults inside prefills' K/V writes (kv_pool.py)
         if config.tp == 1:
             self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
         else:  # rank 0 of a tensor-parallel group; followers run the other shards (tp_group.py)
