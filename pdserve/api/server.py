@@ -32,9 +32,9 @@ from pdserve.router.calibration import AUTO, NONE, cost_profile
 from pdserve.router.role_control import run_pool_controller
 from pdserve.router.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
-from pdserve.router.cost import CostModel
 from pdserve.router.frontend import ClusterBackend
 from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.pd_served import served_pd
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.router.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
@@ -130,11 +130,9 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     tp = config.tp  # each role's steps at its TP size (router/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)
     profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0])
-    cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(
-        abi, profile, config.engine.max_num_batched_tokens)
+    cost, pd = served_pd(abi, profile, config.engine.max_num_batched_tokens, config.pd_decision,
+                         config.pd_min_prompt_tokens, config.layerwise_threshold_tokens)  # the planner's too
     cost = tp_cost(cost, scaling_for(mc, profile, config.threads_per_worker), *sizes, measured_tp(profile))
-    pd = PdPolicy(config.pd_decision, config.pd_min_prompt_tokens, stream_layers=mc.num_layers,
-                  layerwise_min_tokens=config.layerwise_threshold_tokens, chunk_tokens=config.engine.max_num_batched_tokens)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.commands.simulate import add_slo_args, add_workload_args
+from pdserve.commands.simulate import add_pd_decision_arg, add_slo_args, add_workload_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "without mixing (vLLM 0.2, DistServe's baseline: whole prompts, up to the chunk budget, in "
                         "iterations of their own while decodes wait)")
     p.add_argument("--transfer", choices=("request", "layer"), default="layer", help="K/V transfer overlap")
+    add_pd_decision_arg(p, "margin")
     add_workload_args(p, 400)
     add_slo_args(p, required=True)
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -102,7 +103,7 @@ def plan_inputs(args: argparse.Namespace):
         chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
         fixed_model=fixed, family=family, prefix_cache=args.prefix_cache,
-        mixed_batches=args.colocated_scheduler == "mixed",
+        mixed_batches=args.colocated_scheduler == "mixed", pd_decision=args.pd_decision,
         latency_label=args.latency_model if family else ("file" if fixed else "roofline"),
     )
 
@@ -117,7 +118,7 @@ def serve_config_of(result) -> dict:
         return {"mode": "colocated", "replicas": colo.replicas, "tp": colo.score.par.tp, "pp": colo.score.par.pp,
                 "max_num_batched_tokens": colo.score.chunk_tokens or None, **common}
     dis = result.disaggregated
-    return {"mode": "disaggregated", "prefill": dis.n_prefill, "decode": dis.n_decode, "pd_decision": "always",
+    return {"mode": "disaggregated", "prefill": dis.n_prefill, "decode": dis.n_decode, "pd_decision": result.pd_decision,
             "prefill_tp": dis.prefill.par.tp, "prefill_pp": dis.prefill.par.pp, "decode_tp": dis.decode.par.tp,
             "decode_pp": dis.decode.par.pp, **common}
 
@@ -182,6 +183,8 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
                                        extra_serve_args=(*serve, *chunk)))
         else:
             chunk = _budget_args(meta.get("chunk_tokens"))
+            chunk += ["--pd-decision", result.pd_decision]  # the routing the plan simulated, timed by the same profile
+            chunk += ["--pd-profile", args.latency_model] if result.pd_decision == "margin" else []
             configs.append(LocalConfig(name, "disaggregated", prefill=plan_.n_prefill, decode=plan_.n_decode,
                                        predicted_goodput_rps=plan_.goodput_rps, simulated_goodput_rps=simulated,
                                        sample_goodput_rps=sample, extra_serve_args=(*serve, *chunk)))

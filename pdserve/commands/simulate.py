@@ -46,6 +46,15 @@ def add_slo_args(parser: argparse.ArgumentParser, required: bool = False) -> Non
     group.add_argument("--attainment", type=float, default=0.9, help="required attainment p (default 0.9)")
 
 
+def add_pd_decision_arg(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--pd-decision` of `pdserve plan` and `pdserve simulate` (search/planner.py's contract)."""
+    parser.add_argument("--pd-decision", choices=("always", "margin"), default=default,
+                        help=f"the disaggregated deployment's per-request routing (default {default}): 'margin' decides "
+                             "each request with the router's own net margin (as `pdserve serve` does), priced from the "
+                             "profiled --latency-model (hand off, or prefill on the decode worker); 'always' hands "
+                             "every request off")
+
+
 def link_bytes_per_s(gbps: float | None) -> float:
     """--link-gbps is gigabits per second; None means an unconstrained link."""
     return float("inf") if gbps is None else gbps * 1e9 / 8
@@ -79,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--sweep-rel-tol", type=float, default=0.01, help="bisection stops within this of the bracket top")
     add_workload_args(sim, 1000)
     add_slo_args(sim)
+    add_pd_decision_arg(sim, "always")
     sim.add_argument("--json", action="store_true", help="print one JSON line")
     sim.set_defaults(func=run_simulate)
     bench = subparsers.add_parser("bench-sim", help="measure simulator speed: requests simulated per wall second")
@@ -115,7 +125,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             _emit(_sweep(args, requests, model), args.json)
             return 0
         started = time.perf_counter()
-        result = simulate(requests, args.rate, sim_config(args), model)
+        router = _router(args, model)
+        result = simulate(requests, args.rate, sim_config(args), model, decide=router)
         wall_s = time.perf_counter() - started
     except ValueError as exc:
         raise SystemExit(f"pdserve simulate: {exc}") from exc
@@ -123,6 +134,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     report.update(num_arrived=result.num_arrived, num_finished=result.num_finished, num_rejected=result.num_rejected,
                   num_preempted=result.num_preempted, mean_transfer_exposed_ms=result.mean_transfer_exposed_s * 1e3,
                   offered_rate=args.rate, sim_wall_s=wall_s)
+    if router is not None:
+        report.update(pd_decision="margin", pd_local_requests=len(result.local_requests))
     _emit(report, args.json)
     return 0
 
@@ -136,6 +149,20 @@ def _latency_model(args: argparse.Namespace):
         raise ValueError("--tp and --pp must be at least 1")
     fixed, family = resolve_latency(args.latency_model, load_model_spec(args.model) if args.model else None)
     return fixed if family is None else family(args.tp, args.pp)
+
+
+def _router(args: argparse.Namespace, model):
+    """A fresh margin router for one disaggregated run (None: every request handed off), priced as
+    `pdserve serve --pd-profile` prices from this profile and --model's K/V geometry."""
+    from pdserve.latency.geometry import load_model_spec
+    from pdserve.search.margin_routing import MarginRouter, served_pricing
+
+    if args.pd_decision != "margin" or args.mode != "disaggregated":
+        return None
+    if model.to_dict().get("kind") != "profiled" or not args.model:
+        raise ValueError("--pd-decision margin needs a profiled --latency-model and --model (its K/V geometry)")
+    cost, policy = served_pricing(load_model_spec(args.model), model.to_dict(), args.chunk_tokens)
+    return MarginRouter(cost, policy, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
 
 
 def _sweep(args: argparse.Namespace, requests, model) -> dict:
@@ -160,7 +187,7 @@ def _sweep(args: argparse.Namespace, requests, model) -> dict:
 
     def run(rate: float) -> list:
         if rate not in simulated:
-            simulated[rate] = simulate(requests, rate, config, model).records
+            simulated[rate] = simulate(requests, rate, config, model, decide=_router(args, model)).records
         return simulated[rate]
 
     for definition, key in (("joint", "request_goodput"), ("phase", "request_goodput_phase")):

@@ -2,8 +2,11 @@
 
 Contract: `plan_summary` is the one JSON shape `pdserve plan --json` prints (decision,
 decided_by and its reason, colocated, disaggregated, net_margin, search statistics); `plan_table`
-renders the same facts for a terminal, the deciding test on the line under the decision; `plot_plan` draws joint attainment vs offered rate for the top candidates of
-each kind with the attainment target and each curve's goodput marked.
+renders the same facts for a terminal, the deciding test on the line under the decision, and
+the disaggregated plan's routing (`pd_decision`; under "margin" the share of its requests kept on
+their decode worker at its simulated goodput, `pd_local_share`); `plot_plan` draws joint
+attainment vs offered rate for the top candidates of each kind with the attainment target and
+each curve's goodput marked.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def plan_summary(result: PlanResult) -> dict:
         "disaggregated": disagg_summary(result.disaggregated, result.end_to_end.get("disaggregated")),
         "alternatives": [disagg_summary(p, None) for p in result.alternatives if p is not result.disaggregated],
         "net_margin": None if margin is None else {"delta_t_s": result.net_margin_s, **vars(margin)},
+        "pd_decision": result.pd_decision, "pd_decision_asked": inputs.pd_decision,
+        "pd_local_share": result.local_share,
         "num_candidates": result.num_candidates,
         "num_simulated": sum(s.status == "simulated" for v in result.scores.values() for s in v),
         "search_s": result.elapsed_s,
@@ -91,6 +96,7 @@ def plan_table(summary: dict) -> str:
         p, d = dis["prefill"], dis["decode"]
         layout = f"P {p['replicas']} x tp{p['tp']}pp{p['pp']} + D {d['replicas']} x tp{d['tp']}pp{d['pp']} ({_affinity(dis)})"
         lines.append(f"{'disaggregated':<16}{layout:<44}{dis['goodput_rps']:>12.3g}{dis['goodput_per_gpu']:>10.3g}{_num(dis['simulated_goodput_rps']):>10}")
+        lines.append(_routing_line(summary))
         lines.append(f"K/V demand {dis['kv_demand_bytes_per_s'] / 1e9:.3g} GB/s vs link {dis['link_capacity_bytes_per_s'] / 1e9:.3g} GB/s: "
                      + ("ok" if dis["link_ok"] else "INFEASIBLE"))
     if summary["net_margin"]:
@@ -100,6 +106,18 @@ def plan_table(summary: dict) -> str:
     if summary.get("validation") is not None:
         lines.extend(validation_lines(summary["validation"]))
     return "\n".join(lines)
+
+
+def _routing_line(summary: dict) -> str:
+    """How the disaggregated plan routes each request, and what margin routing kept local."""
+    mode, asked = summary.get("pd_decision", "always"), summary.get("pd_decision_asked", "always")
+    if mode == "margin":
+        share = summary.get("pd_local_share")
+        kept = "" if share is None else f": {share:.0%} of requests prefilled on their decode worker at the sim rps"
+        return (f"P/D routing: margin (the router's per-request decision, as pdserve serve runs it; the verdict "
+                f"weighs sim rps per GPU){kept}")
+    why = " (margin needs a profiled --latency-model: simulated as always)" if asked == "margin" else ""
+    return f"P/D routing: always (every request handed off){why}"
 
 
 def validation_lines(rows: list[dict]) -> list[str]:

@@ -7,6 +7,16 @@ system goodput, and computes the net margin dT (ledger `net_margin_s`) at matche
 `decision.decide` is the one rule (goodput per GPU beyond `margin`, K/V feasibility first); it
 names the test that decided and reports dT beside it. The runner-up is the best plan of the
 other kind.
+
+P/D routing (`pd_decision`, issue 20): "always" hands every request of the disaggregated plan
+off, as above. "margin" (the default, as `pdserve serve` runs a disaggregated deployment) models
+what the served router does when the latency model is a `pdserve profile` fit (the only one
+`pdserve serve --pd-profile` prices with; otherwise the plan falls back to "always" and says so):
+every simulation of the disaggregated plan routes each request by the router's own decision
+(search/margin_routing.py over sim/margin_routed.py), and the verdict weighs the two plans'
+end-to-end goodput per GPU (the colocated one simulated alike), since the phase scores cannot
+see a request prefilled on its decode worker. The result keeps the decisions at the matched load
+(`routed`) and the share of requests kept local at the disaggregated plan's goodput.
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ from pdserve.latency.spec import LatencyFamily
 from pdserve.search.phase_search import Score, SearchSpace, score_all
 from pdserve.search.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
 from pdserve.sim.requests import SimRequests, build_requests
-from pdserve.sim.simulator import SimConfig, simulate
+from pdserve.sim.simulator import SimConfig, SimResult, simulate
+from pdserve.search.margin_routing import MarginRouter, RoutedDecision, served_pricing
 from pdserve.sim.transfer import LinkSpec
 
 CHUNK_BUDGETS = (256, 512, 1024, 2048)
 MARGIN_LOAD = 0.8
+PD_DECISIONS = ("always", "margin")
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,18 @@ class PlanInputs:
     latency_label: str = "roofline"  # what timed the steps, for the report
     prefix_cache: bool = False  # shared prefixes and earlier turns count as cache hits (`--prefix-cache`)
     mixed_batches: bool = True  # colocated scheduler: chunked prefill mixed with decode; False: prefill-first, unmixed
+    pd_decision: str = "margin"  # the disaggregated plan's per-request routing (module contract)
+    pd_chunk_tokens: int = 512  # the served engine's step budget, which the router's decision prices with
+
+    def __post_init__(self) -> None:
+        if self.pd_decision not in PD_DECISIONS:
+            raise ValueError(f"--pd-decision must be one of {PD_DECISIONS}, got {self.pd_decision!r}")
+
+    @property
+    def pd_modelled(self) -> str:
+        """The routing the plan simulates: "margin" needs a profiled latency model (module contract)."""
+        profiled = self.fixed_model is not None and self.fixed_model.to_dict().get("kind") == "profiled"
+        return "margin" if self.pd_decision == "margin" and profiled else "always"
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,12 @@ class PlanResult:
     elapsed_s: float
     inputs: PlanInputs = field(repr=False)
     verdict: Verdict | None = None
+    routed: tuple[RoutedDecision, ...] = field(default=(), repr=False)  # margin: decisions at the matched load
+    local_share: float | None = None  # margin: requests kept local at the disaggregated plan's end-to-end goodput
+
+    @property
+    def pd_decision(self) -> str:
+        return self.inputs.pd_modelled
 
     @property
     def net_margin_s(self) -> float | None:
@@ -105,11 +135,32 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
     colo, options = _build_plans(inputs, requests, scores)
     disagg = _pick_disagg(options)
     end_to_end = _verify(inputs, colo, disagg, progress)
-    margin = _margin(inputs, colo, disagg) if colo and disagg else None
-    verdict = decide(colo.goodput_per_gpu if colo else None, disagg.goodput_per_gpu if disagg else None,
-                     bool(disagg and disagg.link_ok), inputs.margin, margin)
+    margin, routed = _margin(inputs, colo, disagg) if colo and disagg else (None, ())
+    per_gpu = _per_gpu(inputs, colo, end_to_end, "colocated"), _per_gpu(inputs, disagg, end_to_end, "disaggregated")
+    verdict = decide(*per_gpu, bool(disagg and disagg.link_ok), inputs.margin, margin)
+    share = _local_share(inputs, disagg, end_to_end) if inputs.pd_modelled == "margin" else None
     return PlanResult(verdict.decision, colo, disagg, tuple(options), scores, end_to_end, margin,
-                      time.perf_counter() - started, inputs, verdict)
+                      time.perf_counter() - started, inputs, verdict, routed, share)
+
+
+def _per_gpu(inputs: PlanInputs, plan_, end_to_end: dict[str, GoodputSearch], name: str) -> float | None:
+    """A plan's goodput per GPU for the verdict: its planned one, or end to end under margin routing."""
+    if plan_ is None:
+        return None
+    if inputs.pd_modelled == "always":
+        return plan_.goodput_per_gpu
+    found = end_to_end.get(name)
+    return found.rate / plan_.gpus if found else 0.0
+
+
+def _local_share(inputs: PlanInputs, disagg: DisaggPlan | None, end_to_end: dict[str, GoodputSearch]) -> float | None:
+    """Share of routed requests the disaggregated plan prefilled on their decode worker, at its goodput."""
+    found = end_to_end.get("disaggregated")
+    if disagg is None or found is None or found.rate <= 0:
+        return None
+    config, _, _ = deployment(inputs, disagg)
+    result, _ = run_deployment(inputs, disagg, _e2e_requests(inputs, config), found.rate)
+    return len(result.local_requests) / max(1, result.num_arrived - result.num_rejected)
 
 
 def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
@@ -153,6 +204,23 @@ def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
     return config, _latency(inputs, plan_.prefill.par), _latency(inputs, plan_.decode.par)
 
 
+def margin_router(inputs: PlanInputs) -> MarginRouter | None:
+    """A fresh router decision for one simulation of the disaggregated plan (None: "always")."""
+    if inputs.pd_modelled != "margin":
+        return None
+    cost, policy = served_pricing(inputs.model, inputs.fixed_model.to_dict(), inputs.pd_chunk_tokens)
+    return MarginRouter(cost, policy, inputs.slo.ttft_s, inputs.slo.tpot_s,
+                        same_host=inputs.gpus <= inputs.hardware.gpus_per_node)
+
+
+def run_deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, requests: SimRequests,
+                   rate: float | None) -> tuple[SimResult, MarginRouter | None]:
+    """Simulate a planned deployment, routed as the plan models it; the router, to read its decisions."""
+    config, pm, dm = deployment(inputs, plan_)
+    router = margin_router(inputs) if config.mode == "disaggregated" else None
+    return simulate(requests, rate, config, pm, dm, router), router
+
+
 def _more_requests(workload: WorkloadConfig, at_least: int, prefix_cache: bool = False,
                    max_context: int | None = None) -> SimRequests:
     """The workload grown to `at_least` requests (a trace is used as it is), within the model's
@@ -175,9 +243,9 @@ def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSear
     for name, plan_ in (("colocated", colo), ("disaggregated", disagg)):
         if plan_ is None or plan_.goodput_rps <= 0:
             continue
-        config, pm, dm = deployment(inputs, plan_)
+        config, _, _ = deployment(inputs, plan_)
         requests = _e2e_requests(inputs, config)
-        run = lambda rate, c=config, p=pm, d=dm, r=requests: simulate(r, rate, c, p, d).records  # noqa: E731
+        run = lambda rate, p=plan_, r=requests: run_deployment(inputs, p, r, rate)[0].records  # noqa: E731
         found[name] = goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition)
         progress(f"end-to-end {name}: {found[name].rate:.3g} rps (ledger {plan_.goodput_rps:.3g})")
     return found
@@ -196,9 +264,8 @@ def sample_goodput(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_re
     """Simulated goodput of a planned deployment on exactly the first `num_requests` requests of
     the workload (same seed, so the same lengths and unit arrivals a benchmark of that size
     replays): the figure a short measurement of the live system is held to."""
-    config, pm, dm = deployment(inputs, plan_)
     requests = bench_sample(inputs, num_requests)
-    run = lambda rate: simulate(requests, rate, config, pm, dm).records  # noqa: E731
+    run = lambda rate: run_deployment(inputs, plan_, requests, rate)[0].records  # noqa: E731
     return goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition, rel_tol=0.01)
 
 
@@ -210,8 +277,7 @@ def load_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, num_reque
     workload = dataclasses.replace(inputs.workload, seed=seed)
     if workload.trace_path is None:
         workload = dataclasses.replace(workload, num_requests=num_requests)
-    config, pm, dm = deployment(inputs, plan_)
-    return simulate(build_requests(workload, inputs.prefix_cache), rate, config, pm, dm).records
+    return run_deployment(inputs, plan_, build_requests(workload, inputs.prefix_cache), rate)[0].records
 
 
 def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_tokens: int, output_tokens: int,
@@ -220,18 +286,19 @@ def burst_clocks(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan, prompt_t
     planned deployment (what a calibration burst through the live server is compared with)."""
     workload = WorkloadConfig(num_requests=burst, input_len=fixed(prompt_tokens), output_len=fixed(output_tokens),
                               arrival=ArrivalSpec("constant"), prompt_style=PromptStyle(format="ids"))
-    config, pm, dm = deployment(inputs, plan_)
-    records = simulate(build_requests(workload), rate, config, pm, dm).records
+    records = run_deployment(inputs, plan_, build_requests(workload), rate)[0].records
     return median(r.ttft_s for r in records), median(r.tpot_s for r in records)
 
 
-def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> MarginTerms:
-    """dT terms at matched offered load: 80% of the smaller planned goodput (both plans in SLO)."""
+def _margin(inputs: PlanInputs, colo: ColocatedPlan, disagg: DisaggPlan) -> tuple[MarginTerms, tuple[RoutedDecision, ...]]:
+    """dT terms at matched offered load: 80% of the smaller planned goodput (both plans in SLO);
+    and, routing by margin, the disaggregated plan's decisions there."""
     rate = MARGIN_LOAD * (min(colo.goodput_rps, disagg.goodput_rps) or max(colo.goodput_rps, disagg.goodput_rps))
     colo_cfg, pm, _ = deployment(inputs, colo)
     colo_e2e = fmean(r.e2e_s for r in simulate(_e2e_requests(inputs, colo_cfg), rate, colo_cfg, pm).records if r.success)
-    dis_cfg, pm, dm = deployment(inputs, disagg)
-    result = simulate(_e2e_requests(inputs, dis_cfg), rate, dis_cfg, pm, dm)
+    dis_cfg, _, _ = deployment(inputs, disagg)
+    result, router = run_deployment(inputs, disagg, _e2e_requests(inputs, dis_cfg), rate)
     dis_e2e = fmean(r.e2e_s for r in result.records if r.success)
     exposed = result.mean_transfer_exposed_s
-    return MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
+    terms = MarginTerms(colo_e2e - (dis_e2e - exposed), exposed, inputs.route_delta_s, inputs.failure_penalty_s)
+    return terms, tuple(router.decisions) if router else ()
