@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import onednn_packed
-from pdserve.model.numerics import PairedWeight, dense, linear, prepare
+from pdserve.model.numerics import ONE_ROW_AS, PairedWeight, dense, linear, prepare
 from pdserve.model.onednn_packed import PackedWeight
 
 pytestmark = pytest.mark.skipif(not onednn_packed.available(), reason="no oneDNN bf16 packing in this torch build")
@@ -35,5 +35,5 @@ def test_plans_pack_bf16_weights_only_and_keep_the_plain_values():
     assert all(torch.equal(dense(p), w) for p in (native, paired, fast))
     assert isinstance(prepare(w.float(), "fast"), torch.Tensor)  # fp32 stays on MKL
     x = torch.randn(1, 32).to(torch.bfloat16)
-    two = torch.cat([x, torch.zeros_like(x)])
-    assert torch.equal(linear(x, paired), F.linear(two, w)[:1])  # one row still runs as two
+    repeated = x.expand(ONE_ROW_AS, 32)
+    assert torch.equal(linear(x, paired), F.linear(repeated, w)[:1])  # one row still runs as ONE_ROW_AS rows

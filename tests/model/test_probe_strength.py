@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.numerics import choose_plan, linear, prepare
+from pdserve.model.numerics import ONE_ROW_AS, choose_plan, linear, prepare
 
 SHAPES = ((768, 512), (2816, 512), (512, 1408), (259, 512))  # the default tiny model's products
 
@@ -25,12 +25,13 @@ def test_the_accepted_plan_is_invariant_for_many_rows(compute):
         assert torch.equal(linear(rows, weight), alone), (plan, n, k)
 
 
-def test_the_paired_plan_runs_one_row_as_the_first_of_two():
+def test_the_paired_plan_runs_one_row_as_the_first_of_several():
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(96, 64, generator=gen) / 8).to(torch.bfloat16)
     x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
     paired = prepare(w, "paired")
-    pair = torch.nn.functional.linear(torch.cat([x, torch.zeros_like(x)]), w)[:1]
+    assert ONE_ROW_AS >= 2
+    pair = torch.nn.functional.linear(x.expand(ONE_ROW_AS, 64), w)[:1]
     assert torch.equal(linear(x, paired), pair) and linear(x, paired).shape == (1, 96)
     many = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     assert torch.equal(linear(many, paired), torch.nn.functional.linear(many, w))
