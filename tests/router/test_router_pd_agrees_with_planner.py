@@ -1,39 +1,37 @@
-"""The router's per-request P/D decision against the planner's verdict (issue 20).
+"""The router's per-request P/D decision against the planner's (issue 20).
 
 One CPU-like profile of the embedded `small` model times both sides: `pdserve plan --model small
 --latency-model FILE --gpus 2` (1P1D against 2 colocated replicas) and the router that `pdserve
 serve --pd-decision margin --pd-profile FILE` builds (api/server.py `router_for`: the cost model
-made affine at the 512-token serving chunk, the layer-wise stream's 12 layers). The SLOs follow
-the goodput study (scripts/goodput_study.sh): TTFT = 5 x the isolated TTFT of the workload's
-median prompt, TPOT = 2 x the isolated decode step at that prompt, both from the profile.
+made affine at the 512-token serving chunk, the layer-wise stream's 12 layers; both sides build
+it with router/pd_served.py `served_pd`). The SLOs follow the goodput study
+(scripts/goodput_study.sh): TTFT = 5 x the isolated TTFT of the workload's median prompt, TPOT =
+2 x the isolated decode step at that prompt, both from the profile.
 
-The router is asked at the planner's operating point: the matched load at which the plan report
-computes its net margin dT (search/planner.py `_margin`: MARGIN_LOAD x the smaller planned
-goodput, the colocated plan's on long prompts, the disaggregated one's on short). There the
-disaggregated deployment's one decode worker runs, by Little's law, B = rate x output tokens x
-decode step time(B) sequences, and its prefill worker holds rate x prefill time requests. The
-router sees a request of the median prompt, that B, that queue, no transfer failures, one host.
+The planner models the deployment `pdserve serve` runs (`--pd-decision margin`, its default): its
+disaggregated plan is simulated with one event clock (sim/margin_routed.py), and at each arrival
+the router's own `decide_pd` (search/margin_routing.py) reads what the router would read there
+(D's decoding batch and live routes, D's and P's pending prompt rows, the recent arrival rate)
+and hands the request off or prefills it on D. So the agreement checked here is exact: every
+decision the planner's simulation made at the matched load (the report's operating point, 0.8 x
+the smaller planned goodput) is the decision the served router makes from the same facts, term
+for term (`test_the_planner_routes_each_request_as_the_served_router`), the whole route included
+where the facts fit a load report (`..._through_route`).
 
-What this finds (pinned below so that a change to either side shows here):
-- short (32-128 prompts): the planner colocates and the router prefills locally, by the margin:
-  one 80-token mixed step stalls each of the B = 5 running decodes by 342 ms, within their TPOT
-  slack (per-request mean TPOT, as goodput counts it: (TPOT target - D's step) x their tokens,
-  shared by the prefills expected in a decode's life), so nothing is saved and the handoff costs.
-- long (1024-2048 prompts): the planner disaggregates on goodput per GPU, and the router
-  disagrees at the matched load: B rounds to 0 there (the colocated goodput that sets the load
-  is low: one long prefill in a short request's decode life breaks its TPOT), a local prefill
-  beside an idle decode worker stalls nobody and meets TTFT, so it stays local. The router sides
-  with the report's dT (< 0: colocated finishes sooner at that load), not with its verdict, which
-  is a capacity test at the SLO edge; it disaggregates from B = 2 on. Counting the router's live
-  routes to D (requests still prefilling at P count in B) does not change this: at the matched
-  0.0137 req/s P holds 0.12 requests by Little's law (8.6 s prefills) and D 0.08, so the median
-  request meets none, and with one (B = 1, below) the 8.7 s stall still fits its 10.1 s slack.
-  The two answer different questions (per request at today's load vs. which deployment carries
-  more load within the SLOs), so no input of the per-request margin makes them agree here without
-  deciding on a load the router does not see. So the agreement this
-  checks is the one both answer alike: the sign of the ledger's net margin at the same
-  operating point (`test_the_router_agrees_with_the_report_s_net_margin`);
-  `test_the_router_agrees_with_the_planner[long]` is a strict xfail.
+What the planner now finds (pinned in `test_the_margin_routed_plan`):
+- long (1024-2048 prompts): disaggregate. The margin-routed 1P1D has 0.0941 req/s of goodput
+  (always-disaggregate: 0.0965; 2 colocated replicas: 0.0325), the measured direction on the real
+  server (scripts/pd_decision_study.sh: margin ~ always on long prompts). At the matched load its
+  router keeps 428 of 512 requests local, every one that finds D idle (B = 0: nothing to stall,
+  TTFT met), and hands off most that find B >= 1; at its goodput it keeps 15% local.
+- short (32-128 prompts): colocate. Margin-routed 1P1D 0.741 req/s (always 0.802, colocated 1.13):
+  the router keeps 60% local at that rate, the stall fitting the decodes' TPOT slack.
+The median long request at the matched load is still kept local while the verdict is
+"disaggregate": the verdict chooses the deployment (1P1D with margin routing, which carries more
+load within the SLOs), the decision routes one request within it (D is idle at that load, so the
+prefill stays there). They no longer disagree: the deployment the verdict picks is the one whose
+router made that local decision (`test_long_prompts_stay_local_beside_an_idle_decode_worker`).
+The report's dT keeps the sign of the router's net margin at the same point.
 """
 
 from __future__ import annotations
@@ -52,8 +50,10 @@ from pdserve.latency.profiled import ProfiledLatency
 from pdserve.model.default import resolve_model
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.ledger.margin import tpot_slack_s
-from pdserve.router.pd_decision import PdDecision
+from pdserve.router.pd_decision import PdDecision, decide_pd
 from pdserve.router.router import Router
+from pdserve.search.margin_routing import RoutedDecision, served_pricing
+from pdserve.search.plan_report import plan_summary, plan_table
 from pdserve.search.planner import MARGIN_LOAD, PlanResult, plan
 
 # `pdserve profile --model small` on one core of this machine (bfloat16, one thread), rounded:
@@ -133,22 +133,24 @@ def profile_path(tmp_path_factory) -> str:
     return str(path)
 
 
+def plan_for(profile_path: str, case: Case, *extra: str) -> PlanResult:
+    """`pdserve plan` for one workload, its inputs built by the command's own parser."""
+    ttft, tpot = study_slo_s(case)
+    args = build_parser().parse_args([
+        "plan", "--model", "small", "--latency-model", profile_path, "--gpus", "2",
+        "--input-dist", f"uniform:{case.prompt_lo},{case.prompt_hi}",
+        "--output-dist", f"uniform:{case.out_lo},{case.out_hi}", "--seed", str(case.seed),
+        "--num-requests", str(NUM_REQUESTS), "--chunk-budgets", str(ENGINE.max_num_batched_tokens),
+        "--max-seqs", str(ENGINE.max_num_seqs),
+        "--slo-ttft-ms", repr(ttft * 1e3), "--slo-tpot-ms", repr(tpot * 1e3), *extra,
+    ])
+    return plan(plan_inputs(args))
+
+
 @pytest.fixture(scope="module")
 def plans(profile_path) -> dict[str, PlanResult]:
-    """`pdserve plan` for each workload, its inputs built by the command's own parser."""
-    found = {}
-    for case in CASES.values():
-        ttft, tpot = study_slo_s(case)
-        args = build_parser().parse_args([
-            "plan", "--model", "small", "--latency-model", profile_path, "--gpus", "2",
-            "--input-dist", f"uniform:{case.prompt_lo},{case.prompt_hi}",
-            "--output-dist", f"uniform:{case.out_lo},{case.out_hi}", "--seed", str(case.seed),
-            "--num-requests", str(NUM_REQUESTS), "--chunk-budgets", str(ENGINE.max_num_batched_tokens),
-            "--max-seqs", str(ENGINE.max_num_seqs),
-            "--slo-ttft-ms", repr(ttft * 1e3), "--slo-tpot-ms", repr(tpot * 1e3),
-        ])
-        found[case.name] = plan(plan_inputs(args))
-    return found
+    """`pdserve plan` (its default: margin routing, as `pdserve serve` runs) for each workload."""
+    return {case.name: plan_for(profile_path, case) for case in CASES.values()}
 
 
 def serving_router(profile_path: str, case: Case) -> Router:
@@ -159,23 +161,30 @@ def serving_router(profile_path: str, case: Case) -> Router:
     return router_for(config, resolve_model("small"))
 
 
-def route_median_request(router: Router, case: Case, decode_batch: int, pending_tokens: int,
-                         rate_rps: float = 0.0) -> PdDecision:
-    """One 1P1D pair on one host, loads as given, arrivals at `rate_rps` so far; the median
-    request routed (itself one more arrival), then released."""
+def route_request(router: Router, request: RouteRequest, decode_batch: int, pending_tokens: int,
+                  rate_rps: float = 0.0, decode_pending_tokens: int = 0) -> PdDecision:
+    """One 1P1D pair on one host, loads as given, arrivals at `rate_rps` so far; the request
+    routed (itself one more arrival), then released."""
     blocks = PROFILE["kv_capacity_tokens"] // ENGINE.block_size
     loads = {"p0": (Role.PREFILL, WorkerLoad(pending_tokens, 0, blocks)),
-             "d0": (Role.DECODE, WorkerLoad(0, decode_batch, blocks))}
+             "d0": (Role.DECODE, WorkerLoad(decode_pending_tokens, decode_batch, blocks))}
     for worker_id, (role, load) in loads.items():
         router.register(WorkerInfo(worker_id, "h0", role, 1, blocks, router.config.model_identity,
                                    router.config.kv_abi_hash))
         router.report_load(worker_id, 1, load)
     router.arrivals.reset(rate_rps, router._clock())
-    routed = router.route(RouteRequest("median", case.median_prompt, int(case.mean_output)))
+    routed = router.route(request)
     assert routed.colocated == (not routed.pd.disaggregate)
-    router.complete("median")
+    router.complete(request.request_id)
     router.assert_no_leaks()
     return routed.pd
+
+
+def route_median_request(router: Router, case: Case, decode_batch: int, pending_tokens: int,
+                         rate_rps: float = 0.0) -> PdDecision:
+    """The workload's median request, routed as `route_request` routes."""
+    return route_request(router, RouteRequest("median", case.median_prompt, int(case.mean_output)), decode_batch,
+                         pending_tokens, rate_rps)
 
 
 def operating_point(plans: dict[str, PlanResult], case: Case) -> tuple[float, int, int]:
@@ -202,12 +211,15 @@ def test_one_profile_and_one_geometry_time_both_sides(plans, profile_path):
         assert cost.prefill_s_per_token == pytest.approx(2.5e-3 + 4e-6 * 513 / 2, abs=1e-15)  # 3.526 ms at the chunk
         assert cost.decode_step_s_per_seq == pytest.approx(1e-3 + 3e-5 * 512, abs=1e-15)  # 16.36 ms: 512 context each
         assert (pd.mode, pd.chunk_tokens, pd.stream_layers, pd.layerwise_min_tokens) == ("margin", 512, 12, 256)
+        # the planner's decisions are priced by the same construction, to the bit
+        assert served_pricing(inputs.model, inputs.fixed_model.to_dict(), ENGINE.max_num_batched_tokens) == (cost, pd)
 
 
 @pytest.mark.parametrize("name", ["long", "short"])
 def test_the_planner_weighs_1p1d_against_two_colocated_replicas(plans, name):
     case, result = CASES[name], plans[name]
     assert result.decision == case.verdict and result.verdict.decided_by == "goodput_per_gpu"
+    assert result.pd_decision == "margin" and result.inputs.pd_decision == "margin"
     assert (result.disaggregated.n_prefill, result.disaggregated.n_decode, result.disaggregated.gpus) == (1, 1, 2)
     assert (result.colocated.replicas, result.colocated.score.chunk_tokens, result.colocated.gpus) == (2, 512, 2)
     gain = result.verdict.goodput_gain
@@ -228,19 +240,81 @@ def test_the_decode_batch_at_the_matched_load(plans, name):
     assert round(b) == case.batch  # long: ~0.08 (0.0137 req/s); short: ~5.1 (0.62 req/s)
 
 
-@pytest.mark.parametrize("name", [pytest.param("long", marks=pytest.mark.xfail(
-    strict=True, reason="at the matched load D's Little batch rounds to 0: a local prefill stalls nobody "
-                        "and meets TTFT, so the router keeps the long median prompt local (see "
-                        "test_long_prompts_stay_local_beside_an_idle_decode_worker)")), "short"])
-def test_the_router_agrees_with_the_planner(plans, profile_path, name):
-    case = CASES[name]
-    _, batch, pending = operating_point(plans, case)
-    decision = route_median_request(serving_router(profile_path, case), case, batch, pending)
-    assert decision.disaggregate == (plans[name].decision == "disaggregate")
+def served_router_like_the_plan(profile_path: str, result: PlanResult, clock_s: float = 100.0) -> Router:
+    """The served router (`router_for`) at the plan's own SLO values, on a clock that stands still."""
+    slo = result.inputs.slo
+    config = ServeConfig(engine=ENGINE, mode="disaggregated", pd_decision="margin", pd_profile=profile_path,
+                         slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+    return Router(router_for(config, resolve_model("small")).config, clock=lambda: clock_s)
+
+
+@pytest.mark.parametrize("name", ["long", "short"])
+def test_the_planner_routes_each_request_as_the_served_router(plans, profile_path, name):
+    """Every decision of the planner's margin-routed run at the matched load: the served router's
+    config decides the same from the same facts, terms and gates to the bit."""
+    result = plans[name]
+    cfg = served_router_like_the_plan(profile_path, result).config
+    routed: tuple[RoutedDecision, ...] = result.routed
+    assert len(routed) == 512 and [r.view.now_s for r in routed] == sorted(r.view.now_s for r in routed)
+    for r in routed:
+        assert decide_pd(r.facts, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s) == r.decision
+        assert (r.facts.prompt_tokens, r.facts.decode_batch, r.facts.decode_routed, r.facts.prefill_pending_tokens,
+                r.facts.decode_pending_tokens) == (r.view.prompt_tokens, r.view.decode_batch, r.view.decode_routed,
+                                                   r.view.prefill_pending_tokens, r.view.decode_pending_tokens)
+    assert {r.decision.disaggregate for r in routed} == {False, True}  # both routes are exercised
+
+
+@pytest.mark.parametrize("name", ["long", "short"])
+def test_the_planner_routes_each_request_as_the_served_router_through_route(plans, profile_path, name):
+    """A sample through `Router.route` itself (load reports, arrival rate, pair choice): where B is
+    D's reported batch (its live routes no more), the whole decision is the planner's."""
+    routed = [r for r in plans[name].routed if r.facts.decode_routed <= r.facts.decode_batch]
+    sample = routed[::25] + [next(r for r in routed if r.decision.disaggregate)]
+    for r in sample:
+        router = served_router_like_the_plan(profile_path, plans[name])
+        request = RouteRequest(f"r{r.view.request}", r.view.prompt_tokens, r.view.output_tokens)
+        got = route_request(router, request, r.view.decode_batch, r.view.prefill_pending_tokens, r.arrival_rate_rps,
+                            r.view.decode_pending_tokens)
+        assert got == r.decision
+
+
+@pytest.fixture(scope="module")
+def always_plans(profile_path) -> dict[str, PlanResult]:
+    return {case.name: plan_for(profile_path, case, "--pd-decision", "always") for case in CASES.values()}
+
+
+@pytest.mark.parametrize("name", ["long", "short"])
+def test_the_margin_routed_plan(plans, always_plans, name):
+    """Goodput (req/s) of 2 colocated replicas, 1P1D handing every request off and 1P1D margin-
+    routed; the share kept local at that goodput and at the matched load (module docstring)."""
+    margin, always = plans[name], always_plans[name]
+    expected = {  # colocated, always, margin, local share at margin's goodput, local of 512 at the matched load
+        "long": (0.03245945230590531, 0.09648533857995086, 0.09407320511545209, 0.150390625, 428),
+        "short": (1.132860233360725, 0.8022912890410148, 0.7405765744993982, 0.599609375, 394),
+    }[name]
+    got = (margin.end_to_end["colocated"].rate, always.end_to_end["disaggregated"].rate,
+           margin.end_to_end["disaggregated"].rate, margin.local_share,
+           sum(not r.decision.disaggregate for r in margin.routed))
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert always.pd_decision == "always" and always.local_share is None and always.routed == ()
+    assert (margin.decision, always.decision) == (CASES[name].verdict,) * 2
+    # margin mode weighs end-to-end goodput per GPU (both plans on 2 GPUs); always, the planned one
+    assert margin.verdict.goodput_gain == pytest.approx(expected[2] / expected[0] - 1, rel=1e-12)
+    assert always.verdict.goodput_gain == pytest.approx(
+        always.disaggregated.goodput_per_gpu / always.colocated.goodput_per_gpu - 1, rel=1e-12)
+    summary = plan_summary(margin)
+    assert (summary["pd_decision"], summary["pd_local_share"]) == ("margin", margin.local_share)
+    assert f"{margin.local_share:.0%} of requests prefilled on their decode worker" in plan_table(summary)
+    assert plan_summary(always)["pd_decision"] == "always" and "every request handed off" in plan_table(plan_summary(always))
+    if name == "long":  # every request that found D idle stayed there; B = 0 never disaggregates
+        idle = [r for r in margin.routed if r.facts.delayed_batch == 0]
+        assert len(idle) == 399 and not any(r.decision.disaggregate for r in idle)
 
 
 def test_long_prompts_stay_local_beside_an_idle_decode_worker(plans, profile_path):
-    """The long disagreement, term by term: nothing runs at D, so nothing is saved."""
+    """Why the median long request stays local at the matched load, term by term: nothing runs at
+    D, so nothing is saved (the planner's own run decides every B = 0 arrival so: see
+    `test_the_margin_routed_plan`)."""
     _, batch, pending = operating_point(plans, LONG)
     router = serving_router(profile_path, LONG)
     cost, (ttft_slo, tpot_slo) = router.config.cost, study_slo_s(LONG)
