@@ -36,6 +36,7 @@ The report's dT keeps the sign of the router's net margin at the same point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -220,6 +221,8 @@ def test_the_planner_weighs_1p1d_against_two_colocated_replicas(plans, name):
     case, result = CASES[name], plans[name]
     assert result.decision == case.verdict and result.verdict.decided_by == "goodput_per_gpu"
     assert result.pd_decision == "margin" and result.inputs.pd_decision == "margin"
+    # margin routing is priced from a profile: without one the plan hands every request off
+    assert dataclasses.replace(result.inputs, fixed_model=None).pd_modelled == "always"
     assert (result.disaggregated.n_prefill, result.disaggregated.n_decode, result.disaggregated.gpus) == (1, 1, 2)
     assert (result.colocated.replicas, result.colocated.score.chunk_tokens, result.colocated.gpus) == (2, 512, 2)
     gain = result.verdict.goodput_gain

@@ -112,3 +112,23 @@ def test_sim_does_not_import_the_router():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.startswith("pdserve.router") for n in names), path.name
+
+
+def test_simulate_routes_by_margin_from_the_command_line(tmp_path, capsys):
+    """`pdserve simulate --pd-decision margin`: the router's decision over a profile and --model's
+    K/V geometry; without --model it refuses (the geometry prices the handoff)."""
+    import json
+
+    from pdserve.cli import build_parser
+
+    profile = tmp_path / "small.json"
+    profile.write_text(json.dumps(PROFILE.to_dict()))
+    argv = ["simulate", "--latency-model", str(profile), "--pd-decision", "margin", "--input-dist", "uniform:32,2048",
+            "--output-len", "64", "--num-requests", "60", "--rate", "0.3", "--json"]
+    args = build_parser().parse_args([*argv, "--model", "small"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pd_decision"] == "margin" and 0 < report["pd_local_requests"] < report["num_finished"] == 60
+    args = build_parser().parse_args(argv)
+    with pytest.raises(SystemExit, match="needs a profiled --latency-model and --model"):
+        args.func(args)
