@@ -15,11 +15,17 @@ with PP up to `MAX_PP` stages. The bounds are per instance:
 
 Bounds are capacities (no queueing), so a candidate whose bound per GPU is below the best
 simulated goodput per GPU cannot win and is not simulated.
+
+`DecodeTokenCap` is DistServe's decode batch budget as an explicit option (not a default): its
+simulator admits decodes to an iteration while their context sum stays within 50,000 tokens, at
+every TP degree (LLMServe/DistServe `simdistserve/base/worker.py`, `_enter_decodes`), and each
+pipeline stage batches on its own, so an instance holds at most cap x pp tokens of decode batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from pdserve.bench.metrics import Slo
 from pdserve.ledger.placement import fits_on_gpus
@@ -85,6 +91,50 @@ def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape:
 def latency_for(model: ModelSpec, hw: HardwareProfile, par: Parallel, family: LatencyFamily | None = None) -> LatencyModel:
     """The latency model of one `par` instance: `family`'s (e.g. aiconfigurator's), else the roofline."""
     return family(par.tp, par.pp) if family is not None else RooflineLatency(model, hw, par.tp, par.pp)
+
+
+@dataclass(frozen=True)
+class DecodeTokenCap(LatencyModel):
+    """`inner` with its decode batch held to `cap_tokens` of context per pipeline stage (DistServe's
+    `decode_max_tokens = 50000`; see the module contract): every time is `inner`'s, only
+    `kv_capacity_tokens` (which sizes the decode batch in the bound and the simulator) shrinks to
+    min(inner's K/V capacity, cap x stages). Physical memory still binds where it is smaller
+    (DistServe's simulator does not check it)."""
+
+    inner: LatencyModel
+    cap_tokens: int
+
+    @property
+    def pipeline_stages(self) -> int:  # type: ignore[override]
+        return self.inner.pipeline_stages
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # type: ignore[override]
+        return self.inner.kv_bytes_per_token
+
+    @property
+    def kv_capacity_tokens(self) -> int:  # type: ignore[override]
+        cap, memory = self.cap_tokens * self.inner.pipeline_stages, self.inner.kv_capacity_tokens
+        return cap if memory is None else min(cap, memory)
+
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
+        return self.inner.prefill_batch_s(new_tokens, cached_tokens)
+
+    def prefill_stage_s(self, latency_s: float) -> float:
+        return self.inner.prefill_stage_s(latency_s)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return self.inner.decode_step_s(batch, context_tokens)
+
+    def decode_segment_s(self, batch: int, context_tokens: int) -> tuple[float, float]:
+        return self.inner.decode_segment_s(batch, context_tokens)
+
+    def mixed_step_s(self, chunk_tokens: int, chunk_pairs: int, chunk_kv_tokens: int, chunk_fraction: float,
+                     batch: int, context_tokens: int) -> float:
+        return self.inner.mixed_step_s(chunk_tokens, chunk_pairs, chunk_kv_tokens, chunk_fraction, batch, context_tokens)
+
+    def to_dict(self) -> dict:
+        return {**self.inner.to_dict(), "decode_token_cap": self.cap_tokens}
 
 
 def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo) -> tuple[float, float]:

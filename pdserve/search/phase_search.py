@@ -11,6 +11,11 @@ with only a few batches' worth of requests, an overloaded decode instance would 
 because TPOT spreads a queueing wait over every output token; and a prefill instance whose
 whole backlog of a short burst fits inside the TTFT budget passed at any rate (a 5 ms prefill,
 200 requests and a 1 s TTFT scored 102,143 req/s).
+
+DistServe's decode batch budget is an option of the space, off by default: `decode_token_cap`
+holds every decode instance's batch to that many tokens of context per pipeline stage
+(`candidates.DecodeTokenCap`). `score_all(..., prune=False)` simulates every candidate, for a
+rule that needs more than each phase's best per GPU (`segment_pairs.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Callable, Iterable
 
 from pdserve.bench.metrics import Attainment, Slo
 from pdserve.search.candidates import (
+    DecodeTokenCap,
     Parallel,
     WorkloadShape,
     colocated_bound,
@@ -75,6 +81,7 @@ class SearchSpace:
     fixed_model: LatencyModel | None = None  # a measured profile replaces the roofline (tp=pp=1)
     family: LatencyFamily | None = None  # a model per shape (aiconfigurator) replaces the roofline
     mixed_batches: bool = True  # colocated: False = prefill-only iterations (DistServe's baseline)
+    decode_token_cap: int | None = None  # DistServe's decode iteration budget per stage; None: K/V alone
 
     def latency(self, par: Parallel) -> LatencyModel:
         """The latency model of one instance of shape `par`."""
@@ -82,18 +89,25 @@ class SearchSpace:
             return self.fixed_model
         return latency_for(self.model, self.hardware, par, self.family)
 
+    def decode_latency(self, par: Parallel) -> LatencyModel:
+        """The latency model of one decode instance of shape `par`, its batch held to
+        `decode_token_cap` when set."""
+        model = self.latency(par)
+        return model if self.decode_token_cap is None else DecodeTokenCap(model, self.decode_token_cap)
+
     @property
     def shape(self) -> WorkloadShape:
         return WorkloadShape.of(self.requests)
 
 
 def score_all(
-    space: SearchSpace, phase: str, cands: Iterable[tuple[Parallel, int]], progress: Progress
+    space: SearchSpace, phase: str, cands: Iterable[tuple[Parallel, int]], progress: Progress, prune: bool = True
 ) -> list[Score]:
     """Score (shape, chunk) candidates of one phase, most promising (by bound per GPU) first.
 
     A candidate is pruned only by a simulated one with the same PP degree and no more GPUs, so
-    every instance size and PP degree the placement step may need keeps its best member.
+    every instance size and PP degree the placement step may need keeps its best member;
+    `prune=False` simulates every feasible candidate.
     """
     bounded = [(c, _bound(space, phase, c)) for c in cands]
     bounded.sort(key=lambda item: (-item[1][0] / item[0][0].gpus, item[0][0].gpus))
@@ -101,7 +115,7 @@ def score_all(
     for i, ((par, chunk), (cap, estimate)) in enumerate(bounded, 1):
         if cap <= 0:
             scores.append(Score(phase, par, 0.0, 0.0, "infeasible", chunk))
-        elif cap / par.gpus < _best_per_gpu(scores, par):
+        elif prune and cap / par.gpus < _best_per_gpu(scores, par):
             scores.append(Score(phase, par, 0.0, cap, "pruned", chunk))
         else:
             found = goodput_rps(_runner(space, phase, par, chunk), space.slo, ladder_around(estimate), space.definition)
@@ -117,7 +131,7 @@ def _best_per_gpu(scores: list[Score], par: Parallel) -> float:
 
 def _bound(space: SearchSpace, phase: str, cand: tuple[Parallel, int]) -> tuple[float, float]:
     """(capacity, estimate) in rps of one instance."""
-    model = space.latency(cand[0])
+    model = space.decode_latency(cand[0]) if phase == "decode" else space.latency(cand[0])
     if phase == "prefill":
         return prefill_bound(model, space.shape, space.slo)
     if phase == "decode":
@@ -127,7 +141,7 @@ def _bound(space: SearchSpace, phase: str, cand: tuple[Parallel, int]) -> tuple[
 
 
 def _runner(space: SearchSpace, phase: str, par: Parallel, chunk: int):
-    model = space.latency(par)
+    model = space.decode_latency(par) if phase == "decode" else space.latency(par)
     if phase == "prefill":  # the grown sample: a short burst's whole backlog can fit inside a TTFT budget
         return prefill_records(space.decode_requests, model, space.prefill_policy)
     if phase == "decode":
