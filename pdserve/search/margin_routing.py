@@ -41,6 +41,8 @@ class RoutedDecision:
 def served_pricing(model: ModelSpec, profile: dict, chunk_tokens: int, mode: str = "margin") -> tuple[CostModel, PdPolicy]:
     """What `pdserve serve --pd-profile` builds for `model` from `profile` (a TP 1 fit)."""
     g = model.geometry
+    if g.dtype_bytes not in DTYPES:
+        raise ValueError(f"margin routing: no served K/V dtype of {g.dtype_bytes} bytes (served: {sorted(DTYPES)})")
     abi = KvAbi(g.layers, g.kv_heads, g.head_dim, BLOCK_SIZE, DTYPES[g.dtype_bytes])
     return served_pd(abi, profile, chunk_tokens, mode)
 

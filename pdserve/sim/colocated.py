@@ -116,8 +116,7 @@ class MixedInstance:
             idx = joins[0][1]
             started = sum(1 for e in self.pending if e[4])
             context = self.prompt[idx] + 1
-            room = self.cap - batch.context_sum - self.reserved - batch.size - 1
-            if batch.size + started >= self.limits.max_seqs or ((batch.size or self.reserved) and context > room):
+            if batch.size + started >= self.limits.max_seqs or ((batch.size or self.reserved) and context > self._room()):
                 return
             joins.popleft()
             batch.add(idx, context, 1, self.output[idx] - 1)
@@ -194,14 +193,17 @@ class MixedInstance:
 
     def _reserve(self, entry: list, started: int) -> bool:
         need = self.prompt[entry[0]] + max(entry[3], 1)
-        room = self.cap - self.batch.context_sum - self.reserved - self.batch.size - 1
-        if (self.batch.size or self.reserved) and need > room:
+        if (self.batch.size or self.reserved) and need > self._room():
             return False
         if self.batch.size + started >= self.limits.max_seqs:
             return False
         entry[4] = need
         self.reserved += need
         return True
+
+    def _room(self) -> int | float:
+        """K/V tokens a new sequence may take: the pool less the batch, reservations and one more step."""
+        return self.cap - self.batch.context_sum - self.reserved - self.batch.size - 1
 
     def _promote_finished_prompts(self) -> None:
         """Prompts whose last row ran this iteration emit their first token and start decoding."""
