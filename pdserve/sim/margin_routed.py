@@ -3,8 +3,8 @@
 Contract: `run_margin_routed` simulates `prefill_replicas` prefill instances and `decode_replicas`
 decode instances with one event clock, so a decision can read D's live state at the arrival.
 Arrivals are taken in time order; arrival number n goes to decode instance n mod decode_replicas
-(the router's pair is chosen before the decision; round-robin here, as the oblivious simulator
-deals its handoffs). At each arrival the chosen D is advanced to the first step boundary at or
+(the router's pair is chosen before the decision; the oblivious simulator deals its handoffs
+round-robin in prefill completion order, which is arrival order with one prefill instance). At each arrival the chosen D is advanced to the first step boundary at or
 after it, and `decide(ArrivalView)` is asked with what the router reads at that instant:
 
     decode_batch            D's decoding sequences (its load report's active batch)
