@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -87,14 +88,20 @@ class _PrefillPool:
             raise ValueError("margin routing needs a one-stage prefill model")
         self.model, self.memo = model, {}
         self.free = [(0.0, k) for k in range(instances)]
-        self.live: list[list[tuple[float, float, int]]] = [[] for _ in range(instances)]  # (start, done, rows)
+        self.live = [deque() for _ in range(instances)]  # per instance, FCFS: (start, done, rows) not yet done
+        self.rows = [0] * instances  # rows in `live`
 
     def pending_tokens(self, now_s: float) -> int:
-        """Uncomputed rows at the instance the next request takes (module contract)."""
+        """Uncomputed rows at the instance the next request takes (module contract): only the
+        oldest of its unfinished prefills can be running (FCFS, one at a time)."""
         k = self.free[0][1]
-        self.live[k] = [job for job in self.live[k] if job[1] > now_s]
-        return sum(rows if start >= now_s else math.ceil(rows * (done - now_s) / (done - start))
-                   for start, done, rows in self.live[k])
+        live = self.live[k]
+        while live and live[0][1] <= now_s:
+            self.rows[k] -= live.popleft()[2]
+        if not live or live[0][0] >= now_s:
+            return self.rows[k]
+        start, done, rows = live[0]
+        return self.rows[k] - rows + math.ceil(rows * (done - now_s) / (done - start))
 
     def run(self, arrival_s: float, new_tokens: int, cached_tokens: int) -> tuple[float, float]:
         """(start, done) of one request's prefill."""
@@ -105,6 +112,7 @@ class _PrefillPool:
             latency_s = self.memo[(new_tokens, cached_tokens)] = self.model.prefill_s(new_tokens, cached_tokens)
         heapq.heapreplace(self.free, (start + latency_s, k))
         self.live[k].append((start, start + latency_s, new_tokens))
+        self.rows[k] += new_tokens
         return start, start + latency_s
 
 
