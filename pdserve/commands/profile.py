@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="time a TP N engine (N one-thread ranks; recorded as meta.tp, which the router's "
                         "cost model prices TP N workers with as measured: router/tp_pricing.py)")
+    p.add_argument("--collectives-tp", type=_ints, metavar="N,M",
+                   help="also time gloo's all_reduce and the step broadcast at these TP sizes, recorded as the "
+                        "profile's `collectives` (default: --tp when it is > 1; latency/tp_collectives.py)")
     p.add_argument("--repeats", type=int, help="timings per point (median after one warm-up)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="engine dtype; profile with the dtype you will serve with")
@@ -59,6 +62,12 @@ def run_profile_command(args: argparse.Namespace) -> int:
     plan = dataclasses.replace(plan, batch_invariant=not args.no_batch_invariant,
                                **{k: v for k, v in overrides.items() if v is not None})
     model = run_profile(plan)
-    Path(args.out).write_text(json.dumps(model.to_dict(), indent=2) + "\n")
+    out = model.to_dict()
+    sizes = args.collectives_tp or ((plan.tp,) if plan.tp > 1 else ())
+    if sizes:
+        from pdserve.latency.tp_collectives import profile_section
+
+        out["collectives"] = profile_section(plan.model, plan.dtype, plan.compute_dtype, tuple(sizes))
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({"out": args.out, "prefill_coef": model.prefill_coef, "decode_coef": model.decode_coef}))
     return 0

@@ -1,0 +1,147 @@
+"""Time the collectives a TP step of our engine issues, on this machine (issue 23's pricing).
+
+Contract: `measure_collectives(tp, row_bytes)` spawns `tp - 1` follower processes, joins a gloo
+group on 127.0.0.1 with them (as engine/tp_group.py does: rank r pinned to core r mod the CPU
+count when there are at least `tp` CPUs, one torch thread per rank) and returns the
+`CollectiveCosts` that latency/tp_scaling.py prices a TP step with:
+
+    allreduce_s           one all_reduce of a [1, d] tensor (gloo's per-call latency, alpha)
+    allreduce_s_per_byte  the slope from a [1, d] to a [PREFILL_ROWS, d] all_reduce (1 / beta)
+    step_sync_s           rank 0's broadcast_object_list of a decode step's rows (token ids,
+                          positions, block tables, logits rows of DECODE_ROWS sequences): the
+                          pickled broadcast engine/tp_group.py sends before every step
+
+`row_bytes` is one activation row, d x the compute dtype's size: the engine's all_reduce moves
+[rows, d] row-parallel partials. Each figure is the least over `bursts` of a burst's mean over
+`calls` back-to-back calls: the floor a quiet machine reaches; on a loaded machine the median
+(`median_*`, recorded beside it) includes waits for a descheduled partner, which is the load's
+cost, not the collective's. `to_dict`/`from_dict` are the `collectives` section of a profile
+JSON (`pdserve profile --tp N`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+PREFILL_ROWS = 512  # the larger all_reduce of the slope: a 512-token prefill's partial
+DECODE_ROWS = 4  # the broadcast step: a decode step of four sequences
+BLOCKS_PER_ROW = 64  # block-table width of the broadcast step (1,024 tokens of 16-token blocks)
+
+
+@dataclass(frozen=True)
+class CollectiveCosts:
+    tp: int
+    pinned: bool  # rank r on core r (a served worker) or wherever the kernel puts it (`pdserve profile`)
+    allreduce_s: float
+    allreduce_s_per_byte: float
+    step_sync_s: float
+    median_allreduce_s: float = 0.0
+    median_step_sync_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 2 or min(self.allreduce_s, self.allreduce_s_per_byte, self.step_sync_s) < 0:
+            raise ValueError(f"need tp >= 2 and non-negative costs, got {self}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CollectiveCosts:
+        kinds = {"tp": int, "pinned": bool}
+        return cls(**{k: kinds.get(k, float)(v) for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def _step_rows():
+    """A stand-in for one decode step's broadcast tuple (engine/tp_group.py TpLeader.forward)."""
+    import torch
+
+    ids = torch.zeros(DECODE_ROWS, dtype=torch.long)  # [R]
+    meta = {"block_tables": torch.zeros(DECODE_ROWS, BLOCKS_PER_ROW, dtype=torch.int32),  # [R, blocks]
+            "context_lens": torch.zeros(DECODE_ROWS, dtype=torch.int32), "slots": torch.zeros(DECODE_ROWS, dtype=torch.long)}
+    return ids, ids.clone(), meta, torch.arange(DECODE_ROWS)
+
+
+def _bursts(call, bursts: int, calls: int) -> list[float]:
+    """Each burst's mean seconds per call (after one untimed call)."""
+    call()
+    means = []
+    for _ in range(bursts):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        means.append((time.perf_counter() - t0) / calls)
+    return means
+
+
+def _run_rank(rank: int, tp: int, port: int, row_elems: int, bursts: int, calls: int, pinned: bool) -> dict | None:
+    """Every rank issues the same calls in the same order; rank 0 returns its timings."""
+    import torch
+    import torch.distributed as dist
+
+    from pdserve.engine.tp_group import init_group, pin_rank
+
+    cpus = os.cpu_count() or 1
+    pin_rank(tuple(range(cpus)) if pinned and cpus >= tp else (), rank)
+    init_group(port, rank, tp)
+    try:
+        small = torch.ones(1, row_elems, dtype=torch.bfloat16)  # [1, d]
+        large = torch.ones(PREFILL_ROWS, row_elems, dtype=torch.bfloat16)  # [PREFILL_ROWS, d]
+        step = _step_rows()
+        timed = {
+            "small": _bursts(lambda: dist.all_reduce(small), bursts, calls),
+            "large": _bursts(lambda: dist.all_reduce(large), bursts, max(1, calls // 8)),
+            "sync": _bursts(lambda: dist.broadcast_object_list([step if rank == 0 else None], src=0), bursts, calls),
+        }
+        return timed if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, tp: int, port: int, row_elems: int, bursts: int, calls: int, pinned: bool, results) -> None:
+    timed = _run_rank(rank, tp, port, row_elems, bursts, calls, pinned)
+    if timed is not None:
+        results.put(timed)
+
+
+def measure_collectives(tp: int, row_bytes: int, pinned: bool = True, bursts: int = 7, calls: int = 48) -> CollectiveCosts:
+    """Time gloo's all_reduce and the step broadcast at TP `tp` for rows of `row_bytes` bytes.
+    Every rank is a spawned process: the caller's threads, affinity and process group stay as they are."""
+    import torch.multiprocessing as mp
+
+    from pdserve.ports import free_local_port
+
+    if tp < 2:
+        raise ValueError(f"collectives need tp >= 2, got {tp}")
+    port, row_elems = free_local_port(), row_bytes // 2  # timed as bf16: the byte count is what matters
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, row_elems, bursts, calls, pinned, results), daemon=True)
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    try:
+        timed = results.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    small, large = min(timed["small"]), min(timed["large"])
+    per_byte = max(0.0, (large - small) / ((PREFILL_ROWS - 1) * row_elems * 2))
+    return CollectiveCosts(tp=tp, pinned=pinned, allreduce_s=max(0.0, small - row_elems * 2 * per_byte), allreduce_s_per_byte=per_byte,
+                           step_sync_s=min(timed["sync"]), median_allreduce_s=statistics.median(timed["small"]),
+                           median_step_sync_s=statistics.median(timed["sync"]))
+
+
+def profile_section(model: str, dtype: str, compute_dtype: str | None, sizes: tuple[int, ...]) -> list[dict]:
+    """A profile's `collectives` section: `measure_collectives` at each TP size in `sizes` for
+    `model`'s activation rows (d x the compute dtype's bytes), pinned as a served worker is."""
+    from pdserve.model.config import load_config
+    from pdserve.model.default import resolve_model
+    from pdserve.model.numerics import resolve_compute_dtype
+
+    row_bytes = load_config(resolve_model(model)).hidden_size * resolve_compute_dtype(dtype, compute_dtype).itemsize
+    return [measure_collectives(tp, row_bytes).to_dict() for tp in sizes]
