@@ -50,6 +50,18 @@ def test_bf16_is_the_fp32_result_over_widened_values_rounded():
     torch.testing.assert_close(got.float(), _reference(q, pool, table, 70), rtol=0, atol=1e-2)
 
 
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2), (48, 1)])
+def test_a_strided_bf16_query_scores_as_its_fp32_copy(head_dim, group):
+    """The query heads read in place from q|k|v rows (bf16 dot products on AVX512-BF16) give the bits
+    of the contiguous fp32 query: the same pair order on both paths, chunk after cached context too."""
+    pool, table = _pool(torch.bfloat16, 300, head_dim=head_dim)
+    qkv = torch.randn(100, (2 * group + 4) * head_dim, generator=torch.Generator().manual_seed(5)).bfloat16()
+    q = qkv[:, :2 * group * head_dim].view(100, 2 * group, head_dim)  # row stride > H_q * D
+    got = paged_prefill.prefill_attention(q, pool[0], pool[1], table, 300)
+    assert torch.equal(got, paged_prefill.prefill_attention(q.float().contiguous(), pool[0], pool[1], table, 300).bfloat16())
+    torch.testing.assert_close(got.float(), _reference(q, pool, table, 300), rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_do_not_depend_on_chunking_or_threads(dtype):
     """Whole prompt vs cut into chunks of 1, 7, 16 and 50 rows (each after the earlier rows' K/V), on 1

@@ -1,10 +1,22 @@
 /* Causal prefill attention over the paged K/V pool; see pdserve/model/paged_prefill.py.
 
-   Layout: q [S, H_q, D] fp32 (the chunk's S new rows, at positions ctx - S .. ctx - 1); cache_k,
+   Layout: q [S, H_q, D] fp32 or bf16 (the chunk's S new rows, at positions ctx - S .. ctx - 1; row r at
+   q + r * q_stride, its heads D apart); cache_k,
    cache_v [N, B, H_kv, D] (fp32, or bf16 as raw uint16 bits), a block `block_stride` elements
    after the previous one and a key row `row_stride` after the previous one, each head's D values
    contiguous and adjacent heads D apart; table [ceil(ctx / B)] int64 block ids; out [S, H_q, D]
    fp32. D a multiple of 16, at most 256.
+
+   Scores are D-long sums in a fixed order, the same on every path: the dimensions in pairs (0, 1),
+   (2, 3), ..., each pair adding its odd product and then its even one (acc + q1 k1, then + q0 k0),
+   which is what AVX512-BF16's vdpbf16ps does per fp32 lane (measured bit for bit against two fmaf
+   on an EPYC; a bf16 times a bf16 is exact in fp32, so each step rounds once). With a bf16 query,
+   a bf16 pool and a build for a CPU with AVX512-BF16, K tiles are kept as bf16 pairs
+   ([H_kv][ctx16 / 16][D / 2][16] dwords) and scored with vdpbf16ps, 32 products per instruction;
+   elsewhere the same order runs in fp32 FMAs over widened values, so a bf16 query's result equals
+   the fp32 path's over the same (widened) values bit for bit. Built with -fno-associative-math
+   (model/ckernel.py) so the compiler keeps every sum in the order written; the softmax's sum runs
+   over 16 lanes then a fixed tree.
 
    Phase 1 widens the ctx visible keys of every K/V head once into fp32 scratch: K transposed in
    tiles of 16 keys ([H_kv][ctx16 / 16][D][16], a tile's 4 KiB contiguous: a [D][ctx16] layout put
@@ -25,6 +37,12 @@
 
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -47,39 +65,64 @@ static inline float widen(const void *base, int bf16, size_t at) {
     return ((const float *)base)[at];
 }
 
-/* kt [ctx16 / 16][D][16] and vr [ctx16][D] of K/V head h <- keys [t0, t0 + 16), zeros past ctx */
+/* vr [ctx16][D] of K/V head h <- keys [t0, t0 + 16), zeros past ctx; and K: kt [ctx16 / 16][D][16] fp32,
+   or with kb (bf16 pool, bf16 scoring) kb [ctx16 / 16][D / 2][16] dwords, each the key's bf16 pair */
 static void widen_tile(const void *ck, const void *cv, int bf16, const int64_t *table, int64_t ctx, int64_t bs,
-                       int64_t sb, int64_t sr, int64_t d, int64_t h, int64_t ctx16, int64_t t0, float *kt, float *vr) {
+                       int64_t sb, int64_t sr, int64_t d, int64_t h, int64_t ctx16, int64_t t0, float *kt, float *vr,
+                       uint32_t *kb) {
     for (int64_t t = t0; t < t0 + 16; t++) {
         if (t < ctx) {
             const size_t at = (size_t)(table[t / bs] * sb + (t % bs) * sr + h * d);
-            for (int64_t i = 0; i < d; i++) {
-                kt[t0 * d + i * 16 + (t - t0)] = widen(ck, bf16, at + i);
-                vr[t * d + i] = widen(cv, bf16, at + i);
-            }
+            for (int64_t i = 0; i < d; i++) vr[t * d + i] = widen(cv, bf16, at + i);
+            if (kb != NULL)
+                for (int64_t p = 0; p < d / 2; p++)
+                    memcpy(kb + t0 * d / 2 + p * 16 + (t - t0), (const uint16_t *)ck + at + 2 * p, sizeof(uint32_t));
+            else
+                for (int64_t i = 0; i < d; i++) kt[t0 * d + i * 16 + (t - t0)] = widen(ck, bf16, at + i);
         } else {
-            for (int64_t i = 0; i < d; i++) kt[t0 * d + i * 16 + (t - t0)] = 0.0f;
             memset(vr + t * d, 0, sizeof(float) * (size_t)d);
+            if (kb != NULL)
+                for (int64_t p = 0; p < d / 2; p++) kb[t0 * d / 2 + p * 16 + (t - t0)] = 0;
+            else
+                for (int64_t i = 0; i < d; i++) kt[t0 * d + i * 16 + (t - t0)] = 0.0f;
         }
     }
 }
 
-/* s[r][t0 .. t0 + 16) = scale * qm[r] . k[t] for r < R (R a constant after inlining) */
+/* s[r][t0 .. t0 + 16) = scale * qm[r] . k[t] for r < R (R a constant after inlining), in pair order */
 static inline __attribute__((always_inline)) void score_tile(const float *qm, const float *kt, int64_t d, int64_t ctx16,
                                                              int64_t t0, float scale, float *s, int64_t lds,
                                                              const int R) {
     v16f acc[QK_ROWS];
     for (int r = 0; r < R; r++) acc[r] = (v16f){0};
-    for (int64_t i = 0; i < d; i++) {
-        v16f k;
-        memcpy(&k, kt + t0 * d + i * 16, sizeof k);
-        for (int r = 0; r < R; r++) acc[r] += qm[r * d + i] * k;
+    for (int64_t i = 0; i < d; i += 2) {
+        v16f k0, k1;
+        memcpy(&k0, kt + t0 * d + i * 16, sizeof k0);
+        memcpy(&k1, kt + t0 * d + (i + 1) * 16, sizeof k1);
+        for (int r = 0; r < R; r++) acc[r] += qm[r * d + i + 1] * k1;
+        for (int r = 0; r < R; r++) acc[r] += qm[r * d + i] * k0;
     }
     for (int r = 0; r < R; r++) {
         acc[r] *= scale;
         memcpy(s + r * lds + t0, &acc[r], sizeof(v16f));
     }
 }
+
+#if HAVE_DPBF16
+/* score_tile over bf16 pairs: qp [R][D / 2] dwords (a query's bf16 pairs), kb as widen_tile writes it */
+static inline __attribute__((always_inline)) void score_tile_bf16(const uint32_t *qp, const uint32_t *kb, int64_t d,
+                                                                  int64_t t0, float scale, float *s, int64_t lds,
+                                                                  const int R) {
+    __m512 acc[QK_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d / 2; p++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + t0 * d / 2 + p * 16);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32((int)qp[r * d / 2 + p]));
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(s + r * lds + t0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+}
+#endif
 
 /* o[r] += sum over t in [t0, t0 + 16) of p[r][t] * v[t], for r < R, D = 16 * NC */
 static inline __attribute__((always_inline)) void value_tile(const float *p, int64_t lds, const float *vr, int64_t t0,
@@ -110,30 +153,73 @@ static inline __attribute__((always_inline)) void values(const float *p, int64_t
     }
 }
 
+/* 16 lanes, lane l over t = l, l + 16, ... in order, then a fixed pairwise tree */
+static float lane_sum(const float *x, int64_t n) {
+    float lane[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lane[l] += x[i + l];
+    for (int l = 0; i < n; i++, l++) lane[l] += x[i];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+static float lane_max(const float *x, int64_t n) {  /* exact in any order */
+    float lane[16];
+    for (int l = 0; l < 16; l++) lane[l] = x[0];
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lane[l] = x[i + l] > lane[l] ? x[i + l] : lane[l];
+    for (int l = 0; i < n; i++, l++) lane[l] = x[i] > lane[l] ? x[i] : lane[l];
+    float m = lane[0];
+    for (int l = 1; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+    return m;
+}
+
 /* softmax of row r's first `vis` scores in place; weights of later keys (up to lds) set to 0 */
 static void softmax_row(float *s, int64_t vis, int64_t lds) {
-    float m = s[0], total = 0.0f;
-    for (int64_t t = 1; t < vis; t++) m = s[t] > m ? s[t] : m;
+    const float m = lane_max(s, vis);
     for (int64_t t = 0; t < vis; t++) s[t] = expf(s[t] - m);
-    for (int64_t t = 0; t < vis; t++) total += s[t];
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / lane_sum(s, vis);
     for (int64_t t = 0; t < vis; t++) s[t] *= inv;
     for (int64_t t = vis; t < lds; t++) s[t] = 0.0f;
 }
 
-/* One work item: K/V head h, query rows [r0, r1) of the chunk. */
-static void item(const float *q, const float *kt, const float *vr, float *out, int64_t r0, int64_t r1, int64_t offset,
-                 int64_t h, int64_t g, int64_t hq, int64_t d, int64_t ctx16, float *qm, float *s, float *o) {
-    const int64_t m = (r1 - r0) * g, tiles = (offset + r1 + 15) / 16, lds = tiles * 16;
-    const float scale = 1.0f / sqrtf((float)d);
-    for (int64_t i = 0; i < m; i++)  /* query vector i: row r0 + i / g, query head h * g + i % g */
-        memcpy(qm + i * d, q + ((r0 + i / g) * hq + h * g + i % g) * d, sizeof(float) * (size_t)d);
+/* scores s [m][lds] of the item's m query vectors (qm fp32 [m][D], or bf16 pairs when kb) */
+static void scores(const float *qm, const float *kt, const uint32_t *kb, int64_t m, int64_t tiles, int64_t lds,
+                   int64_t d, int64_t ctx16, float scale, float *s) {
     for (int64_t tile = 0; tile < tiles; tile++) {
         int64_t i = 0;
+#if HAVE_DPBF16
+        if (kb != NULL) {
+            const uint32_t *qp = (const uint32_t *)qm;
+            for (; i + QK_ROWS <= m; i += QK_ROWS)
+                score_tile_bf16(qp + i * d / 2, kb, d, tile * 16, scale, s + i * lds, lds, QK_ROWS);
+            for (; i < m; i++) score_tile_bf16(qp + i * d / 2, kb, d, tile * 16, scale, s + i * lds, lds, 1);
+            continue;
+        }
+#endif
         for (; i + QK_ROWS <= m; i += QK_ROWS)
             score_tile(qm + i * d, kt, d, ctx16, tile * 16, scale, s + i * lds, lds, QK_ROWS);
         for (; i < m; i++) score_tile(qm + i * d, kt, d, ctx16, tile * 16, scale, s + i * lds, lds, 1);
     }
+}
+
+/* One work item: K/V head h, query rows [r0, r1) of the chunk. qm: fp32 query vectors, or (kb) their
+   raw bf16 values. */
+static void item(const void *q, int q_bf16, int64_t qs, const float *kt, const uint32_t *kb, const float *vr,
+                 float *out, int64_t r0, int64_t r1, int64_t offset, int64_t h, int64_t g, int64_t hq, int64_t d,
+                 int64_t ctx16, float *qm, float *s, float *o) {
+    const int64_t m = (r1 - r0) * g, tiles = (offset + r1 + 15) / 16, lds = tiles * 16;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int64_t i = 0; i < m; i++) {  /* query vector i: row r0 + i / g, query head h * g + i % g */
+        const size_t at = (size_t)((r0 + i / g) * qs + (h * g + i % g) * d);
+        if (kb != NULL) memcpy((uint16_t *)qm + i * d, (const uint16_t *)q + at, sizeof(uint16_t) * (size_t)d);
+        else
+            for (int64_t j = 0; j < d; j++) qm[i * d + j] = widen(q, q_bf16, at + (size_t)j);
+    }
+    scores(qm, kt, kb, m, tiles, lds, d, ctx16, scale, s);
     for (int64_t i = 0; i < m; i++) softmax_row(s + i * lds, offset + r0 + i / g + 1, lds);
     if (d == 64) values(s, lds, vr, tiles, o, m, 4);
     else if (d == 128) values(s, lds, vr, tiles, o, m, 8);
@@ -143,17 +229,21 @@ static void item(const float *q, const float *kt, const float *vr, float *out, i
 }
 
 /* Returns 0, -1 when scratch cannot be allocated, -2 for a D that is not a multiple of 16 or above 256. */
-int paged_prefill(const float *q, const void *cache_k, const void *cache_v, int bf16, const int64_t *table,
-                  int64_t q_len, int64_t ctx, float *out, int64_t block_size, int64_t block_stride,
-                  int64_t row_stride, int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
+int paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *cache_k, const void *cache_v, int bf16,
+                  const int64_t *table, int64_t q_len, int64_t ctx, float *out, int64_t block_size,
+                  int64_t block_stride, int64_t row_stride, int64_t num_kv_heads, int64_t head_dim,
+                  int64_t num_q_heads, int threads) {
     const int64_t d = head_dim, hk = num_kv_heads, g = num_q_heads / num_kv_heads;
     if (d % 16 != 0 || d > 16 * MAX_NC) return -2;
     const int64_t ctx16 = (ctx + 15) / 16 * 16, tiles = ctx16 / 16, offset = ctx - q_len;
     const int64_t blocks = (q_len + QB - 1) / QB, items = blocks * hk;
-    float *kt = malloc(sizeof(float) * (size_t)(hk * d * ctx16));
+    const int pairs = HAVE_DPBF16 && bf16 && q_bf16;  /* score with vdpbf16ps over bf16 pairs */
+    float *kt = pairs ? NULL : malloc(sizeof(float) * (size_t)(hk * d * ctx16));
+    uint32_t *kb = pairs ? malloc(sizeof(uint32_t) * (size_t)(hk * d / 2 * ctx16)) : NULL;
     float *vr = malloc(sizeof(float) * (size_t)(hk * ctx16 * d));
-    if (kt == NULL || vr == NULL) {
+    if ((kt == NULL && kb == NULL) || vr == NULL) {
         free(kt);
+        free(kb);
         free(vr);
         return -1;
     }
@@ -163,7 +253,8 @@ int paged_prefill(const float *q, const void *cache_k, const void *cache_v, int 
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < hk * tiles; w++)
             widen_tile(cache_k, cache_v, bf16, table, ctx, block_size, block_stride, row_stride, d, w / tiles, ctx16,
-                       (w % tiles) * 16, kt + (w / tiles) * d * ctx16, vr + (w / tiles) * ctx16 * d);
+                       (w % tiles) * 16, pairs ? NULL : kt + (w / tiles) * d * ctx16, vr + (w / tiles) * ctx16 * d,
+                       pairs ? kb + (w / tiles) * d / 2 * ctx16 : NULL);
         float *qm = malloc(sizeof(float) * (size_t)(QB * g * d));
         float *s = malloc(sizeof(float) * (size_t)(QB * g * ctx16));
         float *o = malloc(sizeof(float) * (size_t)(QB * g * d));
@@ -174,14 +265,15 @@ int paged_prefill(const float *q, const void *cache_k, const void *cache_v, int 
             if (failed) continue;
             const int64_t b = blocks - 1 - w / hk, h = w % hk;
             const int64_t r0 = b * QB, r1 = r0 + QB < q_len ? r0 + QB : q_len;
-            item(q, kt + h * d * ctx16, vr + h * ctx16 * d, out, r0, r1, offset, h, g, num_q_heads, d, ctx16, qm, s,
-                 o);
+            item(q, q_bf16, q_stride, pairs ? NULL : kt + h * d * ctx16, pairs ? kb + h * d / 2 * ctx16 : NULL,
+                 vr + h * ctx16 * d, out, r0, r1, offset, h, g, num_q_heads, d, ctx16, qm, s, o);
         }
         free(qm);
         free(s);
         free(o);
     }
     free(kt);
+    free(kb);
     free(vr);
     return failed ? -1 : 0;
 }
