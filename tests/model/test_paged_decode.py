@@ -76,12 +76,14 @@ def test_row_bits_do_not_depend_on_batch_mates_or_threads(pool_dtype):
                  for i, n in enumerate(lens)]
         torch.set_num_threads(3)
         batched = paged_decode.decode_attention(q, k, v, tables, ctx)
+        spread = [paged_decode.decode_attention(q[i:i + 1], k, v, tables[i:i + 1], ctx[i:i + 1])[0]
+                  for i in range(len(lens))]  # one row's K/V heads over the threads
         perm = torch.tensor([6, 2, 0, 5, 1, 4, 3])
         shuffled = paged_decode.decode_attention(q[perm], k, v, tables[perm], ctx[perm])
     finally:
         torch.set_num_threads(threads)
     for i in range(len(lens)):
-        assert torch.equal(batched[i], alone[i])
+        assert torch.equal(batched[i], alone[i]) and torch.equal(spread[i], alone[i])
     for j, i in enumerate(perm.tolist()):
         assert torch.equal(shuffled[j], alone[i])
 
