@@ -19,7 +19,9 @@ as configured.
 Tensor parallelism (router/tp_pricing.py): the prefill terms price a prefill worker and the decode
 terms a decode worker, each at its role's TP size (`scaled`); a prefill that runs on a decode
 worker (the P/D decision's local route) is priced by `at_decode_worker`, whose prefill terms are
-scaled by `decode_worker_prefill_factor` (1 when both roles run the same TP size).
+scaled by `decode_worker_prefill_factor` with `decode_worker_prefill_fixed_s` added to its fixed
+term and `decode_worker_prefill_s_per_token` to its per-token term (a TP step's collectives;
+1, 0, 0 when both roles run the same TP size).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class CostModel:
     fitted: bool = False  # prefill and decode terms measured on this machine (from_profile), not placeholders
     # a prefill on a decode worker over one on a prefill worker (their TP sizes differ; tp_pricing.py)
     decode_worker_prefill_factor: float = 1.0
+    decode_worker_prefill_fixed_s: float = 0.0
+    decode_worker_prefill_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.same_host_bytes_per_s, self.cross_host_bytes_per_s, self.block_size_tokens)
@@ -116,11 +120,15 @@ class CostModel:
     def at_decode_worker(self) -> CostModel:
         """The model of a prefill that runs on a decode worker (its prefill terms at the decode
         role's TP size); this model itself when the roles' sizes price alike."""
-        if self.decode_worker_prefill_factor == 1.0:
+        extra = (self.decode_worker_prefill_fixed_s, self.decode_worker_prefill_s_per_token)
+        if self.decode_worker_prefill_factor == 1.0 and extra == (0.0, 0.0):
             return self
         found = self.__dict__.get("_at_decode_worker")  # built once: a route asks several times
         if found is None:
-            found = replace(self.scaled(self.decode_worker_prefill_factor, 1.0), decode_worker_prefill_factor=1.0)
+            scaled = self.scaled(self.decode_worker_prefill_factor, 1.0)
+            found = replace(scaled, prefill_overhead_s=scaled.prefill_overhead_s + extra[0],
+                            prefill_s_per_token=scaled.prefill_s_per_token + extra[1], decode_worker_prefill_factor=1.0,
+                            decode_worker_prefill_fixed_s=0.0, decode_worker_prefill_s_per_token=0.0)
             object.__setattr__(self, "_at_decode_worker", found)  # derived, not a field: eq, hash and repr ignore it
         return found
 
@@ -139,11 +147,16 @@ class CostModel:
         return float(self.prefill_s(chunk_tokens)) + self.prefill_s_per_pair * chunk_tokens * pairs_per_row
 
     def chunked_prefill_s(self, compute_tokens: int, cached_tokens: int, chunk_tokens: int) -> list[float]:
-        """The steps of a prefill of `compute_tokens` rows after `cached_tokens` of prefix, in
-        chunks of `chunk_tokens` (the worker's step budget): `prefill_chunk_s` of each."""
-        chunk = max(1, chunk_tokens)
-        return [self.prefill_chunk_s(min(chunk, compute_tokens - done), cached_tokens + done)
-                for done in range(0, compute_tokens, chunk)]
+        """The steps of a prefill of `compute_tokens` rows after `cached_tokens` of prefix, cut as
+        the engine cuts them: chunks end on multiples of `chunk_tokens` (the worker's step budget)
+        counted from the prompt's start, so a prefix that ends mid-chunk leaves a short first chunk;
+        `prefill_chunk_s` of each."""
+        chunk, steps, done = max(1, chunk_tokens), [], 0
+        while done < compute_tokens:
+            rows = min(chunk - (cached_tokens + done) % chunk, compute_tokens - done)
+            steps.append(self.prefill_chunk_s(rows, cached_tokens + done))
+            done += rows
+        return steps
 
     def decode_step_s(self, batch: Num) -> Num:
         return self.decode_step_base_s + batch * self.decode_step_s_per_seq

@@ -171,11 +171,14 @@ def running_step_s(facts: PdFacts, cost: CostModel) -> float:
 
 
 def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[float]:
-    """The mixed steps a local prefill of u_D tokens takes at D: chunks of the budget the B
-    decode rows leave, each step also carrying those rows."""
-    batch, todo = facts.delayed_batch, facts.local_compute_tokens
+    """The mixed steps a local prefill of u_D tokens takes at D, each step also carrying the B
+    decode rows: the engine's scheduler cuts a prompt on the chunk grid and runs a step's first
+    chunk whole even past the budget the decode rows leave (engine/scheduler.py), so a lone local
+    prefill takes as many steps beside B decodes as beside none (the simulator's mixed instance,
+    sim/colocated.py, steps it the same way)."""
+    todo = facts.local_compute_tokens
     decode_s = running_step_s(facts, cost)
-    chunks = cost.at_decode_worker().chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens - batch)
+    chunks = cost.at_decode_worker().chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens)
     return [decode_s + chunk_s for chunk_s in chunks]
 
 

@@ -26,14 +26,15 @@ FACTS = PdFacts(prompt_tokens=512, local_compute_tokens=512, remote_compute_toke
 
 def test_the_four_terms_have_their_spec_values():
     terms = margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
-    # the local prefill runs as a 504-token chunk beside 8 decodes (28 + 514 ms) and the last 8 tokens
-    # (28 + 18 ms): each decode waits 532 ms, and a one-token decode has 100 - 28 = 72 ms of TPOT slack
-    assert local_steps_s(FACTS, MARGIN, COST) == pytest.approx([0.542, 0.046], abs=1e-12)
-    assert terms.interference_saved_s == pytest.approx(8 * (0.532 - 0.072), abs=1e-12)
+    # the local prefill runs as one whole 512-token chunk beside 8 decodes (28 + 522 ms; a step's first
+    # chunk overruns the budget the decode rows leave, as the engine's scheduler runs it): each decode
+    # waits 522 ms, and a one-token decode has 100 - 28 = 72 ms of TPOT slack
+    assert local_steps_s(FACTS, MARGIN, COST) == pytest.approx([0.55], abs=1e-12)
+    assert terms.interference_saved_s == pytest.approx(8 * (0.522 - 0.072), abs=1e-12)
     assert terms.transfer_exposed_s == pytest.approx(0.0522, abs=1e-12)  # serialized: all of 1 ms + 51.2 kB / 1 MB/s
     assert terms.route_delta_s == pytest.approx(0.256, abs=1e-12)  # P's 256 queued tokens
     assert terms.failure_penalty_s == pytest.approx(0.25 * 0.522, abs=1e-12)  # rate x recompute
-    assert net_margin_s(terms) == pytest.approx(3.68 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
+    assert net_margin_s(terms) == pytest.approx(3.6 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
 
 
 def test_a_layerwise_stream_exposes_only_its_last_layer():
@@ -46,7 +47,7 @@ def test_a_layerwise_stream_exposes_only_its_last_layer():
 def test_margin_disaggregates_a_long_prompt_beside_a_busy_decode_batch():
     decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert decision.disaggregate and decision.reason == "margin"
-    assert decision.net_margin_s == pytest.approx(3.2413, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.1613, abs=1e-12)
     assert decision.ttft_gate and decision.tpot_gate  # 0.8302 s <= 2 s, 29 ms <= 100 ms
 
 
@@ -89,15 +90,15 @@ def test_a_gate_vetoes_only_a_target_the_local_route_would_meet():
 
 def test_a_long_decode_absorbs_a_stall_within_its_slack_shared_by_the_prefills_of_its_life():
     # 100-token decodes have (100 - 28) ms x 100 = 7.2 s of TPOT slack; a 4,096-token local prefill
-    # (eight 504-token chunks and 64 tokens, 4.438 s) stalls each by 4.186 s: within it
+    # (eight 512-token chunks beside the decode rows, 4.4 s) stalls each by 4.176 s: within it
     long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
                       "decode_tokens": 100})
-    assert sum(local_steps_s(long, MARGIN, COST)) == pytest.approx(4.438, abs=1e-12)
+    assert sum(local_steps_s(long, MARGIN, COST)) == pytest.approx(4.4, abs=1e-12)
     assert margin_terms(long, MARGIN, COST, 10.0, 0.1).interference_saved_s == 0.0
     # at 1 request/s, 1 + 1 x 2.8 s = 3.8 prefills share a decode's life: 1.895 s each, 2.291 s late
     busy = PdFacts(**{**vars(long), "arrival_rate_rps": 1.0})
     assert tpot_slack_s(0.1, 0.028, 100, 1.0) == pytest.approx(7.2 / 3.8, abs=1e-12)
-    assert margin_terms(busy, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.186 - 7.2 / 3.8), abs=1e-9)
+    assert margin_terms(busy, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.176 - 7.2 / 3.8), abs=1e-9)
 
 
 def test_pinned_modes_and_the_prompt_floor():
@@ -208,7 +209,7 @@ def test_routes_headed_to_d_count_in_the_batch_a_local_prefill_delays():
     assert margin_terms(routed, MARGIN, COST, 2.0, 0.1) == margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
     decision = decide_pd(routed, MARGIN, COST, 2.0, 0.1)
     assert decision.disaggregate and decision.delayed_batch == 8
-    assert decision.net_margin_s == pytest.approx(3.2413, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.1613, abs=1e-12)
     assert decision.trace_fields()["pd_delayed_batch"] == 8
     # the report's batch counts when it is the larger (grants not yet applied, routes not yet seen)
     assert PdFacts(**{**vars(FACTS), "decode_routed": 3}).delayed_batch == 8
@@ -237,11 +238,11 @@ def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
     assert router.snapshot().decode.active_batch[0] == 0 and sum(router.heavy_light("d0")) == 3
     router.arrivals.reset(0.0, 0.0)
     plan = router.route(RouteRequest("r3", prompt_tokens=1024, expected_output_tokens=100))
-    # a local prefill: two 509-token chunks beside 3 decodes (23 + 519 ms each) and 6 tokens (23 + 16
-    # ms): each decode waits 1.054 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack
+    # a local prefill: two whole 512-token chunks beside 3 decodes (23 + 522 ms each): each decode
+    # waits 1.044 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack
     assert not plan.colocated and plan.pd.disaggregate and plan.pd.delayed_batch == 3
-    assert plan.pd.terms.interference_saved_s == pytest.approx(3 * (1.054 - 0.7), abs=1e-12)
-    assert plan.pd.net_margin_s == pytest.approx(3 * (1.054 - 0.7) - 0.1034, abs=1e-12)
+    assert plan.pd.terms.interference_saved_s == pytest.approx(3 * (1.044 - 0.7), abs=1e-12)
+    assert plan.pd.net_margin_s == pytest.approx(3 * (1.044 - 0.7) - 0.1034, abs=1e-12)
     # the load report alone (the old input) saw nobody to stall and kept the prompt local
     blind = PdFacts(1024, 1024, 1024, 102_400, True, 0, 0, 0.0, decode_tokens=100)
     old = decide_pd(blind, MARGIN, COST, 10.0, 0.03)
@@ -279,12 +280,12 @@ def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
 
 
 def test_the_slack_reads_d_s_measured_tpot_when_the_machine_runs_slower_than_its_profile():
-    # the 4,096-token prefill's 4.186 s stall fits 100 x (100 - 28) ms of slack by the profile; D's
-    # live requests measured at 70 ms per token leave 100 x 30 ms = 3 s: each of the 8 is 1.186 s late
+    # the 4,096-token prefill's 4.176 s stall fits 100 x (100 - 28) ms of slack by the profile; D's
+    # live requests measured at 70 ms per token leave 100 x 30 ms = 3 s: each of the 8 is 1.176 s late
     long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
                       "decode_tokens": 100})
     slow = PdFacts(**{**vars(long), "measured_tpot_s": 0.07})
-    assert margin_terms(slow, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.186 - 3.0), abs=1e-9)
+    assert margin_terms(slow, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.176 - 3.0), abs=1e-9)
     assert decide_pd(slow, MARGIN, COST, 10.0, 0.1).disaggregate and not decide_pd(long, MARGIN, COST, 10.0, 0.1).disaggregate
     # a measurement below the profile's step changes nothing
     fast = PdFacts(**{**vars(long), "measured_tpot_s": 0.01})
