@@ -1,32 +1,45 @@
 """DistServe's chatbot cases (OPT on A100, ShareGPT-like lengths, the paper's SLOs) on the A100
 profile with its measured kernels: the verdicts, shapes and TP ordering docs/planner.md reports,
-from the same fixed inputs (`pdserve plan ... --margin 0`, seed 0, 400 requests). Deterministic:
-the simulator and the workload are seeded; a change to the latency model or the search that moves
-a verdict must update the docs table with it.
+from the same fixed inputs (`pdserve plan ... --margin 0`, seed 0, 400 requests), under pdserve's
+search and under DistServe's search rules (`scripts/distserve_segments.py`): one prefill + one
+decode instance per node segment (`segment_pairs.py`), always; a decode batch of at most 50,000
+tokens per pipeline stage (`SearchSpace.decode_token_cap`); every queued prompt in one prefill
+iteration (`SearchSpace.prefill_policy`). Deterministic: the simulator and the workload are
+seeded; a change to the latency model or the search that moves a row must update the docs table.
 
-What holds: DistServe's disaggregate verdict for OPT-66B and OPT-175B, each above pdserve's
-default 10% margin too; OPT-13B colocates. What does not: prefill TP >= decode TP (DistServe's
-OPT-13B and OPT-66B tuples; its OPT-175B tuple itself has prefill TP 3 < decode TP 4): with these
-SLOs every prefill instance is TP1 with PP (docs/planner.md says why: DistServe's search pairs one
-prefill with one decode instance per node segment, and its simulator caps a decode iteration at
-50,000 tokens at every TP degree; `scripts/distserve_segments.py` ranks pdserve's shapes by
-DistServe's rule)."""
+pdserve's search: DistServe's disaggregate verdict holds for OPT-66B and OPT-175B, above the
+default 10% margin too; OPT-13B colocates; every prefill instance is TP1 with PP, below decode TP.
+DistServe's rules: the decode cap gives DistServe's decode TP (1, 2, 4, with more PP); only with
+batched prefill as well does prefill TP reach decode TP or above (OPT-13B P TP2 + D TP1, as
+DistServe's; OPT-66B TP2 and TP2); OPT-175B stays disaggregated under every rule set, OPT-13B and
+OPT-66B colocate under the cap (docs/planner.md says why).
+
+Cost: each case's plan searches only the chunk budget the docs command's full search (256 to
+2048) picks; every candidate's goodput search is independent of the others, so the plan, its
+gain and its shapes are those of the full search (same numbers), at a third of the CPU. One plan
+per case is shared by both tests (about 90 s of CPU for the file)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 
 import pytest
 
 from pdserve.commands.plan import plan_inputs, register
-from pdserve.search.planner import plan
+from pdserve.search import planner
+from pdserve.search.candidates import WorkloadShape, parallel_shapes
+from pdserve.search.segment_pairs import best_pairs
+from pdserve.sim.prefill_pool import PrefillPolicy
+from pdserve.sim.requests import build_requests
 
 WORKLOAD = ["--hardware", "a100-80g", "--input-dist", "lognormal:6.3,0.8", "--output-dist", "lognormal:5.2,0.8",
             "--margin", "0"]
-CASES = {  # model: (GPUs, TTFT ms, TPOT ms), the paper's chatbot SLOs
-    "opt-13b": (8, 250, 100),
-    "opt-66b": (16, 2500, 150),
-    "opt-175b": (32, 4000, 200),
+CASES = {  # model: (GPUs, TTFT ms, TPOT ms), the paper's chatbot SLOs; the full search's chunk budget
+    "opt-13b": (8, 250, 100, 2048),
+    "opt-66b": (16, 2500, 150, 1024),
+    "opt-175b": (32, 4000, 200, 256),
 }
 # (verdict at margin 0, per-GPU gain of disaggregation, colocated (tp, pp), prefill (tp, pp), decode (tp, pp))
 EXPECTED = {
@@ -36,16 +49,28 @@ EXPECTED = {
 }
 
 
+@functools.cache
 def _plan(model: str):
-    gpus, ttft, tpot = CASES[model]
+    gpus, ttft, tpot, chunk = CASES[model]
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["plan", "--model", model, "--gpus", str(gpus), "--slo-ttft-ms", str(ttft),
-                              "--slo-tpot-ms", str(tpot), *WORKLOAD])
-    return plan(plan_inputs(args))
+                              "--slo-tpot-ms", str(tpot), "--chunk-budgets", str(chunk), *WORKLOAD])
+    return planner.plan(plan_inputs(args))
 
 
-# one planner search per test (about 20-30 s of CPU each; minutes of wall time on a loaded machine)
+def _distserve_pairs(result, decode_token_cap: int | None, prefill_policy: PrefillPolicy):
+    """DistServe's one prefill + one decode instance per node segment on the plan's own space."""
+    inputs = result.inputs
+    requests = build_requests(inputs.workload, inputs.prefix_cache, inputs.model.max_context)
+    longer = planner._more_requests(inputs.workload, 8 * inputs.max_seqs, inputs.prefix_cache, inputs.model.max_context)
+    space = dataclasses.replace(planner._space(inputs, requests, longer), decode_token_cap=decode_token_cap,
+                                prefill_policy=prefill_policy)
+    return best_pairs(space, parallel_shapes(inputs.model, inputs.hardware, inputs.gpus, WorkloadShape.of(requests)),
+                      inputs.gpus)
+
+
+# one planner search per case (10-20 s of CPU each; minutes of wall time on a loaded machine)
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("model", list(CASES))
 def test_verdict_and_shapes(model):
@@ -61,3 +86,44 @@ def test_verdict_and_shapes(model):
     assert d.prefill.par.tp == 1 < d.decode.par.tp
     # the default 10% margin gives the same verdicts: both disaggregate gains clear it
     assert (result.verdict.goodput_gain > 0.1) == (verdict == "disaggregate")
+
+
+DISTSERVE = {"opt-13b": (2, 1, 1, 1), "opt-66b": (4, 1, 2, 2), "opt-175b": (3, 3, 4, 3)}  # (P tp, pp, D tp, pp)
+BATCH_ALL = PrefillPolicy(max_batch=1_000_000)  # DistServe's prefill: every queued prompt in one iteration
+RULES = {  # under the 1P+1D rule: (decode token cap, prefill policy)
+    "kv": (None, PrefillPolicy()),
+    "cap": (50_000, PrefillPolicy()),
+    "cap+batch": (50_000, BATCH_ALL),
+}
+# (model, rules) -> (best pair, its goodput per GPU, gain over the colocated plan); OPT-175B's "kv"
+# row equals its "cap" row (scripts/distserve_segments.py) and is not repeated here
+PAIRS = {
+    ("opt-13b", "kv"): ("P tp2pp2 + D tp4pp1 (1 seg)", 3.683, -0.159),
+    ("opt-13b", "cap"): ("P tp1pp2 + D tp1pp4 (1 seg)", 3.254, -0.257),
+    ("opt-13b", "cap+batch"): ("P tp2pp1 + D tp1pp4 (1 seg)", 2.997, -0.316),
+    ("opt-66b", "kv"): ("P tp3pp2 + D tp4pp2 (2 seg)", 1.025, 0.073),
+    ("opt-66b", "cap"): ("P tp1pp4 + D tp2pp4 (2 seg)", 0.866, -0.093),
+    ("opt-66b", "cap+batch"): ("P tp2pp2 + D tp2pp4 (2 seg)", 0.866, -0.093),
+    ("opt-175b", "cap"): ("P tp1pp8 + D tp4pp4 (4 seg)", 0.327, 0.186),
+    ("opt-175b", "cap+batch"): ("P tp2pp4 + D tp4pp4 (4 seg)", 0.314, 0.142),
+}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model, rules", list(PAIRS))
+def test_distserve_rules(model, rules):
+    result = _plan(model)
+    pairs = _distserve_pairs(result, *RULES[rules])
+    best = pairs[0]
+    label, per_gpu, gain = PAIRS[model, rules]
+    assert (best.label, best.status) == (label, "simulated")
+    assert best.per_gpu == pytest.approx(per_gpu, abs=0.001)
+    assert best.per_gpu / result.colocated.goodput_per_gpu - 1 == pytest.approx(gain, abs=0.001)
+    assert all(p.per_gpu <= best.per_gpu for p in pairs)
+    p_tp, _, d_tp, _ = DISTSERVE[model]
+    if rules != "kv":  # the cap gives DistServe's decode TP (with more PP)
+        assert best.decode.par.tp == d_tp
+    if rules == "cap+batch":  # batched prefill lifts prefill TP to DistServe's order: P TP >= D TP
+        assert best.prefill.par.tp >= best.decode.par.tp or model == "opt-175b"
+    else:  # one prompt an iteration: prefill TP1 with PP, or below the decode TP
+        assert best.prefill.par.tp < best.decode.par.tp or best.prefill.par.tp == best.decode.par.tp == 1
