@@ -3,8 +3,9 @@
 Profiles the engine at TP 1 (`--threads` threads) and at TP N (N one-thread ranks), each in its
 own process as `pdserve profile` does, then prints per phase the measured time ratio TP N / TP 1
 at one reference point of each fit (a `--prompt`-token prefill; a decode step of `--batch`
-sequences at `--context` tokens) beside the ratio latency/tp_scaling.py prices. Take it on a
-quiet machine: the ratio of two noisy timings is noisier still.
+sequences at `--context` tokens) beside the ratio latency/tp_scaling.py prices from the TP 1
+profile and the collectives the TP 1 run measured at TP N (`pdserve profile --collectives-tp N`).
+Take it on a quiet machine: the ratio of two noisy timings is noisier still.
 
     .venv/bin/python scripts/tp_pricing_check.py --model /work/ckpt/llama107m --threads 2 --tp 2
 """
@@ -19,16 +20,16 @@ import tempfile
 from pathlib import Path
 
 from pdserve.latency.profiled import ProfiledLatency
-from pdserve.latency.tp_scaling import model_scaling
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
+from pdserve.router.tp_pricing import scaling_for
 
 
-def profile(model: str, threads: int, tp: int, out: Path, quick: bool) -> ProfiledLatency:
+def profile(model: str, threads: int, tp: int, collectives_tp: int, out: Path, quick: bool) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--model", model, "--threads", str(threads), "--tp", str(tp),
-           "--out", str(out)] + (["--quick"] if quick else [])
+           "--collectives-tp", str(collectives_tp), "--out", str(out)] + (["--quick"] if quick else [])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return ProfiledLatency.from_dict(json.loads(out.read_text()))
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -42,16 +43,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="pdserve profile --quick (a smoke run, not a figure)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        one = profile(args.model, args.threads, 1, Path(tmp) / "tp1.json", args.quick)
-        many = profile(args.model, 1, args.tp, Path(tmp) / "tpn.json", args.quick)
-    scaling = model_scaling(load_config(resolve_model(args.model)), args.threads)
-    measured = {
-        "prefill": many.prefill_batch_s([args.prompt], [0]) / one.prefill_batch_s([args.prompt], [0]),
-        "decode": many.decode_step_s(args.batch, args.batch * args.context) / one.decode_step_s(args.batch, args.batch * args.context),
-    }
-    for phase, ratio in measured.items():
-        print(json.dumps({"phase": phase, "tp": args.tp, "threads_at_tp1": args.threads, "measured_ratio": round(ratio, 4),
-                          "priced_ratio": round(scaling.factor(phase, args.tp), 4)}))
+        raw_one = profile(args.model, args.threads, 1, args.tp, Path(tmp) / "tp1.json", args.quick)
+        raw_many = profile(args.model, 1, args.tp, args.tp, Path(tmp) / "tpn.json", args.quick)
+    one, many = ProfiledLatency.from_dict(raw_one), ProfiledLatency.from_dict(raw_many)
+    scaling = scaling_for(load_config(resolve_model(args.model)), raw_one, args.threads)
+    context = args.batch * args.context
+    measured = {"prefill": (one.prefill_batch_s([args.prompt], [0]), many.prefill_batch_s([args.prompt], [0]), args.prompt),
+                "decode": (one.decode_step_s(args.batch, context), many.decode_step_s(args.batch, context), args.batch)}
+    print(json.dumps({"collectives_at_tp1_run": raw_one["collectives"], "collectives_at_tpn_run": raw_many["collectives"]}))
+    for phase, (t1, tn, rows) in measured.items():
+        price = scaling.price(phase, args.tp)
+        print(json.dumps({"phase": phase, "tp": args.tp, "threads_at_tp1": args.threads, "tp1_s": round(t1, 5),
+                          "tpn_s": round(tn, 5), "measured_ratio": round(tn / t1, 4),
+                          "priced_ratio": round(price.step_s(t1, rows) / t1, 4), "compute_factor": round(price.factor, 4),
+                          "collectives_s": round(price.fixed_s + price.per_row_s * rows, 5)}))
 
 
 if __name__ == "__main__":

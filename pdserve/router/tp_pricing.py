@@ -3,11 +3,15 @@
 Contract: `tp_cost(base, scaling, prefill_tp, decode_tp, measured_tp)` is `base` (a model of
 steps measured at TP `measured_tp`: a profile's `meta.tp`, 1 for the placeholders and for
 profiles without it) with its prefill terms priced at the prefill role's TP size and its decode
-terms at the decode role's, and `decode_worker_prefill_factor` set so that
+terms at the decode role's, and the `decode_worker_prefill_*` fields set so that
 `CostModel.at_decode_worker` prices a prefill on a decode worker at the decode role's size. Every
-factor is `TpScaling.factor` (latency/tp_scaling.py), the one formula; a role measured at its own
-TP size keeps the measured terms (factor 1). `scaling_for` builds the scaling of a served model:
-the profile's thread count stands for a TP 1 worker's when the profile was measured at TP 1.
+price is `TpScaling.price` (latency/tp_scaling.py), the one formula: a factor on every term of
+the phase, its fixed cost per step added to the step's fixed term (`prefill_overhead_s`,
+`decode_step_base_s`) and its cost per row to the per-row term (`prefill_s_per_token`,
+`decode_step_s_per_seq`); a role measured at its own TP size keeps the measured terms.
+`scaling_for` builds the scaling of a served model: the profile's thread count stands for a TP 1
+worker's when the profile was measured at TP 1, and its `collectives` section (measured by
+`pdserve profile --tp N`) prices the collectives, the documented defaults without one.
 
 Pricing is per role, as deployments are (`--prefill-tp`, `--decode-tp`, `--tp`): a colocated
 worker prices both phases at its size. A mixed worker (splitwise's mixed pool) is priced at the
@@ -19,16 +23,42 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.latency.tp_scaling import TpScaling, model_scaling
+from pdserve.latency.tp_collectives import CollectiveCosts
+from pdserve.latency.tp_scaling import StepPrice, TpScaling, model_scaling
 from pdserve.router.cost import CostModel
+
+COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
 
 
 def tp_cost(base: CostModel, scaling: TpScaling, prefill_tp: int, decode_tp: int, measured_tp: int = 1) -> CostModel:
-    prefill = scaling.factor("prefill", prefill_tp, measured_tp)
-    decode = scaling.factor("decode", decode_tp, measured_tp)
-    local = scaling.factor("prefill", decode_tp, measured_tp) / prefill
-    cost = base.scaled(prefill, decode)
-    return cost if local == cost.decode_worker_prefill_factor else replace(cost, decode_worker_prefill_factor=local)
+    prefill = scaling.price("prefill", prefill_tp, measured_tp)
+    decode = scaling.price("decode", decode_tp, measured_tp)
+    local = scaling.price("prefill", decode_tp, measured_tp).relative_to(prefill)
+    cost = priced(base, prefill, decode)
+    if local == StepPrice(1.0, 0.0, 0.0):
+        return cost
+    # at_decode_worker computes factor * term + extra; the extras are chosen so that no term falls below 0
+    fixed = _at_least_zero(cost.prefill_overhead_s * local.factor, local.fixed_s)
+    per_token = _at_least_zero(cost.prefill_s_per_token * local.factor, local.per_row_s)
+    return replace(cost, decode_worker_prefill_factor=local.factor, decode_worker_prefill_fixed_s=fixed,
+                   decode_worker_prefill_s_per_token=per_token)
+
+
+def _at_least_zero(term: float, extra: float) -> float:
+    """`extra`, or what keeps term + extra at 0 when it would go below: a step that measured less
+    than the collectives priced for its size (measured on a quieter machine than the collectives)."""
+    return extra if term + extra >= 0 else -term
+
+
+def priced(base: CostModel, prefill: StepPrice, decode: StepPrice) -> CostModel:
+    """`base` with each phase's terms at its price: a prefill step's rows are its tokens, a decode
+    step's its sequences (no term below 0, as `_at_least_zero`)."""
+    cost = base.scaled(prefill.factor, decode.factor)
+    if (prefill.fixed_s, prefill.per_row_s, decode.fixed_s, decode.per_row_s) == (0.0, 0.0, 0.0, 0.0):
+        return cost
+    terms = {"prefill_overhead_s": prefill.fixed_s, "prefill_s_per_token": prefill.per_row_s,
+             "decode_step_base_s": decode.fixed_s, "decode_step_s_per_seq": decode.per_row_s}
+    return replace(cost, **{name: max(0.0, getattr(cost, name) + extra) for name, extra in terms.items()})
 
 
 def measured_tp(profile: dict | None) -> int:
@@ -38,11 +68,15 @@ def measured_tp(profile: dict | None) -> int:
 
 def scaling_for(mc, profile: dict | None, threads_per_worker: int) -> TpScaling:
     """The documented model for `mc`, with a TP 1 worker's threads: the profile's own when it
-    timed TP 1 (those are the threads its terms describe), else the served `threads_per_worker`."""
+    timed TP 1 (those are the threads its terms describe), else the served `threads_per_worker`;
+    the profile's measured collectives and compute dtype (bf16 when it does not say)."""
     threads = threads_per_worker
+    meta = (profile or {}).get("meta", {})
     if profile is not None and measured_tp(profile) == 1:
-        threads = int(profile.get("meta", {}).get("threads") or threads_per_worker)
-    return model_scaling(mc, threads)
+        threads = int(meta.get("threads") or threads_per_worker)
+    compute = meta.get("compute_dtype") or meta.get("dtype") or "bfloat16"
+    collectives = tuple(CollectiveCosts.from_dict(c) for c in (profile or {}).get("collectives", ()))
+    return model_scaling(mc, threads, COMPUTE_BYTES.get(compute, 2), collectives)
 
 
 def role_sizes(mode: str, prefill_tp: int, decode_tp: int, other_tp: int) -> tuple[int, int]:

@@ -1,0 +1,26 @@
+"""latency/tp_collectives.py: a real gloo group at TP 2 times its all_reduce and step broadcast
+(values depend on the machine; the checks are the section's shape and that nothing timed is
+free), and the section round-trips through a profile's JSON into the router's scaling."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.latency.tp_collectives import CollectiveCosts, profile_section
+from pdserve.model.config import load_config
+from pdserve.model.default import resolve_model
+from pdserve.router.tp_pricing import scaling_for
+
+
+def test_profile_section_measures_tp2_and_the_router_reads_it():
+    section = json.loads(json.dumps(profile_section("tiny", "bfloat16", None, (2,))))
+    assert len(section) == 1
+    costs = CollectiveCosts.from_dict(section[0])
+    assert costs.tp == 2 and costs.pinned is True
+    assert costs.step_sync_s > 0 and costs.median_allreduce_s > 0 and costs.median_step_sync_s >= costs.step_sync_s
+    assert costs.allreduce_s >= 0 and costs.allreduce_s_per_byte >= 0
+    profile = {"prefill_coef": [0.004, 2.0e-4, 0.0], "decode_coef": [0.01, 1.0e-3, 0.0], "meta": {"threads": 1, "tp": 1},
+               "collectives": section}
+    scaling = scaling_for(load_config(resolve_model("tiny")), profile, threads_per_worker=1)
+    assert scaling.collectives == (costs,) and scaling.costs_at(2) == costs
+    assert scaling.overhead(2).fixed_s == 16 * costs.allreduce_s + costs.step_sync_s  # tiny: 8 layers
