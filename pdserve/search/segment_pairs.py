@@ -16,8 +16,11 @@ replicates each phase freely (`plans.py`). Here the same rule runs on pdserve's 
   goodput per GPU (a pair cannot beat its slower phase alone; pairs within the goodput search's 5%
   resolution of the best are simulated, so the end-to-end run breaks near-ties, as DistServe's).
 
-Scores come from `score_all(..., prune=False)`: the rule needs every shape, not each phase's best
-per GPU. A deployment is the best pair replicated budget // pair GPUs times, as DistServe's.
+`best_pairs` runs the whole rule on a `SearchSpace`: every shape that can share a node segment
+scored per phase with `score_all(..., prune=False)` (the rule needs every shape, not each phase's
+best per GPU), then the pairs. A deployment is the best pair replicated budget // pair GPUs
+times, as DistServe's. The rule is an option of the search (scripts/distserve_segments.py drives
+it), not part of `pdserve plan`.
 """
 
 from __future__ import annotations
