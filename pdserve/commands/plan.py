@@ -39,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "without mixing (vLLM 0.2, DistServe's baseline: whole prompts, up to the chunk budget, in "
                         "iterations of their own while decodes wait)")
     p.add_argument("--transfer", choices=("request", "layer"), default="layer", help="K/V transfer overlap")
+    p.add_argument("--decode-token-cap", type=int, default=None, metavar="TOKENS",
+                   help="hold a decode batch to this many tokens of context per pipeline stage (DistServe's search "
+                        "uses 50000); default: the K/V that fits decides")
+    p.add_argument("--prefill-batch", type=int, default=1, metavar="N",
+                   help="prompts a prefill instance runs in one iteration (DistServe batches every queued prompt: "
+                        "a large N); default 1, as the served prefill worker; needs --pd-decision always when > 1")
     add_pd_decision_arg(p, "margin")
     add_workload_args(p, 400)
     add_slo_args(p, required=True)
@@ -104,6 +110,7 @@ def plan_inputs(args: argparse.Namespace):
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
         fixed_model=fixed, family=family, prefix_cache=args.prefix_cache,
         mixed_batches=args.colocated_scheduler == "mixed", pd_decision=args.pd_decision,
+        decode_token_cap=args.decode_token_cap, prefill_max_batch=args.prefill_batch,
         latency_label=args.latency_model if family else ("file" if fixed else "roofline"),
     )
 

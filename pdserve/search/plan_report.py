@@ -66,6 +66,7 @@ def plan_summary(result: PlanResult) -> dict:
         "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
         "latency_model": inputs.latency_label,
         "colocated_scheduler": "mixed" if inputs.mixed_batches else "prefill-first",
+        "decode_token_cap": inputs.decode_token_cap, "prefill_batch": inputs.prefill_max_batch,
         "max_context": inputs.model.max_context,
         "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
         "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),

@@ -34,7 +34,7 @@ from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.workload import WorkloadConfig
 from pdserve.ledger.margin import MarginTerms, net_margin_s
 from pdserve.search.decision import Verdict, decide
-from pdserve.search.candidates import Parallel, WorkloadShape, latency_for, parallel_shapes
+from pdserve.search.candidates import DecodeTokenCap, Parallel, WorkloadShape, latency_for, parallel_shapes
 from pdserve.latency.geometry import ModelSpec
 from pdserve.sim.goodput import GoodputSearch, goodput_rps, ladder_around
 from pdserve.latency.hardware import HardwareProfile
@@ -42,6 +42,7 @@ from pdserve.latency.base import LatencyModel
 from pdserve.latency.spec import LatencyFamily
 from pdserve.search.phase_search import Score, SearchSpace, score_all
 from pdserve.search.plans import ColocatedPlan, DisaggPlan, colocated_plan, high_affinity_plan, low_affinity_plan
+from pdserve.sim.prefill_pool import PrefillPolicy
 from pdserve.sim.requests import SimRequests, build_requests
 from pdserve.sim.simulator import SimConfig, SimResult, simulate
 from pdserve.search.margin_routing import MarginRouter, RoutedDecision, served_pricing
@@ -77,10 +78,25 @@ class PlanInputs:
     mixed_batches: bool = True  # colocated scheduler: chunked prefill mixed with decode; False: prefill-first, unmixed
     pd_decision: str = "margin"  # the disaggregated plan's per-request routing (module contract)
     pd_chunk_tokens: int = 512  # the served engine's step budget, which the router's decision prices with
+    # DistServe's search rules, off by default (docs/planner.md, DistServe): a decode batch held to
+    # this many tokens of context per pipeline stage, and prompts a prefill instance runs per iteration
+    decode_token_cap: int | None = None
+    prefill_max_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.pd_decision not in PD_DECISIONS:
             raise ValueError(f"--pd-decision must be one of {PD_DECISIONS}, got {self.pd_decision!r}")
+        if self.decode_token_cap is not None and self.decode_token_cap < 1:
+            raise ValueError(f"--decode-token-cap must be >= 1 token, got {self.decode_token_cap}")
+        if self.prefill_max_batch < 1:
+            raise ValueError(f"--prefill-batch must be >= 1 prompt, got {self.prefill_max_batch}")
+        if self.prefill_max_batch > 1 and self.pd_modelled == "margin":
+            raise ValueError("--prefill-batch > 1 is simulated with --pd-decision always only: the margin-routed "
+                             "simulation runs one prompt per prefill iteration, as the served prefill worker does")
+
+    @property
+    def prefill_policy(self) -> PrefillPolicy:
+        return PrefillPolicy(max_batch=self.prefill_max_batch)
 
     @property
     def pd_modelled(self) -> str:
@@ -165,8 +181,8 @@ def _local_share(inputs: PlanInputs, disagg: DisaggPlan | None, end_to_end: dict
 
 def _space(inputs: PlanInputs, requests: SimRequests, decode_requests: SimRequests) -> SearchSpace:
     return SearchSpace(inputs.model, inputs.hardware, requests, decode_requests, inputs.slo, inputs.definition,
-                       inputs.max_seqs, fixed_model=inputs.fixed_model, family=inputs.family,
-                       mixed_batches=inputs.mixed_batches)
+                       inputs.max_seqs, inputs.prefill_policy, fixed_model=inputs.fixed_model, family=inputs.family,
+                       mixed_batches=inputs.mixed_batches, decode_token_cap=inputs.decode_token_cap)
 
 
 def _latency(inputs: PlanInputs, par: Parallel) -> LatencyModel:
@@ -200,8 +216,11 @@ def deployment(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan):
         return config, model, model
     link = LinkSpec(plan_.decode.par.gpus * plan_.link_bytes_per_s_per_gpu, inputs.transfer_overlap, inputs.model.geometry.layers)
     config = SimConfig(mode="disaggregated", prefill_replicas=plan_.n_prefill, decode_replicas=plan_.n_decode,
-                       max_decode_seqs=inputs.max_seqs, link=link)
-    return config, _latency(inputs, plan_.prefill.par), _latency(inputs, plan_.decode.par)
+                       prefill=inputs.prefill_policy, max_decode_seqs=inputs.max_seqs, link=link)
+    decode = _latency(inputs, plan_.decode.par)
+    if inputs.decode_token_cap is not None:
+        decode = DecodeTokenCap(decode, inputs.decode_token_cap)
+    return config, _latency(inputs, plan_.prefill.par), decode
 
 
 def margin_router(inputs: PlanInputs) -> MarginRouter | None:
