@@ -10,13 +10,15 @@
    over the values. Every loop runs in an order fixed by the row's own length, so a row's bits
    never depend on the other rows of the call. Work is split over threads in (row, K/V head)
    items, contiguous runs of them per thread, so a single decode row's heads spread over the
-   threads too; a head's arithmetic is the same whichever run it falls in.
+   threads too; a head's arithmetic is the same whichever run it falls in. An AVX2 build sums a
+   score over 8 lanes, an AVX-512 build over 16: the two builds agree within fp32 rounding.
 
    Speed (measured on an AVX512-BF16 EPYC, docs/engine_speed.md): each block is widened front to
    back into an L1 tile of all its heads (the hardware prefetcher follows a straight 8 KiB read,
    not a head's strided rows); the next blocks of the table are prefetched into L2 while the
-   current one is scored (blocks sit at random places in the pool); D/16-lane vectors are GCC
-   vector extensions, so one source serves AVX-512 and AVX2. */
+   current one is scored (blocks sit at random places in the pool); a head's D values are D/LANES
+   vectors of the build's widest register (GCC vector extensions), so one source serves AVX-512
+   and AVX2. */
 
 #include <math.h>
 #include <stdint.h>
@@ -26,21 +28,28 @@
 #include <omp.h>
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
+/* One vector is the widest register the build targets: 16 fp32 lanes with AVX-512, 8 without
+   (an AVX2-only build given 16-lane vectors splits each into spilled halves: 6-7x slower). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vecf __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vecu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vech __attribute__((vector_size(2 * LANES)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
-#define MAX_CHUNKS 16     /* D <= 256 */
+#define MAX_CHUNKS (256 / LANES)  /* D <= 256 */
 #define PREFETCH_AHEAD 2  /* blocks */
 
-static inline v16f load16(const void *base, int bf16, size_t at) {
-    v16f f;
+static inline vecf loadv(const void *base, int bf16, size_t at) {
+    vecf f;
     if (bf16) {  /* a bf16 is the high half of the fp32 with the same value: exact widening */
-        v16h h;
+        vech h;
         memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
+        vecu u = __builtin_convertvector(h, vecu) << 16;
         memcpy(&f, &u, sizeof f);
     } else {
         memcpy(&f, (const float *)base + at, sizeof f);
@@ -48,20 +57,24 @@ static inline v16f load16(const void *base, int bf16, size_t at) {
     return f;
 }
 
-static inline float hsum(v16f a) {  /* a fixed pairwise tree: 16 -> 8 -> 4 -> 1 */
+static inline float hsum(vecf a) {  /* a fixed pairwise tree: (16 ->) 8 -> 4 -> 1 */
+#if LANES == 16
     v8f b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8f b = a;
+#endif
     v4f c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* tile [rows * row_elems / 16] <- the first `rows` rows of block `blk` (row_elems values from each row's
+/* tile [rows * row_elems / LANES] <- the first `rows` rows of block `blk` (row_elems values from each row's
    offset `at0`: the heads of a run), read front to back */
 static inline void load_tile(const void *cache, int bf16, int64_t blk, int64_t at0, int64_t row_elems,
-                             int64_t block_stride, int64_t row_stride, int64_t rows, v16f *tile) {
-    const int64_t n = row_elems / 16;
+                             int64_t block_stride, int64_t row_stride, int64_t rows, vecf *tile) {
+    const int64_t n = row_elems / LANES;
     for (int64_t t = 0; t < rows; t++) {
         const size_t at = (size_t)(blk * block_stride + t * row_stride + at0);
-        for (int64_t i = 0; i < n; i++) tile[t * n + i] = load16(cache, bf16, at + 16 * (size_t)i);
+        for (int64_t i = 0; i < n; i++) tile[t * n + i] = loadv(cache, bf16, at + LANES * (size_t)i);
     }
 }
 
@@ -76,7 +89,7 @@ static inline void prefetch_block(const void *cache, int64_t blk, int64_t at0, i
 /* K/V heads [h0, h1) of one row: out's query heads [h0 * g, h1 * g) */
 static inline __attribute__((always_inline)) void one_row_nc(
         const float *q, const void *ck, const void *cv, int bf16, const int64_t *table, int64_t len,
-        int64_t bs, int64_t sb, int64_t sr, int64_t h0, int64_t h1, int64_t d, int64_t g, float *scores, v16f *tile,
+        int64_t bs, int64_t sb, int64_t sr, int64_t h0, int64_t h1, int64_t d, int64_t g, float *scores, vecf *tile,
         float *out, const int64_t nc) {
     const int64_t hk = h1 - h0, nb = (len + bs - 1) / bs, row_elems = hk * d, esize = bf16 ? 2 : 4;
     const int64_t row_bytes = row_elems * esize, at0 = h0 * d;
@@ -88,11 +101,11 @@ static inline __attribute__((always_inline)) void one_row_nc(
         for (int64_t h = 0; h < hk; h++) {
             for (int64_t gi = 0; gi < g; gi++) {
                 const int64_t j = (h0 + h) * g + gi;
-                v16f qv[MAX_CHUNKS];
-                for (int64_t c = 0; c < nc; c++) memcpy(&qv[c], q + j * d + 16 * c, sizeof(v16f));
+                vecf qv[MAX_CHUNKS];
+                for (int64_t c = 0; c < nc; c++) memcpy(&qv[c], q + j * d + LANES * c, sizeof(vecf));
                 for (int64_t t = 0; t < rows; t++) {
-                    const v16f *k = tile + (t * hk + h) * nc;
-                    v16f acc = qv[0] * k[0];
+                    const vecf *k = tile + (t * hk + h) * nc;
+                    vecf acc = qv[0] * k[0];
                     for (int64_t c = 1; c < nc; c++) acc += qv[c] * k[c];
                     scores[j * len + b * bs + t] = hsum(acc) * scale;
                 }
@@ -116,25 +129,25 @@ static inline __attribute__((always_inline)) void one_row_nc(
             for (int64_t gi = 0; gi < g; gi++) {
                 const int64_t j = (h0 + h) * g + gi;
                 const float *p = scores + j * len + b * bs;
-                v16f acc[MAX_CHUNKS];
-                for (int64_t c = 0; c < nc; c++) memcpy(&acc[c], out + j * d + 16 * c, sizeof(v16f));
+                vecf acc[MAX_CHUNKS];
+                for (int64_t c = 0; c < nc; c++) memcpy(&acc[c], out + j * d + LANES * c, sizeof(vecf));
                 for (int64_t t = 0; t < rows; t++) {
-                    const v16f *v = tile + (t * hk + h) * nc;
+                    const vecf *v = tile + (t * hk + h) * nc;
                     for (int64_t c = 0; c < nc; c++) acc[c] += p[t] * v[c];
                 }
-                for (int64_t c = 0; c < nc; c++) memcpy(out + j * d + 16 * c, &acc[c], sizeof(v16f));
+                for (int64_t c = 0; c < nc; c++) memcpy(out + j * d + LANES * c, &acc[c], sizeof(vecf));
             }
         }
     }
 }
 
-/* D = 64 and 128 get their own copies so a row's D/16 vectors stay in registers. */
+/* D = 64 and 128 get their own copies so a row's D/LANES vectors stay in registers. */
 static void one_row(const float *q, const void *ck, const void *cv, int bf16, const int64_t *table, int64_t len,
                     int64_t bs, int64_t sb, int64_t sr, int64_t h0, int64_t h1, int64_t d, int64_t g, float *scores,
-                    v16f *tile, float *out) {
-    if (d == 64) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, 4);
-    else if (d == 128) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, 8);
-    else one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, d / 16);
+                    vecf *tile, float *out) {
+    if (d == 64) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, 64 / LANES);
+    else if (d == 128) one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, 128 / LANES);
+    else one_row_nc(q, ck, cv, bf16, table, len, bs, sb, sr, h0, h1, d, g, scores, tile, out, d / LANES);
 }
 
 /* fp32 -> bf16 bits, round to nearest even, NaN to 0x7fc0: torch's conversion (integer arithmetic,
@@ -156,13 +169,13 @@ int paged_decode(const void *q, int64_t q_stride, int q_bf16, const void *cache_
                  int64_t start, int64_t stop, int64_t max_len,
                  int64_t block_size, int64_t block_stride, int64_t row_stride,
                  int64_t num_kv_heads, int64_t head_dim, int64_t num_q_heads, int threads) {
-    if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS) return -2;
+    if (head_dim % 16 != 0 || head_dim > 256) return -2;
     const int64_t g = num_q_heads / num_kv_heads, width = num_q_heads * head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
-        v16f *tile = aligned_alloc(64, sizeof(v16f) * (size_t)(block_size * num_kv_heads * head_dim / 16));
+        vecf *tile = aligned_alloc(64, sizeof(vecf) * (size_t)(block_size * num_kv_heads * head_dim / LANES));
         float *qrow = malloc(sizeof(float) * (size_t)width), *orow = malloc(sizeof(float) * (size_t)width);
         failed = scores == NULL || tile == NULL || qrow == NULL || orow == NULL;
         int nt = 1, id = 0;
