@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 from pdserve.latency.base import LatencyModel
 from pdserve.sim.colocated import ColocatedLimits, MixedInstance
-from pdserve.sim.transfer import LinkSpec, transfer_s, visible_at_s
+from pdserve.sim.transfer import IngressLinks, LinkSpec
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,13 @@ class _PrefillPool:
         return start, start + latency_s
 
 
-class _Links:
-    """One ingress link per decode instance; transfers leave in order of prefill completion."""
+class _Links(IngressLinks):
+    """The decode instances' ingress links; a transfer leaves when its prefill is done."""
 
     def __init__(self, link: LinkSpec, kv_bytes_per_token: int, decode: list[MixedInstance]) -> None:
-        self.link, self.bytes_per_token, self.decode = link, kv_bytes_per_token, decode
-        self.free = [0.0] * len(decode)
+        super().__init__(link, kv_bytes_per_token, len(decode))
+        self.decode = decode
         self.waiting: list[tuple[float, int, float, int]] = []  # heap of (done, request, start, decode instance)
-        self.payload_s: dict[int, float] = {}
-        self.exposed_s, self.moved = 0.0, 0
 
     def push(self, done_s: float, idx: int, start_s: float, k: int) -> None:
         heapq.heappush(self.waiting, (done_s, idx, start_s, k))
@@ -133,13 +131,7 @@ class _Links:
         """Start every transfer whose prefill is done by `now_s` (no later arrival can precede it)."""
         while self.waiting and self.waiting[0][0] <= now_s:
             done, idx, start, k = heapq.heappop(self.waiting)
-            payload = self.payload_s.get(prompt_tokens[idx])
-            if payload is None:
-                payload = self.payload_s[prompt_tokens[idx]] = transfer_s(prompt_tokens[idx] * self.bytes_per_token, self.link)
-            visible = visible_at_s(start, done, self.free[k], payload, self.link) if payload else done
-            self.free[k] = visible if payload else self.free[k]
-            self.exposed_s, self.moved = self.exposed_s + visible - done, self.moved + 1
-            self.decode[k].add_join(visible, idx)
+            self.decode[k].add_join(self.send(start, done, prompt_tokens[idx], k), idx)
 
 
 def run_margin_routed(arrivals_s: Sequence[float], order: Sequence[int], prompt_tokens: Sequence[int],
@@ -181,5 +173,5 @@ def run_margin_routed(arrivals_s: Sequence[float], order: Sequence[int], prompt_
             first[i] = t
         for i, t in run.finish_s.items():
             finish[i] = t
-    exposed = links.exposed_s / links.moved if links.moved else 0.0
-    return RoutedRun(first, finish, remote, tuple(views), sum(d.result.num_preempted for d in decode), exposed)
+    return RoutedRun(first, finish, remote, tuple(views), sum(d.result.num_preempted for d in decode),
+                     links.mean_exposed_s)

@@ -30,7 +30,7 @@ from pdserve.latency.base import LatencyModel
 from pdserve.sim.margin_routed import ArrivalView, Decide, RoutedShape, run_margin_routed
 from pdserve.sim.prefill_pool import PrefillPolicy, run_prefill_pool
 from pdserve.sim.requests import SimRequests, records
-from pdserve.sim.transfer import LinkSpec, transfer_s, visible_at_s
+from pdserve.sim.transfer import IngressLinks, LinkSpec
 
 MODES = ("colocated", "disaggregated")
 
@@ -169,22 +169,13 @@ def _margin_routed(requests, arrivals, config: SimConfig, prefill_model: Latency
 
 def _handoff(requests: SimRequests, order: list[int], pre, config: SimConfig, kv_bytes_per_token: int):
     """Per decode instance: (sorted ready times, request ids); plus mean exposed transfer."""
-    link, done = config.link, pre.done_s
+    done = pre.done_s
     moving = sorted((i for i in order if requests.output_tokens[i] > 1), key=done.__getitem__)
     ready_by = [[] for _ in range(config.decode_replicas)]
     idxs_by = [[] for _ in range(config.decode_replicas)]
-    free = [0.0] * config.decode_replicas
-    exposed = 0.0
-    payload_by_len: dict[int, float] = {}
-    prompts, starts, replicas = requests.prompt_tokens, pre.start_s, config.decode_replicas
+    links = IngressLinks(config.link, kv_bytes_per_token, config.decode_replicas)
     for k, i in enumerate(moving):
-        r = k % replicas
-        payload_s = payload_by_len.get(prompts[i])
-        if payload_s is None:
-            payload_s = payload_by_len[prompts[i]] = transfer_s(prompts[i] * kv_bytes_per_token, link)
-        visible = visible_at_s(starts[i], done[i], free[r], payload_s, link) if payload_s else done[i]
-        free[r] = visible if payload_s else free[r]
-        exposed += visible - done[i]
-        ready_by[r].append(visible)
+        r = k % config.decode_replicas
+        ready_by[r].append(links.send(pre.start_s[i], done[i], requests.prompt_tokens[i], r))
         idxs_by[r].append(i)
-    return ready_by, idxs_by, exposed / len(moving) if moving else 0.0
+    return ready_by, idxs_by, links.mean_exposed_s

@@ -48,3 +48,29 @@ def visible_at_s(start_s: float, done_s: float, link_free_s: float, payload_s: f
     per_layer_compute = (done_s - start_s) / link.layers
     return max(link_free_s + payload_s, start_s + per_layer_compute + payload_s, done_s + payload_s / link.layers)
 
+
+class IngressLinks:
+    """One ingress link per decode instance, each serving its transfers in the order they are
+    sent (prefill completion order); remembers the exposed transfer over all of them."""
+
+    def __init__(self, link: LinkSpec, kv_bytes_per_token: int, instances: int) -> None:
+        self.link, self.bytes_per_token = link, kv_bytes_per_token
+        self.free = [0.0] * instances
+        self.payload_s: dict[int, float] = {}  # by prompt length
+        self.exposed_s, self.moved = 0.0, 0
+
+    def send(self, start_s: float, done_s: float, prompt_tokens: int, instance: int) -> float:
+        """When decode instance `instance` sees the K/V of a prefill that ran [start_s, done_s]."""
+        payload = self.payload_s.get(prompt_tokens)
+        if payload is None:
+            payload = self.payload_s[prompt_tokens] = transfer_s(prompt_tokens * self.bytes_per_token, self.link)
+        visible = visible_at_s(start_s, done_s, self.free[instance], payload, self.link) if payload else done_s
+        if payload:
+            self.free[instance] = visible
+        self.exposed_s, self.moved = self.exposed_s + visible - done_s, self.moved + 1
+        return visible
+
+    @property
+    def mean_exposed_s(self) -> float:
+        return self.exposed_s / self.moved if self.moved else 0.0
+
