@@ -19,12 +19,13 @@ K and V slabs of one layer for a list of blocks, serialized as [2, len(blocks), 
 from __future__ import annotations
 
 import mmap
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
 from pdserve.engine.kv_abi import KvAbi
+from pdserve.shm import AttachedSegment, attach
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # numpy has no bfloat16: raw byte views use an integer type of the same width.
@@ -43,7 +44,8 @@ class KvPool:
         self.tp = 1  # tensor-parallel ranks sharing this pool, each over its K/V heads (engine/tp_group.py)
         self.shape = (abi.num_layers, 2, num_blocks, abi.block_size, abi.num_kv_heads, abi.head_dim)
         self.nbytes = int(np.prod(self.shape)) * abi.dtype_bytes
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: shared_memory.SharedMemory | AttachedSegment | None = None
+        self._owned = create
         view_dtype = NUMPY_VIEW_DTYPES[abi.dtype]
         self._mapping: mmap.mmap | None = None
         if shm_name is None and prefault and hasattr(mmap, "MAP_POPULATE"):
@@ -54,12 +56,9 @@ class KvPool:
         elif shm_name is None:
             raw = np.zeros(self.shape, dtype=view_dtype)
         else:
-            self._shm = shared_memory.SharedMemory(name=shm_name, create=create, size=self.nbytes if create else 0)
-            if not create:  # attached, not owned: the creator unlinks it
-                try:
-                    resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
-                except Exception:  # noqa: BLE001 - only affects warnings at exit
-                    pass
+            # attached, not owned: the creator unlinks it (pdserve/shm.py keeps the tracker out of it)
+            self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=self.nbytes) if create \
+                else attach(shm_name)
             raw = np.ndarray(self.shape, dtype=view_dtype, buffer=self._shm.buf)
             if create:
                 raw.fill(0)
@@ -100,6 +99,6 @@ class KvPool:
         self.tensor = None  # type: ignore[assignment]
         self._raw = None  # type: ignore[assignment]
         self._shm.close()
-        if unlink:
+        if unlink and self._owned:
             self._shm.unlink()
         self._shm = None

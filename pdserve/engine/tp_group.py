@@ -18,7 +18,6 @@ joins them.
 from __future__ import annotations
 
 import ctypes
-from multiprocessing import resource_tracker
 import os
 import secrets
 import signal
@@ -100,9 +99,6 @@ def follower_main(spec: RankSpec, rank: int) -> None:
     pin_rank(spec.cores, rank)
     model = build_shard(spec, rank)
     pool = KvPool(spec.abi, spec.num_blocks, shm_name=spec.pool_shm, create=False)
-    # a spawned child shares its parent's resource tracker: attaching unregistered the parent's
-    # segment there, so register it back (the parent unlinks it)
-    resource_tracker.register(f"/{spec.pool_shm}", "shared_memory")
     init_group(spec.port, rank, spec.tp)
     try:
         while True:

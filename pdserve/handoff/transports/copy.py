@@ -30,7 +30,8 @@ from pdserve.handoff.kvbytes import (checksum_and_gather, chunk_nbytes, copy_chu
                                      scatter_and_checksum)
 from pdserve.handoff.transports.base import ChunkPayload, Landing, LinkClosed, ReceiverLink, SenderLink
 from pdserve.handoff.transports.channels import QueueChannel, SocketChannel
-from pdserve.handoff.transports.segment import SegmentReceiverLink, forget_attached
+from pdserve.handoff.transports.segment import SegmentReceiverLink
+from pdserve.shm import AttachedSegment, attach
 
 MAX_STAGING_BYTES = 1 << 30
 
@@ -87,7 +88,7 @@ class ShmSenderLink(SenderLink):
     def __init__(self, channel: SocketChannel, window_bytes: int, offer_timeout_s: float = 10.0):
         super().__init__()
         self.channel, self.window_bytes, self.offer_timeout_s = channel, window_bytes, offer_timeout_s
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: AttachedSegment | shared_memory.SharedMemory | None = None  # the receiver's, attached
         self.staging: np.ndarray | None = None  # uint8 [window_bytes], the receiver's segment
         self._staged: tuple[int, int, ChunkPayload] | None = None  # the `stage` call send_chunk may reuse
         self.send(StagingHello(window_bytes))
@@ -95,8 +96,7 @@ class ShmSenderLink(SenderLink):
     def _take_offer(self, offer: StagingOffer) -> None:
         if offer.nbytes < self.window_bytes:
             raise LinkClosed(f"staging of {offer.nbytes} B for a window of {self.window_bytes} B")
-        self._shm = shared_memory.SharedMemory(name=offer.shm_name, create=False)
-        forget_attached(self._shm)
+        self._shm = attach(offer.shm_name)
         self.staging = np.ndarray((offer.nbytes,), dtype=np.uint8, buffer=self._shm.buf)
 
     def _wait_for_offer(self) -> None:

@@ -34,7 +34,8 @@ from pdserve.handoff.kvbytes import copy_and_checksum
 from pdserve.handoff.segments import SourceSegments
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, SenderLink
 from pdserve.handoff.transports.channels import SocketChannel
-from pdserve.handoff.transports.segment import SegmentReceiverLink, forget_attached
+from pdserve.handoff.transports.segment import SegmentReceiverLink
+from pdserve.shm import AttachedSegment, attach
 
 
 class ShmPullSenderLink(SenderLink):
@@ -85,7 +86,7 @@ class ShmPullReceiverLink(SegmentReceiverLink):
         self.granted: frozenset[int] = frozenset()
         self.bound: Claims | None = None  # a capability that names the source blocks (None: grants only)
         self.allowed: frozenset[int] | None = None  # the bound blocks' addresses, once mapped
-        self._extra: list[shared_memory.SharedMemory] = []
+        self._extra: list[AttachedSegment | shared_memory.SharedMemory] = []
 
     def bind(self, claims: Claims) -> None:
         """The admitted capability: when it names source blocks, only those may be read."""
@@ -121,10 +122,9 @@ class ShmPullReceiverLink(SegmentReceiverLink):
         shape = (self.dst_raw.shape[0], 2, num_blocks) + self.dst_raw.shape[3:]
         nbytes = int(np.prod(shape))
         try:
-            shm = shared_memory.SharedMemory(name=name, create=False)
+            shm = attach(name)
         except (FileNotFoundError, ValueError) as exc:
             raise LinkClosed(f"source pool {name!r}: {exc}") from exc
-        forget_attached(shm)
         if first:
             self._shm = shm
         else:

@@ -11,22 +11,14 @@ and the segment, and unlinks it only when this side created it.
 
 from __future__ import annotations
 
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from pdserve.handoff.frames import ChunkFrame, Frame
 from pdserve.handoff.transports.base import Landing, ReceiverLink
 from pdserve.handoff.transports.channels import SocketChannel
-
-
-def forget_attached(shm: shared_memory.SharedMemory) -> None:
-    """An attaching process does not own the segment: keep Python's resource tracker from
-    unlinking it (or warning about it) when this process exits; the creator unlinks it."""
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - CPython < 3.13 has no track=False
-    except Exception:  # noqa: BLE001 - best effort: only affects warnings at exit
-        pass
+from pdserve.shm import AttachedSegment
 
 
 class SegmentReceiverLink(ReceiverLink):
@@ -36,7 +28,7 @@ class SegmentReceiverLink(ReceiverLink):
     def __init__(self, channel: SocketChannel, dst_raw: np.ndarray):
         super().__init__()
         self.channel, self.dst_raw = channel, dst_raw
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: shared_memory.SharedMemory | AttachedSegment | None = None  # created (staging) or attached
         self._landed: tuple[ChunkFrame, int] | None = None  # the last chunk this link wrote, hashed
         self.handshakes_closed = False  # after a refusal: handshake frames are read and ignored (nothing mapped)
 
@@ -77,7 +69,7 @@ class SegmentReceiverLink(ReceiverLink):
             if self.owns_segment:
                 try:
                     self._shm.unlink()
-                except FileNotFoundError:  # an attached peer's resource tracker (Python < 3.13) got there first
+                except FileNotFoundError:  # already gone (a peer's cleanup after a crash)
                     pass
             self._shm = None
         self.channel.close()
