@@ -37,7 +37,7 @@ from pdserve.router.pd_decision import PdPolicy
 from pdserve.router.pd_served import served_pd
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
-from pdserve.router.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
+from pdserve.router.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
 from pdserve.router.router import Router
 from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
@@ -127,18 +127,20 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     if source == AUTO and (config.mode == "colocated" or config.pd_decision != "margin"):
         source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    tp = config.tp  # each role's steps at its TP size (router/tp_pricing.py)
+    tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)
-    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0])
+    served = tuple(tp.for_role(role.value) for role in config.shape().roles())  # "auto" times their collectives
+    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0], served)
     cost, pd = served_pd(abi, profile, config.engine.max_num_batched_tokens, config.pd_decision,
                          config.pd_min_prompt_tokens, config.layerwise_threshold_tokens)  # the planner's too
-    cost = tp_cost(cost, scaling_for(mc, profile, config.threads_per_worker), *sizes, measured_tp(profile))
+    pricing = TpPricing(cost, scaling_for(mc, profile, config.threads_per_worker), measured_tp(profile))
+    cost = pricing.pair(*sizes)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
     # unreachable workers, so the timeout is generous (a long prefill step must not retire a worker).
     mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                decode_choice=config.decode_choice,
-                               cost=cost, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
+                               cost=cost, pricing=pricing, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
                                heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd,
                                kv_index_max_entries=config.kv_index_max_entries, kv_sharing=config.kv_sharing))
 

@@ -7,8 +7,11 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
                     workers start, with the workers' thread count and numerics flags, at the
                     prefill role's TP size `tp`) at points sized by the serving chunk, and fit
                     (latency/engine_profile.py) — seconds on the embedded models; what the
-                    per-request P/D margin decides with by default. Other TP sizes are priced
-                    from it by router/tp_pricing.py
+                    per-request P/D margin decides with by default. When the deployment runs
+                    any worker at TP > 1 (`collective_sizes`, and `tp`), gloo's all_reduce and
+                    the step broadcast are timed at each such size too (latency/tp_collectives.py,
+                    as `pdserve profile --tp N` does) and recorded as the profile's
+                    `collectives`; other TP sizes are priced from it by router/tp_pricing.py
     source FILE     a `pdserve profile` JSON measured earlier (the same fit)
     source "none"   the placeholders (only for tests that pin the decision's inputs)
 
@@ -36,18 +39,22 @@ def profile_points(chunk_tokens: int, max_model_len: int) -> dict:
 
 
 def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int,
-                 tp: int = 1) -> dict | None:
+                 tp: int = 1, collective_sizes: tuple[int, ...] = ()) -> dict | None:
     if source is None or source == NONE:
         return None
     if source != AUTO:
         return json.loads(Path(source).read_text())
-    return fit_now(engine, threads, model_dir, max_model_len, tp)
+    return fit_now(engine, threads, model_dir, max_model_len, tp, collective_sizes)
 
 
-def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1) -> dict:
+def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
+            collective_sizes: tuple[int, ...] = ()) -> dict:
+    """The engine's steps timed at TP `tp`, and the collectives at every size > 1 of `tp` and
+    `collective_sizes` (the deployment's workers' sizes)."""
     import torch
 
     from pdserve.latency.engine_profile import ProfilePlan, run_profile
+    from pdserve.latency.tp_collectives import profile_section
 
     before = torch.get_num_threads()
     t0 = time.monotonic()
@@ -59,6 +66,12 @@ def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: 
         fitted = run_profile(plan).to_dict()
     finally:
         torch.set_num_threads(before)
+    sizes = tuple(sorted({n for n in (tp, *collective_sizes) if n > 1}))
+    if sizes:  # spawned ranks: this process's threads and affinity stay as they are
+        fitted["collectives"] = profile_section(str(model_dir), engine.dtype, engine.compute_dtype, sizes)
     print(f"pdserve: fitted the router's cost model on this machine in {time.monotonic() - t0:.1f}s "
-          f"(prefill {fitted['prefill_coef']}, decode {fitted['decode_coef']})", file=sys.stderr, flush=True)
+          f"(prefill {fitted['prefill_coef']}, decode {fitted['decode_coef']}"
+          + "".join(f"; TP {c['tp']} all_reduce {c['allreduce_s'] * 1e3:.2f} ms, step broadcast "
+                    f"{c['step_sync_s'] * 1e3:.2f} ms" for c in fitted.get("collectives", ())) + ")",
+          file=sys.stderr, flush=True)
     return fitted

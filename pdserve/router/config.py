@@ -13,6 +13,7 @@ from pdserve.router.cost import CostModel
 from pdserve.router.kv_index import DEFAULT_MAX_ENTRIES
 from pdserve.router.messages import Role
 from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.tp_pricing import TpPricing
 
 
 class Mode(str, enum.Enum):
@@ -72,6 +73,9 @@ class RouterConfig:
     policy: str = "slo"  # one of policies.POLICIES
     decode_choice: str = "policy"  # "p2c": the decode side by power-of-two choices on heavy/light (decode_choice.py)
     cost: CostModel = field(default_factory=CostModel)
+    # each worker at its registered TP size (tp_pricing.py; `cost` is its pair at the role sizes);
+    # None: every worker priced by `cost`
+    pricing: TpPricing | None = None
     ttft_slo_s: float = 2.0  # default targets for requests that carry none
     tpot_slo_s: float = 0.1
     heartbeat_interval_s: float = 1.0

@@ -79,9 +79,8 @@ class CostModel:
         rates = np.array([[self.same_host_bytes_per_s], [self.cross_host_bytes_per_s]])  # [2, 1]
         rates.flags.writeable = False
         object.__setattr__(self, "_path_rates", rates)  # derived, not a field: eq, hash and repr ignore it
-        coefficients = np.array(  # the layout kernels.fastest_pair reads
-            [self.prefill_overhead_s, self.prefill_s_per_token, self.transfer_overhead_s]
-            + [self.same_host_bytes_per_s, self.cross_host_bytes_per_s]
+        coefficients = np.array(  # the layout kernels.fastest_pair reads (its prefill terms come per slot)
+            [self.transfer_overhead_s, self.same_host_bytes_per_s, self.cross_host_bytes_per_s]
         )
         coefficients.flags.writeable = False
         object.__setattr__(self, "kernel_coefficients", coefficients)

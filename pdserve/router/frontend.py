@@ -312,7 +312,7 @@ class ClusterBackend:
     def _on_register(self, reg: m.Register) -> None:
         old = self.registered.get(reg.worker_id)
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
-                                                     reg.model_hash, reg.abi_hash))
+                                                     reg.model_hash, reg.abi_hash, reg.tp))
         self.registered[reg.worker_id] = reg
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         self.origin_roles.setdefault(reg.worker_id, reg.role)

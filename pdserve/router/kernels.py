@@ -11,9 +11,11 @@ fastmath, so results agree bit for bit with `plan.predicted_clocks`):
     leading_counts(rows, held)   per slot, how many of `rows` (matrix rows of a request's leading
                                  block hashes, in order) the slot holds before its first miss
     fastest_pair(...)            the admitted (P, D) with the smallest
-                                     per_p[P] = queue_p[P] + (overhead + (prompt - p_hit[P] * B) * rate)
+                                     per_p[P] = queue_p[P] + (overhead[P] + (prompt - p_hit[P] * B) * rate[P])
                                      x[P, D]  = transfer(bytes[D], path(P, D)) + admission[D]
                                      ttft     = per_p[P] + x[P, D]
+                                 (overhead, rate: p_coef's rows, each prefill slot's worker's
+                                 own prefill terms, router/snapshot.Derived.prefill_coef),
                                  scanning P then D in slot order with a strict `<`, so ties go to
                                  the lower prefill slot, then the lower decode slot; colocated
                                  pools pair (w, w) with ttft = per_p[w] + admission[w]. Returns
@@ -42,8 +44,9 @@ except ImportError:  # the policies fall back to their numpy path
 
 AVAILABLE = numba is not None
 enabled = AVAILABLE  # read on every call: tests turn it off to check the numpy path
-# coefficient vector layout for fastest_pair (CostModel.kernel_coefficients builds it)
-PREFILL_OVERHEAD, PREFILL_RATE, TRANSFER_OVERHEAD, SAME_HOST_BW, CROSS_HOST_BW = range(5)
+# coefficient vector layout for fastest_pair (CostModel.kernel_coefficients builds it); the prefill
+# terms come per slot ([2, P] p_coef: overhead, rate)
+TRANSFER_OVERHEAD, SAME_HOST_BW, CROSS_HOST_BW = range(3)
 
 
 def _leading_counts(rows, held):  # rows: [R] int64, held: [rows, slots] bool -> [slots] int64
@@ -73,14 +76,15 @@ def _transfer_plus_admission(nbytes, bandwidth, transfer_overhead, admission):
     return 0.0 + admission  # the reference multiplies the transfer by (bytes > 0): 0.0
 
 
-def _fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt, block, bpt, coeff):
-    overhead, rate = coeff[PREFILL_OVERHEAD], coeff[PREFILL_RATE]
+def _fastest_pair(queue_p, p_coef, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt, block, bpt,
+                  coeff):
+    overhead, rate = p_coef[0], p_coef[1]  # [P] each
     t_over, same_bw, cross_bw = coeff[TRANSFER_OVERHEAD], coeff[SAME_HOST_BW], coeff[CROSS_HOST_BW]
     best_p, best_d, best = -1, -1, math.inf
     if colocated:
         for w in range(len(queue_p)):
             if p_ok[w] and d_ok[w]:
-                ttft = (queue_p[w] + (overhead + (prompt - p_hit[w] * block) * rate)) + admission_d[w]
+                ttft = (queue_p[w] + (overhead[w] + (prompt - p_hit[w] * block) * rate[w])) + admission_d[w]
                 if ttft < best:
                     best_p, best_d, best = w, w, ttft
         return best_p, best_d, best
@@ -94,7 +98,7 @@ def _fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, col
     for p in range(len(queue_p)):
         if not p_ok[p]:
             continue
-        per_p = queue_p[p] + (overhead + (prompt - p_hit[p] * block) * rate)
+        per_p = queue_p[p] + (overhead[p] + (prompt - p_hit[p] * block) * rate[p])
         for d in range(num_decode):
             if d_ok[d]:
                 ttft = per_p + (same_x[d] if same_host[p, d] else cross_x[d])
@@ -103,13 +107,13 @@ def _fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, col
     return best_p, best_d, best
 
 
-def _prefix_pair(rows, held, split, p_cap, d_cap, queue_p, p_ok, admission_d, d_ok, same_host, colocated, prompt,
-                 block, bpt, coeff):
+def _prefix_pair(rows, held, split, p_cap, d_cap, queue_p, p_coef, p_ok, admission_d, d_ok, same_host, colocated,
+                 prompt, block, bpt, coeff):
     counts = leading_counts(rows, held)  # [P + D], or [W] for a colocated pool (split = W)
     p_hit = np.minimum(counts[:split], p_cap)  # [P]
     d_hit = p_hit if colocated else np.minimum(counts[split:], d_cap)  # [D]
-    p, d, ttft = fastest_pair(queue_p, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt, block,
-                              bpt, coeff)
+    p, d, ttft = fastest_pair(queue_p, p_coef, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt,
+                              block, bpt, coeff)
     if p < 0:
         return p, d, ttft, 0, 0
     return p, d, ttft, p_hit[p], d_hit[d]
@@ -138,16 +142,17 @@ def warm_up() -> None:
     _warm = True
     held = np.zeros((3, 2), dtype=bool)
     leading_counts(np.array([1, 2], dtype=np.int64), held)
-    coeff = np.ones(5)
+    coeff = np.ones(3)
+    p_coef = _readonly(np.ones((2, 2)))
     floats, ints, mask = _readonly(np.zeros(2)), np.zeros(2, dtype=np.int64), np.ones(2, dtype=bool)
     same_host = _readonly(np.eye(2, dtype=bool))
     for hit in (ints, _readonly(ints.copy())):
         for ok in (mask, _readonly(mask.copy())):
-            fastest_pair(floats, hit, ok, floats, hit, ok, same_host, False, 17, 16, 8, coeff)
+            fastest_pair(floats, p_coef, hit, ok, floats, hit, ok, same_host, False, 17, 16, 8, coeff)
     rows, everyone = np.array([1], dtype=np.int64), _readonly(mask.copy())
     for colocated in (False, True):
         for d_ok in (everyone, mask):  # the shared all-admitted mask, or one the TPOT gate narrowed
-            prefix_pair(rows, np.zeros((3, 4), dtype=bool), 2, 1, 1, floats, everyone, floats, d_ok, same_host,
+            prefix_pair(rows, np.zeros((3, 4), dtype=bool), 2, 1, 1, floats, p_coef, everyone, floats, d_ok, same_host,
                         colocated, 17, 16, 8, coeff)
 
 

@@ -40,10 +40,11 @@ class WorkerInfo:
     kv_capacity_blocks: int
     model_identity: str
     kv_abi_hash: str
+    tp: int = 1  # tensor-parallel ranks: the router prices the worker's steps at this size (tp_pricing.py)
 
     def __post_init__(self) -> None:
-        if self.role_epoch < 0 or self.kv_capacity_blocks <= 0:
-            raise ValueError(f"bad registration for {self.worker_id}: epoch and capacity must be positive")
+        if self.role_epoch < 0 or self.kv_capacity_blocks <= 0 or self.tp < 1:
+            raise ValueError(f"bad registration for {self.worker_id}: epoch, capacity and TP size must be positive")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from pdserve.router.pd_decision import PdDecision
 from pdserve.router.registry import Registry
 from pdserve.router.reservations import InFlight
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
+from pdserve.router.tp_pricing import TpPricing
 
 WHOLE_ON_MIXED = PdDecision(False, "mixed_whole")  # both phases on one mixed worker: it runs the request whole
 
@@ -94,6 +95,7 @@ class MixedPools:
     """Snapshot builders that put LIVE mixed workers into the pools `membership` names."""
 
     cost: CostModel | None = None
+    pricing: TpPricing | None = None  # each slot at its worker's TP size (snapshot.py)
     builders: dict[tuple[bool, bool], SnapshotBuilder] = field(default_factory=dict)
     _known: tuple[int, bool] = (-1, False)  # (membership generation, any LIVE mixed worker)
 
@@ -115,7 +117,8 @@ class MixedPools:
 
     def builder(self, key: tuple[bool, bool]) -> SnapshotBuilder:
         if key not in self.builders:
-            self.builders[key] = SnapshotBuilder(colocated=False, cost=self.cost, mixed_in=key)
+            self.builders[key] = SnapshotBuilder(colocated=False, cost=self.cost, mixed_in=key,
+                                                 pricing=self.pricing)
         return self.builders[key]
 
     def note_load(self, worker_id: str, load: WorkerLoad) -> None:

@@ -114,6 +114,7 @@ def fastest_pair(
     rounding, so this is the exact minimum the pairwise loop would find; the decode slot is then
     read off the chosen P's row so ties break exactly as in the loop.
 
+    The prefill time at P is each slot's own (`terms.prefill_coef`: its worker's TP size).
     The load-only terms (queue, admission) come precomputed with the snapshot; masks are applied
     only when some slot is actually excluded (the common case admits every slot).
     """
@@ -122,10 +123,11 @@ def fastest_pair(
         p_hits = p_hit if isinstance(p_hit, np.ndarray) else zero_hits(len(terms.queue_p))
         d_hits = d_hit if isinstance(d_hit, np.ndarray) else zero_hits(len(terms.admission_d))
         return kernels.fastest_pair(
-            terms.queue_p, p_hits, p_ok, terms.admission_d, d_hits, d_ok, snapshot.same_host, snapshot.colocated,
+            terms.queue_p, terms.prefill_coef, p_hits, p_ok, terms.admission_d, d_hits, d_ok, snapshot.same_host, snapshot.colocated,
             request.prompt_tokens, bs, cost.kv_bytes_per_token, cost.kernel_coefficients,
         )  # fmt: skip
-    per_p = terms.queue_p + cost.prefill_s(demand.compute_tokens(request, p_hit, bs))  # [P]
+    overhead, rate = terms.prefill_coef  # [P] each: each slot's worker's own prefill terms (cost.prefill_s's form)
+    per_p = terms.queue_p + (overhead + demand.compute_tokens(request, p_hit, bs) * rate)  # [P]
     if not admits_all(p_ok):
         per_p = np.where(p_ok, per_p, np.inf)
     admission_s = terms.admission_d  # [D]

@@ -124,7 +124,8 @@ def _prefix_fused(
         return d_ok
     cost, bs, prompt = ctx.cost, ctx.cost.block_size_tokens, request.prompt_tokens
     p, d, ttft_s, p_hit, d_hit = kernels.prefix_pair(
-        rows, snapshot.prefix.held, len(snapshot.prefill), (prompt - 1) // bs, prompt // bs, terms.queue_p, gates[0],
+        rows, snapshot.prefix.held, len(snapshot.prefill), (prompt - 1) // bs, prompt // bs, terms.queue_p,
+        terms.prefill_coef, gates[0],
         terms.admission_d, d_ok, snapshot.same_host, snapshot.colocated, prompt, bs, cost.kv_bytes_per_token,
         cost.kernel_coefficients,
     )  # fmt: skip
@@ -155,7 +156,7 @@ def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext
     if ctx.host_held is not None:
         host_n = host_blocks(request.block_hashes, own, snapshot.prefill.worker_ids, ctx.host_held)
     host_s = kv.promote_s(host_n)  # [P]
-    queue_p = terms.queue_p
+    queue_p, (overhead, rate) = terms.queue_p, terms.prefill_coef
     terms = terms._replace(queue_p=queue_p + host_s + fetch_s)  # [P]: promotion and fetch precede the prefill
     d_eff = eff if snapshot.colocated else d_hit
     p, d, ttft_s = fastest_pair(snapshot, request, ctx.cost, terms, eff, d_eff, gates[0], d_ok)
@@ -164,7 +165,7 @@ def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext
         return refusal
     fetched = int(eff[p] - own[p])
     why = PrefixTerms(float(queue_p[p]), int(eff[p]), int(host_n[p]), float(host_s[p]), kv.host_copy_bytes_per_s,
-                      fetched, float(fetch_s[p]), float(ctx.cost.prefill_s(demand.compute_tokens(request, int(eff[p]), bs))),
+                      fetched, float(fetch_s[p]), float(overhead[p] + demand.compute_tokens(request, int(eff[p]), bs) * rate[p]),
                       float(ttft_s))
     return new_choice(p, p if snapshot.colocated else d, hit_at(p_hit, p), hit_at(d_hit, d), ttft_s, why)
 

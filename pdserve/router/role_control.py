@@ -124,18 +124,18 @@ def pool_signals(backend) -> PoolSignals | None:
     LIVE (a role change or a restart is under way: its pool is in flux). A decode worker's
     queued local prefills are prompt work (`local_prompt_s`); its TPOT share is measured, the
     mean TPOT its live requests see so far over the TPOT objective."""
-    cost, prompt, local, kv = backend.router.config.cost, {}, {}, {}
+    prompt, local, kv = {}, {}, {}
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
             return None
         if reg.role == "prefill":
-            prompt[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+            prompt[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
-            local[wid] = float(cost.at_decode_worker().queue_s(load.pending_prompt_tokens))  # at D's TP size
+            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at D's TP size
         elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
-            local[wid] = float(cost.queue_s(load.pending_prompt_tokens))
+            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))
     return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
 
 

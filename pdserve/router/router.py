@@ -102,13 +102,14 @@ class Router:
         identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()
-        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost)
+        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost, pricing=config.pricing)
         self._kv = KvIndex(config.kv_index_max_entries)  # who holds which prefix block (kv_index.py)
         self.kv_cost = config.cost  # the prefix policy's fetch and host-copy terms, measured (kv_rates.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
-        self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE, Role.MIXED))
-        self._mixed = MixedPools(config.cost)  # Splitwise's mixed workers, offered as the pools' pressure says
+        self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE, Role.MIXED),
+                                      pricing=config.pricing)
+        self._mixed = MixedPools(config.cost, config.pricing)  # Splitwise's mixed workers, offered as the pools' pressure says
         self.mixed_offer = MixedOffer()  # set by the pool controller (role_control.py; mixed_pool.py's rule)
         self.disaggregation = config.mode is Mode.DISAGGREGATED
         self.handoff_enabled = self.disaggregation  # off after a rollback: no transfer plan is issued
@@ -324,10 +325,30 @@ class Router:
             kv_cost=self.kv_cost, host_held=self._kv.host_held if self._kv.host_workers else None,
         )
 
+    def worker_cost(self, worker_id: str) -> CostModel:
+        """The cost model of one worker's own steps: both phases at its registered TP size
+        (`config.pricing`); without pricing `config.cost`, a decode worker's prefill at the decode
+        role's size (`at_decode_worker`)."""
+        info = self._registry.entry(worker_id).info
+        if self.config.pricing is not None:
+            return self.config.pricing.worker(info.tp)
+        return self.config.cost.at_decode_worker() if info.role is Role.DECODE else self.config.cost
+
+    def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
+        """The cost model of a chosen pair: prefill terms at its prefill worker's TP size, decode
+        terms and a local prefill (`at_decode_worker`) at its decode worker's (`config.cost`
+        without pricing)."""
+        pricing = self.config.pricing
+        if pricing is None:
+            return self.config.cost
+        p_tp = snapshot.prefill.members.tp_sizes[prefill_slot]
+        return pricing.pair(p_tp, snapshot.decode.members.tp_sizes[decode_slot])
+
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
-        """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes."""
-        cost = self.config.cost
-        pd = None if snapshot.colocated else self._decide_pd(snapshot, request, choice)
+        """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes.
+        The P/D decision and the plan's clocks price the chosen pair at its workers' TP sizes."""
+        cost = self.pair_cost(snapshot, choice.prefill_slot, choice.decode_slot)
+        pd = None if snapshot.colocated else self._decide_pd(snapshot, request, choice, cost)
         if pd is None or pd.disaggregate:
             prefill, decode = hold_requests(snapshot, request, choice, cost.block_size_tokens)
         else:
@@ -354,23 +375,23 @@ class Router:
         """(heavy, light) live routes on a decode worker (--decode-choice p2c's load)."""
         return self._heavy_light.counts(worker_id)
 
-    def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice) -> PdDecision:
-        """The P/D decision for the policy's chosen pair, over the same snapshot."""
+    def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel) -> PdDecision:
+        """The P/D decision for the policy's chosen pair, over the same snapshot, priced by `cost` (the pair's)."""
         cfg = self.config
         if snapshot.prefill.worker_ids[choice.prefill_slot] == snapshot.decode.worker_ids[choice.decode_slot]:
             return WHOLE_ON_MIXED  # both phases chose one mixed worker: it runs the request whole
         if cfg.pd.mode == "never" or (cfg.pd.mode == "always" and not cfg.pd.min_prompt_tokens):
-            return decide_pd(None, cfg.pd, cfg.cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
+            return decide_pd(None, cfg.pd, cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
         ps, ds = choice.prefill_slot, choice.decode_slot
         facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
-                          self.transfer_failure_rate(), cfg.cost, int(snapshot.decode.pending_tokens[ds]),
+                          self.transfer_failure_rate(), cost, int(snapshot.decode.pending_tokens[ds]),
                           self.arrivals.rate(self._clock()),
                           sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])),  # live routes to D
                           self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0))
         ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
         tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
-        return decide_pd(facts, cfg.pd, cfg.cost, ttft_slo, tpot_slo)
+        return decide_pd(facts, cfg.pd, cost, ttft_slo, tpot_slo)
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch

@@ -15,6 +15,9 @@ A slot's prefix set is the cluster K/V index's live set for that worker (router/
 A builder made with `mixed_in` also puts LIVE `mixed` workers into the prefill and/or the decode
 pool (router/mixed_pool.py); a worker in both has two slots, its twin in the decode pool, which
 every load report, in-flight charge and prefix change patches alike.
+A builder given the router's `TpPricing` prices each slot's load-only terms (`Derived`) at its
+worker's own TP size (`WorkerInfo.tp`; router/tp_pricing.py), the prefill terms a cost-aware
+policy adds per request included (`Derived.prefill_coef`); without one, every slot at `cost`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.reservations import InFlight
+from pdserve.router.tp_pricing import TpPricing
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Members:
     role_epochs: tuple[int, ...]
     host_ids: tuple[str, ...]
     held_prefixes: tuple[Set[int], ...]  # live views of the K/V index's per-worker sets
+    tp_sizes: tuple[int, ...] = ()  # each worker's tensor-parallel size (what its terms are priced at)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Derived(NamedTuple):
     admission_d: np.ndarray  # [D] cost.admission_delay_s(decode active batch)
     tpot_d: np.ndarray  # [D] cost.decode_step_s(decode active batch + 1)
     worst_tpot_s: float  # at least max(tpot_d): when it meets a target, every slot does
+    prefill_coef: np.ndarray  # [2, P] (prefill_overhead_s, prefill_s_per_token) of each prefill slot's worker
 
     @classmethod
     def compute(cls, prefill: Pool, decode: Pool, cost: CostModel) -> Derived:
@@ -99,7 +105,13 @@ class Derived(NamedTuple):
             cost.decode_step_s(decode.active_batch + 1),
         )
         queue_p, admission_d, tpot_d = (_readonly(np.asarray(a, dtype=np.float64)) for a in arrays)
-        return cls(queue_p, admission_d, tpot_d, _worst(tpot_d))
+        return cls(queue_p, admission_d, tpot_d, _worst(tpot_d), prefill_coefficients([cost] * len(prefill)))
+
+
+def prefill_coefficients(costs: Sequence[CostModel]) -> np.ndarray:
+    """[2, P] read-only: each prefill slot's (prefill_overhead_s, prefill_s_per_token)."""
+    coef = np.array([[c.prefill_overhead_s for c in costs], [c.prefill_s_per_token for c in costs]], dtype=np.float64)
+    return _readonly(coef.reshape(2, len(costs)))
 
 
 @dataclass(frozen=True)
@@ -166,13 +178,15 @@ class SnapshotBuilder:
     read-only copies and reused as is while nothing changed."""
 
     def __init__(self, colocated: bool, cost: CostModel | None = None, roles: tuple[Role, ...] | None = None,
-                 mixed_in: tuple[bool, bool] = (False, False)):
+                 mixed_in: tuple[bool, bool] = (False, False), pricing: TpPricing | None = None):
         """`roles`: the worker roles this builder routes over (default: the mode's own). A
         colocated builder puts every such worker in its one pool: a disaggregated cluster whose
         disaggregation is switched off routes whole requests over its decode and colocated workers.
-        `mixed_in`: (prefill pool, decode pool) that also take the LIVE mixed workers."""
+        `mixed_in`: (prefill pool, decode pool) that also take the LIVE mixed workers.
+        `pricing`: each slot's terms at its worker's TP size (needs `cost`: the model policies ask for)."""
         self._colocated = colocated
         self._cost = cost
+        self._pricing = pricing if cost is not None else None
         self._roles = roles or ((Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE))
         self._mixed_in = mixed_in
         if any(mixed_in):
@@ -237,6 +251,9 @@ class SnapshotBuilder:
         for i, e in enumerate(entries):
             (self._twin_of if e.info.worker_id in self._slot_of else self._slot_of)[e.info.worker_id] = i
         self._worker_of = [e.info.worker_id for e in entries]
+        pricing = self._pricing  # each slot's cost model: its worker's TP size's, or the one `cost`
+        self._slot_costs = [self._cost if pricing is None else pricing.worker(e.info.tp) for e in entries]
+        self._prefill_coef = None if self._cost is None else prefill_coefficients(self._slot_costs[:num_prefill])
         self._reported = [(e.load.pending_prompt_tokens, e.load.active_batch, e.load.free_blocks) for e in entries]
         # effective [pending, batch, headroom] x slot and [queue_s, admission_s, tpot_s] x slot, one
         # array per pool so a publish copies whole arrays and unpacks rows (no per-field slicing)
@@ -282,7 +299,7 @@ class SnapshotBuilder:
             self._charged = charged = dict(in_flight)
         if not dirty and self._snapshot is not None:
             return self._snapshot
-        cost, reported, worker_of, n = self._cost, self._reported, self._worker_of, self._num_prefill
+        costs, reported, worker_of, n = self._slot_costs, self._reported, self._worker_of, self._num_prefill
         stale, least, worst, patches = self._stale_pools, self._least, self._worst, self._patches
         for slot in dirty:
             pending, batch, free = reported[slot]
@@ -296,7 +313,8 @@ class SnapshotBuilder:
             patches[pool] += 1
             if free < least[pool]:
                 least[pool] = free
-            if cost is not None:  # the same formulas as Derived.compute, on one slot's ints
+            cost = costs[slot]
+            if cost is not None:  # the same formulas as Derived.compute, on one slot's ints (at its TP size)
                 queue_row, admission_row, tpot_row = self._term_rows[pool]
                 queue_row[i] = cost.queue_s(pending)
                 admission_row[i] = cost.admission_delay_s(batch)
@@ -332,7 +350,7 @@ class SnapshotBuilder:
             cache = []
         else:  # Derived(...) without the NamedTuple's Python-level __new__ (hot path)
             p_terms, d_terms = self._term_views[0], self._term_views[0 if self._colocated else 1]
-            cache = [(self._cost, _new_tuple(Derived, (p_terms[0], d_terms[1], d_terms[2], worst_tpot_s)))]
+            cache = [(self._cost, _new_tuple(Derived, (p_terms[0], d_terms[1], d_terms[2], worst_tpot_s, self._prefill_coef)))]
         snapshot = object.__new__(Snapshot)  # a frozen dataclass, built without its __init__ (hot path)
         snapshot.__dict__.update(
             prefill=prefill, decode=decode, same_host=self._same_host, hosts=self._hosts, prefix=self._prefix,
@@ -367,4 +385,5 @@ def _members(entries: Sequence[WorkerEntry], held: Sequence[Set[int]]) -> Member
         role_epochs=tuple(e.info.role_epoch for e in entries),
         host_ids=tuple(e.info.host_id for e in entries),
         held_prefixes=tuple(held),
+        tp_sizes=tuple(e.info.tp for e in entries),
     )

@@ -13,15 +13,17 @@ the phase, its fixed cost per step added to the step's fixed term (`prefill_over
 worker's when the profile was measured at TP 1, and its `collectives` section (measured by
 `pdserve profile --tp N`) prices the collectives, the documented defaults without one.
 
-Pricing is per role, as deployments are (`--prefill-tp`, `--decode-tp`, `--tp`): a colocated
-worker prices both phases at its size. A mixed worker (splitwise's mixed pool) is priced at the
-size of the pool it serves in, and a worker that changed role at its new role's size (its ranks
-stay those it started with).
+`TpPricing` prices per worker: `pair(p_tp, d_tp)` is `tp_cost` at a chosen pair's own sizes
+(cached: a deployment has few), `worker(tp)` a worker's own steps, both phases at its size. The
+router (RouterConfig.pricing) prices every snapshot slot at its worker's registered TP size
+(`WorkerInfo.tp`), and each route and P/D decision at its pair's, so a mixed worker, a worker that
+changed role (its ranks stay those it started with) and a pool that holds two sizes are each
+priced at their own size; the deployment's role sizes give `RouterConfig.cost` (`pair` at them).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import StepPrice, TpScaling, model_scaling
@@ -42,6 +44,30 @@ def tp_cost(base: CostModel, scaling: TpScaling, prefill_tp: int, decode_tp: int
     per_token = _at_least_zero(cost.prefill_s_per_token * local.factor, local.per_row_s)
     return replace(cost, decode_worker_prefill_factor=local.factor, decode_worker_prefill_fixed_s=fixed,
                    decode_worker_prefill_s_per_token=per_token)
+
+
+@dataclass(frozen=True)
+class TpPricing:
+    """The cost model of any (prefill TP, decode TP) pair from one measured model (`tp_cost`)."""
+
+    base: CostModel  # the steps as measured (at `measured_tp`)
+    scaling: TpScaling
+    measured_tp: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pairs", {})  # derived, not a field: eq, hash and repr ignore it
+
+    def pair(self, prefill_tp: int, decode_tp: int) -> CostModel:
+        """Prefill terms at `prefill_tp`, decode terms (and `at_decode_worker`) at `decode_tp`."""
+        pairs = self.__dict__["_pairs"]
+        found = pairs.get((prefill_tp, decode_tp))
+        if found is None:
+            found = pairs[(prefill_tp, decode_tp)] = tp_cost(self.base, self.scaling, prefill_tp, decode_tp, self.measured_tp)
+        return found
+
+    def worker(self, tp: int) -> CostModel:
+        """One worker's own steps: both phases at its TP size."""
+        return self.pair(tp, tp)
 
 
 def _at_least_zero(term: float, extra: float) -> float:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
+from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.model.default import resolve_model
 from pdserve.router.calibration import cost_profile, profile_points
+from pdserve.workers.tp_rank import TpShape
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)
 
@@ -23,6 +27,7 @@ def test_auto_fits_the_served_engine_and_the_router_decides_with_it(tmp_path):
     model_dir = resolve_model("tiny")
     fitted = cost_profile("auto", TINY, 1, model_dir, 512)
     assert fitted["kind"] == "profiled" and len(fitted["prefill_coef"]) == 3 and len(fitted["decode_coef"]) == 3
+    assert "collectives" not in fitted  # TP 1 everywhere: nothing to time
     assert all(c >= 0 for c in fitted["prefill_coef"] + fitted["decode_coef"])
     assert sum(fitted["prefill_coef"]) > 0 and sum(fitted["decode_coef"]) > 0
     path = tmp_path / "p.json"
@@ -31,6 +36,26 @@ def test_auto_fits_the_served_engine_and_the_router_decides_with_it(tmp_path):
     placeholders = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile="none"), model_dir)
     assert router.config.cost.prefill_s_per_token != placeholders.config.cost.prefill_s_per_token
     assert router.config.cost.decode_step_base_s == fitted["decode_coef"][0]
+
+
+def test_auto_times_the_collectives_of_a_tp_deployment_and_the_router_prices_with_them(tmp_path):
+    model_dir = resolve_model("tiny")
+    fitted = cost_profile("auto", TINY, 1, model_dir, 512, tp=1, collective_sizes=(1, 2))
+    assert fitted["meta"]["tp"] == 1  # the steps at the prefill role's size (TP 1 here)
+    (two,) = fitted["collectives"]  # timed at the one size > 1 (latency/tp_collectives.py)
+    costs = CollectiveCosts.from_dict(two)
+    assert costs.tp == 2 and costs.pinned and costs.allreduce_s > 0 and costs.step_sync_s > 0
+    assert costs.median_allreduce_s >= costs.allreduce_s and costs.median_step_sync_s >= costs.step_sync_s
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(fitted))
+    config = ServeConfig(engine=TINY, pd_decision="margin", pd_profile=str(path), tp=TpShape(prefill=1, decode=2))
+    router = router_for(config, model_dir)
+    assert router.config.pricing.scaling.collectives == (costs,)  # not the defaults
+    # the decode role's TP 2 step: the profile's decode terms x c(2)/c(1) + 16 all_reduces + the broadcast
+    scaling, base = router.config.pricing.scaling, router.config.pricing.base
+    f = scaling.units("decode", 2) / scaling.units("decode", 1)
+    fixed = base.decode_step_base_s * f + 16 * costs.allreduce_s + costs.step_sync_s
+    assert router.config.cost.decode_step_base_s == pytest.approx(max(0.0, fixed), rel=1e-12)
 
 
 def test_only_the_margin_pays_for_a_fit_at_start():

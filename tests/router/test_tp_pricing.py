@@ -17,6 +17,7 @@ from pdserve.latency.tp_scaling import (DEFAULT_COLLECTIVES, PhaseShares, StepPr
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.router.cost import CostModel
+from pdserve.router.snapshot import prefill_coefficients
 from pdserve.router.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
 from pdserve.workers.tp_rank import TpShape
 
@@ -102,7 +103,8 @@ def test_tp_cost_scales_each_role_and_the_decode_workers_prefill():
     local = cost.at_decode_worker()  # a prefill on the TP 1 decode worker: the measured terms again
     assert local.prefill_s(300) == pytest.approx(base.prefill_s(300), rel=1e-15)
     assert local.decode_worker_prefill_fixed_s == 0.0 and local.decode_step_s(4) == base.decode_step_s(4)
-    assert cost.kernel_coefficients[1] == cost.prefill_s_per_token  # the vectorised policies read the priced terms
+    coef = prefill_coefficients([cost])  # what the vectorised policies read: the priced terms
+    assert (coef[0, 0], coef[1, 0]) == (cost.prefill_overhead_s, cost.prefill_s_per_token)
     same = tp_cost(base, SCALING, 1, 1)
     assert same is base and same.at_decode_worker() is base
     decode2 = tp_cost(base, SCALING, prefill_tp=1, decode_tp=2)  # decode at TP 2: x 1.02 + collectives a step
