@@ -23,9 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tiny | small | llama-13b-class | llama-70b-class | DIR | config.json | HF id aiconfigurator ships")
     p.add_argument("--hardware", default=None,
                    help="a100-80g | h100 | h200 | PROFILE.json (default: the aic system's, else a100-80g)")
-    p.add_argument("--latency-model", metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]",
+    p.add_argument("--latency-model", metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]|distserve:ENGINE:CHECKOUT",
                    help="FILE.json: this latency model (e.g. a profile fit) for tp1pp1 only; aic:h200_sxm (etc.): "
-                        "aiconfigurator's measured step times for every TP x PP shape (pip install 'pdserve[aic]')")
+                        "aiconfigurator's measured step times for every TP x PP shape (pip install 'pdserve[aic]'); "
+                        "distserve:distserve|vllm:CHECKOUT: DistServe's fitted A100 step times of its engine or of "
+                        "vLLM 0.2, from a LLMServe/DistServe checkout (OPT-13B, OPT-66B)")
     p.add_argument("--gpus", type=int, required=True, help="GPU budget")
     p.add_argument("--gpus-per-node", type=int, help="override the hardware profile's GPUs per node")
     p.add_argument("--link-gbps", type=float, help="inter-node K/V link per GPU, Gbit/s (default: the profile's NIC)")

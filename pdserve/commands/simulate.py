@@ -62,9 +62,11 @@ def link_bytes_per_s(gbps: float | None) -> float:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser("simulate", help="simulate a deployment under a latency model (discrete events)")
-    sim.add_argument("--latency-model", required=True, metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]",
+    sim.add_argument("--latency-model", required=True,
+                     metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]|distserve:ENGINE:CHECKOUT",
                      help="constant, roofline or profiled model JSON; or aiconfigurator's measured step times "
-                          "(e.g. aic:h200_sxm; needs --model, and --tp/--pp for the instance shape)")
+                          "(e.g. aic:h200_sxm), or DistServe's fitted A100 step times (distserve:vllm:CHECKOUT); "
+                          "the last two need --model, and --tp/--pp for the instance shape")
     sim.add_argument("--model", help="with aic:...: a config.json, DIR or Hugging Face id aiconfigurator ships")
     sim.add_argument("--tp", type=int, default=1, help="with aic:...: tensor-parallel degree of every instance")
     sim.add_argument("--pp", type=int, default=1, help="with aic:...: pipeline-parallel degree of every instance")

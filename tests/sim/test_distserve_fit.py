@@ -100,3 +100,15 @@ def test_latency_model_flag_resolves_the_family_and_names_what_is_missing(checko
         DistServeSpec.parse(f"distserve:sglang:{checkout}")
     with pytest.raises(ValueError, match="expected distserve:ENGINE:CHECKOUT"):
         DistServeSpec.parse("distserve:vllm")
+
+
+def test_simulate_command_times_a_lone_prompt_with_the_fit(checkout, capsys):
+    """`pdserve simulate --latency-model distserve:...`: an idle instance's TTFT is the prefill fit."""
+    from pdserve.cli import main
+
+    assert main(["simulate", "--latency-model", f"distserve:vllm:{checkout}", "--model", "opt-13b", "--mode",
+                 "colocated", "--input-len", "100", "--output-len", "3", "--rate", "0.01", "--num-requests", "2",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["completed"] == 2
+    assert report["mean_ttft_ms"] == pytest.approx(33.01, abs=1e-6)
