@@ -34,8 +34,10 @@ CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=gnu11")
 BUILD_VERSION = ("openmp-or-not",)  # part of the cache key: how _build links
 # glue.c must round every operation as written, as eager torch does: no fast-math, no fused multiply-add
-# paged_prefill sums its scores in one order on every path (bf16 dot products or fp32): no reassociation
-SOURCE_FLAGS = {"glue": ("-fno-fast-math", "-ffp-contract=off"), "paged_prefill": ("-fno-associative-math",)}
+# paged_prefill and paged_decode sum their scores in one order on every path (bf16 dot products or fp32): no
+# reassociation
+SOURCE_FLAGS = {"glue": ("-fno-fast-math", "-ffp-contract=off"), "paged_prefill": ("-fno-associative-math",),
+                "paged_decode": ("-fno-associative-math",)}
 
 
 def cache_dir() -> Path:

@@ -9,7 +9,9 @@ share the head against every visible key, takes an fp32 softmax and sums the val
 
 Contract: `decode_attention(q, cache_k, cache_v, block_tables, context_lens)` equals
 softmax(q K^T / sqrt(D)) V over each row's first `context_lens[i]` keys, computed in fp32 (bf16
-pool entries widen exactly) and returned in q's dtype. A row's result depends only on its own
+pool entries widen exactly) and returned in q's dtype; a bf16 query gives the fp32 query's result
+rounded (on an AVX512-BF16 CPU its scores run as bf16 dot products, in the order the fp32 path
+sums them: the C file says which). A row's result depends only on its own
 query, block table and length (the C loops run in an order fixed by the row's length), so it is
 batch-invariant by construction and bitwise the same for any thread count: rows are split across
 `torch.get_num_threads()` threads (at most one per row). Built with `-fopenmp`, the kernel splits

@@ -65,6 +65,27 @@ def test_bf16_query_returns_bf16_rounded_fp32_result():
     assert torch.equal(got, paged_decode.decode_attention(qb.float(), k, v, tables, ctx).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_scores_sum_each_pair_odd_then_even_on_every_path(head_dim):
+    """Key 0's dim pairs (2p, 2p + 1): (0, A) for p < n, (eps, -A) for 16 <= p < 16 + n, zero elsewhere. A lane
+    that adds its pairs in order, each pair's odd product before its even one, ends at eps (A + -A, then
+    + eps); any other order loses eps (A + eps rounds to A), so q . k0 is a sum of eps or exactly 0. Key 1
+    is zero and the values are +L and -L: the output L (p0 - p1) is positive only in that order. A bf16
+    query's result (vdpbf16ps where the CPU has it) equals the fp32 path's bit for bit."""
+    big, eps, lval, n = 256.0, 2.0 ** -16, 2.0 ** 16, min(16, head_dim // 2 - 16)
+    key = torch.zeros(head_dim)
+    key[1:2 * n:2] = big
+    key[32:32 + 2 * n:2], key[33:33 + 2 * n:2] = eps, -big
+    cache_k = torch.zeros(1, BLOCK, 1, head_dim, dtype=torch.bfloat16)
+    cache_v = torch.zeros(1, BLOCK, 1, head_dim, dtype=torch.bfloat16)
+    cache_k[0, 0, 0], cache_v[0, 0, 0], cache_v[0, 1, 0] = key, lval, -lval
+    q = torch.ones(1, 4, head_dim, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([2])
+    fp32 = paged_decode.decode_attention(q.float(), cache_k, cache_v, tables, lens)  # [1, 4, D]
+    assert (fp32 > 0.1).all() and (fp32 < 2.0).all()  # 16 lanes: L tanh(n eps / sqrt(D) / 2) ~ 0.6-1
+    assert torch.equal(paged_decode.decode_attention(q, cache_k, cache_v, tables, lens), fp32.bfloat16())
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_row_bits_do_not_depend_on_batch_mates_or_threads(pool_dtype):
     lens = [33, 200, 7, 512, 64, 129, 300]
