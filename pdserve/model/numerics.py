@@ -19,7 +19,9 @@ Contract:
   row of every step goes through the same kernel call shape, and a GEMM call sums each output
   element over the inner dimension alike for all of its rows. With MKL the column blocks are
   packed once at load (`_mkl_linear`), which keeps a block in cache across row tiles.
-  fp32 uses it always. bf16 keeps PyTorch's own products ("native": on AVX2 an fp32-accumulating
+  fp32 uses it always. Where oneDNN has no bf16 kernels (AVX2 CPUs), bf16 runs the "kernel" plan
+  first: bf16_gemm.py's products, one fixed fma chain per output element by construction.
+  Otherwise bf16 keeps PyTorch's own products ("native": on AVX2 an fp32-accumulating
   loop per output element, on AVX512-BF16/AMX oneDNN), which a start-up probe must find
   invariant; failing that, "paired" (the same products, one-row ones run as ONE_ROW_AS rows, since a
   BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
@@ -37,7 +39,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import onednn_packed, skinny
+from pdserve.model import bf16_gemm, onednn_packed, skinny
+from pdserve.model.bf16_gemm import KernelWeight
 from pdserve.model.onednn_packed import PackedWeight
 
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
@@ -46,7 +49,7 @@ TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block 
 # one thread, CPU time) took 26.0 ms for a decode step's 48 products at 2 rows, 22.8 at 4, 24.0 at 1
 ONE_ROW_AS = 4
 COMPUTE_CHOICES = ("float32", "bfloat16")
-PLANS = ("tiled", "native", "paired", "fast")
+PLANS = ("tiled", "native", "paired", "kernel", "fast")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -133,7 +136,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.T
     return weight(x, bias) if isinstance(weight, PackedWeight) else F.linear(x, weight, bias)
 
 
-Weight = torch.Tensor | TiledWeight | PairedWeight | PackedWeight
+Weight = torch.Tensor | TiledWeight | PairedWeight | PackedWeight | KernelWeight
 
 
 def prepare(weight: torch.Tensor, plan: str) -> Weight:
@@ -142,13 +145,15 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
     the same bits as F.linear, without a reorder per call), and "paired" wraps that)."""
     if plan == "tiled":
         return TiledWeight(weight)
+    if plan == "kernel":
+        return KernelWeight(weight)
     base = onednn_packed.pack(weight)
     return PairedWeight(base) if plan == "paired" else base
 
 
 def dense(weight: Weight) -> torch.Tensor:
     """The plain [N, K] tensor behind a prepared weight."""
-    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight, PackedWeight)) else weight
+    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight, PackedWeight, KernelWeight)) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, skinny_rows: bool = False) -> torch.Tensor:
@@ -156,7 +161,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, sk
     skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
     if isinstance(weight, PackedWeight):
         return weight(x, bias)
-    if isinstance(weight, (TiledWeight, PairedWeight)):
+    if isinstance(weight, (TiledWeight, PairedWeight, KernelWeight)):
         out = weight(x)
         return out if bias is None else out + bias
     if skinny_rows and skinny.applies(x):
@@ -176,6 +181,7 @@ class ProductPlan:
             packing = "mkl-packed" if mkl_packed_available() else "torch.mm"
             return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"
         return {"native": "native (probed invariant)", "paired": f"native, one-row products as {ONE_ROW_AS} rows (probed invariant)",
+                "kernel": "bf16_gemm kernel (one fma chain per element)",
                 "fast": "fast (not batch-invariant)"}[self.plan]
 
 
@@ -185,6 +191,8 @@ def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple
     if not batch_invariant:
         return ProductPlan("fast", False)
     candidates = ("native", "paired", "tiled") if compute == torch.bfloat16 else ("tiled",)
+    if compute == torch.bfloat16 and not onednn_packed.available() and bf16_gemm.vectorised():
+        candidates = ("kernel",) + candidates  # no oneDNN bf16 (AVX2 kind): torch re-reads weights per row
     failures = []
     for plan in candidates:
         bad = probe_invariance(plan, compute, shapes)
