@@ -25,8 +25,12 @@ first two are counted again, in part, by alpha and sync below). K is the step's 
 (one after each layer's o_proj and one after its down_proj), each of a [rows, d] partial of B = d x
 the compute dtype's bytes; alpha_N is gloo's per-call latency, beta_N its seconds per byte and
 sync_N rank 0's pickled broadcast of the step's rows to the followers (engine/tp_group.py), all
-three MEASURED on the machine (latency/tp_collectives.py; `pdserve profile --tp N` records them
-as the profile's `collectives`). A TP size not measured is derived from the nearest measured one
+three MEASURED on the machine (latency/tp_collectives.py; `pdserve profile --tp N` and
+`--pd-profile auto` record them as the profile's `collectives`). alpha and beta are the
+engine-shaped figures where the profile has them (each all_reduce issued after the rank's share
+of a layer's products, as in a step, mean over bursts: `CollectiveCosts.engine_shaped`), else the
+back-to-back floor: under load the shaped figures priced a TP 2 prefill 8-19 points closer to the
+measured ratio in three runs (docs/tensor_parallel.md). A TP size not measured is derived from the nearest measured one
 as a ring would scale: alpha and sync by (N - 1) / (M - 1) (2(N - 1) sequential messages; N - 1
 receivers), beta by ((N - 1) / N) / ((M - 1) / M) (each rank's share of the bytes). Without any
 measurement `DEFAULT_COLLECTIVES` stands in: TP 2 on the 2-core AMD EPYC of
@@ -114,9 +118,10 @@ class TpScaling:
         return (1.0 - r) / tp + r
 
     def costs_at(self, tp: int) -> CollectiveCosts:
-        """The collective costs at TP `tp`: measured there, else from the nearest measured size."""
+        """The collective costs at TP `tp`: measured there, else from the nearest measured size;
+        the engine-shaped all_reduce where it was measured (module docstring)."""
         known = self.collectives or (DEFAULT_COLLECTIVES,)
-        return ring_costs(min(known, key=lambda c: (abs(c.tp - tp), c.tp)), tp)
+        return ring_costs(min(known, key=lambda c: (abs(c.tp - tp), c.tp)).engine_shaped(), tp)
 
     def overhead(self, tp: int) -> StepPrice:
         """o(tp, rows) as (fixed_s, per_row_s); zero at TP 1."""

@@ -44,17 +44,17 @@ def test_auto_times_the_collectives_of_a_tp_deployment_and_the_router_prices_wit
     assert fitted["meta"]["tp"] == 1  # the steps at the prefill role's size (TP 1 here)
     (two,) = fitted["collectives"]  # timed at the one size > 1 (latency/tp_collectives.py)
     costs = CollectiveCosts.from_dict(two)
-    assert costs.tp == 2 and costs.pinned and costs.allreduce_s > 0 and costs.step_sync_s > 0
+    assert costs.tp == 2 and costs.pinned and costs.median_allreduce_s > 0 and costs.step_sync_s > 0
     assert costs.median_allreduce_s >= costs.allreduce_s and costs.median_step_sync_s >= costs.step_sync_s
     path = tmp_path / "p.json"
     path.write_text(json.dumps(fitted))
     config = ServeConfig(engine=TINY, pd_decision="margin", pd_profile=str(path), tp=TpShape(prefill=1, decode=2))
     router = router_for(config, model_dir)
     assert router.config.pricing.scaling.collectives == (costs,)  # not the defaults
-    # the decode role's TP 2 step: the profile's decode terms x c(2)/c(1) + 16 all_reduces + the broadcast
+    # the decode role's TP 2 step: the profile's decode terms x c(2)/c(1) + 16 (engine-shaped) all_reduces + the broadcast
     scaling, base = router.config.pricing.scaling, router.config.pricing.base
     f = scaling.units("decode", 2) / scaling.units("decode", 1)
-    fixed = base.decode_step_base_s * f + 16 * costs.allreduce_s + costs.step_sync_s
+    fixed = base.decode_step_base_s * f + 16 * costs.engine_shaped().allreduce_s + costs.step_sync_s
     assert router.config.cost.decode_step_base_s == pytest.approx(max(0.0, fixed), rel=1e-12)
 
 

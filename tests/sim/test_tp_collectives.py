@@ -19,8 +19,14 @@ def test_profile_section_measures_tp2_and_the_router_reads_it():
     assert costs.tp == 2 and costs.pinned is True
     assert costs.step_sync_s > 0 and costs.median_allreduce_s > 0 and costs.median_step_sync_s >= costs.step_sync_s
     assert costs.allreduce_s >= 0 and costs.allreduce_s_per_byte >= 0
+    # engine-shaped (products between the calls): measured, and what the pricing reads
+    assert costs.median_shaped_allreduce_s > 0 and costs.shaped_allreduce_s > 0 and costs.shaped_allreduce_s_per_byte >= 0
+    shaped = costs.engine_shaped()
+    assert (shaped.allreduce_s, shaped.allreduce_s_per_byte) == (costs.shaped_allreduce_s, costs.shaped_allreduce_s_per_byte)
+    assert shaped.step_sync_s == costs.step_sync_s and CollectiveCosts(2, True, 1.0, 0.0, 1.0).engine_shaped().allreduce_s == 1.0
     profile = {"prefill_coef": [0.004, 2.0e-4, 0.0], "decode_coef": [0.01, 1.0e-3, 0.0], "meta": {"threads": 1, "tp": 1},
                "collectives": section}
     scaling = scaling_for(load_config(resolve_model("tiny")), profile, threads_per_worker=1)
-    assert scaling.collectives == (costs,) and scaling.costs_at(2) == costs
-    assert scaling.overhead(2).fixed_s == 16 * costs.allreduce_s + costs.step_sync_s  # tiny: 8 layers
+    assert scaling.collectives == (costs,) and scaling.costs_at(2) == shaped
+    assert scaling.overhead(2).fixed_s == 16 * costs.shaped_allreduce_s + costs.step_sync_s  # tiny: 8 layers
+    assert scaling.overhead(2).per_row_s == 16 * 1024 * costs.shaped_allreduce_s_per_byte  # rows of 512 bf16
