@@ -16,8 +16,9 @@ Contract shared by every model (all times in seconds, all counts in tokens):
 - ``kv_bytes_per_token`` (0: transfers are free) and ``kv_capacity_tokens`` (None: unbounded).
 
 Kinds: ``constant`` (here; queueing-theory checks), ``roofline`` (analytic, `roofline.py`),
-``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`) and ``aic`` (NVIDIA's
-measured kernel data through aiconfigurator, `aic.py`). `load.py` reads any of them. This
+``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`), ``aic`` (NVIDIA's
+measured kernel data through aiconfigurator, `aic.py`) and ``distserve`` (DistServe's fitted A100
+step times, `distserve_fit.py`). `load.py` reads any of them. This
 module imports nothing of its siblings; they import it.
 """
 
