@@ -18,8 +18,8 @@ Contract shared by every model (all times in seconds, all counts in tokens):
 Kinds: ``constant`` (here; queueing-theory checks), ``roofline`` (analytic, `roofline.py`),
 ``profiled`` (fitted to `pdserve profile` measurements, `profiled.py`), ``aic`` (NVIDIA's
 measured kernel data through aiconfigurator, `aic.py`) and ``distserve`` (DistServe's fitted A100
-step times, `distserve_fit.py`). `load.py` reads any of them. This
-module imports nothing of its siblings; they import it.
+step times, `distserve_fit.py`). `load.py` reads the first three from JSON, `spec.py` resolves
+``--latency-model`` to any of them. This module imports nothing of its siblings; they import it.
 """
 
 from __future__ import annotations
