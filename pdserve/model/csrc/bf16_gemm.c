@@ -16,12 +16,13 @@
    cannot reorder a chain: the fused multiply-adds are intrinsics (or fmaf) whose accumulator is a
    column's own, never a reduction the compiler could split.
 
-   Speed: x is widened to fp32 once per call. Work units are groups of GROUP panels (96 columns),
+   Speed: x is widened to fp32 once per call. Work units are groups of GROUP panels (64 columns),
    split statically over OpenMP threads. Within a unit each panel runs its full 6-row blocks
-   (12 accumulators + 2 weight vectors + 1 broadcast of AVX2's 16 ymm), the panel staying in L1/L2
-   across row blocks; the last rows % 6 rows run across several panels at once (1 row x 6 panels,
-   2 x 3, 3 x 2, 4 or 5 x 1), so a decode step of one row keeps 12 independent chains going while
-   it streams each weight byte once. */
+   (12 accumulators + 2 weight vectors + 1 broadcast + the widening mask: AVX2's 16 ymm, no spill),
+   the panel staying in L1/L2 across row blocks; the last rows % 6 rows run across several panels
+   at once (1 row x 4 panels, 2 x 2, 3-5 x 1: at most 10 accumulators, since the compiler holds
+   each row's broadcast in a register), so a decode step of one row keeps 8 independent chains
+   going while it streams each weight byte once. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@
 
 #define PANEL 16  /* output columns per packed panel */
 #define ROWS 6    /* rows of a full micro-block */
-#define GROUP 6   /* panels per work unit */
+#define GROUP 4   /* panels per work unit */
 
 static inline float bf2f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -148,7 +149,7 @@ static void unit(const float *xf, int64_t rows, int64_t k, const uint16_t *packe
     }
     const int rest = (int)(rows - full);
     if (rest == 0) return;
-    const int wide = rest == 1 ? 6 : rest == 2 ? 3 : rest == 3 ? 2 : 1;  /* panels per block: <= 12 accumulators */
+    const int wide = rest == 1 ? 4 : rest == 2 ? 2 : 1;  /* panels per block */
     const float *xr = xf + full * k;
     uint16_t *o = out + full * out_stride;
     for (int64_t p = p0; p < p1;) {
@@ -156,9 +157,9 @@ static void unit(const float *xf, int64_t rows, int64_t k, const uint16_t *packe
         const int64_t cols = n - p * PANEL;
         if (p + wide <= p1) {
             switch (rest) {
-                case 1: block(xr, k, w, o + p * PANEL, out_stride, cols, 1, 6); break;
-                case 2: block(xr, k, w, o + p * PANEL, out_stride, cols, 2, 3); break;
-                case 3: block(xr, k, w, o + p * PANEL, out_stride, cols, 3, 2); break;
+                case 1: block(xr, k, w, o + p * PANEL, out_stride, cols, 1, 4); break;
+                case 2: block(xr, k, w, o + p * PANEL, out_stride, cols, 2, 2); break;
+                case 3: block(xr, k, w, o + p * PANEL, out_stride, cols, 3, 1); break;
                 case 4: block(xr, k, w, o + p * PANEL, out_stride, cols, 4, 1); break;
                 default: block(xr, k, w, o + p * PANEL, out_stride, cols, 5, 1); break;
             }
@@ -166,8 +167,7 @@ static void unit(const float *xf, int64_t rows, int64_t k, const uint16_t *packe
         } else {
             switch (rest) {
                 case 1: block(xr, k, w, o + p * PANEL, out_stride, cols, 1, 1); break;
-                case 2: block(xr, k, w, o + p * PANEL, out_stride, cols, 2, 1); break;
-                default: block(xr, k, w, o + p * PANEL, out_stride, cols, 3, 1); break;
+                default: block(xr, k, w, o + p * PANEL, out_stride, cols, 2, 1); break;
             }
             p += 1;
         }
