@@ -23,8 +23,8 @@ Contract:
   first: bf16_gemm.py's products, one fixed fma chain per output element by construction.
   Otherwise bf16 keeps PyTorch's own products ("native": on AVX2 an fp32-accumulating
   loop per output element, on AVX512-BF16/AMX oneDNN), which a start-up probe must find
-  invariant; failing that, "paired" (the same products, one-row ones run as ONE_ROW_AS rows, since a
-  BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
+  invariant; failing that, "paired" (the same products, ones of fewer rows run as ONE_ROW_AS rows, since
+  a BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
   tiles too, and if that fails the engine refuses
   to start in batch-invariant mode (`BatchInvarianceError`) rather than run silently inexact.
 - Without batch invariance, fp32 on one thread, products of 2-8 rows go through skinny.py's
@@ -45,8 +45,9 @@ from pdserve.model.onednn_packed import PackedWeight
 
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
 TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block stays in L2
-# Rows a "paired" one-row product runs as: oneDNN's bf16 products (AVX512-BF16 EPYC, 107M shapes,
-# one thread, CPU time) took 26.0 ms for a decode step's 48 products at 2 rows, 22.8 at 4, 24.0 at 1
+# Rows a "paired" product of fewer rows runs as: oneDNN's bf16 products (AVX512-BF16 EPYC, 107M shapes,
+# one thread, CPU time) took 26.0 ms for a decode step's 48 products at 2 rows, 22.8 at 4, 24.0 at 1;
+# 2 and 3 rows padded to 4 (engine decode step, 1 thread): batch 2 33.0 -> 27.9 ms, batch 3 27.5 -> 26.5
 ONE_ROW_AS = 4
 COMPUTE_CHOICES = ("float32", "bfloat16")
 PLANS = ("tiled", "native", "paired", "kernel", "fast")
@@ -116,10 +117,12 @@ class TiledWeight:
 
 
 class PairedWeight:
-    """A weight [N, K] whose one-row products run as ONE_ROW_AS rows (the row repeated). A BLAS
-    sends a single row down its matrix-vector kernel, which sums in another order than its
-    matrix kernel (x86 bf16: about one row in twelve rounds differently), while in the matrix
-    kernel a row's bits do not depend on its batch mates (the probe checks both on each machine)."""
+    """A weight [N, K] whose products of fewer than ONE_ROW_AS rows run as ONE_ROW_AS rows (the
+    first row repeated after them). A BLAS sends a single row down its matrix-vector kernel,
+    which sums in another order than its matrix kernel (x86 bf16: about one row in twelve rounds
+    differently), while in the matrix kernel a row's bits do not depend on its batch mates (the
+    probe checks both on each machine); 2 and 3 rows are padded too because oneDNN's few-row
+    kernels are slower than its 4-row one here (ONE_ROW_AS)."""
 
     def __init__(self, inner: torch.Tensor | PackedWeight):  # [N, K], plain or oneDNN-packed
         self.inner = inner
@@ -127,9 +130,12 @@ class PairedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] -> [T, N]."""
-        if x.shape[0] != 1:
+        rows, k = x.shape
+        if rows >= ONE_ROW_AS:
             return _product(x, self.inner)
-        return _product(x.expand(ONE_ROW_AS, x.shape[1]), self.inner)[:1]  # the row repeated: one copy, no zeros
+        if rows == 1:
+            return _product(x.expand(ONE_ROW_AS, k), self.inner)[:1]  # the row repeated: one copy, no zeros
+        return _product(torch.cat([x, x[:1].expand(ONE_ROW_AS - rows, k)]), self.inner)[:rows]  # [ONE_ROW_AS, K]
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,7 +186,7 @@ class ProductPlan:
         if self.plan == "tiled":
             packing = "mkl-packed" if mkl_packed_available() else "torch.mm"
             return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"
-        return {"native": "native (probed invariant)", "paired": f"native, one-row products as {ONE_ROW_AS} rows (probed invariant)",
+        return {"native": "native (probed invariant)", "paired": f"native, products of 1-{ONE_ROW_AS - 1} rows as {ONE_ROW_AS} rows (probed invariant)",
                 "kernel": "bf16_gemm kernel (one fma chain per element)",
                 "fast": "fast (not batch-invariant)"}[self.plan]
 

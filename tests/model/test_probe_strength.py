@@ -35,3 +35,8 @@ def test_the_paired_plan_runs_one_row_as_the_first_of_several():
     assert torch.equal(linear(x, paired), pair) and linear(x, paired).shape == (1, 96)
     many = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     assert torch.equal(linear(many, paired), torch.nn.functional.linear(many, w))
+    for rows in range(2, ONE_ROW_AS):  # fewer rows: the first repeated up to ONE_ROW_AS, the same bits as alone
+        few = many[:rows]
+        padded = torch.cat([few, few[:1].expand(ONE_ROW_AS - rows, 64)])
+        got = linear(few, paired)
+        assert got.shape == (rows, 96) and torch.equal(got, torch.nn.functional.linear(padded, w)[:rows])
