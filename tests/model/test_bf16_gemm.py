@@ -6,6 +6,7 @@ subprocess with the math libraries capped to AVX2, as on an AVX2-only CPU)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,15 @@ def test_the_avx2_and_native_builds_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(ckernel, "default_march", lambda: AVX2)
     assert bf16_gemm._library() is bf16_gemm._bound(AVX2) is not None and bf16_gemm.vectorised()
     assert torch.equal(KernelWeight(w)(x), native)
+
+
+def test_the_avx2_build_holds_no_avx512_code():
+    objdump = shutil.which("objdump")
+    if objdump is None or ckernel.load("bf16_gemm", AVX2) is None:
+        pytest.skip("no objdump to read the build")
+    text = subprocess.run([objdump, "-d", str(ckernel.library_path("bf16_gemm", AVX2))], capture_output=True, text=True,
+                          check=True).stdout
+    assert "zmm" not in text and "vfmadd231ps %ymm" in text  # 8-lane fused multiply-adds, never 16-lane
 
 
 def test_the_probe_accepts_the_kernel_plan_and_bias_is_added():
