@@ -66,6 +66,8 @@ def test_tp_workers_serve_the_tokens_of_tp1(reference_engine, mode, tp, workers)
         cfg = config(engine=FP32, mode=mode, replicas=1, tp=tp, transport="auto")
         async with cluster(cfg) as (backend, launcher):
             assert {w.id: w.tp for w in backend.workers()} == workers  # /workers rows
+            pricing = backend.router.config.pricing  # the router prices each worker at its registered size
+            assert all(backend.router.worker_cost(wid) is pricing.worker(ranks) for wid, ranks in workers.items())
             for wid, ranks in workers.items():
                 assert len(followers(launcher.pid(wid))) == ranks - 1  # ranks 1..N-1
             cases = [(prompt(n, 70 + i), SamplingParams(max_tokens=16, ignore_eos=True, temperature=t, seed=3 + i))
