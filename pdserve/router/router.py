@@ -61,6 +61,7 @@ from pdserve.router.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.reservations import HoldRequest, ReservationLedger
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
+from pdserve.router.tp_pricing import worker_cost
 
 ROUTED = "routed"
 _MAX_RETRY_AFTER_S = PolicyContext(CostModel()).max_retry_after_s  # the policies' default
@@ -326,23 +327,16 @@ class Router:
         )
 
     def worker_cost(self, worker_id: str) -> CostModel:
-        """The cost model of one worker's own steps: both phases at its registered TP size
-        (`config.pricing`); without pricing `config.cost`, a decode worker's prefill at the decode
-        role's size (`at_decode_worker`)."""
+        """One worker's own steps at its registered TP size (tp_pricing.worker_cost)."""
         info = self._registry.entry(worker_id).info
-        if self.config.pricing is not None:
-            return self.config.pricing.worker(info.tp)
-        return self.config.cost.at_decode_worker() if info.role is Role.DECODE else self.config.cost
+        return worker_cost(self.config.pricing, self.config.cost, info.tp, info.role is Role.DECODE)
 
     def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
-        """The cost model of a chosen pair: prefill terms at its prefill worker's TP size, decode
-        terms and a local prefill (`at_decode_worker`) at its decode worker's (`config.cost`
-        without pricing)."""
-        pricing = self.config.pricing
-        if pricing is None:
+        """A chosen pair's cost model at its workers' TP sizes (`config.cost` without pricing)."""
+        if self.config.pricing is None:
             return self.config.cost
-        p_tp = snapshot.prefill.members.tp_sizes[prefill_slot]
-        return pricing.pair(p_tp, snapshot.decode.members.tp_sizes[decode_slot])
+        tps = snapshot.prefill.members.tp_sizes[prefill_slot], snapshot.decode.members.tp_sizes[decode_slot]
+        return self.config.pricing.pair(*tps)
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes.

@@ -70,6 +70,14 @@ class TpPricing:
         return self.pair(tp, tp)
 
 
+def worker_cost(pricing: TpPricing | None, cost: CostModel, tp: int, decode_role: bool) -> CostModel:
+    """One worker's own steps: both phases at its TP size `tp`; without pricing `cost`, a decode
+    worker's prefill at the decode role's size (`at_decode_worker`)."""
+    if pricing is not None:
+        return pricing.worker(tp)
+    return cost.at_decode_worker() if decode_role else cost
+
+
 def _at_least_zero(term: float, extra: float) -> float:
     """`extra`, or what keeps term + extra at 0 when it would go below: a step that measured less
     than the collectives priced for its size (measured on a quieter machine than the collectives)."""
