@@ -16,12 +16,13 @@ The serving router replaces the fetch and host-copy terms with live measurements
 (router/kv_rates.py) when its prefill terms are measured too (`fitted`); everything else stays
 as configured.
 
-Tensor parallelism (router/tp_pricing.py): the prefill terms price a prefill worker and the decode
-terms a decode worker, each at its role's TP size (`scaled`); a prefill that runs on a decode
-worker (the P/D decision's local route) is priced by `at_decode_worker`, whose prefill terms are
-scaled by `decode_worker_prefill_factor` with `decode_worker_prefill_fixed_s` added to its fixed
-term and `decode_worker_prefill_s_per_token` to its per-token term (a TP step's collectives;
-1, 0, 0 when both roles run the same TP size).
+Tensor parallelism (router/tp_pricing.py): one model prices a pair of workers, the prefill terms
+at the prefill worker's TP size and the decode terms at the decode worker's (`scaled`; the router
+holds one per pair of sizes, TpPricing); a prefill that runs on the decode worker (the P/D
+decision's local route) is priced by `at_decode_worker`, whose prefill terms are scaled by
+`decode_worker_prefill_factor` with `decode_worker_prefill_fixed_s` added to its fixed term and
+`decode_worker_prefill_s_per_token` to its per-token term (a TP step's collectives; 1, 0, 0 when
+both run the same TP size).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The cost model and P/D policy `pdserve serve` decides with, built from a latency profile (issue 20).
 
 Contract: `served_pd` is the one construction of the margin decision's inputs before TP pricing.
-api/server.py `router_for` calls it (then prices each role's TP size, router/tp_pricing.py) and
+api/server.py `router_for` calls it (then prices each worker's TP size, router/tp_pricing.py) and
 the planner calls it for its margin-routed simulation (search/margin_routing.py; one-GPU shapes,
 where that pricing is the identity), so both decide with the same terms: a profile's fit made
 affine at the serving chunk (`CostModel.from_profile`), the placeholders without one, the layer-
