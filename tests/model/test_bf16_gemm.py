@@ -76,14 +76,16 @@ def test_a_rows_bits_do_not_depend_on_batch_position_or_threads(monkeypatch, thr
         torch.set_num_threads(before)
 
 
-def test_the_avx2_and_native_builds_give_the_same_bits(monkeypatch):
+def test_the_avx2_scalar_and_native_builds_give_the_same_bits(monkeypatch):
+    """x86-64-v3 runs the AVX2 code, baseline x86-64 the scalar fmaf loop: the same chains."""
     if not cpu_report()["features"].get("avx2"):
         pytest.skip("needs an x86 CPU with AVX2")
     w, x = _weight(200, 515), _weight(11, 515, seed=4)
     native = KernelWeight(w)(x)
-    monkeypatch.setattr(ckernel, "default_march", lambda: AVX2)
-    assert bf16_gemm._library() is bf16_gemm._bound(AVX2) is not None and bf16_gemm.vectorised()
-    assert torch.equal(KernelWeight(w)(x), native)
+    for march, vector in ((AVX2, True), ("x86-64", False)):
+        monkeypatch.setattr(ckernel, "default_march", lambda march=march: march)
+        assert bf16_gemm._library() is bf16_gemm._bound(march) is not None and bf16_gemm.vectorised() == vector
+        assert torch.equal(KernelWeight(w)(x), native), march
 
 
 def test_the_avx2_build_holds_no_avx512_code():
