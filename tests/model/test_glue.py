@@ -89,3 +89,20 @@ def test_silu_mul_is_the_eager_formula_within_its_exp(dtype):
     else:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30)
     assert torch.equal(glue.silu_mul(gate_up[5:6].contiguous()), got[5:6])  # a row alone: the same bits
+
+
+def test_silu_mul_rows_do_not_depend_on_batch_mates_or_threads():
+    """Calls of at least PARALLEL_ELEMENTS values split their rows over the OpenMP threads (16 rows of a
+    3072-wide SiLU * up already): each row's bits are its bits alone, on 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (3 * torch.randn(40, 2 * 3072, generator=gen)).to(torch.bfloat16)
+    assert 16 * 3072 >= glue.PARALLEL_ELEMENTS
+    alone = torch.cat([glue.silu_mul(gate_up[i:i + 1].contiguous()) for i in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (16, 33, 40):
+                assert torch.equal(glue.silu_mul(gate_up[:rows].contiguous()), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
