@@ -90,9 +90,6 @@ class Engine(HandoffSide):
                                 config.prefill_length_buckets)
         self.scheduler = Scheduler(self.blocks, sched)
         self.runner = ModelRunner(self.model, self.pool)
-        # TP ranks read their head slice in place (strided kernel) where eligible; the padded groups
-        # stay built for the gather + SDPA fallback a rank takes where it is not (~1 ms per step at 32)
-        self.runner.padded_groups |= config.tp > 1
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.stops = StopChecker(self.tokenizer, frozenset(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}

@@ -14,7 +14,9 @@ process group of `tp` ranks (gloo on CPU; `all_reduce` is the only collective it
 
 The K/V pool passed to `forward` is the worker's LOGICAL pool [L, 2, N, B, H_kv, D] (shared
 memory); this rank reads and writes only its K/V heads, a strided view [..., H_kv/tp, D] of it, so
-the pool's bytes are laid out exactly as a TP 1 pool's and a handoff moves them unchanged.
+the pool's bytes are laid out exactly as a TP 1 pool's and a handoff moves them unchanged. A
+decode step reads that view in place through the paged decode kernel (its heads are D apart), as
+TP 1 reads the whole pool: a K/V head's attention is the same arithmetic at any TP size.
 
 Numerics: the column-parallel products compute every output element over the whole hidden
 size, as TP 1 does; the row-parallel ones sum each output in two stages (the rank's slice, then
@@ -26,7 +28,6 @@ row-parallel sum. `reduce_s` accumulates the wall time spent in all_reduce calls
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -102,9 +103,6 @@ class TpLlamaModel(LlamaModel):
         same rows. -> logits [R, V] fp32 (the same on every rank)."""
         if kv.shape[4] != self.num_kv_heads:
             kv = kv[:, :, :, :, self.heads[0]:self.heads[1]]  # [L, 2, N, B, H_kv/tp, D], strided
-        if self.tp > 1 and meta.decode is not None and meta.decode.block_tables is not None:
-            # the in-place decode kernel reads contiguous pools only: use the padded-group path
-            meta = replace(meta, decode=replace(meta.decode, block_tables=None, context_lens=None))
         return super().forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
 
     def _row_linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.runner import build_batch
 from pdserve.engine.scheduler import StepPlan
 from pdserve.engine.sequence import SamplingParams, Sequence
+from pdserve.model import paged_decode
 from pdserve.model.config import load_config
 from pdserve.model.tp import TpShapeError, check_tp, shard_state
 from tests.helpers.checkpoints import load_hf_model, make_random_checkpoint
@@ -69,15 +70,21 @@ def test_tp2_prefill_logits_match_transformers(tmp_path, family, heads, kv_heads
         engine.close()
 
 
-def test_tp2_greedy_tokens_match_transformers_generate(tmp_path):
-    """Batched greedy continuations (prefill chunks, then decode over the padded-group path)."""
+def test_tp2_greedy_tokens_match_transformers_generate(tmp_path, monkeypatch):
+    """Batched greedy continuations (prefill chunks, then decode through the paged decode kernel
+    over each rank's strided head slice, as TP 1 reads its pool: no padded groups are built)."""
     ckpt = make_random_checkpoint(tmp_path, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=128, seed=1)
     hf = load_hf_model(ckpt)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 9, 16, 17, 23, 31, 40, 5, 64, 12)]
     engine = tp_engine(ckpt, max_num_batched_tokens=32)  # chunked prefill reads earlier chunks from the pool
+    calls = []
+    kernel = paged_decode.decode_attention
+    monkeypatch.setattr(paged_decode, "decode_attention", lambda q, *rest: calls.append(q.shape) or kernel(q, *rest))
     try:
+        assert not engine.runner.padded_groups
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert len(calls) >= 2 * 23 and all(shape[1] == 2 for shape in calls)  # rank 0: 2 layers a step, its 2 heads
         for prompt, out in zip(prompts, outs):
             with torch.no_grad():
                 ref = hf.generate(
