@@ -194,11 +194,13 @@ class ProductPlan:
 def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple[int, int], ...]) -> ProductPlan:
     """The product plan for a model whose weights have these [N, K] shapes; raises
     BatchInvarianceError when invariance was asked for and no plan passes the probe."""
+    # no oneDNN bf16 (AVX2 kind): torch re-reads the weights for every row, the kernel does not
+    kernel_first = compute == torch.bfloat16 and not onednn_packed.available() and bf16_gemm.vectorised()
     if not batch_invariant:
-        return ProductPlan("fast", False)
+        return ProductPlan("kernel" if kernel_first else "fast", False)
     candidates = ("native", "paired", "tiled") if compute == torch.bfloat16 else ("tiled",)
-    if compute == torch.bfloat16 and not onednn_packed.available() and bf16_gemm.vectorised():
-        candidates = ("kernel",) + candidates  # no oneDNN bf16 (AVX2 kind): torch re-reads weights per row
+    if kernel_first:
+        candidates = ("kernel",) + candidates
     failures = []
     for plan in candidates:
         bad = probe_invariance(plan, compute, shapes)

@@ -109,8 +109,11 @@ def test_plan_selection_prefers_the_kernel_only_without_onednn_bf16(monkeypatch)
     monkeypatch.setattr(numerics.onednn_packed, "available", lambda: False)
     assert numerics.choose_plan(torch.bfloat16, True, shapes).plan == ("kernel" if bf16_gemm.vectorised() else "native")
     assert numerics.choose_plan(torch.float32, True, shapes).plan == "tiled"
+    fast = numerics.choose_plan(torch.bfloat16, False, shapes)  # without invariance too: it is also the faster product
+    assert fast == numerics.ProductPlan("kernel" if bf16_gemm.vectorised() else "fast", False)
     monkeypatch.setattr(numerics.onednn_packed, "available", lambda: True)
     assert numerics.choose_plan(torch.bfloat16, True, shapes).plan != "kernel"
+    assert numerics.choose_plan(torch.bfloat16, False, shapes).plan == "fast"
 
 
 ENGINE_CHECK = """
