@@ -14,9 +14,10 @@ rounded (on an AVX512-BF16 CPU its scores run as bf16 dot products, in the order
 sums them: the C file says which). A row's result depends only on its own
 query, block table and length (the C loops run in an order fixed by the row's length), so it is
 batch-invariant by construction and bitwise the same for any thread count: rows are split across
-`torch.get_num_threads()` threads (at most one per row). Built with `-fopenmp`, the kernel splits
-them itself, in contiguous runs of (row, K/V head) items (a head's arithmetic does not depend on
-which thread's run it falls in, so 3 rows split as evenly over 2 threads as 4 do), on the
+`torch.get_num_threads()` threads. Built with `-fopenmp`, the kernel splits them itself, in
+contiguous runs of (row, K/V head) items (a head's arithmetic does not depend on which thread's
+run it falls in, so 3 rows split as evenly over 2 threads as 4 do, and a lone row's heads spread
+over the threads too); without OpenMP, at most one Python thread per row. It uses the
 process's one GNU OpenMP runtime: the shared object names libgomp.so.1, which resolves to the copy
 torch already loaded, so the kernel runs on torch's own worker threads (the ones that just ran
 the GEMMs and spin waiting for the next parallel region) instead of a second pool competing with
@@ -129,9 +130,10 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     out = torch.empty(qf.shape, dtype=qf.dtype)  # [Bd, H_q, D], contiguous
     q_bf16 = int(qf.dtype == torch.bfloat16)
     max_len = tables.shape[1] * block_size  # sizes the score scratch; no per-call sync on lens.max()
-    if openmp():  # OpenMP threads inside one call, over (row, K/V head) items; a lone row stays on one
-        # thread: spreading its heads lost at load 3.5-9 (decode @1 steps 65 vs 61 ms, docs/engine_speed.md §8)
-        inner, cuts = max(1, min(torch.get_num_threads(), rows)), [0, rows]
+    if openmp():  # OpenMP threads inside one call, over (row, K/V head) items, a lone row's heads too: on a
+        # near-quiet machine that won (decode @1 steps at 2 threads 16.85 -> 16.3 ms), under load 3.5-9 it lost
+        # (65 vs 61 ms), docs/engine_speed.md §8, §10
+        inner, cuts = max(1, min(torch.get_num_threads(), rows * num_kv_heads)), [0, rows]
     else:  # one Python thread per cut of the rows
         threads = max(1, min(torch.get_num_threads(), rows))
         inner, cuts = 1, [rows * k // threads for k in range(threads + 1)]
