@@ -55,7 +55,7 @@ def main() -> None:
                 "decode": (one.decode_step_s(args.batch, context), many.decode_step_s(args.batch, context), args.batch)}
     print(json.dumps({"collectives_at_tp1_run": raw_one["collectives"], "collectives_at_tpn_run": raw_many["collectives"]}))
     # the back-to-back all_reduce floor in place of the engine-shaped one the pricing reads
-    floor = replace(scaling, collectives=tuple(replace(c, shaped_allreduce_s=0.0) for c in scaling.collectives))
+    floor = replace(scaling, collectives=tuple(replace(c, shaped_allreduce_s=None) for c in scaling.collectives))
     for phase, (t1, tn, rows) in measured.items():
         price, floor_price = scaling.price(phase, args.tp), floor.price(phase, args.tp)
         print(json.dumps({"phase": phase, "tp": args.tp, "threads_at_tp1": args.threads, "tp1_s": round(t1, 5),

@@ -63,13 +63,13 @@ class CollectiveCosts:
     step_sync_s: float
     median_allreduce_s: float = 0.0
     median_step_sync_s: float = 0.0
-    shaped_allreduce_s: float = 0.0  # engine-shaped (module docstring); 0: not measured
-    shaped_allreduce_s_per_byte: float = 0.0
-    median_shaped_allreduce_s: float = 0.0
+    shaped_allreduce_s: float | None = None  # engine-shaped (module docstring); None: not measured
+    shaped_allreduce_s_per_byte: float | None = None
+    median_shaped_allreduce_s: float | None = None
 
     def engine_shaped(self) -> CollectiveCosts:
         """These costs with the engine-shaped alpha and beta (itself when they were not measured)."""
-        if not self.shaped_allreduce_s:
+        if self.shaped_allreduce_s is None or self.shaped_allreduce_s_per_byte is None:
             return self
         return replace(self, allreduce_s=self.shaped_allreduce_s, allreduce_s_per_byte=self.shaped_allreduce_s_per_byte)
 
@@ -83,7 +83,8 @@ class CollectiveCosts:
     @classmethod
     def from_dict(cls, d: dict) -> CollectiveCosts:
         kinds = {"tp": int, "pinned": bool}
-        return cls(**{k: kinds.get(k, float)(v) for k, v in d.items() if k in cls.__dataclass_fields__})
+        return cls(**{k: None if v is None else kinds.get(k, float)(v)
+                      for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 def _step_rows():
@@ -207,11 +208,19 @@ def measure_collectives(tp: int, row_bytes: int, pinned: bool = True, bursts: in
             p.join(60)
             if p.is_alive():
                 p.kill()
-    alpha, beta = _alpha_beta(min(timed["small"]), min(timed["large"]), row_elems * 2)
+    return costs_from_timings(tp, pinned, timed, row_elems * 2, shape)
+
+
+def costs_from_timings(tp: int, pinned: bool, timed: dict[str, list[float]], row_bytes: int,
+                       shape: LayerShape | None) -> CollectiveCosts:
+    """Rank 0's per-burst seconds (`_run_rank`) -> the costs. The back-to-back calls moved rows
+    of `row_bytes`; the engine-shaped ones move the products' bf16 partials, rows of 2 d bytes,
+    whatever the compute dtype, so their slope is per byte of those."""
+    alpha, beta = _alpha_beta(min(timed["small"]), min(timed["large"]), row_bytes)
     shaped = {}
     if shape is not None:
         s_alpha, s_beta = _alpha_beta(statistics.fmean(timed["shaped_small"]), statistics.fmean(timed["shaped_large"]),
-                                      row_elems * 2)
+                                      shape.hidden * 2)
         shaped = dict(shaped_allreduce_s=s_alpha, shaped_allreduce_s_per_byte=s_beta,
                       median_shaped_allreduce_s=statistics.median(timed["shaped_small"]))
     return CollectiveCosts(tp=tp, pinned=pinned, allreduce_s=alpha, allreduce_s_per_byte=beta,

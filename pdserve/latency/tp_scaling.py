@@ -30,7 +30,8 @@ three MEASURED on the machine (latency/tp_collectives.py; `pdserve profile --tp 
 engine-shaped figures where the profile has them (each all_reduce issued after the rank's share
 of a layer's products, as in a step, mean over bursts: `CollectiveCosts.engine_shaped`), else the
 back-to-back floor: under load the shaped figures priced a TP 2 prefill 8-19 points closer to the
-measured ratio in three runs (docs/tensor_parallel.md). A TP size not measured is derived from the nearest measured one
+measured ratio in three runs, and a decode step neither better nor worse (+10/-18/+10 % against
++30/-13/+1 %: inside that load's noise), so one set prices both (docs/tensor_parallel.md). A TP size not measured is derived from the nearest measured one
 as a ring would scale: alpha and sync by (N - 1) / (M - 1) (2(N - 1) sequential messages; N - 1
 receivers), beta by ((N - 1) / N) / ((M - 1) / M) (each rank's share of the bytes). Without any
 measurement `DEFAULT_COLLECTIVES` stands in: TP 2 on the 2-core AMD EPYC of
