@@ -199,12 +199,14 @@ def load_fits(spec: DistServeSpec, model: ModelSpec) -> ModelFits:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object of models, got {type(data).__name__}")
     key = model_key(model, data)
     if key is None:
         raise ValueError(f"{path} has no fit for model {model.name!r} (it has: {', '.join(sorted(data))})")
     try:
         return ModelFits(key, {int(tp): StepFit.from_json(d) for tp, d in data[key].items()})
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed fit for {key} ({exc})") from exc
 
 
@@ -222,4 +224,8 @@ def load_capacities(path: Path, key: str) -> dict[tuple[int, int], int]:
     if not path.is_file():
         raise ValueError(f"{path} is missing (DistServe's K/V capacity per shape)")
     with path.open() as f:
-        return {(int(r["tp"]), int(r["pp"])): int(r["max_num_tokens"]) for r in csv.DictReader(f) if r["model"] == key}
+        try:
+            return {(int(r["tp"]), int(r["pp"])): int(r["max_num_tokens"]) for r in csv.DictReader(f) if r["model"] == key}
+        except (KeyError, TypeError, ValueError) as exc:  # a missing column, a short row, an empty number
+            raise ValueError(f"{path}: malformed memory table ({type(exc).__name__}: {exc}); "
+                             "expected columns model, tp, pp, max_num_tokens") from exc

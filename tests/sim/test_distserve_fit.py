@@ -112,3 +112,20 @@ def test_simulate_command_times_a_lone_prompt_with_the_fit(checkout, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["completed"] == 2
     assert report["mean_ttft_ms"] == pytest.approx(33.01, abs=1e-6)
+
+
+@pytest.mark.parametrize("profile,table,message", [
+    ([FIT], CAPACITY, "expected an object of models, got list"),
+    ({"facebook/opt-13b": [FIT]}, CAPACITY, "malformed fit for facebook/opt-13b"),
+    ({"facebook/opt-13b": {"1": FIT}}, "model,tp,max_num_tokens\nfacebook/opt-13b,1,5000\n", "malformed memory table \\(KeyError"),
+    ({"facebook/opt-13b": {"1": FIT}}, "model,tp,pp,max_num_tokens\nfacebook/opt-13b,1\n", "malformed memory table \\(TypeError"),
+    ({"facebook/opt-13b": {"1": FIT}}, "model,tp,pp,max_num_tokens\nfacebook/opt-13b,1,1,\n", "malformed memory table \\(ValueError"),
+])
+def test_malformed_files_give_a_value_error_naming_the_file(tmp_path, profile, table, message):
+    data = tmp_path / "simdistserve" / "estimators" / "profile_data"
+    data.mkdir(parents=True)
+    (data / "profiler-a100-80g.vllm.json").write_text(json.dumps(profile))
+    (data / "max_num_tokens.csv").write_text(table)
+    with pytest.raises(ValueError, match=message) as err:
+        distserve_family(DistServeSpec.parse(f"distserve:vllm:{tmp_path}"), load_model_spec("opt-13b"))
+    assert str(tmp_path) in str(err.value)
