@@ -3,6 +3,7 @@ leaves the creator's resource-tracker registration alone (no `KeyError` from the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -65,3 +66,23 @@ def test_attachers_leave_the_creators_tracker_entry_alone(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gone"
     assert "KeyError" not in done.stderr and "leaked" not in done.stderr, done.stderr
+
+
+_ATTACH_AND_EXIT = "import sys; from pdserve.shm import attach; seg = attach(sys.argv[1]); seg.buf[1] = 9; seg.close()"
+
+
+def test_an_independent_attacher_leaves_the_segment_when_it_exits():
+    """A process with its own resource tracker (a separately started worker) attaches, writes and
+    exits: the creator's segment and bytes are still there (a tracked attach unlinks it at exit)."""
+    owner = shared_memory.SharedMemory(name=f"pdt-{uuid.uuid4().hex[:12]}", create=True, size=4096)
+    try:
+        done = subprocess.run([sys.executable, "-c", _ATTACH_AND_EXIT, owner.name], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "leaked" not in done.stderr, done.stderr
+        assert os.path.exists("/dev/shm/" + owner.name) and owner.buf[1] == 9
+        again = attach(owner.name)  # still attachable by name
+        assert again.buf[1] == 9
+        again.close()
+    finally:
+        owner.close()
+        owner.unlink()
