@@ -37,6 +37,12 @@ from pdserve.engine.kv_abi import KvAbi
 Num = TypeVar("Num")  # float or numpy array; the formulas below work on both
 
 
+def prefill_line(overhead_s: Num, s_per_token: Num, compute_tokens: Num) -> Num:
+    """A prefill's seconds: its fixed cost plus its computed tokens at the per-token rate (scalars,
+    or [P] arrays of each prefill slot's own terms: `snapshot.prefill_coefficients`)."""
+    return overhead_s + compute_tokens * s_per_token
+
+
 @dataclass(frozen=True)
 class CostModel:
     prefill_s_per_token: float = 1.0e-4
@@ -137,7 +143,7 @@ class CostModel:
         return pending_prompt_tokens * self.prefill_s_per_token
 
     def prefill_s(self, compute_tokens: Num) -> Num:
-        return self.prefill_overhead_s + compute_tokens * self.prefill_s_per_token
+        return prefill_line(self.prefill_overhead_s, self.prefill_s_per_token, compute_tokens)
 
     def prefill_chunk_s(self, chunk_tokens: int, context_tokens: int) -> float:
         """One prefill step of `chunk_tokens` rows after `context_tokens` already in the sequence's

@@ -128,7 +128,8 @@ class FetchRunner:
 
     def terms(self, live, dest: str) -> FetchTerms:
         b = self.backend
-        req, cost = live.req, self.cost()
+        self.cost()  # refresh the measured placement rates (and the policy's copy)
+        req, cost = live.req, self.rates.cost(b.router.worker_cost(dest))  # the prefill saved is dest's, at its TP size
         keys = b._block_hashes(req.prompt_ids, req.params.tenant)
         held = {wid: b.router.kv_held(wid) for wid in b.registered}
         host = b.registered[dest].host_id

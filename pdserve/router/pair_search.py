@@ -19,7 +19,7 @@ import numpy as np
 
 from pdserve.router import demand, kernels
 from pdserve.router.choice import Hits, PolicyContext, Refusal
-from pdserve.router.cost import CostModel
+from pdserve.router.cost import CostModel, prefill_line
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.snapshot import Derived, Pool, Snapshot
 
@@ -127,7 +127,7 @@ def fastest_pair(
             request.prompt_tokens, bs, cost.kv_bytes_per_token, cost.kernel_coefficients,
         )  # fmt: skip
     overhead, rate = terms.prefill_coef  # [P] each: each slot's worker's own prefill terms (cost.prefill_s's form)
-    per_p = terms.queue_p + (overhead + demand.compute_tokens(request, p_hit, bs) * rate)  # [P]
+    per_p = terms.queue_p + prefill_line(overhead, rate, demand.compute_tokens(request, p_hit, bs))  # [P]
     if not admits_all(p_ok):
         per_p = np.where(p_ok, per_p, np.inf)
     admission_s = terms.admission_d  # [D]

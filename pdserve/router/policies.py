@@ -37,6 +37,7 @@ import numpy as np
 
 from pdserve.router import demand, kernels
 from pdserve.router.choice import Choice, Hits, Policy, PolicyContext, Refusal, hit_at, new_choice
+from pdserve.router.cost import prefill_line
 from pdserve.router.fetch_plan import fetch_credit
 from pdserve.router.messages import RouteRequest
 from pdserve.router.pair_search import (
@@ -165,7 +166,7 @@ def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext
         return refusal
     fetched = int(eff[p] - own[p])
     why = PrefixTerms(float(queue_p[p]), int(eff[p]), int(host_n[p]), float(host_s[p]), kv.host_copy_bytes_per_s,
-                      fetched, float(fetch_s[p]), float(overhead[p] + demand.compute_tokens(request, int(eff[p]), bs) * rate[p]),
+                      fetched, float(fetch_s[p]), float(prefill_line(overhead[p], rate[p], demand.compute_tokens(request, int(eff[p]), bs))),
                       float(ttft_s))
     return new_choice(p, p if snapshot.colocated else d, hit_at(p_hit, p), hit_at(d_hit, d), ttft_s, why)
 

@@ -44,7 +44,7 @@ class Members:
     role_epochs: tuple[int, ...]
     host_ids: tuple[str, ...]
     held_prefixes: tuple[Set[int], ...]  # live views of the K/V index's per-worker sets
-    tp_sizes: tuple[int, ...] = ()  # each worker's tensor-parallel size (what its terms are priced at)
+    tp_sizes: tuple[int, ...]  # each worker's tensor-parallel size (what its terms are priced at)
 
 
 @dataclass(frozen=True)
