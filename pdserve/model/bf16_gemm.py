@@ -33,6 +33,7 @@ PANEL = 16  # output columns per packed panel (csrc/bf16_gemm.c)
 # a panel's 16 bf16 values at one k hold columns (0, 8, 1, 9, ..., 7, 15): one 32-byte load widens
 # into columns 0-7 (even halves shifted up) and 8-15 (odd halves masked), no shuffle
 _LANE_COLUMNS = [c for pair in zip(range(8), range(8, 16)) for c in pair]
+_COLUMN_LANES = [_LANE_COLUMNS.index(c) for c in range(16)]  # the inverse: column c sits in lane _COLUMN_LANES[c]
 PARALLEL_WORK = 1 << 21  # rows * N * K below this run on the calling thread (a parallel region costs more)
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -79,6 +80,9 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     rows, k = x.shape
     if x.dtype != torch.bfloat16 or packed.shape[1] != k:
         raise ValueError(f"bf16_linear takes bf16 [T, {packed.shape[1]}] rows, got {x.dtype} {tuple(x.shape)}")
+    if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.shape[0] != -(-n // PANEL) \
+            or packed.shape[2] != PANEL:  # the kernel reads ceil(n / 16) whole panels
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} is not pack() of a weight of {n} rows")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=torch.bfloat16)  # [T, n]
@@ -95,15 +99,26 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack`: [ceil(n / 16), K, 16] -> the plain [n, K] weight (a new tensor)."""
+    panels = packed.transpose(1, 2)[:, _COLUMN_LANES]  # [P, 16, K] in column order
+    return panels.reshape(-1, packed.shape[1])[:n].contiguous()
+
+
 class KernelWeight:
-    """A bf16 weight [N, K] held plain (`weight`) and packed into 16-column panels for the kernel."""
+    """A bf16 weight [N, K] held only packed into 16-column panels for the kernel (one copy of
+    its bytes); `weight` rebuilds the plain tensor on demand (numerics.dense: rare, not per step)."""
 
     def __init__(self, weight: torch.Tensor):  # [N, K] bf16
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise TypeError(f"KernelWeight takes a 2-D bf16 weight, got {weight.dtype} {tuple(weight.shape)}")
-        self.weight = weight
+        self.n = weight.shape[0]
         self.packed = pack(weight.contiguous())  # [ceil(N / 16), K, 16]
+
+    @property
+    def weight(self) -> torch.Tensor:  # [N, K] bf16, unpacked
+        return unpack(self.packed, self.n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] bf16 -> [T, N] bf16."""
-        return bf16_linear(x, self.packed, self.weight.shape[0])
+        return bf16_linear(x, self.packed, self.n)

@@ -27,8 +27,9 @@ Contract:
   a BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
   tiles too, and if that fails the engine refuses
   to start in batch-invariant mode (`BatchInvarianceError`) rather than run silently inexact.
-- Without batch invariance, fp32 on one thread, products of 2-8 rows go through skinny.py's
-  kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row).
+- Without batch invariance ("fast"), fp32 on one thread, products of 2-8 rows go through skinny.py's
+  kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row);
+  on the AVX2 kind bf16 products keep the "kernel" plan (the faster product there too).
 """
 
 from __future__ import annotations

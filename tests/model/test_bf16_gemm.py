@@ -154,3 +154,12 @@ def test_the_engine_on_the_avx2_kind_runs_the_kernel_plan_exactly(tmp_path):
     out = subprocess.run([sys.executable, "-c", ENGINE_CHECK.format(dir=str(tmp_path))], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_weight_is_held_once_packed_and_unpacks_exactly():
+    w = _weight(37, 20)  # a partial last panel
+    kw = KernelWeight(w)
+    assert "weight" not in vars(kw)  # only the packed copy of the bytes is kept
+    assert torch.equal(kw.weight, w)  # rebuilt from the panels, bit for bit
+    with pytest.raises(ValueError, match="is not pack\\(\\) of a weight of 60 rows"):
+        bf16_gemm.bf16_linear(_weight(2, 20, seed=1), kw.packed, 60)  # would read past the panels

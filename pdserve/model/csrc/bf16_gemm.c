@@ -49,7 +49,8 @@ static inline float bf2f(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f2bf(float f) {  /* nearest even, as torch's float -> bfloat16 */
+static inline uint16_t f2bf(float f) {  /* nearest even, as torch's float -> bfloat16 for numbers;
+                                           a NaN stays a NaN with its own sign and payload, quieted */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
