@@ -45,9 +45,23 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=gen).tolist()
 
 
+def arm_order(n: int, r: int) -> list[int]:
+    """The order of n arms in repeat r: a Williams design (row 0 is 0, 1, n-1, 2, n-2, ..., row r
+    adds r mod n; with n odd, every other row reversed), so over n repeats (2n with n odd) each
+    arm runs right after every other arm equally often. A plain rotation keeps the cyclic order,
+    so every arm always follows the same neighbour (with pdserve, pdserve not invariant,
+    transformers and vLLM, the invariant arm followed vLLM in every timed repeat)."""
+    first = [0]
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    row = r // 2 if n % 2 else r
+    order = [(x + row) % n for x in first]
+    return order[::-1] if n % 2 and r % 2 else order
+
+
 def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict]:
     """Per arm: prefill and decode tokens/s, each repeat timing every arm back to back (see
-    bench_arms.py), `settle_s` apart, the order rotated by one arm per repeat (so no arm always
+    bench_arms.py), `settle_s` apart, in the order `arm_order` gives the repeat (so no arm always
     runs right after the same neighbour); the first repeat of each point warms up and is dropped."""
     def timed(call, *args) -> float:
         seconds = call(*args)
@@ -55,7 +69,7 @@ def interleaved_tok_s(arms: list, spec: BenchSpec, vocab: int) -> dict[str, dict
         return seconds
 
     def rotated(r: int) -> list:
-        return arms[r % len(arms):] + arms[:r % len(arms)]
+        return [arms[i] for i in arm_order(len(arms), r)]
 
     prefill = {arm.name: [] for arm in arms}
     for r, prompt in enumerate(_prompts(spec.repeats + 1, spec.prompt_len, vocab, 1)):

@@ -10,7 +10,7 @@ import sys
 from pdserve.cli import build_parser
 from pdserve.engine import vllm_peer
 from pdserve.engine.bench_arms import VllmArm
-from pdserve.engine.benchmark import BenchSpec, _prompts, interleaved_tok_s, ratios
+from pdserve.engine.benchmark import BenchSpec, _prompts, arm_order, interleaved_tok_s, ratios
 
 
 FAKE_PEER = """
@@ -96,6 +96,18 @@ class _FakeArm:
 
     def stop_decode(self):
         self.log.append((self.name, "stop", 0))
+
+
+def test_every_arm_follows_every_other_arm_equally_often():
+    """A rotation keeps the cyclic order (each arm always after the same one); the design balances it."""
+    for n in range(2, 7):
+        rows = [arm_order(n, r) for r in range(2 * n if n % 2 else n)]
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        follows = {}
+        for row in rows:
+            for before, after in zip(row, row[1:]):
+                follows[(before, after)] = follows.get((before, after), 0) + 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, (n, follows)
 
 
 def test_arms_are_timed_back_to_back_in_every_repeat_in_rotated_order():
