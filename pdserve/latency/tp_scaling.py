@@ -18,10 +18,9 @@ of the weights every row reads, `lm_head_share`; in prefill 0), and at least `ME
 rank 0's measured thread CPU time of a TP 2 step over a one-thread TP 1 step's (r = 2 x ratio - 1,
 capped at 1; scripts/tp_step_components.py, docs/tensor_parallel.md): prefill 128 and 512 tokens
 0.58 and 0.52 (r 0.16, 0.04: the step's host work is not divided), decode 4 x 256 and 16 x 512
-1.04 and 1.48 (r 1: rank 0 adds the step broadcast's pickling, the all_reduce calls' own CPU
-time and attention over padded K/V groups, which model/tp.py uses at TP > 1 because the in-place
-kernel reads only contiguous pools; together they cancel what the sharded products save; the
-first two are counted again, in part, by alpha and sync below). K is the step's all_reduce count
+0.89 and 0.80 (r 0.78, 0.59: rank 0 adds the step broadcast's pickling and the all_reduce calls'
+own CPU time, counted again, in part, by alpha and sync below; measured once TP decode read the
+pool in place, c9b3d9b: before, through padded groups, 1.04 and 1.48, r 1). K is the step's all_reduce count
 (one after each layer's o_proj and one after its down_proj), each of a [rows, d] partial of B = d x
 the compute dtype's bytes; alpha_N is gloo's per-call latency, beta_N its seconds per byte and
 sync_N rank 0's pickled broadcast of the step's rows to the followers (engine/tp_group.py), all
@@ -51,7 +50,7 @@ from pdserve.latency.tp_collectives import CollectiveCosts
 
 PHASES = ("prefill", "decode")
 # r's measured floor per phase on this engine (module docstring; AMD EPYC, 2 cores, the 107M, bf16)
-MEASURED_REPLICATED = {"prefill": 0.1, "decode": 1.0}
+MEASURED_REPLICATED = {"prefill": 0.1, "decode": 0.8}
 # TP 2, pinned, the 2-core AMD EPYC of docs/tensor_parallel.md (least burst mean of 7, load ~7)
 DEFAULT_COLLECTIVES = CollectiveCosts(tp=2, pinned=True, allreduce_s=1.6e-3, allreduce_s_per_byte=1.1e-9,
                                       step_sync_s=1.1e-3)
