@@ -22,10 +22,8 @@ into panels of 16 columns (`pack`: a second copy of the weight's bytes, as oneDN
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
-import torch.profiler
 
 from pdserve.model import ckernel
 
@@ -44,7 +42,6 @@ _library = ckernel.Binding("bf16_gemm", {
     "bf16_gemm_vector": (ctypes.c_int, []),
 })
 _bound = _library.bound  # the build for another -march (tests)
-_LOADED_PID = os.getpid()  # GNU OpenMP's thread pool does not survive fork()
 
 
 def available() -> bool:
@@ -70,7 +67,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def _threads(work: int) -> int:
     lib = _library()
-    if work < PARALLEL_WORK or not lib.bf16_gemm_openmp() or os.getpid() != _LOADED_PID:
+    if work < PARALLEL_WORK or not lib.bf16_gemm_openmp() or not ckernel.openmp_usable():
         return 1
     return torch.get_num_threads()
 
@@ -89,11 +86,7 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if rows == 0:
         return out
     call = (x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), n, out.data_ptr(), n, _threads(rows * n * k))
-    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # named in profiles; ~6 us a call otherwise
-        with torch.profiler.record_function("pdserve::bf16_gemm"):
-            status = _library().bf16_gemm(*call)
-    else:
-        status = _library().bf16_gemm(*call)
+    status = ckernel.named("pdserve::bf16_gemm", _library().bf16_gemm, *call)
     if status:
         raise MemoryError("bf16_gemm could not allocate its fp32 copy of the rows")
     return out

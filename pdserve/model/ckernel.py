@@ -15,6 +15,9 @@ AVX2 and FMA without AVX-512, to check that path on an AVX-512 machine; the kern
 kernel module holds its library: the build for the current target with its C signatures declared.
 -ffast-math is a compile-time flag only: linking a shared object with it would switch the whole
 process to flush-to-zero; `SOURCE_FLAGS` turns it off for sources that must round as written.
+Two rules every kernel call follows live here too: `openmp_usable()` (no OpenMP region in a
+forked child) and `named(label, fn, *args)` (a call named in torch.profiler traces only while a
+profiler runs).
 """
 
 from __future__ import annotations
@@ -28,7 +31,28 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+import torch.profiler
+
 from pdserve.model.cpu import cpu_report
+
+_LOADED_PID = os.getpid()  # GNU OpenMP's thread pool does not survive fork()
+
+
+def openmp_usable() -> bool:
+    """Whether a kernel may open an OpenMP parallel region in this process: not in a forked
+    child, where the runtime's inherited pool has no threads behind it and a region hangs
+    (torch's own parallel ops hang there too)."""
+    return os.getpid() == _LOADED_PID
+
+
+def named(label: str, fn, *args):
+    """fn(*args), shown as `label` in torch.profiler traces while a profiler runs (a
+    record_function costs ~6 us a call otherwise, so it is skipped then)."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        with torch.profiler.record_function(label):
+            return fn(*args)
+    return fn(*args)
 
 CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=gnu11")

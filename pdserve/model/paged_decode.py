@@ -41,7 +41,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.profiler
 
 from pdserve.model import ckernel
 
@@ -80,15 +79,12 @@ _executor: ThreadPoolExecutor | None = None
 _executor_key: tuple[int, int] = (0, 0)  # (pid, workers): a forked child must not reuse its parent's threads
 
 
-_LOADED_PID = os.getpid()  # GNU OpenMP's thread pool does not survive fork()
-
-
 def openmp() -> bool:
     """Whether the built kernel splits rows over OpenMP threads itself: not in a forked child,
     where the runtime's inherited pool has no threads behind it and a parallel region hangs
     (torch's own parallel ops hang there too; the Python-thread split still works)."""
     lib = _library()
-    return lib is not None and bool(lib.paged_decode_openmp()) and os.getpid() == _LOADED_PID
+    return lib is not None and bool(lib.paged_decode_openmp()) and ckernel.openmp_usable()
 
 
 def _run(calls: list[tuple]) -> None:
@@ -141,9 +137,5 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
             int(cache_k.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr())
     tail = (max_len, block_size, strides[0], strides[1], num_kv_heads, head_dim, num_q_heads, inner)
     calls = [(*head, cuts[k], cuts[k + 1], *tail) for k in range(len(cuts) - 1) if cuts[k + 1] > cuts[k]]
-    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # named in profiles; ~6 us a call otherwise
-        with torch.profiler.record_function("pdserve::paged_decode"):
-            _run(calls)
-    else:
-        _run(calls)
+    ckernel.named("pdserve::paged_decode", _run, calls)
     return out if out.dtype == q.dtype else out.to(q.dtype)
