@@ -56,7 +56,7 @@ class KvPool:
         elif shm_name is None:
             raw = np.zeros(self.shape, dtype=view_dtype)
         else:
-            # attached, not owned: the creator unlinks it (pdserve/shm.py keeps the tracker out of it)
+            # created here, or attached: not owned, the creator unlinks it (pdserve/shm.py keeps the tracker out)
             self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=self.nbytes) if create \
                 else attach(shm_name)
             raw = np.ndarray(self.shape, dtype=view_dtype, buffer=self._shm.buf)

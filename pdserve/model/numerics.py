@@ -132,7 +132,7 @@ class PairedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] -> [T, N]."""
         rows, k = x.shape
-        if rows >= ONE_ROW_AS:
+        if rows >= ONE_ROW_AS or rows == 0:  # no rows: nothing to pad with
             return _product(x, self.inner)
         if rows == 1:
             return _product(x.expand(ONE_ROW_AS, k), self.inner)[:1]  # the row repeated: one copy, no zeros

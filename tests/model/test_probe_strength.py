@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model import bf16_gemm
 from pdserve.model.numerics import ONE_ROW_AS, choose_plan, linear, prepare
 
 SHAPES = ((768, 512), (2816, 512), (512, 1408), (259, 512))  # the default tiny model's products
@@ -40,3 +41,8 @@ def test_the_paired_plan_runs_one_row_as_the_first_of_several():
         padded = torch.cat([few, few[:1].expand(ONE_ROW_AS - rows, 64)])
         got = linear(few, paired)
         assert got.shape == (rows, 96) and torch.equal(got, torch.nn.functional.linear(padded, w)[:rows])
+    for plan in ("paired", "native", "fast", "tiled", "kernel"):  # an empty step's product: [0, N], no padding
+        if plan == "kernel" and not bf16_gemm.vectorised():
+            continue
+        none = linear(many[:0], prepare(w, plan))
+        assert none.shape == (0, 96) and none.dtype == torch.bfloat16
