@@ -50,7 +50,8 @@ class KvRates:
         self.link_bytes_per_s: float | None = None
         self._overheads: deque[tuple[float, float]] = deque(maxlen=window)  # (observed at, seconds)
         self.host_copy_bytes_per_s: float | None = None
-        self._cached: tuple[CostModel, CostModel] | None = None  # (base, with the rates)
+        # id(base) -> (base, with the rates): the deployment's model and each TP size's (router/tp_pricing.py)
+        self._cached: dict[int, tuple[CostModel, CostModel]] = {}
 
     def _ewma(self, old: float | None, sample: float) -> float:
         return sample if old is None else old + self.weight * (sample - old)
@@ -58,7 +59,7 @@ class KvRates:
     def observe_link(self, nbytes: int, link_s: float) -> None:
         if nbytes > 0 and link_s > 0:
             self.link_bytes_per_s = self._ewma(self.link_bytes_per_s, nbytes / link_s)
-            self._cached = None
+            self._cached.clear()
 
     def observe_fetch(self, base: CostModel, nbytes: int, wall_s: float, same_host: bool) -> float | None:
         """Fold one landed fetch into the overhead; returns the sample (None: nothing moved)."""
@@ -67,7 +68,7 @@ class KvRates:
         link_only = replace(self.cost(base), fetch_overhead_s=0.0)
         sample = max(0.0, wall_s - float(link_only.fetch_s(nbytes, int(same_host))))
         self._overheads.append((self.clock(), sample))
-        self._cached = None
+        self._cached.clear()
         return sample
 
     @property
@@ -80,23 +81,26 @@ class KvRates:
         oldest = self.clock() - self.max_age_s
         while self._overheads and self._overheads[0][0] < oldest:
             self._overheads.popleft()
-            self._cached = None
+            self._cached.clear()
 
     def observe_host_copies(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0 and nbytes / seconds != self.host_copy_bytes_per_s:
             self.host_copy_bytes_per_s = nbytes / seconds
-            self._cached = None
+            self._cached.clear()
 
     def cost(self, base: CostModel) -> CostModel:
         self._age_out()
         if not base.fitted:
             return base
-        if self._cached is not None and self._cached[0] is base:
-            return self._cached[1]
+        hit = self._cached.get(id(base))
+        if hit is not None and hit[0] is base:
+            return hit[1]
         measured = {k: v for k, v in (("fetch_bytes_per_s", self.link_bytes_per_s), ("fetch_overhead_s", self.overhead_s),
                                       ("host_copy_bytes_per_s", self.host_copy_bytes_per_s)) if v is not None}
         cost = replace(base, **measured) if measured else base
-        self._cached = (base, cost)
+        if len(self._cached) >= 16:  # a few bases live at once; never let a stream of fresh ones pile up
+            self._cached.clear()
+        self._cached[id(base)] = (base, cost)
         return cost
 
     def trace_fields(self) -> dict:

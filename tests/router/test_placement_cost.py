@@ -116,6 +116,19 @@ def test_rates_measure_link_overhead_and_host_copies():
     assert (cost.prefill_s_per_token, cost.same_host_bytes_per_s) == (COST.prefill_s_per_token, COST.same_host_bytes_per_s)
 
 
+def test_rates_keep_one_model_per_base_until_a_rate_moves():
+    """The deployment's model and a TP worker's (a fetch prices at its destination's size) alternate
+    on the fetch path: each keeps its own measured copy, and a new measurement refreshes both."""
+    rates, other = KvRates(), replace(COST, prefill_s_per_token=5e-4)
+    rates.observe_link(16_000_000, 0.004)
+    mine, theirs = rates.cost(COST), rates.cost(other)
+    assert rates.cost(COST) is mine and rates.cost(other) is theirs  # no rebuild when they alternate
+    assert (mine.fetch_bytes_per_s, theirs.fetch_bytes_per_s, theirs.prefill_s_per_token) == (4e9, 4e9, 5e-4)
+    rates.observe_link(16_000_000, 0.008)  # 2 GB/s: the EWMA moves both copies
+    expected = pytest.approx(4e9 + rates.weight * (2e9 - 4e9))
+    assert rates.cost(COST).fetch_bytes_per_s == expected and rates.cost(other).fetch_bytes_per_s == expected
+
+
 def test_the_index_keeps_each_worker_s_host_tier_subset():
     index = KvIndex(max_entries=6)
     a, b, c, d = 11, 12, 13, 14
