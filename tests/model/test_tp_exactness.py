@@ -82,9 +82,13 @@ def test_tp2_greedy_tokens_match_transformers_generate(tmp_path, monkeypatch):
     kernel = paged_decode.decode_attention
     monkeypatch.setattr(paged_decode, "decode_attention", lambda q, *rest: calls.append(q.shape) or kernel(q, *rest))
     try:
-        assert not engine.runner.padded_groups
+        in_place = paged_decode.available()  # a C compiler built the kernel (else padded groups + SDPA, at any TP)
+        assert engine.runner.padded_groups == (not in_place)
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
-        assert len(calls) >= 2 * 23 and all(shape[1] == 2 for shape in calls)  # rank 0: 2 layers a step, its 2 heads
+        if in_place:  # rank 0: 2 layers a decode step, over its 2 query heads
+            assert len(calls) >= 2 * 23 and all(shape[1] == 2 for shape in calls)
+        else:
+            assert calls == []
         for prompt, out in zip(prompts, outs):
             with torch.no_grad():
                 ref = hf.generate(
