@@ -7,12 +7,16 @@ Contract:
   recomputing them. Compute set = the prompt's tokens past the longest reachable prefix; transfer
   set = the holder's blocks past the destination's own hit. Fetch seconds are the cost model's
   `fetch_s` over the path (bytes / measured link bandwidth + setup + the measured per-fetch
-  overhead, router/kv_rates.py); the prefill seconds saved are `prefill_s` of the tokens the
-  fetch covers. A fetch is planned only when it is faster, so a tiny prefix whose fixed
-  overhead outweighs its prefill is recomputed.
+  overhead, router/kv_rates.py); the prefill seconds saved are the destination's own prefill
+  (its worker's TP size: the caller passes that worker's cost model, `Router.worker_cost`) of
+  the tokens the fetch covers. A fetch is planned only when it is faster, so a tiny prefix whose
+  fixed overhead outweighs its prefill is recomputed, and so is one whose destination prefills
+  fast enough (a TP 2 worker) where a slower one (TP 1) would fetch it.
 - `fetch_credit` is the same decision for every slot of a pool at once (the prefix policy's
-  cost): per slot, the hit it would have after a worthwhile fetch and the fetch seconds it pays;
-  the reference test checks it against `plan_fetch` slot by slot.
+  cost): per slot, the hit it would have after a worthwhile fetch and the fetch seconds it pays,
+  each slot's saving at its own prefill terms (the snapshot's `Derived.prefill_coef`); the
+  reference test checks it against `plan_fetch` slot by slot, each slot's worker cost model in
+  hand. `fetch_gain` is the one formula of both.
 - Hits are in blocks and already capped to what the engine can reuse (the prompt's last token is
   always computed). Block hashes are tenant-rooted, so a holder is always of the same tenant.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.router.cost import CostModel
+from pdserve.router.cost import CostModel, prefill_line
 
 FETCH, LOCAL, RECOMPUTE = "fetch", "local", "recompute"
 
@@ -61,15 +65,18 @@ def leading_run(keys: Sequence[int], held: Container[int]) -> int:
     return n
 
 
-def fetch_gain(cost: CostModel, local_blocks, remote_blocks, same_host) -> tuple:
+def fetch_gain(cost: CostModel, local_blocks, remote_blocks, same_host, prefill=None) -> tuple:
     """(fetch bytes, fetch seconds, prefill seconds saved) for fetching remote - local blocks;
-    floats or numpy arrays alike (one formula for both callers)."""
+    floats or numpy arrays alike (one formula for both callers). `prefill`: the destination's
+    (prefill_overhead_s, prefill_s_per_token), scalars or [N] arrays of each destination's own
+    (its TP size's); None: `cost`'s. The fetch terms are always `cost`'s (the measured link)."""
+    overhead, per_token = (cost.prefill_overhead_s, cost.prefill_s_per_token) if prefill is None else prefill
     blocks = np.maximum(remote_blocks - local_blocks, 0)
     same_host = np.asarray(same_host, dtype=np.int64)  # 0/1: the cost model's path arithmetic
     tokens = blocks * cost.block_size_tokens
     nbytes = tokens * cost.kv_bytes_per_token
     fetch_s = cost.fetch_s(nbytes, same_host)
-    saved_s = (cost.prefill_s(tokens) - cost.prefill_s(0)) * (blocks > 0)
+    saved_s = (prefill_line(overhead, per_token, tokens) - prefill_line(overhead, per_token, 0)) * (blocks > 0)
     return nbytes, fetch_s, saved_s
 
 
@@ -92,11 +99,15 @@ def plan_fetch(dest: str, keys: Sequence[int], held_by: Mapping[str, Container[i
     return FetchTerms(decision, holder, local, best, int(nbytes), float(fetch_s), float(saved_s))
 
 
-def fetch_credit(cost: CostModel, own: np.ndarray, best: int, same_host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fetch_credit(cost: CostModel, own: np.ndarray, best: int, same_host: np.ndarray,
+                 prefill_coef: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per slot [N]: (hit blocks after a worthwhile fetch of the `best` reachable prefix, fetch
     seconds paid). `own` [N] is each slot's own usable hit, `same_host` [N] whether the holder of
-    `best` shares its host. A slot that holds `best` itself, or for which fetching does not beat
-    recomputing, keeps its own hit and pays nothing."""
-    _, fetch_s, saved_s = fetch_gain(cost, own, best, same_host)
+    `best` shares its host, `prefill_coef` [2, N] each slot's own (prefill_overhead_s,
+    prefill_s_per_token) (its worker's TP size). A slot that holds `best` itself, or for which
+    fetching does not beat recomputing at its own prefill price, keeps its own hit and pays nothing."""
+    if np.shape(prefill_coef) != (2, len(own)):
+        raise ValueError(f"prefill_coef must be [2, {len(own)}] (one column per slot), got {np.shape(prefill_coef)}")
+    _, fetch_s, saved_s = fetch_gain(cost, own, best, same_host, (prefill_coef[0], prefill_coef[1]))
     worth = fetch_s < saved_s
     return np.where(worth, best, own), np.where(worth, fetch_s, 0.0)

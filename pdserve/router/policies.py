@@ -137,7 +137,8 @@ def _prefix_fused(
 def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
     """The prefix policy with placement costs (Mooncake): a prefill slot's cost is its queue + the
     promotion of its hit's host-tier blocks + (K/V sharing) the fetch of the longest reachable
-    prefix it lacks (fetch_plan.fetch_credit: only when that beats recomputing it) + the prefill
+    prefix it lacks (fetch_plan.fetch_credit: only when that beats recomputing it at the slot's
+    own prefill terms, its worker's TP size) + the prefill
     of the rest (+ transfer and admission at D). Capacity and the plan's holds count the slot's
     own hit only: fetched blocks take room like computed ones."""
     p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
@@ -152,7 +153,7 @@ def _prefix_priced(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext
     own = p_hit if isinstance(p_hit, np.ndarray) else zero_hits(len(snapshot.prefill))
     eff, fetch_s = own, np.zeros(len(own))
     if ctx.kv_sharing:
-        eff, fetch_s = fetch_credit(kv, own, *_best_holder(snapshot, request, own, d_hit, bs))
+        eff, fetch_s = fetch_credit(kv, own, *_best_holder(snapshot, request, own, d_hit, bs), terms.prefill_coef)
     host_n = zero_hits(len(own))
     if ctx.host_held is not None:
         host_n = host_blocks(request.block_hashes, own, snapshot.prefill.worker_ids, ctx.host_held)

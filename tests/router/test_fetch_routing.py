@@ -14,6 +14,7 @@ from pdserve.router.cost import CostModel
 from pdserve.router.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, leading_run, plan_fetch
 from pdserve.router.messages import RouteRequest
 from pdserve.router.policies import Choice, PolicyContext, prefix_aware
+from pdserve.router.snapshot import prefill_coefficients
 from pdserve.router.synthetic import chain
 
 # 1 ms per prompt token, 1 MB of K/V per token, 2 GB/s on a host, 100 MB/s across, no overheads
@@ -102,5 +103,6 @@ def _reference_at(snapshot, held, hosts, slot):
 
 def test_fetch_credit_is_plan_fetch_per_slot():
     own = __import__("numpy").array([0, 3, 8, 5])
-    eff, fetch_s = fetch_credit(COST, own, 8, __import__("numpy").array([1, 0, 1, 1]))
+    coef = prefill_coefficients([COST] * 4)  # every slot at COST's prefill terms
+    eff, fetch_s = fetch_credit(COST, own, 8, __import__("numpy").array([1, 0, 1, 1]), coef)
     assert list(eff) == [8, 3, 8, 8] and list(fetch_s) == pytest.approx([0.064, 0.0, 0.0, 0.024])
