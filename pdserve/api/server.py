@@ -161,7 +161,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
                              lease_renew_s=config.lease_s / 3, restarts=config.restart.enabled, kv_sharing=config.kv_sharing)
     if config.prefill_runahead >= 2:
         backend.runahead = make_runahead(config.prefill_runahead, config.runahead_min_tokens, model_dir, config.engine,
-                                         backend.router.config.cost, config.pd_profile, backend.metrics.registry)
+                                         backend.router.config.pricing, config.pd_profile, backend.metrics.registry)
     backend.on_role_changed = launcher.note_role
     backend.on_key_rotated = launcher.note_key
     backend.tetri = TetriRuntime(backend, reserve)

@@ -4,9 +4,11 @@ Contract: `Runahead.start(backend, live, plan, transfer, grant)` runs inside the
 of a disaggregated request, after the decode worker's reservation and the handoff plan exist.
 When the prompt has at least `min_tokens` tokens (n = 1, no prompt logprobs, never after a
 fallback) and K - 1 other live prefill workers exist, it
-  1. cuts the prompt with the cached partition search (router/runahead_plan.py);
-  2. orders the chain: the K - 1 least loaded other prefill workers, then the policy's prefill
+  1. orders the chain: the K - 1 least loaded other prefill workers, then the policy's prefill
      worker (it holds the route's staging hold and sends the complete K/V to the decode worker);
+  2. cuts the prompt with the cached partition search (router/runahead_plan.py), each stage's
+     chunks priced at its worker's registered TP size (`chunk_pricing`; cached per tuple of
+     stage sizes);
   3. reserves each later stage's prefix (ReserveKv with `chain_start`, all at once) and answers
      False, leaving the ordinary single-worker prefill to the caller, if any refuses;
   4. sends every stage its Prefill: prompt up to its end, a plan (capability-signed, like any
@@ -25,13 +27,14 @@ one worker (a recompute under a fresh engine id), never answered from a broken c
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import Counter
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router import recovery
-from pdserve.router.runahead_plan import PartitionCache
+from pdserve.router.runahead_plan import ChainCaches, ChunkCost
+from pdserve.router.tp_pricing import TpPricing, measured_tp
 from pdserve.workers import messages as m
 
 FAILED = "runahead_failed"
@@ -50,7 +53,7 @@ class Runahead:
     k: int
     min_tokens: int
     chunk_tokens: int
-    cache: PartitionCache
+    caches: ChainCaches  # searched partitions per tuple of stage TP sizes
     registry: object = None  # the backend's metrics registry
     chains: dict[str, Chain] = field(default_factory=dict)  # request id -> its chain, until the first token
     disabled: set[str] = field(default_factory=set)  # requests that fell back: never chained again
@@ -71,11 +74,10 @@ class Runahead:
         self._prune(backend)
         if not self.eligible(live):
             return False
-        others = _chain_workers(backend, plan.prefill_id, self.k - 1)
-        partition = self.cache.partition(len(live.req.prompt_ids), self.chunk_tokens) if others else None
-        if partition is None:
+        chain = self.plan_chain(backend, plan.prefill_id, len(live.req.prompt_ids))
+        if chain is None:
             return False
-        workers = (*others, plan.prefill_id)
+        workers, partition = chain
         ends = [sum(partition[: i + 1]) for i in range(len(partition))]
         reserved = await self._reserve_links(backend, live, workers, ends)
         if reserved is None:
@@ -88,6 +90,17 @@ class Runahead:
         self.counter.labels("chained").inc()
         await self._send_stages(backend, live, workers, ends, reserved, transfer, grant)
         return True
+
+    def plan_chain(self, backend, prefill_id: str, num_tokens: int) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+        """(stage workers, partition) of a chain ending at `prefill_id`, each stage priced at its
+        worker's registered TP size; None: too few other workers, or too few chunks."""
+        others = _chain_workers(backend, prefill_id, self.k - 1)
+        if not others:
+            return None
+        workers = (*others, prefill_id)
+        tps = tuple(backend.registered[wid].tp for wid in workers)
+        partition = self.caches.partition(num_tokens, self.chunk_tokens, tps)
+        return None if partition is None else (workers, partition)
 
     def _link_id(self, live, stage: int) -> str:
         return f"{live.transfer_id}/ra{stage}"
@@ -203,13 +216,31 @@ def _chain_workers(backend, exclude: str, count: int) -> tuple[str, ...]:
     return tuple(ready[:count]) if len(ready) >= count else ()
 
 
-def make_runahead(k: int, min_tokens: int, model_dir, engine, cost, profile_path: str | None, registry,
+def chunk_pricing(pricing: TpPricing, profile: dict | None):
+    """tp -> a chain stage's `ChunkCost` at that TP size, by the router's own formula (`TpPricing`,
+    latency/tp_scaling.py): the prefill terms of `pricing.worker(tp)` (affine: no attention term);
+    with a `pdserve profile` fit, its raw a + b*rows + c*pairs priced by the same scaling from the
+    TP size it was measured at (at that size, the raw terms as measured)."""
+    fit = pricing
+    if profile is not None:
+        a, b, c = (float(x) for x in profile["prefill_coef"])
+        raw = replace(pricing.base, prefill_overhead_s=a, prefill_s_per_token=b, prefill_s_per_pair=c)
+        fit = TpPricing(raw, pricing.scaling, measured_tp(profile))
+
+    def at(tp: int) -> ChunkCost:
+        cost = fit.worker(tp)
+        return ChunkCost(cost.prefill_overhead_s, cost.prefill_s_per_token, cost.prefill_s_per_pair if profile else 0.0)
+    return at
+
+
+def make_runahead(k: int, min_tokens: int, model_dir, engine, pricing: TpPricing, profile_path: str | None, registry,
                   cache_root=None) -> Runahead:
-    """The router's chain runner for `--prefill-runahead k`. The partition search prices chunks
-    with a `pdserve profile` fit when `--pd-profile FILE` names one (its a + b*rows + c*pairs),
-    else with the router's affine prefill cost (no attention term: the search balances rows),
-    and links with its same-host transfer cost. Cache key: the checkpoint hash, k, the dtype
-    (storage and compute) and the CPU kind; on disk under `$PDSERVE_CACHE` (~/.cache/pdserve)."""
+    """The router's chain runner for `--prefill-runahead k`. The partition search prices each
+    stage's chunks at its worker's TP size (`chunk_pricing`): with the `pdserve profile` fit
+    `--pd-profile FILE` names (its a + b*rows + c*pairs), else with the router's affine prefill
+    cost (no attention term: the search balances rows); links with its same-host transfer cost.
+    Cache key: the checkpoint hash, k, the stages' TP sizes, the dtype (storage and compute) and
+    the CPU kind; on disk under `$PDSERVE_CACHE` (~/.cache/pdserve)."""
     import json
     from pathlib import Path
 
@@ -217,15 +248,16 @@ def make_runahead(k: int, min_tokens: int, model_dir, engine, cost, profile_path
     from pdserve.model.cpu import cpu_report
     from pdserve.model.default import default_cache_root
     from pdserve.model.loader import checkpoint_hash
-    from pdserve.router.runahead_plan import ChunkCost, LinkCost, RunaheadKey
+    from pdserve.router.runahead_plan import LinkCost, RunaheadKey
 
     mc = load_config(model_dir)
     dtype = engine.dtype if engine.compute_dtype in (None, engine.dtype) else f"{engine.dtype}-{engine.compute_dtype}"
-    key = RunaheadKey(checkpoint_hash(model_dir), k, dtype, cpu_report()["kind"])
-    chunk = ChunkCost(cost.prefill_overhead_s, cost.prefill_s_per_token)
+    key = RunaheadKey(checkpoint_hash(model_dir), k, dtype, cpu_report()["kind"], (1,) * k)  # tps: per chain
+    profile = None
     if profile_path and profile_path not in ("auto", "none"):
-        chunk = ChunkCost(*(float(x) for x in json.loads(Path(profile_path).read_text())["prefill_coef"]))
+        profile = json.loads(Path(profile_path).read_text())
+    cost = pricing.base  # the transfer terms: the same at every TP size
     link = LinkCost(cost.transfer_overhead_s, cost.same_host_bytes_per_s, cost.kv_bytes_per_token // mc.num_layers)
     root = Path(cache_root) if cache_root is not None else default_cache_root().parent
-    cache = PartitionCache(key, root, chunk, link, mc.num_layers)
-    return Runahead(k, min_tokens, engine.max_num_batched_tokens, cache, registry)
+    caches = ChainCaches(key, root, chunk_pricing(pricing, profile), link, mc.num_layers)
+    return Runahead(k, min_tokens, engine.max_num_batched_tokens, caches, registry)

@@ -7,17 +7,22 @@ Contract (pure, no I/O but `PartitionCache`'s file):
   partition may end on a partial chunk; every partition holds at least one chunk.
 - Cost of one chunk is the `pdserve profile` prefill form a + b*rows + c*causal pairs, the pairs
   from the ledger's `triangular_work` over the prompt's chunks (spec 0x0CA); a chunk's layers take
-  equal shares of it.
+  equal shares of it. Each stage prices its chunks with its own `ChunkCost` (its worker's TP
+  size: a chain of a TP 2 and a TP 1 worker is searched with both prices; one `ChunkCost` stands
+  for every stage); the single-worker time is the last stage's (the route's prefill worker).
 - Critical path (`chain_finish_s`): worker i starts layer l of its first chunk once that layer of
   the prefix (S_{i-1} rows, the ledger's `prefix_sums_sent`) has arrived: the predecessor's last
   chunk finished layer l, plus the link's per-layer time (overhead + S rows x bytes per layer
   token / bandwidth). Later chunks of a worker follow its first, whole. The chain's finish is the
   last worker's.
-- `search_partition` tries every composition of the prompt's chunks into K parts and keeps the
-  smallest finish (ties: the first in lexicographic order), or an equal split when the prompt has
-  too few chunks. `PartitionCache` keeps results per `RunaheadKey` (model hash, K, dtype, CPU
-  kind) in memory and in `<cache root>/runahead/<key>.json`, entries keyed "C:tokens"; the file
-  also records the chunk and link costs searched with, and another cost model starts it afresh.
+- `search_partition` tries every composition of the prompt's chunks into K parts (the first
+  `MAX_CANDIDATES`) and keeps the smallest finish (ties: the first in lexicographic order); None
+  when the prompt has fewer than K chunks. `PartitionCache` keeps results per `RunaheadKey`
+  (model hash, K, the stages' TP sizes in chain order, dtype, CPU kind) in memory and in
+  `<cache root>/runahead/<key>.json`, entries keyed "C:tokens"; the file also records the
+  stages' chunk costs and the link cost searched with, and another cost model starts it afresh.
+  `ChainCaches` holds one per tuple of stage TP sizes, so a (2, 1) chain never reuses a (1, 1)
+  chain's partition. A stage count that is not K, or a TP size below 1, raises ValueError.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import itertools
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pdserve.ledger.runahead import prefix_sums_sent, triangular_work
@@ -71,9 +77,28 @@ class RunaheadKey:
     k: int
     dtype: str
     cpu_kind: str
+    tps: tuple[int, ...]  # each stage's TP size, in chain order (k of them)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tps", tuple(self.tps))
+        if len(self.tps) != self.k:
+            raise ValueError(f"a K = {self.k} chain needs {self.k} stage TP sizes, got {self.tps}")
+        if any(not isinstance(tp, int) or tp < 1 for tp in self.tps):
+            raise ValueError(f"stage TP sizes must be integers >= 1, got {self.tps}")
 
     def file_name(self) -> str:
-        return f"{self.model_hash[:16]}-k{self.k}-{self.dtype}-{self.cpu_kind}.json"
+        sizes = "x".join(str(tp) for tp in self.tps)
+        return f"{self.model_hash[:16]}-k{self.k}-tp{sizes}-{self.dtype}-{self.cpu_kind}.json"
+
+
+def stage_costs(cost: ChunkCost | Sequence[ChunkCost], k: int) -> tuple[ChunkCost, ...]:
+    """One `ChunkCost` per stage: `cost` for each of the k, or the k given (else ValueError)."""
+    if isinstance(cost, ChunkCost):
+        return (cost,) * k
+    costs = tuple(cost)
+    if len(costs) != k or not all(isinstance(c, ChunkCost) for c in costs):
+        raise ValueError(f"need one ChunkCost per stage ({k}), got {len(costs)}")
+    return costs
 
 
 def prompt_chunks(num_tokens: int, chunk_tokens: int) -> list[int]:
@@ -82,18 +107,18 @@ def prompt_chunks(num_tokens: int, chunk_tokens: int) -> list[int]:
     return [chunk_tokens] * full + ([rest] if rest else [])
 
 
-def chain_finish_s(partition: tuple[int, ...], chunk_tokens: int, num_layers: int, cost: ChunkCost,
-                   link: LinkCost) -> float:
-    """The critical path of `partition` (see the module contract)."""
+def chain_finish_s(partition: tuple[int, ...], chunk_tokens: int, num_layers: int,
+                   cost: ChunkCost | Sequence[ChunkCost], link: LinkCost) -> float:
+    """The critical path of `partition` (see the module contract); `cost`: one per stage, or one for all."""
+    costs = stage_costs(cost, len(partition))
     chunks = prompt_chunks(sum(partition), chunk_tokens)
     pairs = triangular_work(chunks)  # causal pairs of each chunk, after the rows before it
-    secs = [cost.chunk_s(rows, p) for rows, p in zip(chunks, pairs)]
     sent = prefix_sums_sent(partition) if len(partition) > 1 else []
     arrive = [0.0] * num_layers  # when layer l of this worker's prefix is here
     first, finish = 0, 0.0
     for i, rows in enumerate(partition):
         count = len(prompt_chunks(rows, chunk_tokens))
-        mine = secs[first:first + count]
+        mine = [costs[i].chunk_s(r, p) for r, p in zip(chunks[first:first + count], pairs[first:first + count])]
         first += count
         tau = mine[0] / num_layers
         end = 0.0
@@ -127,19 +152,21 @@ def _tokens(counts: tuple[int, ...], chunks: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def search_partition(num_tokens: int, k: int, chunk_tokens: int, num_layers: int, cost: ChunkCost,
-                     link: LinkCost) -> RunaheadPlan | None:
-    """The best partition on the chunk grid, or None when the prompt has fewer than k chunks."""
+def search_partition(num_tokens: int, k: int, chunk_tokens: int, num_layers: int,
+                     cost: ChunkCost | Sequence[ChunkCost], link: LinkCost) -> RunaheadPlan | None:
+    """The best partition on the chunk grid, or None when the prompt has fewer than k chunks;
+    `cost`: each stage's chunk cost in chain order (or one for all)."""
+    costs = stage_costs(cost, k)
     chunks = prompt_chunks(num_tokens, chunk_tokens)
     if k < 2 or len(chunks) < k:
         return None
-    single = chain_finish_s((num_tokens,), chunk_tokens, num_layers, cost, link)
+    single = chain_finish_s((num_tokens,), chunk_tokens, num_layers, costs[-1], link)  # the route's worker alone
     best: tuple[float, tuple[int, ...]] | None = None
     for n, counts in enumerate(compositions(len(chunks), k)):
         if n >= MAX_CANDIDATES:
             break
         part = _tokens(counts, chunks)
-        finish = chain_finish_s(part, chunk_tokens, num_layers, cost, link)
+        finish = chain_finish_s(part, chunk_tokens, num_layers, costs, link)
         if best is None or finish < best[0]:
             best = (finish, part)
     return RunaheadPlan(best[1], best[0], single)
@@ -148,12 +175,14 @@ def search_partition(num_tokens: int, k: int, chunk_tokens: int, num_layers: int
 class PartitionCache:
     """Searched partitions per `RunaheadKey`, in memory and (when `root` is set) on disk.
 
-    The file holds {"key": ..., "cost": ..., "link": ..., "partitions": {"C:tokens": [n_0, ...]}};
-    its entries are used when key and costs match (searched on this model, K, dtype and CPU kind
-    with these costs); otherwise they are searched again and the file rewritten."""
+    The file holds {"key": ..., "costs": [per stage], "link": ..., "partitions": {"C:tokens":
+    [n_0, ...]}}; its entries are used when key and costs match (searched on this model, K, stage
+    TP sizes, dtype and CPU kind with these costs); otherwise they are searched again and the
+    file rewritten. `cost`: each stage's chunk cost in chain order, or one for all."""
 
-    def __init__(self, key: RunaheadKey, root: Path | None, cost: ChunkCost, link: LinkCost, num_layers: int):
-        self.key, self.cost, self.link, self.num_layers = key, cost, link, num_layers
+    def __init__(self, key: RunaheadKey, root: Path | None, cost: ChunkCost | Sequence[ChunkCost], link: LinkCost,
+                 num_layers: int):
+        self.key, self.costs, self.link, self.num_layers = key, stage_costs(cost, key.k), link, num_layers
         self.path = None if root is None else Path(root) / "runahead" / key.file_name()
         self.entries: dict[str, tuple[int, ...]] = {}
         self.num_searches = 0
@@ -161,17 +190,22 @@ class PartitionCache:
         if self.path is not None and self.path.is_file():
             try:
                 stored = json.loads(self.path.read_text())
-                if (stored.get("key"), stored.get("cost"), stored.get("link")) == (asdict(key), asdict(cost), asdict(link)):
+                if {name: stored.get(name) for name in ("key", "costs", "link")} == self._header():
                     self.entries = {k: tuple(v) for k, v in stored.get("partitions", {}).items()}
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 self.entries = {}
+
+    def _header(self) -> dict:
+        """What a stored file must match, as JSON reads it back (tuples as lists)."""
+        header = {"key": asdict(self.key), "costs": [asdict(c) for c in self.costs], "link": asdict(self.link)}
+        return json.loads(json.dumps(header))
 
     def partition(self, num_tokens: int, chunk_tokens: int) -> tuple[int, ...] | None:
         name = f"{chunk_tokens}:{num_tokens}"
         with self._lock:
             if name in self.entries:
                 return self.entries[name] or None
-        plan = search_partition(num_tokens, self.key.k, chunk_tokens, self.num_layers, self.cost, self.link)
+        plan = search_partition(num_tokens, self.key.k, chunk_tokens, self.num_layers, self.costs, self.link)
         with self._lock:
             self.num_searches += 1
             self.entries[name] = plan.partition if plan else ()
@@ -183,10 +217,35 @@ class PartitionCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            body = {"key": asdict(self.key), "cost": asdict(self.cost), "link": asdict(self.link),
-                    "partitions": {k: list(v) for k, v in sorted(self.entries.items())}}
+            body = {**self._header(), "partitions": {k: list(v) for k, v in sorted(self.entries.items())}}
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(body, indent=1) + "\n")
             os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only cache root: the in-memory entries still serve
+
+
+class ChainCaches:
+    """One `PartitionCache` per tuple of stage TP sizes: a chain is searched with each stage's
+    `stage_cost(tp)` under `key` with those sizes (its own file), so chains of different sizes
+    never share a partition. `key`'s own `tps` is a template (only its other fields are used)."""
+
+    def __init__(self, key: RunaheadKey, root: Path | None, stage_cost: Callable[[int], ChunkCost], link: LinkCost,
+                 num_layers: int):
+        self.key, self.root, self.stage_cost, self.link, self.num_layers = key, root, stage_cost, link, num_layers
+        self.caches: dict[tuple[int, ...], PartitionCache] = {}
+        self._lock = threading.Lock()
+
+    def cache(self, tps: Sequence[int]) -> PartitionCache:
+        """The cache of chains whose stages run at `tps` (chain order; K of them, each >= 1)."""
+        tps = tuple(tps)
+        with self._lock:
+            found = self.caches.get(tps)
+            if found is None:
+                key = replace(self.key, tps=tps)  # checks the count and the sizes before any is priced
+                costs = tuple(self.stage_cost(tp) for tp in tps)
+                found = self.caches[tps] = PartitionCache(key, self.root, costs, self.link, self.num_layers)
+        return found
+
+    def partition(self, num_tokens: int, chunk_tokens: int, tps: Sequence[int]) -> tuple[int, ...] | None:
+        return self.cache(tps).partition(num_tokens, chunk_tokens)

@@ -54,17 +54,18 @@ def test_search_needs_a_chunk_per_worker():
 
 
 def test_cache_is_keyed_and_persisted(tmp_path):
-    key = RunaheadKey("abc123", 2, "float32", "avx512")
+    key = RunaheadKey("abc123", 2, "float32", "avx512", (1, 1))
     cache = PartitionCache(key, tmp_path, PAIRS, FREE_LINK, 2)
     assert cache.partition(12, 4) == (8, 4)
     assert cache.partition(12, 4) == (8, 4) and cache.num_searches == 1
     assert cache.partition(8, 8) is None  # one chunk: no chain
     stored = json.loads((tmp_path / "runahead" / key.file_name()).read_text())
-    assert stored["key"] == {"model_hash": "abc123", "k": 2, "dtype": "float32", "cpu_kind": "avx512"}
+    assert stored["key"] == {"model_hash": "abc123", "k": 2, "dtype": "float32", "cpu_kind": "avx512", "tps": [1, 1]}
+    assert stored["costs"] == [{"overhead_s": 0.0, "s_per_row": 1.0, "s_per_pair": 0.25}] * 2  # one per stage
     assert stored["partitions"] == {"4:12": [8, 4], "8:8": []}
     again = PartitionCache(key, tmp_path, PAIRS, FREE_LINK, 2)  # a later process: no search
     assert again.partition(12, 4) == (8, 4) and again.num_searches == 0
     refit = PartitionCache(key, tmp_path, ROWS, FREE_LINK, 2)  # another cost model: searched again
     assert refit.partition(12, 4) == (4, 8) and refit.num_searches == 1
-    other = PartitionCache(RunaheadKey("abc123", 3, "float32", "avx512"), tmp_path, PAIRS, FREE_LINK, 2)
+    other = PartitionCache(RunaheadKey("abc123", 3, "float32", "avx512", (1, 1, 1)), tmp_path, PAIRS, FREE_LINK, 2)
     assert other.partition(12, 4) == (4, 4, 4) and other.num_searches == 1
