@@ -7,7 +7,9 @@ shared memory) and joins a gloo process group on 127.0.0.1. Every step, `TpLeade
 broadcasts the step's rows (token ids, positions, attention metadata, logits rows) and then runs
 rank 0's shard; the followers run theirs on the same rows, so the row-parallel all_reduces pair
 up. Scheduling needs nothing else from the followers: the engine's state is on rank 0 only, and
-every rank writes its own K/V heads into the one shared logical pool.
+every rank writes its own K/V heads into the one shared logical pool. `TpLeader.tally` counts
+rank 0's seconds in each step's broadcast and all_reduces per phase (engine/tp_tally.py), which
+the worker's heartbeat reports.
 
 Placement: rank r is pinned to core `cores[r % len(cores)]` with one torch thread (`pin_rank`).
 Lifetime: a follower asks the kernel for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG,
@@ -22,6 +24,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +34,7 @@ import torch.multiprocessing as mp
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
+from pdserve.engine.tp_tally import CollectiveTally
 from pdserve.model.config import load_config
 from pdserve.model.loader import load_state_dict
 from pdserve.model.numerics import resolve_compute_dtype
@@ -122,6 +126,7 @@ class TpLeader:
         self.procs = procs
         self.closed = False
         self.owns_pool = False  # the engine made the shared pool only for this group
+        self.tally = CollectiveTally()  # rank 0's collective seconds per phase, for the heartbeat (tp_tally.py)
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["shard"], name)
@@ -132,8 +137,13 @@ class TpLeader:
         runs on rank 0 only, after layer i's attention and before its MLP: no follower passes layer
         i's down_proj all_reduce until it returns, so a hook that waits for K/V to land (a
         KV-Runahead stage's next prefix layer) also holds back the followers' next layer."""
+        t0 = time.perf_counter()
         dist.broadcast_object_list([(token_ids, positions, meta, logits_rows)], src=0)
-        return self.shard.forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
+        broadcast_s, reduce_s = time.perf_counter() - t0, self.shard.reduce_s
+        logits = self.shard.forward(token_ids, positions, meta, kv, logits_rows, layer_hook)
+        phase = "prefill" if meta.prefills else "decode"
+        self.tally.add(phase, int(token_ids.shape[0]), self.shard.reduce_s - reduce_s, broadcast_s)
+        return logits
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop and join the followers (idempotent); a group a follower already left is torn down

@@ -36,7 +36,9 @@ receivers), beta by ((N - 1) / N) / ((M - 1) / M) (each rank's share of the byte
 measurement `DEFAULT_COLLECTIVES` stands in: TP 2 on the 2-core AMD EPYC of
 docs/tensor_parallel.md, pinned, as measured there. On a core that another process also wants,
 every message waits for the partner's time slice, so alpha is milliseconds, not microseconds:
-that, not bandwidth, is what a short decode step pays.
+that, not bandwidth, is what a short decode step pays. A served worker's own steps can stand in for
+the measurement at its size: `price(..., live=costs)` takes the alpha, beta and sync its rank 0
+shows live (router/live_collectives.py fits them from its heartbeats), by the same formula.
 
 The planner's GPU models (latency/roofline.py, latency/aic.py) price a tp x pp instance of a GPU
 from hardware rates; this one prices our CPU engine's ranks relative to a measured profile.
@@ -123,21 +125,25 @@ class TpScaling:
         known = self.collectives or (DEFAULT_COLLECTIVES,)
         return ring_costs(min(known, key=lambda c: (abs(c.tp - tp), c.tp)).engine_shaped(), tp)
 
-    def overhead(self, tp: int) -> StepPrice:
-        """o(tp, rows) as (fixed_s, per_row_s); zero at TP 1."""
+    def overhead(self, tp: int, costs: CollectiveCosts | None = None) -> StepPrice:
+        """o(tp, rows) as (fixed_s, per_row_s); zero at TP 1. `costs`: these collectives at `tp`
+        instead of `costs_at(tp)`."""
         if tp == 1:
             return StepPrice(0.0)
-        c, k = self.costs_at(tp), 2 * self.num_layers
+        c, k = costs or self.costs_at(tp), 2 * self.num_layers
         return StepPrice(0.0, k * c.allreduce_s + c.step_sync_s, k * self.row_bytes * c.allreduce_s_per_byte)
 
-    def price(self, phase: str, tp: int, measured_tp: int = 1) -> StepPrice:
-        """A `phase` step at `tp` from the same step measured at `measured_tp`."""
+    def price(self, phase: str, tp: int, measured_tp: int = 1, live: CollectiveCosts | None = None) -> StepPrice:
+        """A `phase` step at `tp` from the same step measured at `measured_tp`. `live`: the
+        collectives a served TP `tp` worker's own steps show (router/live_collectives.py) in place
+        of the measured ones at `tp`; the measured step keeps the measured ones at `measured_tp`,
+        so a worker profiled at its own size pays o_live - o_measured on top of its steps."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        if tp == measured_tp:
+        if tp == measured_tp and (live is None or tp == 1):
             return StepPrice(1.0)
         f = self.units(phase, tp) / self.units(phase, measured_tp)
-        there, here = self.overhead(tp), self.overhead(measured_tp)
+        there, here = self.overhead(tp, live), self.overhead(measured_tp)
         return StepPrice(f, there.fixed_s - f * here.fixed_s, there.per_row_s - f * here.per_row_s)
 
     def factor(self, phase: str, tp: int, measured_tp: int = 1) -> float:

@@ -6,10 +6,12 @@ Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers
 is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key and hands the new public key to every worker. `report_load` applies one
-heartbeat's load and queues its block events for the cluster K/V index (router/kv_inbox.py);
-`apply_kv_slice` is the applier's turn: one slice of the queue, scheduled behind whatever is
-ready to run on the event loop (routes included) and again while reports remain (a gap sends the
-worker `ResyncKv`); `worker_view` is one row of GET /workers.
+heartbeat's load, hands a TP worker's collective seconds to the router's live price of them
+(router/live_collectives.py; gauges and the /workers row show it) and queues its block events
+for the cluster K/V index (router/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
+slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
+included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
+one row of GET /workers.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
                                  "host": {"used": load.host_blocks, "capacity": load.host_capacity,
                                           "hits": load.host_hits, "evictions": load.host_evictions,
                                           "pinned": load.host_pinned, "inplace_reads": load.host_inplace_reads}}
+    live = backend.router.live
+    if load is not None and live is not None and reg.tp > 1:  # its collectives as priced from its own steps
+        load_dict["collectives"] = live.view(reg.worker_id)
     state = backend.router.worker_state(reg.worker_id)
     return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
                       load_dict, reg.cpu, reg.tp)
@@ -99,6 +104,9 @@ def report_load(backend, hb: m.Heartbeat) -> None:
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
     backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
+    if hb.load.collectives is not None:  # a TP worker's collective seconds (router/live_collectives.py)
+        backend.router.report_collectives(hb.worker_id, hb.epoch, hb.load.collectives)
+        export_live_collectives(backend, hb.worker_id)
     if hb.kv is not None:
         queue_kv(backend, hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
     backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
@@ -107,6 +115,19 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     preempted = backend.metrics.preemptions
     preempted.labels(hb.worker_id, "prompt_priority").set(hb.load.num_priority_preemptions)
     preempted.labels(hb.worker_id, "memory").set(hb.load.num_preemptions - hb.load.num_priority_preemptions)
+
+
+def export_live_collectives(backend, worker_id: str) -> None:
+    """The worker's live collective terms and the ignored windows' counts as gauges."""
+    live = backend.router.live
+    if live is None:
+        return
+    for phase, row in live.view(worker_id).items():
+        if isinstance(row, dict) and row.get("live"):
+            backend.metrics.tp_collectives.labels(worker_id, phase, "step").set(row["step_ms"] / 1e3)
+            backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
+    for reason, count in live.num_ignored.items():
+        backend.metrics.tp_reports_ignored.labels(reason).set(count)
 
 
 def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:

@@ -202,6 +202,11 @@ class RuntimeMetrics:
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)
         self.active_decode = Gauge("pdserve_active_decode_batch", "Sequences decoding", ["worker"], registry=r)
         self.free_blocks = Gauge("pdserve_free_blocks", "Free K/V blocks", ["worker"], registry=r)
+        self.tp_collectives = Gauge("pdserve_tp_live_collective_seconds", "A TP worker's collectives per step as "
+                                    "its rank 0's steps show them and the router prices them (router/live_collectives.py): "
+                                    "term step = K alpha + sync, row = K B beta", ["worker", "phase", "term"], registry=r)
+        self.tp_reports_ignored = Gauge("pdserve_tp_collective_reports_ignored", "TP collective report windows the "
+                                        "router ignored since it started, by reason", ["reason"], registry=r)
         self.preemptions = Gauge("pdserve_engine_preemptions", "Engine preemptions (recompute) since the worker "
                                  "started, by cause: memory, or prompt_priority (Splitwise's mixed-machine rule)",
                                  ["worker", "cause"], registry=r)

@@ -97,6 +97,7 @@ class MixedPools:
     cost: CostModel | None = None
     pricing: TpPricing | None = None  # each slot at its worker's TP size (snapshot.py)
     builders: dict[tuple[bool, bool], SnapshotBuilder] = field(default_factory=dict)
+    live_costs: dict[str, CostModel] = field(default_factory=dict)  # note_cost's, for builders made later
     _known: tuple[int, bool] = (-1, False)  # (membership generation, any LIVE mixed worker)
 
     def present(self, registry: Registry) -> bool:
@@ -119,11 +120,21 @@ class MixedPools:
         if key not in self.builders:
             self.builders[key] = SnapshotBuilder(colocated=False, cost=self.cost, mixed_in=key,
                                                  pricing=self.pricing)
+            for worker_id, cost in self.live_costs.items():
+                self.builders[key].note_cost(worker_id, cost)
         return self.builders[key]
 
     def note_load(self, worker_id: str, load: WorkerLoad) -> None:
         for builder in self.builders.values():
             builder.note_load(worker_id, load)
+
+    def note_cost(self, worker_id: str, cost: CostModel | None) -> None:
+        if cost is None:
+            self.live_costs.pop(worker_id, None)
+        else:
+            self.live_costs[worker_id] = cost
+        for builder in self.builders.values():
+            builder.note_cost(worker_id, cost)
 
     def note_prefix(self, worker_id: str, held: Set[int], added: Iterable[int], removed: Iterable[int]) -> None:
         for builder in self.builders.values():

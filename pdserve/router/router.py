@@ -4,6 +4,8 @@ The process edge (zmq, HTTP) feeds it worker messages and request events and for
 answers; nothing here does I/O or sleeps. One call per event:
 
     register / heartbeat / report_load / deregister   worker membership (registry.py)
+    report_collectives                                a TP worker's live collective seconds, its
+                                                      price from them (live_collectives.py)
     report_kv                                         a worker's block events into the cluster
                                                       K/V index (kv_index.py), which feeds the
                                                       snapshot's per-worker prefix sets
@@ -36,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pdserve.engine.tp_tally import CollectiveReport
 from pdserve.router import kernels
 from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
@@ -43,6 +46,7 @@ from pdserve.router.cost import CostModel
 from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
+from pdserve.router.live_collectives import LiveCollectives
 from pdserve.router.messages import (
     BlockHold,
     Role,
@@ -126,6 +130,8 @@ class Router:
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
         self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
         self._p2c = Sampler()
+        # TP workers' collectives as their own steps show them (live_collectives.py); None without pricing
+        self.live = None if config.pricing is None else LiveCollectives(config.pricing)
 
     # ----- workers -----
     def register(self, info: WorkerInfo) -> Retirement | None:
@@ -143,6 +149,19 @@ class Router:
         self._whole.note_load(worker_id, load)
         self._mixed.note_load(worker_id, load)
         self._ledger.apply_ack(worker_id, load.applied_grant_seq)
+
+    def report_collectives(self, worker_id: str, role_epoch: int, report: CollectiveReport) -> None:
+        """A TP worker's collective seconds per phase since its last report (engine/tp_tally.py):
+        its slots are re-priced once they move its live estimate (live_collectives.py)."""
+        if self.live is None or not self._registry.is_current(worker_id, role_epoch):
+            return
+        cost = self.live.fold(worker_id, self._registry.entry(worker_id).info.tp, report)
+        if cost is not None:
+            self._note_cost(worker_id, cost)
+
+    def _note_cost(self, worker_id: str, cost: CostModel | None) -> None:
+        for builder in (self._snapshots, self._whole, self._mixed):
+            builder.note_cost(worker_id, cost)
 
     def report_kv(self, worker_id: str, role_epoch: int, delta: KvDelta) -> KvOutcome:
         """Apply a worker's block events (kv_index.py); RESYNC_NEEDED: send it `ResyncKv`."""
@@ -329,7 +348,8 @@ class Router:
     def worker_cost(self, worker_id: str) -> CostModel:
         """One worker's own steps at its registered TP size (tp_pricing.worker_cost)."""
         info = self._registry.entry(worker_id).info
-        return worker_cost(self.config.pricing, self.config.cost, info.tp, info.role is Role.DECODE)
+        live = None if self.live is None else self.live.cost(worker_id)
+        return worker_cost(self.config.pricing, self.config.cost, info.tp, info.role is Role.DECODE, live)
 
     def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
         """A chosen pair's cost model at its workers' TP sizes (`config.cost` without pricing)."""
@@ -389,6 +409,10 @@ class Router:
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch
+        if self.live is not None:  # a new epoch is priced from the profile until its own steps show
+            if self.live.cost(retired.worker_id) is not None:
+                self._note_cost(retired.worker_id, None)
+            self.live.forget(retired.worker_id)
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
         for request_id in orphaned:
             self._heavy_light.remove(request_id)

@@ -18,6 +18,8 @@ every load report, in-flight charge and prefix change patches alike.
 A builder given the router's `TpPricing` prices each slot's load-only terms (`Derived`) at its
 worker's own TP size (`WorkerInfo.tp`; router/tp_pricing.py), the prefill terms a cost-aware
 policy adds per request included (`Derived.prefill_coef`); without one, every slot at `cost`.
+`note_cost` re-prices one worker's slots at the price its own collectives give
+(router/live_collectives.py), kept across rebuilds until it is withdrawn.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class SnapshotBuilder:
         if any(mixed_in):
             self._roles = (*self._roles, Role.MIXED)
         self._membership_gen = -1
+        self._live_costs: dict[str, CostModel] = {}  # a worker's price from its own collectives (note_cost)
         self.reset([], 0)
 
     def build(self, registry: Registry, in_flight: Mapping[str, InFlight]) -> Snapshot:
@@ -219,6 +222,24 @@ class SnapshotBuilder:
             twin = self._twin_of[worker_id]
             self._reported[twin] = self._reported[slot]
             self._dirty.add(twin)
+
+    def note_cost(self, worker_id: str, cost: CostModel | None) -> None:
+        """Price the worker's slots at `cost` (its collectives as its steps show them,
+        router/live_collectives.py) from now on, across rebuilds; None: at its TP size again."""
+        if self._pricing is None:
+            return
+        if cost is None:
+            self._live_costs.pop(worker_id, None)
+        else:
+            self._live_costs[worker_id] = cost
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            return
+        for s in (slot, self._twin_of[worker_id]) if worker_id in self._twin_of else (slot,):
+            self._slot_costs[s] = cost or self._pricing.worker(self._entries[s].info.tp)
+            self._dirty.add(s)
+        if slot < self._num_prefill:
+            self._prefill_coef = prefill_coefficients(self._slot_costs[:self._num_prefill])
 
     def note_prefix(self, worker_id: str, held: Set[int], added: Iterable[int], removed: Iterable[int]) -> None:
         """The worker's prefix set (`held`, already changed) gained `added` and lost `removed`."""
@@ -252,7 +273,8 @@ class SnapshotBuilder:
             (self._twin_of if e.info.worker_id in self._slot_of else self._slot_of)[e.info.worker_id] = i
         self._worker_of = [e.info.worker_id for e in entries]
         pricing = self._pricing  # each slot's cost model: its worker's TP size's, or the one `cost`
-        self._slot_costs = [self._cost if pricing is None else pricing.worker(e.info.tp) for e in entries]
+        self._slot_costs = [self._cost if pricing is None else self._live_costs.get(e.info.worker_id) or pricing.worker(e.info.tp)
+                            for e in entries]
         self._prefill_coef = None if self._cost is None else prefill_coefficients(self._slot_costs[:num_prefill])
         self._reported = [(e.load.pending_prompt_tokens, e.load.active_batch, e.load.free_blocks) for e in entries]
         # effective [pending, batch, headroom] x slot and [queue_s, admission_s, tpot_s] x slot, one

@@ -19,6 +19,8 @@ router (RouterConfig.pricing) prices every snapshot slot at its worker's registe
 (`WorkerInfo.tp`), and each route and P/D decision at its pair's, so a mixed worker, a worker that
 changed role (its ranks stay those it started with) and a pool that holds two sizes are each
 priced at their own size; the deployment's role sizes give `RouterConfig.cost` (`pair` at them).
+`worker(tp, prefill_live, decode_live)` prices a served worker's phases with the collectives its
+own steps show (router/live_collectives.py), by the same `TpScaling.price`.
 """
 
 from __future__ import annotations
@@ -65,16 +67,23 @@ class TpPricing:
             found = pairs[(prefill_tp, decode_tp)] = tp_cost(self.base, self.scaling, prefill_tp, decode_tp, self.measured_tp)
         return found
 
-    def worker(self, tp: int) -> CostModel:
-        """One worker's own steps: both phases at its TP size."""
-        return self.pair(tp, tp)
+    def worker(self, tp: int, prefill_live: CollectiveCosts | None = None,
+               decode_live: CollectiveCosts | None = None) -> CostModel:
+        """One worker's own steps: both phases at its TP size; a phase given its `*_live`
+        collectives (the worker's own, router/live_collectives.py) is priced with them (not cached)."""
+        if prefill_live is None and decode_live is None:
+            return self.pair(tp, tp)
+        s, m = self.scaling, self.measured_tp
+        return priced(self.base, s.price("prefill", tp, m, prefill_live), s.price("decode", tp, m, decode_live))
 
 
-def worker_cost(pricing: TpPricing | None, cost: CostModel, tp: int, decode_role: bool) -> CostModel:
-    """One worker's own steps: both phases at its TP size `tp`; without pricing `cost`, a decode
-    worker's prefill at the decode role's size (`at_decode_worker`)."""
+def worker_cost(pricing: TpPricing | None, cost: CostModel, tp: int, decode_role: bool,
+                live: CostModel | None = None) -> CostModel:
+    """One worker's own steps: both phases at its TP size `tp` (`live`: its price from its own
+    collectives, when the router has one); without pricing `cost`, a decode worker's prefill at
+    the decode role's size (`at_decode_worker`)."""
     if pricing is not None:
-        return pricing.worker(tp)
+        return live or pricing.worker(tp)
     return cost.at_decode_worker() if decode_role else cost
 
 

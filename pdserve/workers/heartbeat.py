@@ -5,7 +5,8 @@ Contract: `heartbeat_loop` sends from its own thread and socket, so a long engin
 makes a worker look dead, and ends the process's serving when the router process is gone
 (`exit_with_parent`). `heartbeat` reads, under the worker's lock, its load (queue, batch, free
 and reserved blocks, the last applied grant, lease reclaims, local prefills, preemptions, the
-host tier's counters) and its prefix cache's block events since the last beat
+host tier's counters; a TP worker's collective seconds per phase since the last beat,
+engine/tp_tally.py) and its prefix cache's block events since the last beat
 (engine/kv_events.py; the whole key set when the router asked for a resync or an epoch begins).
 `integrity_ok` runs the pool check only while the engine is idle and reports the last verdict
 while it is busy.
@@ -63,6 +64,7 @@ def heartbeat(worker) -> m.Heartbeat:
             num_preemptions=eng.scheduler.num_preemptions,
             num_priority_preemptions=eng.scheduler.num_priority_preemptions,
             cached_blocks=len(eng.blocks.evictable),
+            collectives=collective_report(eng),
             **host_tier_load(eng.blocks.host),
         )
         kv = eng.blocks.kv_report(resync=worker.kv_resync_wanted)  # block events since the last beat
@@ -91,3 +93,9 @@ def host_tier_load(host) -> dict:
     return {"host_blocks": host.num_used, "host_capacity": host.num_blocks, "host_hits": host.num_hits,
             "host_evictions": host.num_evictions, "host_copy_bytes": host.copy_bytes, "host_copy_s": host.copy_s,
             "host_pinned": host.num_pinned, "host_inplace_reads": host.num_inplace_reads}
+
+
+def collective_report(engine):
+    """Rank 0's collective seconds per phase since the last beat (engine/tp_tally.py); None at TP 1."""
+    tally = getattr(engine.model, "tally", None)  # only a TP group's leader has one
+    return None if tally is None else tally.take()

@@ -28,6 +28,7 @@ import msgspec
 from pdserve.engine.kv_events import KvReport
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.tp_tally import CollectiveReport
 
 FIRST_ATTEMPT = 1  # transfer attempts count from 1 within a generation (the ledger's manifest check)
 
@@ -223,6 +224,9 @@ class Load(msgspec.Struct, frozen=True):
     host_copy_s: float = 0.0  # their seconds: the router's measured host -> pool rate (router/kv_rates.py)
     host_pinned: int = 0  # host slots a live fetch pins (read in place by a peer)
     host_inplace_reads: int = 0  # host-tier blocks peers' fetches read in place (since start)
+    # TP > 1: rank 0's collective seconds, steps and rows per phase since the previous report
+    # (engine/tp_tally.py; router/live_collectives.py prices them); None at TP 1 and from older senders
+    collectives: CollectiveReport | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
