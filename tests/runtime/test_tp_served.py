@@ -3,7 +3,8 @@ TP 1 -> TP 2 and colocated TP 2 give the tokens of a TP 1 engine (fp32, where th
 sums' rounding does not flip a choice: on these prompts it does not); each TP worker runs its
 followers; pools and holds end empty; a killed TP worker leaves no follower and comes back; a
 KV-Runahead chain over two TP 2 prefill workers and a prefix fetch into a TP 2 pool give the TP 1
-tokens too."""
+tokens too; a TP 2 worker's heartbeats carry its collective seconds and the router prices it from
+them."""
 
 from __future__ import annotations
 
@@ -78,8 +79,26 @@ def test_tp_workers_serve_the_tokens_of_tp1(reference_engine, mode, tp, workers)
                 assert ids == list(reference_engine.generate([list(p)], s)[0].output_ids)
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
+            await _priced_from_own_collectives(backend, workers)
 
     asyncio.run(main())
+
+
+async def _priced_from_own_collectives(backend, workers: dict[str, int]) -> None:
+    """Each TP 2 worker's heartbeats carried its rank 0's collective seconds: after its 15+ decode
+    steps the router prices it from them (router/live_collectives.py), /workers and the gauge show
+    them; a TP 1 worker has none."""
+    live = backend.router.live
+    for wid, ranks in workers.items():
+        if ranks == 1:
+            assert live.cost(wid) is None and live.view(wid) == {}
+            continue
+        decode = (await until(lambda: live.view(wid).get("decode", {}).get("live") and live.view(wid)))["decode"]
+        assert decode["steps"] >= 15 and decode["step_ms"] > 0 and live.num_ignored == {}
+        assert backend.router.worker_cost(wid) is live.cost(wid) != backend.router.config.pricing.worker(ranks)
+        (row,) = [w for w in backend.workers() if w.id == wid]
+        assert row.load["collectives"]["decode"]["steps"] >= 15
+        assert f'pdserve_tp_live_collective_seconds{{phase="decode",term="step",worker="{wid}"}}' in backend.metrics_text().decode()
 
 
 def test_killed_tp_worker_leaves_no_followers_and_comes_back(reference_engine):
