@@ -9,7 +9,9 @@ documented defaults): `TpPricing.worker(tp, prefill_live, decode_live)`, which i
 `TpScaling.price`'s one formula, o(N, rows) = K (alpha + rows B beta) + sync with the live alpha,
 beta and sync in place of the measured ones at N. It returns the worker's new `CostModel` when a
 window moved the estimate (None otherwise: nothing to re-price), and `cost(worker)` is the
-current one (None: the worker is priced by its TP size alone, as every TP 1 worker always is).
+current one (None: the worker is priced by its TP size alone, as every TP 1 worker always is);
+`pair(p, p_tp, d, d_tp)` is a route's pair with each worker's live phases (the P/D decision and
+the plan's predicted clocks).
 
 The fit (`PhaseFit`): a window of n steps with R rows and Y seconds in all_reduce is one point
 (R / n, Y / n) of weight n of the line "seconds per step = a + b x rows"; the weighted least
@@ -103,6 +105,7 @@ class _Worker:
     fits: dict[str, PhaseFit] = field(default_factory=lambda: {p: PhaseFit() for p in PHASES})
     ignored: Counter = field(default_factory=Counter)
     cost: CostModel | None = None
+    live: tuple[CollectiveCosts | None, CollectiveCosts | None] = (None, None)  # (prefill, decode) priced in `cost`
 
 
 class LiveCollectives:
@@ -113,7 +116,9 @@ class LiveCollectives:
             raise ValueError(f"need min_steps >= 1 and half_life_steps > 0, got {min_steps}, {half_life_steps}")
         self.pricing, self.min_steps, self.half_life_steps = pricing, min_steps, half_life_steps
         self._workers: dict[str, _Worker] = {}
+        self._pairs: dict[tuple[str, str], tuple[tuple, tuple, CostModel]] = {}  # pair(): (P's live, D's live, cost)
         self.num_ignored: Counter[str] = Counter()
+        self.num_live = 0  # workers priced from their own collectives
 
     def fold(self, worker_id: str, tp: int, report: CollectiveReport) -> CostModel | None:
         """Fold one report of a TP `tp` worker; -> its new live price, None when nothing moved."""
@@ -123,6 +128,7 @@ class LiveCollectives:
             return None
         worker = self._workers.get(worker_id)
         if worker is None or worker.tp != tp:
+            self.forget(worker_id)
             worker = self._workers[worker_id] = _Worker(tp)
         moved = False
         for phase in PHASES:
@@ -133,11 +139,30 @@ class LiveCollectives:
             elif window.steps:
                 worker.fits[phase] = worker.fits[phase].folded(window, self.half_life_steps)
                 moved = True
-        live = [self.live_costs(worker_id, p) for p in PHASES]
-        if not moved or live == [None, None]:
+        live = tuple(self.live_costs(worker_id, p) for p in PHASES)
+        if not moved or live == (None, None):
             return None
-        worker.cost = self.pricing.worker(tp, *live)
+        self.num_live += worker.cost is None
+        worker.cost, worker.live = self.pricing.worker(tp, *live), live
         return worker.cost
+
+    def pair(self, prefill_id: str, prefill_tp: int, decode_id: str, decode_tp: int) -> CostModel:
+        """A route's pair at its workers' sizes (TpPricing.pair), each phase priced with its own
+        worker's live collectives where it has them (a local prefill on the decode worker with the
+        decode worker's); cached until either worker's estimate moves."""
+        p_live, d_live = self._live_of(prefill_id), self._live_of(decode_id)
+        if p_live == d_live == (None, None):
+            return self.pricing.pair(prefill_tp, decode_tp)
+        hit = self._pairs.get((prefill_id, decode_id))
+        if hit is not None and hit[0] is p_live and hit[1] is d_live:
+            return hit[2]
+        cost = self.pricing.pair(prefill_tp, decode_tp, (p_live[0], d_live[1], d_live[0]))
+        self._pairs[(prefill_id, decode_id)] = (p_live, d_live, cost)
+        return cost
+
+    def _live_of(self, worker_id: str) -> tuple[CollectiveCosts | None, CollectiveCosts | None]:
+        worker = self._workers.get(worker_id)
+        return (None, None) if worker is None else worker.live
 
     def live_costs(self, worker_id: str, phase: str) -> CollectiveCosts | None:
         """The collectives the worker's `phase` steps show, once it has shown `min_steps` of them."""
@@ -158,7 +183,9 @@ class LiveCollectives:
         return None if worker is None else worker.cost
 
     def forget(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        worker = self._workers.pop(worker_id, None)
+        self.num_live -= worker is not None and worker.cost is not None
+        self._pairs = {key: hit for key, hit in self._pairs.items() if worker_id not in key}
 
     def view(self, worker_id: str) -> dict:
         """GET /workers: per phase the steps seen and, once live, the priced o's terms (ms)."""

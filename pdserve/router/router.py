@@ -352,11 +352,14 @@ class Router:
         return worker_cost(self.config.pricing, self.config.cost, info.tp, info.role is Role.DECODE, live)
 
     def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
-        """A chosen pair's cost model at its workers' TP sizes (`config.cost` without pricing)."""
+        """A chosen pair's cost model at its workers' TP sizes, each with its live collectives where
+        it has them (`config.cost` without pricing)."""
         if self.config.pricing is None:
             return self.config.cost
         tps = snapshot.prefill.members.tp_sizes[prefill_slot], snapshot.decode.members.tp_sizes[decode_slot]
-        return self.config.pricing.pair(*tps)
+        if not self.live.num_live:  # no worker priced from its own collectives (live_collectives.py)
+            return self.config.pricing.pair(*tps)
+        return self.live.pair(snapshot.prefill.worker_ids[prefill_slot], tps[0], snapshot.decode.worker_ids[decode_slot], tps[1])
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes.

@@ -34,10 +34,13 @@ from pdserve.router.cost import CostModel
 COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
 
 
-def tp_cost(base: CostModel, scaling: TpScaling, prefill_tp: int, decode_tp: int, measured_tp: int = 1) -> CostModel:
-    prefill = scaling.price("prefill", prefill_tp, measured_tp)
-    decode = scaling.price("decode", decode_tp, measured_tp)
-    local = scaling.price("prefill", decode_tp, measured_tp).relative_to(prefill)
+def tp_cost(base: CostModel, scaling: TpScaling, prefill_tp: int, decode_tp: int, measured_tp: int = 1,
+            live: tuple[CollectiveCosts | None, ...] = (None, None, None)) -> CostModel:
+    """`live`: the prefill worker's prefill, the decode worker's decode and its prefill collectives
+    as their own steps show them (router/live_collectives.py), None where the measured ones stand."""
+    prefill = scaling.price("prefill", prefill_tp, measured_tp, live[0])
+    decode = scaling.price("decode", decode_tp, measured_tp, live[1])
+    local = scaling.price("prefill", decode_tp, measured_tp, live[2]).relative_to(prefill)
     cost = priced(base, prefill, decode)
     if local == StepPrice(1.0, 0.0, 0.0):
         return cost
@@ -59,8 +62,11 @@ class TpPricing:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_pairs", {})  # derived, not a field: eq, hash and repr ignore it
 
-    def pair(self, prefill_tp: int, decode_tp: int) -> CostModel:
-        """Prefill terms at `prefill_tp`, decode terms (and `at_decode_worker`) at `decode_tp`."""
+    def pair(self, prefill_tp: int, decode_tp: int, live: tuple[CollectiveCosts | None, ...] | None = None) -> CostModel:
+        """Prefill terms at `prefill_tp`, decode terms (and `at_decode_worker`) at `decode_tp`;
+        `live`: as `tp_cost`'s (not cached)."""
+        if live is not None:
+            return tp_cost(self.base, self.scaling, prefill_tp, decode_tp, self.measured_tp, live)
         pairs = self.__dict__["_pairs"]
         found = pairs.get((prefill_tp, decode_tp))
         if found is None:

@@ -147,10 +147,19 @@ def test_the_router_prices_the_reporting_workers_slots_and_leaves_the_others():
     assert terms.prefill_coef.ravel().tolist() == [0.01, p2.prefill_overhead_s, 0.015, 1e-3, p2.prefill_s_per_token, 5.08e-4]
     assert terms.tpot_d.tolist() == [BASE.decode_step_s(5), d2.decode_step_s(5)]
     assert terms.admission_d[1] == d2.admission_delay_s(4) > PRICING.worker(2).admission_delay_s(4)
+    # a route's pair: P's live prefill, D's live decode; a local prefill on d2 at d2's (profile) prefill
+    pair = router.pair_cost(router.snapshot(), 1, 1)
+    assert pair == PRICING.pair(2, 2, (router.live.live_costs("p2", "prefill"), router.live.live_costs("d2", "decode"), None))
+    assert (pair.prefill_overhead_s, pair.prefill_s_per_token) == (p2.prefill_overhead_s, p2.prefill_s_per_token)
+    assert (pair.decode_step_base_s, pair.decode_step_s_per_seq) == (d2.decode_step_base_s, d2.decode_step_s_per_seq)
+    assert pair.at_decode_worker().prefill_s(300) == pytest.approx(PRICING.worker(2).prefill_s(300), rel=1e-12)
+    assert router.pair_cost(router.snapshot(), 1, 1) is pair  # cached while neither estimate moves
+    assert router.pair_cost(router.snapshot(), 2, 0) is PRICING.pair(2, 1)  # p3 -> d1: neither is live
     # a new epoch starts from the profile again
     router.register(WorkerInfo("p2", "h0", Role.PREFILL, 2, 10_000, "m", "abi", 2))
     router.report_load("p2", 2, WorkerLoad(1000, 0, 10_000))
-    assert router.live.cost("p2") is None and router.worker_cost("p2") is PRICING.worker(2)
+    assert router.live.cost("p2") is None and router.worker_cost("p2") is PRICING.worker(2) and router.live.num_live == 1
+    assert router.pair_cost(router.snapshot(), 1, 1) == PRICING.pair(2, 2, (None, router.live.live_costs("d2", "decode"), None))
     assert router.snapshot().derived(router.config.cost).queue_p.tolist()[1] == PRICING.worker(2).queue_s(1000)
     router.report_collectives("d2", 0, SLOW_DECODE)  # a retired epoch's report: not folded
     assert router.live.cost("d2") is d2
