@@ -221,15 +221,15 @@ def chunk_pricing(pricing: TpPricing, profile: dict | None):
     latency/tp_scaling.py): the prefill terms of `pricing.worker(tp)` (affine: no attention term);
     with a `pdserve profile` fit, its raw a + b*rows + c*pairs priced by the same scaling from the
     TP size it was measured at (at that size, the raw terms as measured)."""
-    fit = pricing
-    if profile is not None:
+    fit, pairs = pricing, profile is not None
+    if pairs:
         a, b, c = (float(x) for x in profile["prefill_coef"])
         raw = replace(pricing.base, prefill_overhead_s=a, prefill_s_per_token=b, prefill_s_per_pair=c)
         fit = TpPricing(raw, pricing.scaling, measured_tp(profile))
 
     def at(tp: int) -> ChunkCost:
         cost = fit.worker(tp)
-        return ChunkCost(cost.prefill_overhead_s, cost.prefill_s_per_token, cost.prefill_s_per_pair if profile else 0.0)
+        return ChunkCost(cost.prefill_overhead_s, cost.prefill_s_per_token, cost.prefill_s_per_pair if pairs else 0.0)
     return at
 
 
