@@ -59,9 +59,9 @@ BASE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=gnu11")
 BUILD_VERSION = ("openmp-or-not",)  # part of the cache key: how _build links
 # glue.c must round every operation as written, as eager torch does: no fast-math, no fused multiply-add
 # paged_prefill and paged_decode sum their scores in one order on every path (bf16 dot products or fp32): no
-# reassociation
+# reassociation; bf16_matched adds its block sums in the order oneDNN does
 SOURCE_FLAGS = {"glue": ("-fno-fast-math", "-ffp-contract=off"), "paged_prefill": ("-fno-associative-math",),
-                "paged_decode": ("-fno-associative-math",)}
+                "paged_decode": ("-fno-associative-math",), "bf16_matched": ("-fno-fast-math", "-ffp-contract=off")}
 
 
 def cache_dir() -> Path:

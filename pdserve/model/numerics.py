@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from pdserve.model import bf16_gemm, onednn_packed, skinny
 from pdserve.model.bf16_gemm import KernelWeight
+from pdserve.model.matched_gemv import ROWS_MAX, MatchedWeight
 from pdserve.model.onednn_packed import PackedWeight
 
 TILE_ROWS = 32  # rows of every tiled product call (decode batches up to 32 cost one call)
@@ -118,21 +119,30 @@ class TiledWeight:
 
 
 class PairedWeight:
-    """A weight [N, K] whose products of fewer than ONE_ROW_AS rows run as ONE_ROW_AS rows (the
-    first row repeated after them). A BLAS sends a single row down its matrix-vector kernel,
-    which sums in another order than its matrix kernel (x86 bf16: about one row in twelve rounds
-    differently), while in the matrix kernel a row's bits do not depend on its batch mates (the
-    probe checks both on each machine); 2 and 3 rows are padded too because oneDNN's few-row
-    kernels are slower than its 4-row one here (ONE_ROW_AS)."""
+    """A bf16 weight [N, K] whose products of few rows avoid oneDNN's matrix-vector kernel, which
+    sums in another order than its matrix kernel (x86 bf16: about one row in twelve rounds
+    differently) and streams the weights slower: 1-4 rows go through matched_gemv's kernel where
+    it reproduces the matrix kernel's bits on this machine (`matched`); otherwise, with `pad`,
+    fewer than ONE_ROW_AS rows run as ONE_ROW_AS (the first row repeated after them). In the
+    matrix kernel a row's bits do not depend on its batch mates (the probe checks both on each
+    machine); 2 and 3 rows are padded too because oneDNN's few-row kernels are slower than its
+    4-row one here (ONE_ROW_AS)."""
 
-    def __init__(self, inner: torch.Tensor | PackedWeight):  # [N, K], plain or oneDNN-packed
-        self.inner = inner
-        self.weight = dense(inner)
+    def __init__(self, inner: torch.Tensor | PackedWeight, matched: MatchedWeight | None = None, pad: bool = True):
+        self.inner, self.matched, self.pad = inner, matched, pad  # inner: [N, K], plain or oneDNN-packed
+
+    @property
+    def weight(self) -> torch.Tensor:  # [N, K]
+        return dense(self.inner)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] -> [T, N]."""
         rows, k = x.shape
-        if rows >= ONE_ROW_AS or rows == 0:  # no rows: nothing to pad with
+        if self.matched is not None and 0 < rows <= ROWS_MAX:
+            out = self.matched.product(x)
+            if out is not None:
+                return out
+        if rows >= ONE_ROW_AS or rows == 0 or not self.pad:  # no rows: nothing to pad with
             return _product(x, self.inner)
         if rows == 1:
             return _product(x.expand(ONE_ROW_AS, k), self.inner)[:1]  # the row repeated: one copy, no zeros
@@ -149,13 +159,17 @@ Weight = torch.Tensor | TiledWeight | PairedWeight | PackedWeight | KernelWeight
 def prepare(weight: torch.Tensor, plan: str) -> Weight:
     """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it into tiles; the
     others keep torch's products, with a bf16 weight reordered once for oneDNN (onednn_packed:
-    the same bits as F.linear, without a reorder per call), and "paired" wraps that)."""
+    the same bits as F.linear, without a reorder per call), and "paired" wraps that, as does every
+    plan where matched_gemv's kernel reproduces oneDNN's bits for this shape: 1-4 rows run there)."""
     if plan == "tiled":
         return TiledWeight(weight)
     if plan == "kernel":
         return KernelWeight(weight)
     base = onednn_packed.pack(weight)
-    return PairedWeight(base) if plan == "paired" else base
+    matched = MatchedWeight.build(weight) if isinstance(base, PackedWeight) else None
+    if plan == "paired" or matched is not None:  # few rows: the matched kernel, else (paired) padded
+        return PairedWeight(base, matched, pad=plan == "paired")
+    return base
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -204,7 +218,7 @@ def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple
         candidates = ("kernel",) + candidates
     failures = []
     for plan in candidates:
-        bad = probe_invariance(plan, compute, shapes)
+        bad = probe_invariance(plan, compute, shapes, torch.get_num_threads())
         if bad is None:
             return ProductPlan(plan, True)
         failures.append(f"{plan}: {bad}")
@@ -218,8 +232,9 @@ PROBE_SAMPLES = 32  # distinct rows per weight shape
 
 
 @lru_cache(maxsize=64)
-def probe_invariance(plan: str, compute: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> str | None:
-    """None when, for every weight shape, each of PROBE_SAMPLES random rows gives the same bits
+def probe_invariance(plan: str, compute: torch.dtype, shapes: tuple[tuple[int, int], ...], threads: int = 0) -> str | None:
+    """`threads` only keys the cache: few-row products were matched to oneDNN at the thread count
+    they run at (matched_gemv.py), so another count is probed afresh. None when, for every weight shape, each of PROBE_SAMPLES random rows gives the same bits
     alone (a one-row product) and placed among other rows in batches of PROBE_ROWS rows; else
     the first failure. Many rows, because a kernel that differs between one row and many (a
     BLAS's matrix-vector path) differs only for some inputs: one bf16 row in ~12 rounds

@@ -46,11 +46,16 @@ def available() -> bool:
 
 
 class PackedWeight:
-    """A bf16 weight [N, K] held both plain (`weight`, for readers of the values) and packed."""
+    """A bf16 weight [N, K] held only packed (one copy of its bytes); `weight` rebuilds the plain
+    tensor on demand (numerics.dense: rare, not per step)."""
 
     def __init__(self, weight: torch.Tensor):  # [N, K] bf16
-        self.weight = weight
+        self.shape = tuple(weight.shape)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+
+    @property
+    def weight(self) -> torch.Tensor:  # [N, K] bf16, reordered back from oneDNN's layout
+        return self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, K] bf16 -> [T, N] bf16."""

@@ -74,7 +74,7 @@ def test_invariance_holds_on_other_kernel_paths(caps):
 
 def test_a_failed_probe_refuses_batch_invariant_mode(monkeypatch):
     """Where no plan keeps rows invariant the engine refuses to start, naming the way out."""
-    monkeypatch.setattr(numerics, "probe_invariance", lambda plan, dtype, shapes: f"{plan} broke")
+    monkeypatch.setattr(numerics, "probe_invariance", lambda plan, dtype, shapes, threads=0: f"{plan} broke")
     with pytest.raises(BatchInvarianceError, match="native: native broke; paired: paired broke; tiled: tiled broke.*--no-batch-invariant"):
         choose_plan(torch.bfloat16, True, ((8, 8),))
     monkeypatch.setattr(numerics.onednn_packed, "available", lambda: True)  # the AVX2 kind picks the kernel instead

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pdserve.model import onednn_packed
 from pdserve.model.numerics import ONE_ROW_AS, PairedWeight, dense, linear, prepare
+from pdserve.model.matched_gemv import MatchedWeight
 from pdserve.model.onednn_packed import PackedWeight
 
 pytestmark = pytest.mark.skipif(not onednn_packed.available(), reason="no oneDNN bf16 packing in this torch build")
@@ -29,11 +30,26 @@ def test_packed_products_equal_f_linear_bit_for_bit(shape, rows):
 
 def test_plans_pack_bf16_weights_only_and_keep_the_plain_values():
     w = torch.randn(64, 32).to(torch.bfloat16)
+    matched = MatchedWeight.build(w) is not None  # the few-row kernel reproduces oneDNN here (AVX512-BF16)
     native, paired, fast = (prepare(w, plan) for plan in ("native", "paired", "fast"))
-    assert isinstance(native, PackedWeight) and isinstance(fast, PackedWeight)
-    assert isinstance(paired, PairedWeight) and isinstance(paired.inner, PackedWeight)
+    for unpadded in (native, fast):
+        if matched:  # few rows go to the matched kernel, never padded
+            assert isinstance(unpadded, PairedWeight) and not unpadded.pad and unpadded.matched is not None
+            assert isinstance(unpadded.inner, PackedWeight)
+        else:
+            assert isinstance(unpadded, PackedWeight)
+    assert isinstance(paired, PairedWeight) and isinstance(paired.inner, PackedWeight) and paired.pad
+    assert (paired.matched is not None) == matched
     assert all(torch.equal(dense(p), w) for p in (native, paired, fast))
     assert isinstance(prepare(w.float(), "fast"), torch.Tensor)  # fp32 stays on MKL
     x = torch.randn(1, 32).to(torch.bfloat16)
     repeated = x.expand(ONE_ROW_AS, 32)
-    assert torch.equal(linear(x, paired), F.linear(repeated, w)[:1])  # one row still runs as ONE_ROW_AS rows
+    for p in (paired, native, fast) if matched else (paired,):  # one row gets the bits it gets among four
+        assert torch.equal(linear(x, p), F.linear(repeated, w)[:1])
+
+
+def test_packed_weight_holds_no_plain_copy_and_rebuilds_it():
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    packed = PackedWeight(w)
+    assert "weight" not in vars(packed) and packed.shape == (96, 64)
+    assert torch.equal(packed.weight, w)

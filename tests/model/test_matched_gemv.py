@@ -1,0 +1,105 @@
+"""The few-row kernel gives oneDNN's matrix-kernel bits where it is used, and is not used elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model import matched_gemv, numerics
+from pdserve.model.matched_gemv import ROWS_MAX, MatchedWeight, block_for, candidates, pack, unpack
+from pdserve.model.numerics import PairedWeight, linear, prepare, probe_invariance
+from pdserve.model.onednn_packed import PackedWeight, available as onednn_available
+
+# the 107M checkpoint's fused products and LM head, a tiny model's, and shapes off the 64-column grid
+SHAPES = [(1280, 768), (6144, 768), (768, 3072), (2048, 768), (96, 64), (100, 130)]
+
+
+def _weight(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)  # [N, K]
+
+
+def test_candidates_and_layout_round_trip():
+    assert candidates(768) == (32, 64, 128, 256, 512, 768)
+    assert candidates(1024) == (32, 64, 128, 256, 512, 1024)
+    assert candidates(32) == (32,)
+    w = _weight((100, 130), 1)
+    packed = pack(w)
+    assert packed.shape == (2, 65, 64, 2)  # 100 columns padded to two groups of 64
+    assert torch.equal(packed[0, 3, 5], w[5, 6:8])  # pair 3 of column 5
+    assert torch.equal(packed[1, :, 36:].float().abs().sum(), torch.tensor(0.0))  # padding columns are zero
+    assert torch.equal(unpack(packed, 100), w)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matched_rows_equal_onednn_among_many_rows(shape):
+    """A row's bits from the kernel equal its bits in oneDNN's products of 4, 9 and 33 rows;
+    where the kernel cannot match here (no AVX512-BF16 or no oneDNN bf16) it is not built."""
+    w = _weight(shape, shape[0])
+    matched = MatchedWeight.build(w)
+    if not (matched_gemv.available()):
+        assert matched is None
+        return
+    assert matched is not None and matched.kb in candidates(shape[1])
+    onednn = PackedWeight(w)
+    gen = torch.Generator().manual_seed(7)
+    for rows in range(1, ROWS_MAX + 1):
+        x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)  # [T, K]
+        out = matched.product(x)
+        for mates in (4, 9, 33):
+            batch = torch.randn(max(mates, rows), shape[1], generator=gen).to(torch.bfloat16)
+            batch[-rows:] = x  # the rows last among their mates
+            assert torch.equal(out, onednn(batch)[-rows:])
+    strided = torch.randn(2, 2 * shape[1], generator=gen).to(torch.bfloat16)[:, ::2]  # elements not contiguous
+    assert torch.equal(matched.product(strided), onednn(torch.cat([strided, strided, strided])[:4])[:2])
+
+
+def test_paired_plan_runs_few_rows_matched_and_stays_invariant():
+    shapes = ((1280, 768), (768, 3072))
+    assert probe_invariance("paired", torch.bfloat16, shapes, torch.get_num_threads()) is None
+    w = _weight((1280, 768), 3)
+    paired = prepare(w, "paired")
+    assert isinstance(paired, PairedWeight)
+    assert (paired.matched is not None) == matched_gemv.available()
+    x = torch.randn(3, 768).to(torch.bfloat16)
+    assert torch.equal(linear(x, paired), PackedWeight(w)(torch.cat([x, x]))[:3])
+
+
+def test_another_thread_count_falls_back_to_onednn(monkeypatch):
+    """The blocking was checked at one thread count: at another, rows go to oneDNN (padded)."""
+    w = _weight((1280, 768), 4)
+    paired = prepare(w, "paired")
+    x = torch.randn(1, 768).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(numerics, "_product", lambda a, b, bias=None: calls.append(a.shape[0]) or b(a, bias))
+    if paired.matched is not None:  # (without the kernel, AVX2: always oneDNN, padded)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: paired.matched.threads + 1)
+        assert paired.matched.product(x) is None
+    out = linear(x, paired)
+    assert calls == [numerics.ONE_ROW_AS] and torch.equal(out, PackedWeight(w)(x.expand(4, 768))[:1])
+
+
+def test_bad_inputs_are_refused():
+    assert block_for(64, 33, torch.get_num_threads()) is None  # an odd inner dimension has no pairs
+    assert block_for(64, 32, torch.get_num_threads() + 1) is None  # not the running thread count
+    assert MatchedWeight.build(torch.randn(64, 32)) is None  # fp32: oneDNN's bf16 kernel is not involved
+    if not matched_gemv.available():
+        return
+    w = _weight((96, 64), 5)
+    matched = MatchedWeight.build(w)
+    assert matched.product(torch.randn(ROWS_MAX + 1, 64).to(torch.bfloat16)) is None  # more rows: oneDNN's
+    with pytest.raises(ValueError, match="bf16 rows"):
+        matched_gemv.product(torch.randn(2, 64), matched.packed, 96, matched.kb)  # fp32 rows
+    with pytest.raises(ValueError, match="bf16 rows"):
+        matched_gemv.product(torch.randn(2, 66).to(torch.bfloat16), matched.packed, 96, matched.kb)
+    with pytest.raises(ValueError, match="refused"):
+        matched_gemv.product(torch.randn(2, 64).to(torch.bfloat16), matched.packed, 96, 3)  # odd block
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN bf16 packing in this torch build")
+def test_engine_weights_are_held_twice_at_most():
+    """The oneDNN copy holds no plain tensor, so with the matched copy a weight is held twice."""
+    w = _weight((1280, 768), 6)
+    paired = prepare(w, "paired")
+    assert "weight" not in vars(paired.inner) and "weight" not in vars(paired)
+    assert torch.equal(paired.weight, w)
