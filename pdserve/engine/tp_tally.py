@@ -4,7 +4,8 @@ Contract: `CollectiveTally.add(phase, rows, reduce_s, broadcast_s)` records one 
 ran (engine/tp_group.py `TpLeader.forward`): its phase ("prefill" when the step prefills any
 prompt rows, a mixed step included; "decode" otherwise), its rows (every row of the flat step:
 the all_reduces move [rows, d] partials whatever the phase), rank 0's wall seconds inside the
-step's all_reduce calls (model/tp.py `reduce_s`) and inside the broadcast of the step's rows.
+step's all_reduce calls (model/tp.py `reduce_s`) and inside the broadcast of the step's rows
+(with the sums of rows^2 and rows x all_reduce seconds, which a per-step line needs).
 `take()` returns the totals since the previous `take()` as a `CollectiveReport` and starts a new
 window; the worker's heartbeat sends it (workers/heartbeat.py, `Load.collectives`) and the
 router folds it into a live price of the worker's collectives (router/live_collectives.py).
@@ -28,6 +29,8 @@ class PhaseCollectives(msgspec.Struct, frozen=True):
     rows: int = 0  # summed over the steps (prefill: tokens; decode: sequences, replays included)
     reduce_s: float = 0.0  # rank 0's wall seconds inside all_reduce
     broadcast_s: float = 0.0  # rank 0's wall seconds broadcasting the steps' rows
+    rows_sq: int = 0  # sum over the steps of rows^2 and of rows x reduce_s: a window of steps of
+    rows_reduce_s: float = 0.0  # different sizes still gives the per-step line (router/live_collectives.py)
 
 
 class CollectiveReport(msgspec.Struct, frozen=True):
@@ -45,18 +48,20 @@ class CollectiveTally:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open = {p: [0, 0, 0.0, 0.0] for p in PHASES}  # steps, rows, reduce_s, broadcast_s
+        self._open = {p: _empty() for p in PHASES}  # PhaseCollectives' fields, in order
 
     def add(self, phase: str, rows: int, reduce_s: float, broadcast_s: float) -> None:
         with self._lock:
             acc = self._open[phase]
-            acc[0] += 1
-            acc[1] += rows
-            acc[2] += reduce_s
-            acc[3] += broadcast_s
+            for i, value in enumerate((1, rows, reduce_s, broadcast_s, rows * rows, rows * reduce_s)):
+                acc[i] += value
 
     def take(self) -> CollectiveReport:
         """The window's totals; the next window starts empty."""
         with self._lock:
-            closed, self._open = self._open, {p: [0, 0, 0.0, 0.0] for p in PHASES}
+            closed, self._open = self._open, {p: _empty() for p in PHASES}
         return CollectiveReport(*(PhaseCollectives(*closed[p]) for p in PHASES))
+
+
+def _empty() -> list:
+    return [0, 0, 0.0, 0.0, 0, 0.0]

@@ -13,16 +13,18 @@ current one (None: the worker is priced by its TP size alone, as every TP 1 work
 `pair(p, p_tp, d, d_tp)` is a route's pair with each worker's live phases (the P/D decision and
 the plan's predicted clocks).
 
-The fit (`PhaseFit`): a window of n steps with R rows and Y seconds in all_reduce is one point
-(R / n, Y / n) of weight n of the line "seconds per step = a + b x rows"; the weighted least
-squares over the points, each step's weight halving after `half_life_steps` newer steps of its
-phase (a window without steps decays nothing: an idle worker keeps its estimate). When the rows
+The fit (`PhaseFit`): the least squares line "all_reduce seconds per step = a + b x rows" over
+every step reported (a window carries its steps' sums of rows, rows^2, seconds and rows x
+seconds), the sums decayed so that a window's steps weigh half after `half_life_steps` newer
+steps of their phase (a window without steps decays nothing: an idle worker keeps its
+estimate). When the rows
 per step hardly vary (coefficient of variation under `MIN_SPREAD`: a steady decode batch) the
 slope is not identifiable; it keeps the profile's (K B beta at N) and fits a alone. A negative
 slope is 0 (a = the mean), a negative intercept 0 (b through the origin). Then alpha = a / K,
 beta = b / (K B) and sync = the weighted broadcast seconds per step, so the formula's o gives back
 a + b rows + sync. A window that is not finite, negative, or inconsistent (rows or seconds
-without steps, fewer rows than steps) is ignored and counted by reason; so is a report from a
+without steps, fewer rows than steps, a sum of squares no set of steps could have) is ignored
+and counted by reason; so is a report from a
 TP 1 worker that claims steps. `forget(worker)` drops a worker's fits (a new epoch starts from
 the profile).
 """
@@ -46,9 +48,10 @@ REASONS = ("not_finite", "negative", "inconsistent", "not_tp")
 
 @dataclass(frozen=True)
 class PhaseFit:
-    """One phase's decayed sums over its windows (module docstring): weight N = sum n, rows
-    SR = sum R, rows_sq SRR = sum R^2 / n, reduce_s SY = sum Y, rows_reduce SRY = sum R Y / n,
-    broadcast_s = sum of the broadcast seconds; `num_steps` counts every step seen, undecayed."""
+    """One phase's decayed sums over its steps (module docstring), r a step's rows and y its
+    all_reduce seconds: weight N = sum 1, rows SR = sum r, rows_sq SRR = sum r^2, reduce_s
+    SY = sum y, rows_reduce SRY = sum r y, broadcast_s = sum of the broadcast seconds;
+    `num_steps` counts every step seen, undecayed."""
 
     weight: float = 0.0
     rows: float = 0.0
@@ -60,13 +63,13 @@ class PhaseFit:
 
     def folded(self, window: PhaseCollectives, half_life_steps: float) -> PhaseFit:
         """These sums aged by the window's steps, plus the window."""
-        n, r, y = window.steps, window.rows, window.reduce_s
-        if n == 0:
+        w = window
+        if w.steps == 0:
             return self
-        keep = 0.5 ** (n / half_life_steps)
-        return PhaseFit(keep * self.weight + n, keep * self.rows + r, keep * self.rows_sq + r * r / n,
-                        keep * self.reduce_s + y, keep * self.rows_reduce + r * y / n,
-                        keep * self.broadcast_s + window.broadcast_s, self.num_steps + n)
+        keep = 0.5 ** (w.steps / half_life_steps)
+        return PhaseFit(keep * self.weight + w.steps, keep * self.rows + w.rows, keep * self.rows_sq + w.rows_sq,
+                        keep * self.reduce_s + w.reduce_s, keep * self.rows_reduce + w.rows_reduce_s,
+                        keep * self.broadcast_s + w.broadcast_s, self.num_steps + w.steps)
 
     def line(self, profile_slope: float) -> tuple[float, float]:
         """(a, b): all_reduce seconds per step = a + b x rows (module docstring)."""
@@ -90,11 +93,15 @@ class PhaseFit:
 
 def window_fault(window: PhaseCollectives) -> str | None:
     """Why a window cannot be folded (one of REASONS), None when it can (an empty one included)."""
-    if not (math.isfinite(window.reduce_s) and math.isfinite(window.broadcast_s)):
+    w = window
+    if not all(math.isfinite(x) for x in (w.reduce_s, w.broadcast_s, w.rows_reduce_s)):
         return "not_finite"
-    if min(window.steps, window.rows, window.reduce_s, window.broadcast_s) < 0:
+    if min(w.steps, w.rows, w.rows_sq, w.reduce_s, w.broadcast_s, w.rows_reduce_s) < 0:
         return "negative"
-    if window.rows < window.steps or (window.steps == 0 and (window.rows or window.reduce_s or window.broadcast_s)):
+    if w.steps == 0:
+        return "inconsistent" if (w.rows, w.rows_sq, w.reduce_s, w.broadcast_s, w.rows_reduce_s) != (0, 0, 0, 0, 0) else None
+    # every step has a row; the rows' squares are at least their mean's (and at most the whole's)
+    if w.rows < w.steps or not w.rows * w.rows <= w.rows_sq * w.steps <= w.rows * w.rows * w.steps:
         return "inconsistent"
     return None
 

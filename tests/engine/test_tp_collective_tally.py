@@ -5,6 +5,8 @@ heartbeat reports none, workers/heartbeat.collective_report)."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
@@ -17,8 +19,10 @@ def test_rank0_tallies_each_phase_steps_rows_and_seconds():
         assert collective_report(engine).prefill.steps == 0  # the window opens empty
         engine.generate([list(range(1, 41))], SamplingParams(max_tokens=6, ignore_eos=True))
         report = collective_report(engine)
-        assert (report.prefill.steps, report.prefill.rows) == (1, 40)  # the whole prompt in one step
-        assert (report.decode.steps, report.decode.rows) == (5, 5)  # tokens 2..6, one row each
+        p, d = report.prefill, report.decode
+        assert (p.steps, p.rows, p.rows_sq) == (1, 40, 1600)  # the whole prompt in one step
+        assert (d.steps, d.rows, d.rows_sq) == (5, 5, 5)  # tokens 2..6, one row each
+        assert p.rows_reduce_s == pytest.approx(40 * p.reduce_s) and d.rows_reduce_s == pytest.approx(d.reduce_s)
         for phase in (report.prefill, report.decode):
             assert phase.reduce_s > 0 and phase.broadcast_s > 0
         assert collective_report(engine).decode.steps == 0  # taken once

@@ -34,7 +34,10 @@ PROFILE_SLOPE = 8e-6
 
 
 def window(steps: int, rows: int, reduce_s: float, broadcast_s: float) -> PhaseCollectives:
-    return PhaseCollectives(steps, rows, reduce_s, broadcast_s)
+    """`steps` steps of rows / steps rows each, reduce_s / steps seconds each."""
+    if steps <= 0:
+        return PhaseCollectives(steps, rows, reduce_s, broadcast_s)
+    return PhaseCollectives(steps, rows, reduce_s, broadcast_s, rows * rows // steps, rows * reduce_s / steps)
 
 
 def prefill(*args) -> CollectiveReport:
@@ -72,6 +75,19 @@ def test_the_fold_keeps_decayed_weighted_sums_and_fits_their_line():
     sxx, sxy = sum(a * b * b for a, b in zip(w, x)), sum(a * b * c for a, b, c in zip(w, x, y))
     slope = (sxy - sx * sy / n) / (sxx - sx * sx / n)
     assert fit3.line(PROFILE_SLOPE) == pytest.approx(((sy - slope * sx) / n, slope), rel=1e-9)
+
+
+def test_one_window_of_steps_of_different_sizes_gives_the_per_step_line():
+    tally = CollectiveTally()
+    for rows in (100, 300, 200, 50, 400, 100, 250, 300):  # all_reduce 20 ms + 0.1 ms a row, broadcast 1 ms
+        tally.add("prefill", rows, 0.02 + 1e-4 * rows, 0.001)
+    fit = PhaseFit().folded(tally.take().prefill, 32.0)
+    assert fit.line(PROFILE_SLOPE) == pytest.approx((0.02, 1e-4), rel=1e-9) and fit.sync_s() == pytest.approx(0.001)
+    inconsistent = [PhaseCollectives(4, 400, 0.1, 0.0, 39_999, 10.0), PhaseCollectives(4, 400, 0.1, 0.0, 160_001, 10.0)]
+    live = LiveCollectives(PRICING)
+    for w in inconsistent:  # squares below the mean's, or above the whole's
+        live.fold("w", 2, CollectiveReport(prefill=w))
+    assert live.num_ignored == {"inconsistent": 2}
 
 
 def test_steady_rows_keep_the_profiles_slope_and_clamp_below_zero():
@@ -184,7 +200,10 @@ def test_the_tally_reports_each_window_once_and_the_load_field_defaults_for_tp1_
     tally.add("decode", 4, 0.01, 0.001)
     tally.add("decode", 5, 0.02, 0.001)
     report = tally.take()
-    assert report == CollectiveReport(window(1, 300, 0.05, 0.002), window(2, 9, 0.03, 0.002))
+    assert report.prefill == window(1, 300, 0.05, 0.002)
+    d = report.decode
+    assert (d.steps, d.rows, d.rows_sq) == (2, 9, 41)
+    assert (d.reduce_s, d.broadcast_s, d.rows_reduce_s) == pytest.approx((0.03, 0.002, 0.14), rel=1e-15)
     assert tally.take() == CollectiveReport()
     load = m.Load(0, 0, 0, 100, 0, collectives=report)
     assert m.decode_to_router(m.encode(m.Heartbeat("w", 1, load))).load.collectives == report
