@@ -16,17 +16,15 @@ the plan's predicted clocks).
 The fit (`PhaseFit`): the least squares line "all_reduce seconds per step = a + b x rows" over
 every step reported (a window carries its steps' sums of rows, rows^2, seconds and rows x
 seconds), the sums decayed so that a window's steps weigh half after `half_life_steps` newer
-steps of their phase (a window without steps decays nothing: an idle worker keeps its
-estimate). When the rows
-per step hardly vary (coefficient of variation under `MIN_SPREAD`: a steady decode batch) the
-slope is not identifiable; it keeps the profile's (K B beta at N) and fits a alone. A negative
-slope is 0 (a = the mean), a negative intercept 0 (b through the origin). Then alpha = a / K,
-beta = b / (K B) and sync = the weighted broadcast seconds per step, so the formula's o gives back
-a + b rows + sync. A window that is not finite, negative, or inconsistent (rows or seconds
-without steps, fewer rows than steps, a sum of squares no set of steps could have) is ignored
-and counted by reason; so is a report from a
-TP 1 worker that claims steps. `forget(worker)` drops a worker's fits (a new epoch starts from
-the profile).
+steps of their phase (a window without steps decays nothing: an idle worker keeps its estimate).
+When the rows per step hardly vary (coefficient of variation under `MIN_SPREAD`: a steady decode
+batch) the slope is not identifiable; it keeps the profile's (K B beta at N) and fits a alone. A
+negative slope is 0 (a = the mean), a negative intercept 0 (b through the origin). Then
+alpha = a / K, beta = b / (K B) and sync = the weighted broadcast seconds per step, so the
+formula's o gives back a + b rows + sync. A window that is not finite, negative, or inconsistent
+(rows or seconds without steps, fewer rows than steps, a sum of squares no set of steps could
+have) is ignored and counted by reason; so is a report from a TP 1 worker that claims steps.
+`forget(worker)` drops a worker's fits (a new epoch starts from the profile).
 """
 
 from __future__ import annotations
