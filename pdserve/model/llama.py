@@ -106,6 +106,8 @@ class LlamaModel:
         self.lm_head = prepare(head, self.products.plan)
         self.final_norm = state["model.norm.weight"].to(self.dtype)
         self.layers = [self._fuse_layer(state, i) for i in range(config.num_layers)]
+        self.products = self.products.with_weights(
+            [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)])
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(self.dtype), rotary_sin(sin.to(self.dtype))  # [P, D]
 

@@ -34,7 +34,7 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -196,8 +196,19 @@ class ProductPlan:
 
     plan: str
     batch_invariant: bool
+    matched: tuple[int, int] = (0, 0)  # (weights whose 1-4 row products run matched_gemv's kernel, weights)
+
+    def with_weights(self, weights: list[Weight]) -> ProductPlan:
+        """This plan, noting how many of a model's prepared `weights` run few rows matched."""
+        used = sum(isinstance(w, PairedWeight) and w.matched is not None for w in weights)
+        return replace(self, matched=(used, len(weights)))
 
     def describe(self) -> str:
+        used, total = self.matched
+        note = f"; 1-{ROWS_MAX} rows through the matched kernel (oneDNN's bits) in {used} of {total} weights" if used else ""
+        return self._plan_text() + note
+
+    def _plan_text(self) -> str:
         if self.plan == "tiled":
             packing = "mkl-packed" if mkl_packed_available() else "torch.mm"
             return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"

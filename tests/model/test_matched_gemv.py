@@ -103,3 +103,12 @@ def test_engine_weights_are_held_twice_at_most():
     paired = prepare(w, "paired")
     assert "weight" not in vars(paired.inner) and "weight" not in vars(paired)
     assert torch.equal(paired.weight, w)
+
+
+def test_plan_description_counts_matched_weights():
+    weights = [prepare(_weight((96, 64), 8), "paired"), prepare(_weight((64, 32), 9).float(), "fast")]
+    plan = numerics.ProductPlan("paired", True).with_weights(weights)
+    if matched_gemv.available():
+        assert plan.matched == (1, 2) and plan.describe().endswith("through the matched kernel (oneDNN's bits) in 1 of 2 weights")
+    else:
+        assert plan.matched == (0, 2) and "matched" not in plan.describe()
