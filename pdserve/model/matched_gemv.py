@@ -1,8 +1,9 @@
-"""Products of 1-4 bf16 rows that give oneDNN's bits at a memory-bound speed (`csrc/bf16_matched.c`).
+"""Products of 1-8 bf16 rows that give oneDNN's bits at a memory-bound speed (`csrc/bf16_matched.c`).
 
 Why: a decode step of one sequence is a stream of the weights' bytes. oneDNN's bf16 kernels on an
 AVX512-BF16 CPU read them at ~25 GB/s on two threads for one to four rows (the 107M checkpoint's
-48 products of a step: 8.2 ms), while the machine streams ~37 GB/s (a `sum` over 208 MB); its
+48 products of a step: 8.2 ms, against 5.0 ms here; one thread 14.9 against 9.0 ms; at 8 rows 17.2
+against 13.0 ms, level at 12-16 rows), while the machine streams ~37 GB/s (a `sum` over 208 MB); its
 one-row kernel also sums in another order than its matrix kernel, which is why the batch-invariant
 "paired" plan ran single rows as four (numerics.py). This kernel streams the weights at 40+ GB/s
 and reproduces oneDNN's matrix-kernel bits, so a row sent here gets the bits it gets among any
@@ -22,7 +23,8 @@ again, a row alone against the same row among 2-65 others.
 
 Contract: `MatchedWeight.build(w)` for a bf16 weight w [N, K] (which oneDNN also holds packed) returns a weight
 whose `product(x)` for x [T, K] bf16 with 1 <= T <= ROWS_MAX returns [T, N] bf16 bit-equal to
-oneDNN's packed product of x among four or more rows, or None where it cannot (another thread count than the one
+oneDNN's packed product of x among four or more rows (rows pass over a group of 64 columns 4 at a
+time, the group read from L2 after the first pass), or None where it cannot (another thread count than the one
 probed, or more rows): the caller then runs oneDNN. It holds the weight once more, in the operand
 layout of `vdpbf16ps` (`pack`: groups of 64 columns, [K / 2][64][2] each); the oneDNN copy keeps
 no plain tensor (onednn_packed.py), so a weight is still held twice.
@@ -38,7 +40,7 @@ import torch
 from pdserve.model import ckernel, onednn_packed
 
 GROUP_COLS = 64  # output columns per packed group (csrc/bf16_matched.c)
-ROWS_MAX = 4  # rows one call takes (4 x 4 accumulators)
+ROWS_MAX = 8  # rows one call takes (passes of 4 rows over a group of 64 columns; level with oneDNN beyond)
 PARALLEL_WORK = 1 << 18  # N * K below this runs on the calling thread (a parallel region costs ~5 us)
 _B = 2.0 ** 20  # the probe's cancelling pair
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -123,7 +125,7 @@ def _rows(x: torch.Tensor, packed: torch.Tensor, n: int, kb: int) -> torch.Tenso
 
 @lru_cache(maxsize=256)
 def block_for(n: int, k: int, threads: int) -> int | None:
-    """The one candidate block size whose bits equal oneDNN's four-row product on the probe
+    """The one candidate block size whose bits equal oneDNN's matrix kernel on the probe
     inputs of an [n, k] weight at `threads` threads; None: none or several, or no kernel."""
     if not available() or k % 2 or n < 1 or threads != torch.get_num_threads():
         return None

@@ -121,7 +121,7 @@ class TiledWeight:
 class PairedWeight:
     """A bf16 weight [N, K] whose products of few rows avoid oneDNN's matrix-vector kernel, which
     sums in another order than its matrix kernel (x86 bf16: about one row in twelve rounds
-    differently) and streams the weights slower: 1-4 rows go through matched_gemv's kernel where
+    differently) and streams the weights slower: 1-8 rows go through matched_gemv's kernel where
     it reproduces the matrix kernel's bits on this machine (`matched`); otherwise, with `pad`,
     fewer than ONE_ROW_AS rows run as ONE_ROW_AS (the first row repeated after them). In the
     matrix kernel a row's bits do not depend on its batch mates (the probe checks both on each
@@ -160,7 +160,7 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
     """A weight [N, K] made ready for `linear` under `plan` ("tiled" packs it into tiles; the
     others keep torch's products, with a bf16 weight reordered once for oneDNN (onednn_packed:
     the same bits as F.linear, without a reorder per call), and "paired" wraps that, as does every
-    plan where matched_gemv's kernel reproduces oneDNN's bits for this shape: 1-4 rows run there)."""
+    plan where matched_gemv's kernel reproduces oneDNN's bits for this shape: 1-8 rows run there)."""
     if plan == "tiled":
         return TiledWeight(weight)
     if plan == "kernel":
@@ -196,7 +196,7 @@ class ProductPlan:
 
     plan: str
     batch_invariant: bool
-    matched: tuple[int, int] = (0, 0)  # (weights whose 1-4 row products run matched_gemv's kernel, weights)
+    matched: tuple[int, int] = (0, 0)  # (weights whose 1-8 row products run matched_gemv's kernel, weights)
 
     def with_weights(self, weights: list[Weight]) -> ProductPlan:
         """This plan, noting how many of a model's prepared `weights` run few rows matched."""
