@@ -67,13 +67,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = run(args.model, 1, args.prefills, args.decode_tokens, Path(tmp, "tp1.jsonl")) if args.compare else None
         report, mc, records = run(args.model, args.tp, args.prefills, args.decode_tokens, Path(tmp, "tpn.jsonl"))
-    profile = json.load(open(args.profile)) if args.profile else None
+    profile = json.loads(Path(args.profile).read_text()) if args.profile else None
     pricing = TpPricing(CostModel(), scaling_for(mc, profile, 1))
     live = LiveCollectives(pricing)
     live.fold("w", args.tp, report)
     print(f"model {args.model}, TP {args.tp}")
     for phase, rows in (("prefill", 512), ("decode", 4)):
         window, costs = report.phase(phase), live.live_costs("w", phase)
+        if window.steps == 0:  # a phase the run showed no step of (e.g. --decode-tokens 0): nothing to price
+            print(f"{phase}: no steps")
+            continue
         priced = pricing.scaling.overhead(args.tp)
         print(f"{phase}: {window.steps} steps, {window.rows} rows, all_reduce {window.reduce_s / window.steps * 1e3:.2f} ms "
               f"and broadcast {window.broadcast_s / window.steps * 1e3:.2f} ms a step")
