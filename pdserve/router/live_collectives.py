@@ -22,8 +22,9 @@ batch) the slope is not identifiable; it keeps the profile's (K B beta at N) and
 negative slope is 0 (a = the mean), a negative intercept 0 (b through the origin). Then
 alpha = a / K, beta = b / (K B) and sync = the weighted broadcast seconds per step, so the
 formula's o gives back a + b rows + sync. A window that is not finite, negative, or inconsistent
-(rows or seconds without steps, fewer rows than steps, a sum of squares no set of steps could
-have) is ignored and counted by reason; so is a report from a TP 1 worker that claims steps.
+(rows or seconds without steps, fewer rows than steps, a sum of squares or of rows x seconds no
+set of steps could have) is ignored and counted by reason; so is a report from a TP 1 worker
+that claims steps.
 `forget(worker)` drops a worker's fits (a new epoch starts from the profile).
 """
 
@@ -41,6 +42,7 @@ from pdserve.router.tp_pricing import TpPricing
 MIN_STEPS = 8  # steps a phase must show before its live collectives replace the profile's
 HALF_LIFE_STEPS = 32.0  # a step's weight in the fit halves after this many newer steps of its phase
 MIN_SPREAD = 0.25  # rows per step must vary by this coefficient of variation to fit a slope
+ROUNDING = 1e-9  # relative slack on the float sums' bounds (window_fault)
 REASONS = ("not_finite", "negative", "inconsistent", "not_tp")
 
 
@@ -98,8 +100,13 @@ def window_fault(window: PhaseCollectives) -> str | None:
         return "negative"
     if w.steps == 0:
         return "inconsistent" if (w.rows, w.rows_sq, w.reduce_s, w.broadcast_s, w.rows_reduce_s) != (0, 0, 0, 0, 0) else None
-    # every step has a row; the rows' squares are at least their mean's (and at most the whole's)
+    # every step has a row; the rows' squares are at least their mean's (and at most the whole's);
+    # rows x seconds is at least the seconds (a row a step) and at most rows x the seconds (float
+    # sums: a relative ROUNDING slack)
     if w.rows < w.steps or not w.rows * w.rows <= w.rows_sq * w.steps <= w.rows * w.rows * w.steps:
+        return "inconsistent"
+    slack = 1.0 + ROUNDING
+    if not w.reduce_s <= w.rows_reduce_s * slack or not w.rows_reduce_s <= w.rows * w.reduce_s * slack:
         return "inconsistent"
     return None
 

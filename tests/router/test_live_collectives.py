@@ -90,6 +90,17 @@ def test_one_window_of_steps_of_different_sizes_gives_the_per_step_line():
     assert live.num_ignored == {"inconsistent": 2}
 
 
+def test_a_rows_x_seconds_sum_no_steps_could_have_is_inconsistent():
+    """sum r y lies in [sum y, rows x sum y] (every step has a row); float rounding passes."""
+    live = LiveCollectives(PRICING)
+    for rows_reduce_s in (0.1 * (1 - 1e-12), 40.0 * (1 + 1e-12)):  # on the bounds but for rounding: folded
+        live.fold("w", 2, CollectiveReport(prefill=PhaseCollectives(4, 400, 0.1, 0.0, 40_000, rows_reduce_s)))
+    assert not live.num_ignored and live.view("w")["prefill"]["steps"] == 8
+    for rows_reduce_s in (0.099, 40.1):  # below the seconds, above rows x the seconds
+        live.fold("w", 2, CollectiveReport(prefill=PhaseCollectives(4, 400, 0.1, 0.0, 40_000, rows_reduce_s)))
+    assert live.num_ignored == {"inconsistent": 2} and live.view("w")["prefill"]["steps"] == 8
+
+
 def test_steady_rows_keep_the_profiles_slope_and_clamp_below_zero():
     fit = PhaseFit().folded(SLOW_DECODE.decode, 32.0)
     a, b = fit.line(PROFILE_SLOPE)  # 4 rows every step: no slope to fit
