@@ -100,7 +100,11 @@ def test_the_policy_routes_to_the_tp2_worker_that_recomputes():
     terms = plan.prefix_terms
     assert (terms.hit_blocks, terms.fetch_blocks, terms.fetch_s) == (0, 0, 0.0)
     assert terms.prefill_s == pytest.approx(0.085104, rel=1e-12)
-    assert 0.104 + P_FIXED2 + 10 * P_ROW2 > 0.104 + 0.01 + 10 * 1e-3  # the role-size credit's pick: w1
+    # the same request over a pool whose slots are all TP 1 (every slot at the role size): w1 fetches
+    flat = _router({**WORKERS, "w2": (1, 0, ())}).route(LONG)
+    assert isinstance(flat, RoutePlan) and flat.prefill_id == "w1"
+    assert flat.predicted_ttft_s == pytest.approx(0.104 + 0.01 + 10 * 1e-3, rel=1e-12)
+    assert (flat.prefix_terms.fetch_blocks, flat.prefix_terms.fetch_s) == (8, pytest.approx(0.104, rel=1e-14))
 
 
 @pytest.mark.parametrize("compiled", [True, False])  # the fused kernel (kernels.prefix_pair) and the numpy path
