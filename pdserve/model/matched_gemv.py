@@ -123,11 +123,18 @@ def _rows(x: torch.Tensor, packed: torch.Tensor, n: int, kb: int) -> torch.Tenso
     return torch.cat(parts)
 
 
-@lru_cache(maxsize=256)
 def block_for(n: int, k: int, threads: int) -> int | None:
     """The one candidate block size whose bits equal oneDNN's matrix kernel on the probe
-    inputs of an [n, k] weight at `threads` threads; None: none or several, or no kernel."""
-    if not available() or k % 2 or n < 1 or threads != torch.get_num_threads():
+    inputs of an [n, k] weight at `threads` threads (the running count: the search runs
+    there); None: none or several, another thread count, or no kernel."""
+    if threads != torch.get_num_threads():
+        return None
+    return _block_for(n, k, threads)
+
+
+@lru_cache(maxsize=256)
+def _block_for(n: int, k: int, threads: int) -> int | None:
+    if not available() or k % 2 or n < 1:
         return None
     w, x = _probe_inputs(n, k)
     reference = onednn_packed.PackedWeight(w)(x)  # [R, n], the matrix kernel (R >= 4 rows)

@@ -27,6 +27,11 @@ Contract:
   a BLAS's one-row kernel is often the only one whose sums differ); failing that bf16 moves to
   tiles too, and if that fails the engine refuses
   to start in batch-invariant mode (`BatchInvarianceError`) rather than run silently inexact.
+  On AVX512-BF16 builds, under any plan that keeps oneDNN's products, 1-8 rows without a bias run
+  matched_gemv.py's kernel, which reproduces oneDNN's matrix-kernel bits (its blocking found and
+  checked at start-up) at memory speed, so neither the one-row kernel nor the padding is used there
+  (the probe then finds "native" invariant); where it cannot match a shape, or the thread count
+  changed since load, rows fall back to oneDNN padded to ONE_ROW_AS.
 - Without batch invariance ("fast"), fp32 on one thread, products of 2-8 rows go through skinny.py's
   kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row);
   on the AVX2 kind bf16 products keep the "kernel" plan (the faster product there too).
@@ -121,32 +126,33 @@ class TiledWeight:
 class PairedWeight:
     """A bf16 weight [N, K] whose products of few rows avoid oneDNN's matrix-vector kernel, which
     sums in another order than its matrix kernel (x86 bf16: about one row in twelve rounds
-    differently) and streams the weights slower: 1-8 rows go through matched_gemv's kernel where
-    it reproduces the matrix kernel's bits on this machine (`matched`); otherwise, with `pad`,
-    fewer than ONE_ROW_AS rows run as ONE_ROW_AS (the first row repeated after them). In the
+    differently) and streams the weights slower. 1-8 rows without a bias go through
+    matched_gemv's kernel where it reproduces the matrix kernel's bits on this machine
+    (`matched`); otherwise fewer than ONE_ROW_AS rows run as ONE_ROW_AS (the first row repeated
+    after them), a bias added by oneDNN with the product (one rounding, as F.linear). In the
     matrix kernel a row's bits do not depend on its batch mates (the probe checks both on each
     machine); 2 and 3 rows are padded too because oneDNN's few-row kernels are slower than its
     4-row one here (ONE_ROW_AS)."""
 
-    def __init__(self, inner: torch.Tensor | PackedWeight, matched: MatchedWeight | None = None, pad: bool = True):
-        self.inner, self.matched, self.pad = inner, matched, pad  # inner: [N, K], plain or oneDNN-packed
+    def __init__(self, inner: torch.Tensor | PackedWeight, matched: MatchedWeight | None = None):
+        self.inner, self.matched = inner, matched  # inner: [N, K], plain or oneDNN-packed
 
     @property
     def weight(self) -> torch.Tensor:  # [N, K]
         return dense(self.inner)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, K] -> [T, N]."""
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, K] -> [T, N]; bias: [N] or None."""
         rows, k = x.shape
-        if self.matched is not None and 0 < rows <= ROWS_MAX:
+        if bias is None and self.matched is not None and 0 < rows <= ROWS_MAX:
             out = self.matched.product(x)
             if out is not None:
                 return out
-        if rows >= ONE_ROW_AS or rows == 0 or not self.pad:  # no rows: nothing to pad with
-            return _product(x, self.inner)
+        if rows >= ONE_ROW_AS or rows == 0:  # no rows: nothing to pad with
+            return _product(x, self.inner, bias)
         if rows == 1:
-            return _product(x.expand(ONE_ROW_AS, k), self.inner)[:1]  # the row repeated: one copy, no zeros
-        return _product(torch.cat([x, x[:1].expand(ONE_ROW_AS - rows, k)]), self.inner)[:rows]  # [ONE_ROW_AS, K]
+            return _product(x.expand(ONE_ROW_AS, k), self.inner, bias)[:1]  # the row repeated: one copy, no zeros
+        return _product(torch.cat([x, x[:1].expand(ONE_ROW_AS - rows, k)]), self.inner, bias)[:rows]  # [ONE_ROW_AS, K]
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +174,7 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
     base = onednn_packed.pack(weight)
     matched = MatchedWeight.build(weight) if isinstance(base, PackedWeight) else None
     if plan == "paired" or matched is not None:  # few rows: the matched kernel, else (paired) padded
-        return PairedWeight(base, matched, pad=plan == "paired")
+        return PairedWeight(base, matched)
     return base
 
 
@@ -182,7 +188,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, sk
     skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
     if isinstance(weight, PackedWeight):
         return weight(x, bias)
-    if isinstance(weight, (TiledWeight, PairedWeight, KernelWeight)):
+    if isinstance(weight, PairedWeight):
+        return weight(x, bias)
+    if isinstance(weight, (TiledWeight, KernelWeight)):
         out = weight(x)
         return out if bias is None else out + bias
     if skinny_rows and skinny.applies(x):
@@ -238,18 +246,19 @@ def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple
         f"({'; '.join(failures)}); start with --no-batch-invariant to serve without the guarantee")
 
 
-PROBE_ROWS = (2, 3, 5, 9, 13, 33, 65)  # batch sizes the probe places its rows in
+PROBE_ROWS = (2, 3, 5, 9, 13, 33, 65, 512)  # batch sizes the probe places its rows in (512: a prefill chunk)
 PROBE_SAMPLES = 32  # distinct rows per weight shape
 
 
 @lru_cache(maxsize=64)
 def probe_invariance(plan: str, compute: torch.dtype, shapes: tuple[tuple[int, int], ...], threads: int = 0) -> str | None:
-    """`threads` only keys the cache: few-row products were matched to oneDNN at the thread count
-    they run at (matched_gemv.py), so another count is probed afresh. None when, for every weight shape, each of PROBE_SAMPLES random rows gives the same bits
+    """None when, for every weight shape, each of PROBE_SAMPLES random rows gives the same bits
     alone (a one-row product) and placed among other rows in batches of PROBE_ROWS rows; else
     the first failure. Many rows, because a kernel that differs between one row and many (a
     BLAS's matrix-vector path) differs only for some inputs: one bf16 row in ~12 rounds
-    otherwise, so a single sampled row lets a non-invariant plan pass most of the time."""
+    otherwise, so a single sampled row lets a non-invariant plan pass most of the time.
+    `threads` only keys the cache: few rows run matched_gemv's kernel as checked at the thread
+    count of the load, so another count is probed afresh."""
     gen = torch.Generator().manual_seed(1234)
     for n, k in sorted(set(shapes)):
         weight = prepare((torch.randn(n, k, generator=gen) / k**0.5).to(compute), plan)

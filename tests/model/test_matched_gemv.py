@@ -12,7 +12,7 @@ from pdserve.model.numerics import PairedWeight, linear, prepare, probe_invarian
 from pdserve.model.onednn_packed import PackedWeight, available as onednn_available
 
 # the 107M checkpoint's fused products and LM head, a tiny model's, and shapes off the 64-column grid
-SHAPES = [(1280, 768), (6144, 768), (768, 3072), (2048, 768), (96, 64), (100, 130)]
+SHAPES = [(1280, 768), (6144, 768), (768, 3072), (2048, 768), (96, 64), (100, 130), (97, 64), (1, 64)]
 
 
 def _weight(shape, seed):
@@ -113,3 +113,13 @@ def test_plan_description_counts_matched_weights():
         assert plan.matched == (1, 2) and plan.describe().endswith("through the matched kernel (oneDNN's bits) in 1 of 2 weights")
     else:
         assert plan.matched == (0, 2) and "matched" not in plan.describe()
+
+
+def test_a_bias_is_added_by_onednn_with_the_product():
+    """Rows with a bias skip the kernel: oneDNN adds it before its one rounding, as F.linear does."""
+    w = _weight((96, 64), 10)
+    bias = torch.randn(96).to(torch.bfloat16)
+    paired = prepare(w, "paired")
+    for rows in (1, 2, 6):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(linear(x, paired, bias), F.linear(torch.cat([x] * 4), w, bias)[:rows])

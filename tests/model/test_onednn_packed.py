@@ -34,11 +34,11 @@ def test_plans_pack_bf16_weights_only_and_keep_the_plain_values():
     native, paired, fast = (prepare(w, plan) for plan in ("native", "paired", "fast"))
     for unpadded in (native, fast):
         if matched:  # few rows go to the matched kernel, never padded
-            assert isinstance(unpadded, PairedWeight) and not unpadded.pad and unpadded.matched is not None
+            assert isinstance(unpadded, PairedWeight) and unpadded.matched is not None
             assert isinstance(unpadded.inner, PackedWeight)
         else:
             assert isinstance(unpadded, PackedWeight)
-    assert isinstance(paired, PairedWeight) and isinstance(paired.inner, PackedWeight) and paired.pad
+    assert isinstance(paired, PairedWeight) and isinstance(paired.inner, PackedWeight)
     assert (paired.matched is not None) == matched
     assert all(torch.equal(dense(p), w) for p in (native, paired, fast))
     assert isinstance(prepare(w.float(), "fast"), torch.Tensor)  # fp32 stays on MKL
