@@ -5,7 +5,7 @@ answers; nothing here does I/O or sleeps. One call per event:
 
     register / heartbeat / report_load / deregister   worker membership (registry.py)
     report_collectives                                a TP worker's live collective seconds, its
-                                                      price from them (live_collectives.py)
+                                                      price from them (live_pricing.py)
     report_kv                                         a worker's block events into the cluster
                                                       K/V index (kv_index.py), which feeds the
                                                       snapshot's per-worker prefix sets
@@ -36,17 +36,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from pdserve.engine.tp_tally import CollectiveReport
 from pdserve.router import kernels
+from pdserve.router.answers import Retirement, RouterCounters
 from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
 from pdserve.router.fastnew import new_frozen
 from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
-from pdserve.router.live_collectives import LiveCollectives
+from pdserve.router.live_pricing import LivePricing
 from pdserve.router.messages import (
     BlockHold,
     Role,
@@ -65,35 +65,9 @@ from pdserve.router.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.reservations import HoldRequest, ReservationLedger
 from pdserve.router.snapshot import Snapshot, SnapshotBuilder
-from pdserve.router.tp_pricing import worker_cost
 
 ROUTED = "routed"
 _MAX_RETRY_AFTER_S = PolicyContext(CostModel()).max_retry_after_s  # the policies' default
-
-
-@dataclass(frozen=True)
-class Retirement:
-    """A retired worker epoch and the routes that lost a hold on it (the runtime must fail or
-    reroute them; their other holds are already released)."""
-
-    worker: RetiredWorker
-    orphaned_request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RouterCounters:
-    """Plain counters for the metrics layer; `route_total` is keyed by (policy, result)."""
-
-    route_total: Mapping[tuple[str, str], int]
-    workers_retired: Mapping[str, int]  # by reason
-    num_stale_rejected: int
-    num_holds_granted: int
-    num_holds_released: int
-    num_kv_published: int
-    num_completed: int
-    num_aborted: int
-    num_orphaned: int
-    pd_decisions: Mapping[str, int]  # routed disaggregated-mode requests by P/D decision
 
 
 class Router:
@@ -130,8 +104,9 @@ class Router:
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
         self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
         self._p2c = Sampler()
-        # TP workers' collectives as their own steps show them (live_collectives.py); None without pricing
-        self.live = None if config.pricing is None else LiveCollectives(config.pricing)
+        # TP workers' collectives as their own steps show them, priced into the builders' slots
+        self._prices = LivePricing(config.pricing, config.cost, (self._snapshots, self._whole, self._mixed))
+        self.live = self._prices.live  # live_collectives.LiveCollectives; None without pricing
 
     # ----- workers -----
     def register(self, info: WorkerInfo) -> Retirement | None:
@@ -152,16 +127,9 @@ class Router:
 
     def report_collectives(self, worker_id: str, role_epoch: int, report: CollectiveReport) -> None:
         """A TP worker's collective seconds per phase since its last report (engine/tp_tally.py):
-        its slots are re-priced once they move its live estimate (live_collectives.py)."""
-        if self.live is None or not self._registry.is_current(worker_id, role_epoch):
-            return
-        cost = self.live.fold(worker_id, self._registry.entry(worker_id).info.tp, report)
-        if cost is not None:
-            self._note_cost(worker_id, cost)
-
-    def _note_cost(self, worker_id: str, cost: CostModel | None) -> None:
-        for builder in (self._snapshots, self._whole, self._mixed):
-            builder.note_cost(worker_id, cost)
+        its slots are re-priced once they move its live estimate (live_pricing.py)."""
+        if self._registry.is_current(worker_id, role_epoch):
+            self._prices.report(worker_id, self._registry.entry(worker_id).info.tp, report)
 
     def report_kv(self, worker_id: str, role_epoch: int, delta: KvDelta) -> KvOutcome:
         """Apply a worker's block events (kv_index.py); RESYNC_NEEDED: send it `ResyncKv`."""
@@ -346,20 +314,13 @@ class Router:
         )
 
     def worker_cost(self, worker_id: str) -> CostModel:
-        """One worker's own steps at its registered TP size (tp_pricing.worker_cost)."""
-        info = self._registry.entry(worker_id).info
-        live = None if self.live is None else self.live.cost(worker_id)
-        return worker_cost(self.config.pricing, self.config.cost, info.tp, info.role is Role.DECODE, live)
+        """One worker's own steps at its registered TP size, live where it has them (live_pricing.py)."""
+        return self._prices.worker_cost(self._registry.entry(worker_id).info)
 
     def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
         """A chosen pair's cost model at its workers' TP sizes, each with its live collectives where
-        it has them (`config.cost` without pricing)."""
-        if self.config.pricing is None:
-            return self.config.cost
-        tps = snapshot.prefill.members.tp_sizes[prefill_slot], snapshot.decode.members.tp_sizes[decode_slot]
-        if not self.live.num_live:  # no worker priced from its own collectives (live_collectives.py)
-            return self.config.pricing.pair(*tps)
-        return self.live.pair(snapshot.prefill.worker_ids[prefill_slot], tps[0], snapshot.decode.worker_ids[decode_slot], tps[1])
+        it has them (`config.cost` without pricing; live_pricing.py)."""
+        return self._prices.pair_cost(snapshot, prefill_slot, decode_slot)
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes.
@@ -412,10 +373,7 @@ class Router:
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch
-        if self.live is not None:  # a new epoch is priced from the profile until its own steps show
-            if self.live.cost(retired.worker_id) is not None:
-                self._note_cost(retired.worker_id, None)
-            self.live.forget(retired.worker_id)
+        self._prices.retire(retired.worker_id)  # a new epoch is priced from the profile until its own steps show
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
         for request_id in orphaned:
             self._heavy_light.remove(request_id)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.router.cost import CostModel
+from pdserve.router.host_groups import HostGroups
 from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
@@ -67,27 +68,6 @@ class Pool:
     @property
     def role_epochs(self) -> tuple[int, ...]:
         return self.members.role_epochs
-
-
-@dataclass(frozen=True)
-class HostGroups:
-    """Decode slots grouped by host, for per-host minima (np.minimum.reduceat)."""
-
-    decode_order: np.ndarray  # decode slots sorted by host
-    group_starts: np.ndarray  # where each host's run starts in decode_order
-    prefill_group: np.ndarray  # [P] the group of P's host, or len(group_starts) if no decode there
-    all_grouped: bool = False  # every prefill host has a decode worker (no sentinel group needed)
-
-    @classmethod
-    def build(cls, prefill_hosts: Sequence[str], decode_hosts: Sequence[str]) -> HostGroups:
-        names = sorted(set(decode_hosts))
-        group_of = {name: g for g, name in enumerate(names)}
-        order = sorted(range(len(decode_hosts)), key=lambda j: (group_of[decode_hosts[j]], j))
-        sizes = [sum(1 for h in decode_hosts if h == name) for name in names]
-        starts = np.cumsum([0] + sizes[:-1]) if sizes else np.zeros(0)
-        groups = [group_of.get(h, len(names)) for h in prefill_hosts]
-        arrays = (_readonly(np.array(a, dtype=np.int64)) for a in (order, starts, groups))
-        return cls(*arrays, all_grouped=all(g < len(names) for g in groups))
 
 
 class Derived(NamedTuple):
