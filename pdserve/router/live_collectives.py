@@ -25,7 +25,10 @@ formula's o gives back a + b rows + sync. A window that is not finite, negative,
 (rows or seconds without steps, fewer rows than steps, a sum of squares or of rows x seconds no
 set of steps could have) is ignored and counted by reason; so is a report from a TP 1 worker
 that claims steps.
-`forget(worker)` drops a worker's fits (a new epoch starts from the profile).
+`forget(worker)` drops a worker's fits (a new epoch starts from the profile) and says whether it
+had a live price. A report at another TP size than the worker's fits were made at starts it
+afresh; when that drops a live price `fold` answers `WITHDRAWN` (unless the new size's window
+prices it at once): the caller prices the worker at its TP size again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pdserve.engine.tp_tally import PHASES, CollectiveReport, PhaseCollectives
 from pdserve.latency.tp_collectives import CollectiveCosts
@@ -43,6 +47,13 @@ MIN_STEPS = 8  # steps a phase must show before its live collectives replace the
 HALF_LIFE_STEPS = 32.0  # a step's weight in the fit halves after this many newer steps of its phase
 MIN_SPREAD = 0.25  # rows per step must vary by this coefficient of variation to fit a slope
 ROUNDING = 1e-9  # relative slack on the float sums' bounds (window_fault)
+
+
+class Repricing(Enum):
+    WITHDRAWN = "withdrawn"  # fold dropped the worker's live price: price it at its TP size again
+
+
+WITHDRAWN = Repricing.WITHDRAWN
 REASONS = ("not_finite", "negative", "inconsistent", "not_tp")
 
 
@@ -132,15 +143,19 @@ class LiveCollectives:
         self.num_ignored: Counter[str] = Counter()
         self.num_live = 0  # workers priced from their own collectives
 
-    def fold(self, worker_id: str, tp: int, report: CollectiveReport) -> CostModel | None:
-        """Fold one report of a TP `tp` worker; -> its new live price, None when nothing moved."""
+    def fold(self, worker_id: str, tp: int, report: CollectiveReport) -> CostModel | Repricing | None:
+        """Fold one report of a TP `tp` worker; -> its new live price, WITHDRAWN when a change of
+        TP size dropped its live price, None when nothing moved."""
+        withdrawn = None
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.tp != tp:
+            withdrawn = WITHDRAWN if self.forget(worker_id) else None
+            worker = None
         if tp < 2:
             if any(report.phase(p).steps for p in PHASES):
                 self._ignore(None, "not_tp")
-            return None
-        worker = self._workers.get(worker_id)
-        if worker is None or worker.tp != tp:
-            self.forget(worker_id)
+            return withdrawn
+        if worker is None:
             worker = self._workers[worker_id] = _Worker(tp)
         moved = False
         for phase in PHASES:
@@ -153,7 +168,7 @@ class LiveCollectives:
                 moved = True
         live = tuple(self.live_costs(worker_id, p) for p in PHASES)
         if not moved or live == (None, None):
-            return None
+            return withdrawn
         self.num_live += worker.cost is None
         worker.cost, worker.live = self.pricing.worker(tp, *live), live
         return worker.cost
@@ -194,10 +209,13 @@ class LiveCollectives:
         worker = self._workers.get(worker_id)
         return None if worker is None else worker.cost
 
-    def forget(self, worker_id: str) -> None:
+    def forget(self, worker_id: str) -> bool:
+        """Drop the worker's fits; -> whether it had a live price."""
         worker = self._workers.pop(worker_id, None)
-        self.num_live -= worker is not None and worker.cost is not None
+        had_cost = worker is not None and worker.cost is not None
+        self.num_live -= had_cost
         self._pairs = {key: hit for key, hit in self._pairs.items() if worker_id not in key}
+        return had_cost
 
     def view(self, worker_id: str) -> dict:
         """GET /workers: per phase the steps seen and, once live, the priced o's terms (ms)."""

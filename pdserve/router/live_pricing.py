@@ -19,7 +19,7 @@ from typing import Protocol
 
 from pdserve.engine.tp_tally import CollectiveReport
 from pdserve.router.cost import CostModel
-from pdserve.router.live_collectives import LiveCollectives
+from pdserve.router.live_collectives import WITHDRAWN, LiveCollectives
 from pdserve.router.messages import Role, WorkerInfo
 from pdserve.router.snapshot import Snapshot
 from pdserve.router.tp_pricing import TpPricing, worker_cost
@@ -38,20 +38,18 @@ class LivePricing:
         self._builders = tuple(builders)
 
     def report(self, worker_id: str, tp: int, report: CollectiveReport) -> None:
-        """A current TP `tp` worker's collective seconds since its last report."""
+        """A current TP `tp` worker's collective seconds since its last report (a live price
+        withdrawn by a change of TP size: its slots at its TP size again)."""
         if self.live is None:
             return
-        cost = self.live.fold(worker_id, tp, report)
-        if cost is not None:
-            self._note_cost(worker_id, cost)
+        change = self.live.fold(worker_id, tp, report)
+        if change is not None:
+            self._note_cost(worker_id, None if change is WITHDRAWN else change)
 
     def retire(self, worker_id: str) -> None:
         """The worker's epoch ended: its slots at its TP size again, its fits dropped."""
-        if self.live is None:
-            return
-        if self.live.cost(worker_id) is not None:
+        if self.live is not None and self.live.forget(worker_id):
             self._note_cost(worker_id, None)
-        self.live.forget(worker_id)
 
     def worker_cost(self, info: WorkerInfo) -> CostModel:
         """One worker's own steps at its registered TP size (tp_pricing.worker_cost)."""

@@ -15,7 +15,8 @@ from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
-from pdserve.router.live_collectives import LiveCollectives, PhaseFit
+from pdserve.router.live_collectives import WITHDRAWN, LiveCollectives, PhaseFit
+from pdserve.router.live_pricing import LivePricing
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
 from pdserve.router.tp_pricing import TpPricing
@@ -190,6 +191,35 @@ def test_the_router_prices_the_reporting_workers_slots_and_leaves_the_others():
     assert router.snapshot().derived(router.config.cost).queue_p.tolist()[1] == PRICING.worker(2).queue_s(1000)
     router.report_collectives("d2", 0, SLOW_DECODE)  # a retired epoch's report: not folded
     assert router.live.cost("d2") is d2
+
+
+class NotedCosts:
+    """The builders' side of `note_cost` (router/snapshot.py), recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, CostModel | None]] = []
+
+    def note_cost(self, worker_id: str, cost: CostModel | None) -> None:
+        self.calls.append((worker_id, cost))
+
+
+def test_a_change_of_tp_size_withdraws_the_live_price_from_the_slots():
+    notes = NotedCosts()
+    prices = LivePricing(PRICING, PRICING.pair(1, 1), (notes,))
+    prices.report("w", 2, SLOW_DECODE)
+    cost = prices.live.cost("w")
+    assert cost is not None and notes.calls == [("w", cost)] and prices.live.num_live == 1
+    prices.report("w", 4, SLOW_PREFILL[0])  # the same id at TP 4: 4 prefill steps, not live yet
+    assert notes.calls == [("w", cost), ("w", None)] and prices.live.cost("w") is None and prices.live.num_live == 0
+    assert prices.live.view("w")["prefill"]["steps"] == 4 and prices.live.view("w")["decode"]["steps"] == 0
+    info = WorkerInfo("w", "h0", Role.PREFILL, 2, 10_000, "m", "abi", 4)
+    assert prices.worker_cost(info) is PRICING.worker(4)
+    prices.report("w", 4, SLOW_PREFILL[1])  # live again, at TP 4
+    again = PRICING.worker(4, prices.live.live_costs("w", "prefill"), None)
+    assert notes.calls[-1] == ("w", prices.live.cost("w")) == ("w", again)
+    live = prices.live  # the fold's own answers: a TP 1 report drops it too; nothing live, nothing withdrawn
+    assert live.fold("w", 1, SLOW_DECODE) is WITHDRAWN and live.cost("w") is None and live.num_live == 0
+    assert live.fold("w", 2, SLOW_PREFILL[0]) is None and live.fold("w", 3, SLOW_PREFILL[0]) is None
 
 
 def test_bad_windows_are_ignored_and_counted_and_the_good_phase_still_folds():
