@@ -315,6 +315,7 @@ class ClusterBackend:
                                                      reg.model_hash, reg.abi_hash, reg.tp))
         self.registered[reg.worker_id] = reg
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
+        upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
         self._block_size = reg.block_size

@@ -7,7 +7,8 @@ is gone or whose heartbeats stopped (their requests move on through frontend_eve
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key and hands the new public key to every worker. `report_load` applies one
 heartbeat's load, hands a TP worker's collective seconds to the router's live price of them
-(router/live_collectives.py; gauges and the /workers row show it) and queues its block events
+(router/live_collectives.py; gauges and the /workers row show it, a phase's gauges only while it
+is priced live: a retired or new epoch's go, `forget_live_collectives`) and queues its block events
 for the cluster K/V index (router/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
 slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
 included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdserve.engine.tp_tally import PHASES
 from pdserve.router import frontend_events as ev
 from pdserve.router.contract import WorkerView
 from pdserve.router.kv_inbox import SLICE_REPORTS
@@ -65,11 +67,13 @@ async def reap_lost_workers(backend) -> None:
         backend.away.add(wid)
         if reg is not None:
             retirement = backend.router.deregister(wid, reg.epoch)
+            forget_live_collectives(backend, wid)
             await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
     for retirement in backend.router.expire():
         wid = retirement.worker.worker_id
         backend.registered.pop(wid, None)
         backend.away.add(wid)
+        forget_live_collectives(backend, wid)
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
 
 
@@ -118,16 +122,32 @@ def report_load(backend, hb: m.Heartbeat) -> None:
 
 
 def export_live_collectives(backend, worker_id: str) -> None:
-    """The worker's live collective terms and the ignored windows' counts as gauges."""
+    """The worker's live collective terms and the ignored windows' counts as gauges; a phase not
+    priced live (yet, or any more) has none."""
     live = backend.router.live
     if live is None:
         return
-    for phase, row in live.view(worker_id).items():
-        if isinstance(row, dict) and row.get("live"):
-            backend.metrics.tp_collectives.labels(worker_id, phase, "step").set(row["step_ms"] / 1e3)
-            backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
+    view = live.view(worker_id)
+    for phase in PHASES:
+        row = view.get(phase)
+        if row is None or not row["live"]:
+            _drop_phase(backend, worker_id, phase)
+            continue
+        backend.metrics.tp_collectives.labels(worker_id, phase, "step").set(row["step_ms"] / 1e3)
+        backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
     for reason, count in live.num_ignored.items():
         backend.metrics.tp_reports_ignored.labels(reason).set(count)
+
+
+def forget_live_collectives(backend, worker_id: str) -> None:
+    """The worker's epoch ended (or a new one registered): its live collective gauges go with it."""
+    for phase in PHASES:
+        _drop_phase(backend, worker_id, phase)
+
+
+def _drop_phase(backend, worker_id: str, phase: str) -> None:
+    for term in ("step", "row"):
+        backend.metrics.tp_collectives.remove(worker_id, phase, term)  # absent labels: nothing to do
 
 
 def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:

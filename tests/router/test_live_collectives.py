@@ -5,6 +5,7 @@ ignored and counted, the report's wire form (engine/tp_tally.py, workers/message
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import msgspec
@@ -14,10 +15,12 @@ from pdserve.engine.tp_tally import CollectiveReport, CollectiveTally, PhaseColl
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.frontend import ClusterBackend
 from pdserve.router.cost import CostModel
 from pdserve.router.live_collectives import WITHDRAWN, LiveCollectives, PhaseFit
 from pdserve.router.live_pricing import LivePricing
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.router.tp_pricing import TpPricing
 from pdserve.workers import messages as m
@@ -146,10 +149,13 @@ def test_a_profiled_size_pays_the_live_collectives_over_the_measured_ones():
         (0.02 + 0.012968 - 0.010, 1e-3), rel=1e-9)
 
 
-def _router() -> Router:
+def _router(join: bool = True) -> Router:
+    """p1, p2, p3 prefill and d1, d2 decode workers (TP 1, 2, 2, 1, 2); none unless `join`."""
     cost = PRICING.pair(1, 1)
     router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="slo", cost=cost, pricing=PRICING,
                                  ttft_slo_s=100.0, tpot_slo_s=100.0), clock=lambda: 0.0)
+    if not join:
+        return router
     for wid, role, tp in (("p1", Role.PREFILL, 1), ("p2", Role.PREFILL, 2), ("p3", Role.PREFILL, 2),
                           ("d1", Role.DECODE, 1), ("d2", Role.DECODE, 2)):
         router.register(WorkerInfo(wid, "h0", role, 1, 10_000, "m", "abi", tp))
@@ -220,6 +226,44 @@ def test_a_change_of_tp_size_withdraws_the_live_price_from_the_slots():
     live = prices.live  # the fold's own answers: a TP 1 report drops it too; nothing live, nothing withdrawn
     assert live.fold("w", 1, SLOW_DECODE) is WITHDRAWN and live.cost("w") is None and live.num_live == 0
     assert live.fold("w", 2, SLOW_PREFILL[0]) is None and live.fold("w", 3, SLOW_PREFILL[0]) is None
+
+
+def _gauges(metrics: RuntimeMetrics, worker_id: str) -> dict[tuple[str, str], float]:
+    read = metrics.registry.get_sample_value
+    values = {(phase, term): read("pdserve_tp_live_collective_seconds", {"worker": worker_id, "phase": phase, "term": term})
+              for phase in ("prefill", "decode") for term in ("step", "row")}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def test_the_gauges_show_only_live_phases_and_go_with_a_retired_or_new_epoch():
+    """The router process's backend (router/frontend.py) fed Register and Heartbeat messages."""
+    dead: list[str] = []
+    backend = ClusterBackend(_router(join=False), "test", None, 4096, "tcp://127.0.0.1:*", is_dead=lambda: [dead.pop()] if dead else [])
+
+    def beat(wid: str, epoch: int, report: CollectiveReport) -> None:
+        backend.report_load(m.Heartbeat(wid, epoch, m.Load(0, 0, 0, 10_000, 0, num_blocks=10_000, collectives=report)))
+
+    def register(wid: str, epoch: int, role: str) -> None:
+        backend._on_register(m.Register(wid, epoch, "h0", role, 0, 10_000, 16, "m", "abi", 64, 4096, tp=2))
+
+    async def scenario() -> None:
+        for wid, role in (("p2", "prefill"), ("d2", "decode")):
+            register(wid, 1, role)
+        for wid, report in (("p2", SLOW_PREFILL[0]), ("p2", SLOW_PREFILL[1]), ("d2", SLOW_DECODE)):
+            beat(wid, 1, report)
+        prefill = backend.router.live.view("p2")["prefill"]
+        assert _gauges(backend.metrics, "p2") == pytest.approx({("prefill", "step"): prefill["step_ms"] / 1e3,
+                                                                 ("prefill", "row"): prefill["row_ms"] / 1e3}, rel=1e-15)
+        assert set(_gauges(backend.metrics, "d2")) == {("decode", "step"), ("decode", "row")}
+        register("p2", 2, "prefill")  # a new epoch: priced from the profile again, no gauges until its steps show
+        assert backend.router.live.cost("p2") is None and _gauges(backend.metrics, "p2") == {}
+        beat("p2", 2, SLOW_PREFILL[0])  # 4 steps: not live yet
+        assert _gauges(backend.metrics, "p2") == {}
+        dead.append("d2")
+        await backend.reap_lost_workers()  # d2's process is gone: its epoch retires, its gauges go
+        assert backend.router.live.cost("d2") is None and _gauges(backend.metrics, "d2") == {}
+
+    asyncio.run(scenario())
 
 
 def test_bad_windows_are_ignored_and_counted_and_the_good_phase_still_folds():
