@@ -74,7 +74,7 @@ def main() -> None:
     print(f"model {args.model}, TP {args.tp}")
     for phase, rows in (("prefill", 512), ("decode", 4)):
         window, costs = report.phase(phase), live.live_costs("w", phase)
-        if window.steps == 0:  # a phase the run showed no step of (e.g. --decode-tokens 0): nothing to price
+        if window.steps == 0:  # no step of this phase (--decode-tokens 1: the prefill makes the one token)
             print(f"{phase}: no steps")
             continue
         priced = pricing.scaling.overhead(args.tp)
