@@ -12,8 +12,6 @@ import msgspec
 import pytest
 
 from pdserve.engine.tp_tally import CollectiveReport, CollectiveTally, PhaseCollectives
-from pdserve.latency.tp_collectives import CollectiveCosts
-from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.frontend import ClusterBackend
 from pdserve.router.cost import CostModel
@@ -24,15 +22,9 @@ from pdserve.router.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.router.tp_pricing import TpPricing
 from pdserve.workers import messages as m
-
-# measured at TP 1: prefill 10 ms + 1 ms/token, decode 20 ms + 1 ms/seq
-BASE = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02, decode_step_s_per_seq=1e-3,
-                 same_host_bytes_per_s=1e6, cross_host_bytes_per_s=1e6, transfer_overhead_s=1e-3,
-                 kv_bytes_per_token=100, block_size_tokens=16)
-# 4 layers: K = 8 all_reduces a step of B = 1000-byte rows; the profile's TP 2: 1 ms a call, 1 ns/byte, 2 ms sync
-PROFILE2 = CollectiveCosts(tp=2, pinned=True, allreduce_s=1e-3, allreduce_s_per_byte=1e-9, step_sync_s=2e-3)
-PRICING = TpPricing(BASE, TpScaling(PhaseShares(0.0), PhaseShares(0.5), 1, num_layers=4, row_bytes=1000,
-                                    collectives=(PROFILE2,)))
+# measured at TP 1: prefill 10 ms + 1 ms/token, decode 20 ms + 1 ms/seq; 4 layers: K = 8 all_reduces a step of
+# B = 1000-byte rows; the profile's TP 2: 1 ms a call, 1 ns/byte, 2 ms sync (the pricing test's fixtures)
+from tests.router.test_tp_worker_pricing import BASE, PRICING
 # the profile's o at TP 2: 8 x 1 ms + 2 ms = 10 ms a step, 8 x 1000 x 1 ns = 8 us a row
 PROFILE_SLOPE = 8e-6
 
