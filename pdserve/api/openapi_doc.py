@@ -45,7 +45,12 @@ def errors(*statuses: int) -> dict:
 
 METRICS_RESPONSE = {200: {"description": "Prometheus text exposition format",
                           "content": {"text/plain": {"schema": {"type": "string"}}}}}
-SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string"},
+# OpenAPI 3.0/3.1 have no itemSchema: a text/event-stream schema describes one parsed event (as 3.2's
+# itemSchema and schemathesis read it), its `data` a JSON chunk of the completion, the last one [DONE]
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event's is [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+SSE_CONTENT = {"text/event-stream": {"schema": SSE_EVENT,
                                      "description": "with \"stream\": true: server-sent events, ending with data: [DONE]"}}
 
 

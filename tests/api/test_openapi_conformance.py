@@ -53,5 +53,7 @@ def test_the_schema_documents_what_the_server_answers(server):
     assert {"200", "400", "404", "429", "500", "503"} <= set(completions)
     assert completions["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
     assert "text/event-stream" in completions["200"]["content"]
+    event = completions["200"]["content"]["text/event-stream"]["schema"]  # one parsed event, not the stream
+    assert event["type"] == "object" and event["required"] == ["data"] and event["properties"]["data"]["type"] == "string"
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
