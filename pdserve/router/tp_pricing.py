@@ -79,8 +79,7 @@ class TpPricing:
         collectives (the worker's own, router/live_collectives.py) is priced with them (not cached)."""
         if prefill_live is None and decode_live is None:
             return self.pair(tp, tp)
-        s, m = self.scaling, self.measured_tp
-        return priced(self.base, s.price("prefill", tp, m, prefill_live), s.price("decode", tp, m, decode_live))
+        return self.pair(tp, tp, (prefill_live, decode_live, prefill_live))  # its own prefill: its own collectives
 
 
 def worker_cost(pricing: TpPricing | None, cost: CostModel, tp: int, decode_role: bool,
