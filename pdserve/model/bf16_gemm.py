@@ -66,10 +66,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _threads(work: int) -> int:
-    lib = _library()
-    if work < PARALLEL_WORK or not lib.bf16_gemm_openmp() or not ckernel.openmp_usable():
-        return 1
-    return torch.get_num_threads()
+    return ckernel.threads_for(work, PARALLEL_WORK, _library().bf16_gemm_openmp)
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -46,6 +46,15 @@ def openmp_usable() -> bool:
     return os.getpid() == _LOADED_PID
 
 
+def threads_for(work: int, threshold: int, openmp_built) -> int:
+    """torch's thread count for a kernel call of `work` units, at or above `threshold` (below it a
+    parallel region costs more than it saves) where the build has OpenMP (`openmp_built()`) and a
+    region may open in this process; else 1."""
+    if work < threshold or not openmp_built() or not openmp_usable():
+        return 1
+    return torch.get_num_threads()
+
+
 def named(label: str, fn, *args):
     """fn(*args), shown as `label` in torch.profiler traces while a profiler runs (a
     record_function costs ~6 us a call otherwise, so it is skipped then)."""

@@ -74,10 +74,7 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _threads(n: int, k: int) -> int:
-    lib = _library()
-    if n * k < PARALLEL_WORK or not lib.bf16_matched_openmp() or not ckernel.openmp_usable():
-        return 1
-    return torch.get_num_threads()
+    return ckernel.threads_for(n * k, PARALLEL_WORK, _library().bf16_matched_openmp)
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, n: int, kb: int) -> torch.Tensor:
