@@ -105,15 +105,40 @@ def test_the_probe_accepts_the_kernel_plan_and_bias_is_added():
 
 
 def test_plan_selection_prefers_the_kernel_only_without_onednn_bf16(monkeypatch):
+    """The plan order, on every CPU kind: the probe is a stand-in that records what it was asked
+    to try, so a kind without oneDNN bf16 packing (AVX2) is never asked to pack (the real probe
+    would call mkldnn's reorder, which raises there)."""
     shapes = ((37, 20),)
+    tried = []
+
+    def probe(plan, compute, shapes, threads=0):
+        tried.append(plan)
+        return None if plan == tried[0] else "unreached"
+
+    monkeypatch.setattr(numerics, "probe_invariance", probe)
     monkeypatch.setattr(numerics.onednn_packed, "available", lambda: False)
-    assert numerics.choose_plan(torch.bfloat16, True, shapes).plan == ("kernel" if bf16_gemm.vectorised() else "native")
+    first = "kernel" if bf16_gemm.vectorised() else "native"
+    assert numerics.choose_plan(torch.bfloat16, True, shapes) == numerics.ProductPlan(first, True)
+    assert tried == [first]
+    tried.clear()
     assert numerics.choose_plan(torch.float32, True, shapes).plan == "tiled"
+    assert tried == ["tiled"]
     fast = numerics.choose_plan(torch.bfloat16, False, shapes)  # without invariance too: it is also the faster product
     assert fast == numerics.ProductPlan("kernel" if bf16_gemm.vectorised() else "fast", False)
     monkeypatch.setattr(numerics.onednn_packed, "available", lambda: True)
-    assert numerics.choose_plan(torch.bfloat16, True, shapes).plan != "kernel"
+    tried.clear()
+    assert numerics.choose_plan(torch.bfloat16, True, shapes) == numerics.ProductPlan("native", True)
+    assert tried == ["native"]  # oneDNN bf16 present: the kernel is not even probed
     assert numerics.choose_plan(torch.bfloat16, False, shapes).plan == "fast"
+
+
+@pytest.mark.skipif(not numerics.onednn_packed.available(),
+                    reason="this CPU has no oneDNN bf16 packing (AVX2 kind): the real probe cannot run the oneDNN plans here")
+def test_with_onednn_bf16_the_real_probe_picks_a_onednn_plan():
+    """Where oneDNN packs bf16 (the AVX-512 kinds), the real start-up probe settles on one of its
+    plans, never the engine's own kernel."""
+    plan = numerics.choose_plan(torch.bfloat16, True, ((37, 20),))
+    assert plan.batch_invariant and plan.plan in ("native", "paired", "tiled")
 
 
 ENGINE_CHECK = """
