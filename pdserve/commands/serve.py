@@ -34,6 +34,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="let fp32 products pick MKL's fastest kernel per batch size (faster small-batch decode; "
                         "a request's tokens may then depend on its batch mates)")
+    p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
+                   help="where every worker's weights, K/V pool and activations live; cuda runs the Triton kernels "
+                        "(model/gpu/) and, for now, --mode colocated only (the GPU handoff is not built yet)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -138,11 +141,15 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        device=getattr(args, "device", EngineConfig.device),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
     )
+    if engine.device != "cpu" and args.mode != "colocated":
+        raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "
+                         "(CUDA IPC, or TCP through pinned host staging) is not built yet")
     return ServeConfig(
         mode=args.mode, **dict(zip(("num_prefill", "num_decode", "num_mixed"), _split(args))), replicas=args.replicas,
         engine=engine,
