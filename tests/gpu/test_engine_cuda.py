@@ -57,7 +57,7 @@ def test_fp32_logits_and_greedy_tokens_match_transformers_on_the_gpu(tmp_path, f
     with torch.no_grad():
         hf_ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=12, do_sample=False,
                              min_new_tokens=12)[0, len(prompt):].tolist()
-    assert out == hf_ids
+    assert list(out) == hf_ids
     engine.assert_no_leaks()
 
 
@@ -113,6 +113,6 @@ def test_a_handoff_between_two_gpu_engines_gives_the_colocated_tokens(bf16_ckpt)
         got = [exp.first_token]
         while dst.has_unfinished():
             got += [t for o in dst.step() for t in o.new_token_ids]
-        assert got == want, i
+        assert got == list(want), i
     for e in (src, dst, colocated):
         e.assert_no_leaks()
