@@ -68,12 +68,14 @@ ref = torch.cat([reference(q[:1], table_a, [100]), reference(q[1:2], table_b, [3
                  reference(q[2:], table_a, list(range(50, 90)))])
 err = (out.double() - ref).norm() / ref.norm()
 assert err < {tol}, err
-# invariance: each chunk row alone as a decode row, and the chunk cut at another place
+# invariance: each chunk row alone (a one-row chunk), the chunk cut at another place, a decode row alone
 for i in (0, 7, 16, 39):
-    alone = paged_attention(q[2 + i:3 + i], ck, cv, tile_map([table_a], [51 + i], [], dev))
+    alone = paged_attention(q[2 + i:3 + i], ck, cv, tile_map([], [], [(table_a, 0, 1, 51 + i)], dev))
     assert torch.equal(alone[0], out[2 + i]), i
 recut = paged_attention(q[2 + 5:], ck, cv, tile_map([], [], [(table_a, 0, 35, 90)], dev))
 assert torch.equal(recut, out[7:]), (recut - out[7:]).abs().max()
+for i, (table, n) in enumerate(((table_a, 101), (table_b, 38))):
+    assert torch.equal(paged_attention(q[i:i + 1], ck, cv, tile_map([table], [n], [], dev))[0], out[i]), i
 print("ok")
 """
 
