@@ -73,8 +73,9 @@ def params(spec: DefaultModelSpec) -> dict:
     return {"layer_params": L * layer, "head_params": v * h, "kv_bytes_per_token": L * 2 * kv * 2}
 
 
-def engine_for(ckpt: Path, invariant: bool, kv_gib: int, budget: int) -> Engine:
+def engine_for(ckpt: Path, invariant: bool, kv_gib: int, budget: int, eager: bool = False) -> Engine:
     return Engine(EngineConfig(model=str(ckpt), dtype="bfloat16", device=DEVICE, batch_invariant=invariant,
+                               enforce_eager=eager,
                                kv_cache_bytes=kv_gib << 30, max_num_seqs=256, max_num_batched_tokens=budget))
 
 
@@ -156,6 +157,48 @@ def handoff_figure(spec: DefaultModelSpec, mib: int = 128) -> dict:
             "ratio_to_d2d": (nbytes / staged_s) / (src.nbytes / d2d_s), "transport": "host-staged (no CUDA IPC yet)"}
 
 
+def _ipc_source(conn, shape) -> None:
+    from pdserve.handoff.cuda_ipc import export_pool
+    pool = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    conn.send(export_pool(pool))
+    conn.recv()
+
+
+def ipc_figure(spec: DefaultModelSpec, mib: int = 128) -> dict:
+    """Two processes on the GPU: the destination maps the source pool through CUDA IPC and copies
+    `mib` MiB of granted blocks; against a device-to-device copy of the same bytes in one process."""
+    import multiprocessing as mp
+    from pdserve.handoff.cuda_ipc import attach_pool, copy_granted
+    abi = KvAbi(spec.layers, spec.kv_heads, spec.head_dim, 16, "bfloat16")
+    blocks = (mib << 20) // abi.bytes_per_block
+    shape = (spec.layers, 2, blocks + 8, 16, spec.kv_heads, spec.head_dim)
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    child = ctx.Process(target=_ipc_source, args=(theirs, shape))
+    child.start()
+    try:
+        src = attach_pool(mine.recv())
+        dst = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+        ids = list(range(blocks))
+        perm = torch.randperm(blocks).tolist()  # landing blocks in another order, as a real reservation
+        granted = frozenset(ids)
+        ipc_s = sync_time(lambda: copy_granted(src, ids, dst, perm, granted), 10)
+        assert torch.equal(dst[:, :, perm], src[:, :, ids])
+        local = torch.empty_like(dst)
+        d2d_s = sync_time(lambda: local.copy_(dst), 10)
+        nbytes = blocks * abi.bytes_per_block
+        del src
+        torch.cuda.synchronize()
+        return {"bytes": nbytes, "ipc_copy_s": ipc_s, "ipc_bytes_s": nbytes / ipc_s,
+                "d2d_bytes_s": dst.numel() * 2 / d2d_s, "ratio_to_d2d": (nbytes / ipc_s) / (dst.numel() * 2 / d2d_s)}
+    except Exception as exc:  # report, keep the rest of the run's figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        mine.send("done")
+        child.join(30)
+
+
 def geometry_figures(name: str, ckpt: Path, spec: DefaultModelSpec, ceil: dict, batches: tuple[int, ...]) -> dict:
     p = params(spec)
     weight_bytes = 2 * (p["layer_params"] + p["head_params"])
@@ -171,6 +214,9 @@ def geometry_figures(name: str, ckpt: Path, spec: DefaultModelSpec, ceil: dict, 
         fig["prefill_2k_s"] = pre
         fig["prefill_2k_tflops"] = flops / pre / 1e12
         fig["prefill_2k_of_dense_bf16"] = flops / pre / DENSE_BF16_FLOPS
+        if spec.max_pos > 4096 and not invariant:
+            fig["prefill_4k_s"] = prefill_s(engine, 4096, spec.vocab)  # TTFT of a 4k prompt (two 2k chunks)
+            fig["kv_4k_bytes"] = 4096 * p["kv_bytes_per_token"]
         for b in batches:
             step = decode_step_s(engine, b, context, spec.vocab)
             roof_bytes = weight_bytes + b * context * p["kv_bytes_per_token"]
@@ -180,6 +226,10 @@ def geometry_figures(name: str, ckpt: Path, spec: DefaultModelSpec, ceil: dict, 
         engine.assert_no_leaks()
         res["modes"][mode] = fig
         del engine
+        if not invariant:  # the same decode steps without CUDA graphs, for what the graphs save
+            eager = engine_for(ckpt, invariant, kv_gib, budget=length, eager=True)
+            fig["decode_eager"] = {str(b): decode_step_s(eager, b, context, spec.vocab) for b in batches[:2]}
+            del eager
         if DEVICE != "cpu":
             torch.cuda.empty_cache()
     hf = transformers_figures(ckpt, length, context, spec.vocab)
@@ -219,6 +269,12 @@ def main() -> None:
         report["geometries"].append(geometry_figures(name, ckpt, spec, ceil, batches))
         print(json.dumps(report["geometries"][-1]), flush=True)
     report["handoff"] = handoff_figure(ONE_B, 128 if DEVICE != "cpu" else 4)
+    if DEVICE != "cpu":
+        report["handoff_ipc"] = ipc = ipc_figure(ONE_B)
+        one_b = next((g for g in report["geometries"] if g["geometry"] == "1b"), None)
+        if one_b and "ipc_bytes_s" in ipc and "prefill_4k_s" in one_b["modes"]["fast"]:
+            fast = one_b["modes"]["fast"]
+            ipc["exposed_of_ttft_4k"] = fast["kv_4k_bytes"] / ipc["ipc_bytes_s"] / fast["prefill_4k_s"]
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

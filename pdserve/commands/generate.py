@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where weights, the K/V pool and activations live (cuda: the Triton kernels of model/gpu/)")
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="let products pick the library's fastest kernel per batch size (on cuda: cuBLAS)")
+    p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=run)
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                                     device=args.device, batch_invariant=not args.no_batch_invariant))
+                                     device=args.device, batch_invariant=not args.no_batch_invariant,
+                                     enforce_eager=args.enforce_eager))
         prompt_ids = _prompt_ids(args, engine)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -37,6 +37,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
                    help="where every worker's weights, K/V pool and activations live; cuda runs the Triton kernels "
                         "(model/gpu/) and, for now, --mode colocated only (the GPU handoff is not built yet)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU: run decode steps eagerly instead of replaying CUDA graphs (engine/cuda_graphs.py)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -141,7 +143,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
-        device=getattr(args, "device", EngineConfig.device),
+        device=getattr(args, "device", EngineConfig.device), enforce_eager=getattr(args, "enforce_eager", False),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),

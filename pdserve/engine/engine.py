@@ -112,7 +112,7 @@ class Engine(HandoffSide):
                                 config.prompt_priority,
                                 config.prefill_length_buckets)
         self.scheduler = Scheduler(self.blocks, sched)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self._decode_graphs())
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.stops = StopChecker(self.tokenizer, frozenset(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
@@ -123,6 +123,13 @@ class Engine(HandoffSide):
         self.step_log: StepLog | None = None  # when set, every step that ran is recorded (step_log.py)
         # block tables held outside the engine's requests (a worker's prefix fetches pin blocks)
         self.external_tables: Callable[[], list[list[int]]] = list
+
+    def _decode_graphs(self):
+        """CUDA graphs for decode-only steps on a GPU (engine/cuda_graphs.py); None on the CPU or eager."""
+        if self.config.device == "cpu" or self.config.enforce_eager:
+            return None
+        from pdserve.engine.cuda_graphs import DecodeGraphs
+        return DecodeGraphs(self.model, self.pool, self.config.max_num_seqs, -(-self.max_model_len // self.abi.block_size))
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

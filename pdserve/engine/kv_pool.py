@@ -53,11 +53,15 @@ class KvPool:
         self._owned = create
         view_dtype = NUMPY_VIEW_DTYPES[abi.dtype]
         self._mapping: mmap.mmap | None = None
+        self.scratch_slot: int | None = None
         if self.device.type != "cpu":
             if shm_name is not None:
                 raise ValueError("a K/V pool on a GPU cannot live in a POSIX shared-memory segment")
             self._raw = None  # type: ignore[assignment]
-            self.tensor = torch.zeros(self.shape, dtype=TORCH_DTYPES[abi.dtype], device=self.device)
+            # one block past the last is the scratch block: padding rows of a replayed decode graph write there
+            full = self.shape[:2] + (num_blocks + 1,) + self.shape[3:]
+            self.tensor = torch.zeros(full, dtype=TORCH_DTYPES[abi.dtype], device=self.device)
+            self.scratch_slot = num_blocks * abi.block_size
             return
         if shm_name is None and prefault and hasattr(mmap, "MAP_POPULATE"):
             self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

@@ -166,9 +166,11 @@ def to_device(batch: StepBatch, device: torch.device) -> StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KvPool):
+    def __init__(self, model: LlamaModel, pool: KvPool, graphs=None):
+        """`graphs`: an engine/cuda_graphs.DecodeGraphs replaying decode-only steps (GPU), or None."""
         self.model = model
         self.pool = pool
+        self.graphs = graphs
         self.device = pool.tensor.device
         # the CPU's padded decode groups are for the gather + SDPA fallback; a GPU pool is read in place
         self.padded_groups = self.device.type == "cpu" and not paged_decode.eligible(pool.tensor[0, 0])  # [N, B, H_kv, D]
@@ -176,6 +178,11 @@ class ModelRunner:
     def run(self, plan: StepPlan, layer_hook: Callable[[int], None] | None = None) -> tuple[StepBatch, torch.Tensor]:
         """-> (batch, logits [R, V] fp32, on the pool's device)."""
         batch = build_batch(plan, self.pool.abi.block_size, self.model.dtype, self.padded_groups)
+        if self.graphs is not None and self.graphs.takes(batch):
+            logits = self.graphs.run(batch)
+            for layer in range(len(self.model.layers)) if layer_hook is not None else ():
+                layer_hook(layer)  # every layer's K/V rows are in the pool once the replay is done
+            return batch, logits
         if self.device.type != "cpu":
             batch = to_device(batch, self.device)
         logits = self.model.forward(
