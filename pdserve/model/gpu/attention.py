@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ROWS = 64  # prefill rows per program; one constant for every step
-KEY_BLOCK = 64  # keys per inner step, counted from position 0
+TILE_ROWS = 16  # prefill rows per program; one constant for every step (64 ran a 2k prefill slower on an H200)
+KEY_BLOCK = 64  # prefill: keys per inner step, counted from position 0
+DECODE_KEYS = 128  # decode: keys per inner step (fewer, longer steps: a decode program is latency-bound)
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,8 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     if tiles.num_decode:
         _paged_decode[(tiles.num_decode, num_kv_heads)](
             q, cache_k, cache_v, out, tiles.tables, tiles.tile_pos, *common, GROUP=group,
-            GP=max(16, triton.next_power_of_2(group)), BLOCK=cache_k.shape[1], D=head_dim, DP=dp, KEYS=KEY_BLOCK,
-            IEEE=ieee, num_warps=4, num_stages=2)
+            GP=max(16, triton.next_power_of_2(group)), BLOCK=cache_k.shape[1], D=head_dim, DP=dp, KEYS=DECODE_KEYS,
+            IEEE=ieee, num_warps=4, num_stages=3)
     if tiles.num_tiles > tiles.num_decode:
         _paged_prefill[(tiles.num_tiles - tiles.num_decode, num_heads)](
             q, cache_k, cache_v, out, tiles.tables, tiles.tile_seq, tiles.tile_row, tiles.tile_len, tiles.tile_pos,
