@@ -11,5 +11,5 @@ if [ -d .whl ]; then
   export PYTHONPATH=$PWD:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout 270 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_figures.log" | tail -60
+timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout 160 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_figures.log" | tail -60
