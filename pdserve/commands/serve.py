@@ -180,7 +180,11 @@ def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
     from pdserve.commands import deploy_config
 
     file_config = deploy_config.load(args.config)
-    return deploy_config.apply(args, file_config, deploy_config.explicit_flags(args.serve_parser, args))
+    argv = getattr(args, "cli_argv", None)
+    argv = argv[1:] if argv is not None else sys.argv[2:]  # the subcommand's own arguments
+    explicit = deploy_config.explicit_flags(args.serve_parser, argv)
+    deploy_config.check_model(file_config, explicit)
+    return deploy_config.apply(args, file_config, explicit)
 
 
 def length_buckets(text: str) -> tuple[int, ...]:
