@@ -78,6 +78,13 @@ class ClusterBackend:
         self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
         self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's
         self.on_key_rotated: Callable[[str, int], None] = lambda key, epoch: None  # the launcher's
+        # supervision (api/server.py's launcher): a registration counts as healthy, a hung worker is ended,
+        # FAILED workers (past the crash-loop limit) stay in /workers; a request moves at most max_reroutes times
+        self.on_worker_registered: Callable[[str, int], None] = lambda wid, epoch: None
+        self.on_worker_hung: Callable[[str, int], None] = lambda wid, epoch: None
+        self.failed_workers: Callable[[], list[str]] = lambda: []
+        self.max_reroutes = 2
+        self.last_register: dict[str, m.Register] = {}  # each worker's latest registration (a FAILED one's row)
         self.loads: dict[str, m.Load] = {}
         self.live: dict[str, InFlight] = {}
         self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
@@ -139,7 +146,8 @@ class ClusterBackend:
         return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
 
     def workers(self) -> list[WorkerView]:
-        return [self._view(w) for w in self.registered.values()]
+        failed = [upkeep.failed_view(self, wid) for wid in self.failed_workers() if wid not in self.registered]
+        return [self._view(w) for w in self.registered.values()] + failed
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
@@ -313,7 +321,8 @@ class ClusterBackend:
         old = self.registered.get(reg.worker_id)
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
                                                      reg.model_hash, reg.abi_hash, reg.tp))
-        self.registered[reg.worker_id] = reg
+        self.registered[reg.worker_id] = self.last_register[reg.worker_id] = reg
+        self.on_worker_registered(reg.worker_id, reg.epoch)
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)

@@ -3,7 +3,8 @@ load reports and `/workers` rows (split out of frontend.py; each function takes 
 `ClusterBackend`).
 
 Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers whose process
-is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
+is gone or whose heartbeats stopped (their requests move on through frontend_events; a hung one
+is handed to the launcher to be ended and so restarted, `on_worker_hung`), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key and hands the new public key to every worker. `report_load` applies one
 heartbeat's load, hands a TP worker's collective seconds to the router's live price of them
@@ -12,7 +13,7 @@ is priced live: a retired or new epoch's go, `forget_live_collectives`) and queu
 for the cluster K/V index (router/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
 slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
 included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
-one row of GET /workers.
+one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on).
 """
 
 from __future__ import annotations
@@ -74,7 +75,20 @@ async def reap_lost_workers(backend) -> None:
         backend.registered.pop(wid, None)
         backend.away.add(wid)
         forget_live_collectives(backend, wid)
+        backend.metrics.hung_workers.inc()
+        backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+    for wid in backend.failed_workers():
+        backend.away.discard(wid)  # not coming back: admission does not wait for it
+        backend.metrics.workers_failed.labels(wid).set(1)
+
+
+def failed_view(backend, worker_id: str) -> WorkerView:
+    """The /workers row of a worker past the crash-loop limit: its last registration, state "failed"."""
+    reg = backend.last_register.get(worker_id)
+    if reg is None:  # it never registered (crashed while loading)
+        return WorkerView(worker_id, "unknown", "", 0, 0, "failed")
+    return WorkerView(worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "failed", {}, reg.cpu, reg.tp)
 
 
 def worker_view(backend, reg: m.Register) -> WorkerView:
