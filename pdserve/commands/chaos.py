@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=int, default=16)
     p.add_argument("--hang-s", type=float, default=60.0, help="a stream silent this long counts as hung")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run, pd_decision="always")  # kills land mid-handoff too: every request takes it
+    # kills land mid-handoff too: every request takes it; the soak's own strikes are not a crash loop,
+    # so a worker struck often within the window is not FAILED unless --max-crashes asks for it
+    p.set_defaults(func=run, pd_decision="always", max_crashes=100)
 
 
 def run(args: argparse.Namespace) -> int:
