@@ -8,8 +8,8 @@ down. While it runs, a supervisor task starts every dead worker again under its 
 the backoff of `config.restart` (`--no-restart` turns it off; past its crash-loop limit a worker
 is FAILED and stays down); the router learns of the death through `launcher.dead` and of the new
 incarnation when it registers. A worker the router retires for missed heartbeats (hung, e.g.
-SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one. `serve(config)` runs
-uvicorn on top.
+SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one.
+`serve(config)` runs uvicorn on top.
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
 """

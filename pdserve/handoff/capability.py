@@ -15,7 +15,8 @@ Contract:
   * `Verifier` holds only the issuer's public key and key epoch. `verify(token, expect)` returns
     the claims or raises `HandoffError` with a `capability_*` reason, in this order: present and
     well formed, signature by the current key (an older key epoch reads `capability_revoked`),
-    issued under the current route epoch or a later one (older: `capability_stale_route`), unexpired with a lifetime within `max_ttl_s`, every equality field equal to `expect`,
+    issued under the current route epoch or a later one (older: `capability_stale_route`),
+    unexpired with a lifetime within `max_ttl_s`, every equality field equal to `expect`,
     `expect.regions` a subset of the allowed regions, 0 < `expect.nbytes` <= the bound, the
     source blocks (when the checker knows them: the holder, from its own pins) exactly the
     capability's (`capability_source`), and last the nonce unused (`ReplayCache`). A reader that

@@ -9,7 +9,8 @@ count as the bound, an expiry `ttl_s` ahead and a fresh nonce; for a prefix fetc
 holder's source blocks as the plan names them (`plan.src_slots`, (segment, slot) pairs) and the
 segments those index (`src_segments`: the holder's registered device and host-tier segments).
 Every capability binds the router's current route epoch (`route_epoch`, read at issue; a
-rollback advances it and the owners refuse older ones). `rotate()` revokes every outstanding capability: a new key under the next key epoch (workers must be given the new public
+rollback advances it and the owners refuse older ones). `rotate()` revokes every outstanding
+capability: a new key under the next key epoch (workers must be given the new public
 key with `Verifier.install`). The format and the check live in handoff/capability.py.
 """
 

@@ -95,7 +95,8 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
         self.runahead = None  # KV-Runahead chains (router/runahead.py), set by the server with --prefill-runahead
-        self.capabilities = CapabilityIssuer(route_epoch=lambda: router.route_epoch)  # signs every transfer; workers hold its public key (launch config)
+        # signs every transfer under the current route epoch; workers hold its public key (launch config)
+        self.capabilities = CapabilityIssuer(route_epoch=lambda: router.route_epoch)
         self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
         self.acks = ControlAcks()  # acknowledgements the rollback waits for (control_acks.py)

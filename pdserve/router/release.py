@@ -194,14 +194,24 @@ async def _drain_or_abort(backend, window_s: float, ack_s: float) -> dict:
                 live.reserved.set_result(None)  # frontend_start: the route is lost, admission routes again
             continue
         rid, source, dest, engine_id = live.req.request_id, live.prefill_id, live.decode_id, live.engine_id
-        cancelled = await control_acks.ask(backend, source, m.Abort(engine_id, "rollback", ack=True), "abort", engine_id, ack_s)
-        freed = await control_acks.ask(backend, dest, m.Abort(engine_id, "rollback", ack=True), "abort", engine_id, ack_s)
+        cancel = m.Abort(engine_id, "rollback", ack=True)
+        record = {"request_id": rid, "source": source, "source_cancelled_at_s": None, "destination": dest,
+                  "destination_freed_at_s": None}
+        aborted.append(record)
+        record["source_cancelled_at_s"] = await control_acks.ask(backend, source, cancel, "abort", engine_id, ack_s)
+        if _moved_on(backend, live, engine_id):
+            continue  # the source was silent and retired: the fallback already moved the request
+        record["destination_freed_at_s"] = await control_acks.ask(backend, dest, cancel, "abort", engine_id, ack_s)
+        if _moved_on(backend, live, engine_id):
+            continue
         live.owners -= {source, dest}  # both told already: the fallback does not abort them again
-        aborted.append({"request_id": rid, "source": source, "source_cancelled_at_s": cancelled,
-                        "destination": dest, "destination_freed_at_s": freed})
-        if not live.done and backend.live.get(rid) is live:
-            await recovery.decide(backend, live, "rollback", lost=source)
+        await recovery.decide(backend, live, "rollback", lost=source)
     return {"in_flight": drained_from, "aborted": len(aborted), "aborts": aborted}
+
+
+def _moved_on(backend, live, engine_id: str) -> bool:
+    """The attempt being drained ended, or a retirement's fallback replaced it meanwhile."""
+    return live.done or live.engine_id != engine_id or backend.live.get(live.req.request_id) is not live
 
 
 async def _reclaimed(backend, timeout_s: float) -> dict:
