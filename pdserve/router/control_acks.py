@@ -44,7 +44,10 @@ class ControlAcks:
 
 
 async def ask(backend, worker_id: str, msg, kind: str, subject: str, timeout_s: float) -> float | None:
-    """Send `msg` to one worker and wait for its acknowledgement; a silent worker is retired."""
+    """Send `msg` to one worker and wait for its acknowledgement; a silent worker is retired, and
+    one no longer registered (retired, dead) is not asked."""
+    if worker_id not in backend.registered:
+        return None
     future = backend.acks.expect(worker_id, kind, subject)
     sent = await backend._send(worker_id, msg)
     try:

@@ -61,8 +61,11 @@ def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSit
     return DecodeStartSituation(visible, budget, expected, tuple(h.worker_id for h in seen), bool(fresh)), holds
 
 
-async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -> DecodeStartDecision:
-    """Decide and act; see the module contract."""
+async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -> DecodeStartDecision | None:
+    """Decide and act; see the module contract. None: the rollback's drain is cancelling this
+    attempt (source first, then destination: router/release.py) and moves the request itself."""
+    if live.draining:
+        return None
     facts, holds = situation(backend, live, lost)
     decision = _capped(backend, live, decide_decode_start(facts))
     _record(backend, live, decision, cause)

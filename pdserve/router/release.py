@@ -195,22 +195,22 @@ async def _drain_or_abort(backend, window_s: float, ack_s: float) -> dict:
             continue
         rid, source, dest, engine_id = live.req.request_id, live.prefill_id, live.decode_id, live.engine_id
         cancel = m.Abort(engine_id, "rollback", ack=True)
+        live.draining = True  # a failure either side reports now is the drain's to act on (recovery.decide)
         record = {"request_id": rid, "source": source, "source_cancelled_at_s": None, "destination": dest,
                   "destination_freed_at_s": None}
         aborted.append(record)
         record["source_cancelled_at_s"] = await control_acks.ask(backend, source, cancel, "abort", engine_id, ack_s)
-        if _moved_on(backend, live, engine_id):
-            continue  # the source was silent and retired: the fallback already moved the request
         record["destination_freed_at_s"] = await control_acks.ask(backend, dest, cancel, "abort", engine_id, ack_s)
+        live.draining = False
         if _moved_on(backend, live, engine_id):
-            continue
+            continue  # it ended meanwhile (a client disconnect, or every worker lost)
         live.owners -= {source, dest}  # both told already: the fallback does not abort them again
         await recovery.decide(backend, live, "rollback", lost=source)
     return {"in_flight": drained_from, "aborted": len(aborted), "aborts": aborted}
 
 
 def _moved_on(backend, live, engine_id: str) -> bool:
-    """The attempt being drained ended, or a retirement's fallback replaced it meanwhile."""
+    """The attempt being drained ended or was replaced meanwhile."""
     return live.done or live.engine_id != engine_id or backend.live.get(live.req.request_id) is not live
 
 
