@@ -135,6 +135,7 @@ async def _rollback_scenario():
         async with admin(app) as client:
             in_flight = asyncio.create_task(run_all(backend, "a"))
             while not any(live.owners for live in unpublished(backend)):  # a transfer planned and started
+                assert not in_flight.done(), "every request published before the rollback could start"
                 await asyncio.sleep(0.002)
             rolled = (await client.post("/admin/rollback")).json()
             during = await in_flight
