@@ -111,6 +111,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="the most top logprobs a request may ask for (completions logprobs, chat top_logprobs); more is a 400")
     p.add_argument("--no-restart", action="store_true",
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
+    p.add_argument("--max-crashes", type=int, default=5, metavar="N",
+                   help="a worker that dies N times within --crash-window-s is marked FAILED (/workers, metrics) "
+                        "and not started again")
+    p.add_argument("--crash-window-s", type=float, default=120.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                   help="a worker silent this long (hung, e.g. SIGSTOP) is retired, ended (SIGKILL after a grace) "
+                        "and restarted under its next epoch")
+    p.add_argument("--max-reroutes", type=int, default=2, metavar="K",
+                   help="a request whose route broke is moved to another worker at most K times, then ends with "
+                        "the explicit error max_reroutes")
 
 
 def _split(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -162,7 +172,10 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
-        restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
+        restart=RestartPolicy(enabled=not args.no_restart, max_crashes=getattr(args, "max_crashes", 5),
+                              crash_window_s=getattr(args, "crash_window_s", 120.0)),
+        lease_s=args.lease_s, heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 10.0),
+        max_reroutes=getattr(args, "max_reroutes", 2),
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
