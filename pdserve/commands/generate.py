@@ -27,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
                    help="where weights, the K/V pool and activations live (cuda: the Triton kernels of model/gpu/)")
     p.add_argument("--no-batch-invariant", action="store_true",
-                   help="let products pick the library's fastest kernel per batch size (on cuda: cuBLAS)")
+                   help="let products pick the library's fastest kernel per batch size")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="on a GPU: the batch-invariant products (Triton GEMM); cuBLAS is the GPU's default")
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -35,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.commands.serve import invariance
     from pdserve.engine.engine import Engine
     from pdserve.engine.errors import InvalidRequest
     from pdserve.engine.sequence import SamplingParams
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                                     device=args.device, batch_invariant=not args.no_batch_invariant,
+                                     device=args.device, batch_invariant=invariance(args),
                                      enforce_eager=args.enforce_eager))
         prompt_ids = _prompt_ids(args, engine)
         params = SamplingParams(

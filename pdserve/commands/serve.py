@@ -37,6 +37,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
                    help="where every worker's weights, K/V pool and activations live; cuda runs the Triton kernels "
                         "(model/gpu/) and, for now, --mode colocated only (the GPU handoff is not built yet)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="on a GPU: the batch-invariant products (Triton GEMM; slower than cuBLAS at small batches, "
+                        "docs/gpu.md); on the CPU invariance is the default (--no-batch-invariant turns it off)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: run decode steps eagerly instead of replaying CUDA graphs (engine/cuda_graphs.py)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
@@ -152,7 +155,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
 
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
-        batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        batch_invariant=invariance(args), block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         device=getattr(args, "device", EngineConfig.device), enforce_eager=getattr(args, "enforce_eager", False),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
@@ -184,6 +187,14 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         kv_sharing=not getattr(args, "no_kv_sharing", False),
         tp=shape_from_args(args),
     )
+
+
+def invariance(args: argparse.Namespace) -> bool:
+    """Batch invariance: the CPU's default (off with --no-batch-invariant); on a GPU only with
+    --batch-invariant, since cuBLAS is the faster product there (docs/gpu.md)."""
+    if getattr(args, "device", "cpu") == "cpu":
+        return not args.no_batch_invariant
+    return getattr(args, "batch_invariant", False) and not args.no_batch_invariant
 
 
 def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
