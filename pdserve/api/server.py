@@ -67,6 +67,8 @@ class ServeConfig:
     pin_cpus: bool = True
     trace_dir: str | None = None
     layerwise_threshold_tokens: int = 256
+    kv_events_endpoint: str | None = None  # vLLM-format KV events, worker i at this port + i (workers/kv_publisher.py)
+    kv_events_replay_endpoint: str | None = None  # their replay sockets, likewise offset
     transport: str = "auto"  # "auto" (shm on one host, tcp across) | "shm" | "tcp"
     admission_wait_s: float = 30.0  # how long a request may queue for K/V capacity before a 503
     ray: bool = False
@@ -212,7 +214,7 @@ class _Launcher:
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
                               cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
-                              tp=cfg.tp)
+                              tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint))
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

@@ -42,6 +42,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "docs/gpu.md); on the CPU invariance is the default (--no-batch-invariant turns it off)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: run decode steps eagerly instead of replaying CUDA graphs (engine/cuda_graphs.py)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish each worker's prefix-cache block events in vLLM's KV-events format (ZMQ PUB, msgpack "
+                        "KVEventBatch; worker i at PORT + i, in launch order) for an indexer built for vLLM")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="their replay sockets (ZMQ ROUTER; worker i at PORT + i)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -170,6 +175,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         engine=engine,
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
         policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+        kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
+        kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None),
         decode_choice=getattr(args, "decode_choice", "policy"), reserve=getattr(args, "reserve", "static"),
         predictor=getattr(args, "predictor", None), admission_wait_s=getattr(args, "admission_wait_s", 30.0),
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,

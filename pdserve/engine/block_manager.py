@@ -80,6 +80,7 @@ class BlockManager:
         self.num_prefix_hits = 0
         self.num_evictions = 0
         self.events = BlockEventLog()  # numbered changes of `cached`'s key set (kv_events.py)
+        self.vllm_events = None  # engine/vllm_events.VllmEventSink when a worker publishes vLLM's KV events
         self.host = None  # a HostTier (host_tier.py) the engine attaches with --host-kv-mb; None: evictions forget
 
     # ---- capacity -------------------------------------------------------------------------
@@ -208,11 +209,14 @@ class BlockManager:
             self.cached[h] = block
             self.block_key[block] = (h, ids)
             self.events.record(BlockEventKind.PROMOTED, h, KvTier.DEVICE)
+            if self.vllm_events is not None:
+                self.vllm_events.promoted(h)
             out.append(block)
         return out
 
-    def register(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
-        """Publish a full, computed block to the prefix cache (first writer wins)."""
+    def register(self, block: int, block_hash: bytes, tokens: tuple[int, ...], parent: bytes | None = None) -> None:
+        """Publish a full, computed block to the prefix cache (first writer wins); `parent`: the
+        chain hash of the block before it (None for a chain's first), for vLLM-shaped events."""
         if not self.enable_prefix_cache or block_hash in self.cached or block in self.block_key:
             return
         self.cached[block_hash] = block
@@ -220,18 +224,27 @@ class BlockManager:
         if self.host is not None:
             self.host.discard(block_hash)
         self.events.record(BlockEventKind.STORED, block_hash)
+        if self.vllm_events is not None:
+            self.vllm_events.stored(block_hash, parent, tokens)
 
     def _uncache(self, block: int) -> None:
         key = self.block_key.pop(block, None)
         if key is not None and self.cached.get(key[0]) == block:
             del self.cached[key[0]]
+            sink = self.vllm_events
             if self.host is None:
                 self.events.record(BlockEventKind.REMOVED, key[0])
+                if sink is not None:
+                    sink.removed(key[0])
                 return
             evicted = self.host.demote(key[0], key[1], block)  # the block's bytes are still intact here
             self.events.record(BlockEventKind.DEMOTED, key[0], KvTier.HOST)
+            if sink is not None:
+                sink.demoted(key[0])
             if evicted is not None:
                 self.events.record(BlockEventKind.REMOVED, evicted, KvTier.HOST)
+                if sink is not None:
+                    sink.removed(evicted, "CPU")
 
     def cached_hashes(self) -> set[bytes]:
         return set(self.cached)

@@ -271,7 +271,7 @@ class Engine(HandoffSide):
                 root = self.blocks.root_for(seq.params.tenant)
                 parent = seq.block_hashes[-1] if seq.block_hashes else root
                 h = chain_hash(root, parent, block_tokens)
-                self.blocks.register(seq.block_table[j], h, block_tokens)
+                self.blocks.register(seq.block_table[j], h, block_tokens, parent if j else None)
                 seq.block_hashes.append(h)
 
     def _postprocess(self, seq: Sequence, token: int, logprobs: tuple[TokenLogprobs, ...] = (),

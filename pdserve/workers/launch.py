@@ -37,6 +37,13 @@ class LaunchConfig:
     lease_s: float = 30.0
     capability_key: str | None = None  # the router's public key (hex), given to every worker
     tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/tp_rank.py)
+    kv_events: tuple[str | None, str | None] = (None, None)  # vLLM KV events: base endpoint, replay base
+
+
+def offset_endpoint(base: str | None, index: int) -> str | None:
+    """Worker `index`'s KV-events endpoint (the base port plus its index), or None."""
+    from pdserve.workers.kv_publisher import endpoint_for
+    return None if base is None else endpoint_for(base, index)
 
 
 def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | None = None) -> list[WorkerConfig]:
@@ -56,6 +63,8 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             engine=worker_engine(launch.engine, tp, per, affinity), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
             exit_with_parent=True, capability_key=launch.capability_key,
+            kv_events_endpoint=offset_endpoint(launch.kv_events[0], len(configs)),
+            kv_events_replay_endpoint=offset_endpoint(launch.kv_events[1], len(configs)),
         ))
     return configs
 

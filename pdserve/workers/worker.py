@@ -33,6 +33,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
+from pdserve.engine.vllm_events import VllmEventSink
 from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.trace import TraceSink
@@ -42,6 +43,7 @@ from pdserve.workers import messages as m
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.fetch import FetchSide
 from pdserve.workers.heartbeat import heartbeat, heartbeat_loop
+from pdserve.workers.kv_publisher import KvEventPublisher
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.prefill_side import PrefillSide
 from pdserve.workers.runahead_side import ChainBroken, RunaheadSide
@@ -68,6 +70,8 @@ class WorkerConfig:
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
     capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
     capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
+    kv_events_endpoint: str | None = None  # publish vLLM-format KV events here (workers/kv_publisher.py)
+    kv_events_replay_endpoint: str | None = None  # their replay socket
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -83,6 +87,10 @@ class Worker:
         shm = f"pdserve-{config.worker_id}-{os.getpid()}-{secrets.token_hex(16)}"
         reap_dead_pools(config.worker_id)
         self.engine = Engine(_with_shm(config.engine, shm))
+        self.kv_events = None  # vLLM-format KV events (workers/kv_publisher.py), when configured
+        if config.kv_events_endpoint is not None:
+            self.kv_events = KvEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+            self.engine.blocks.vllm_events = VllmEventSink(self.engine.abi.block_size)
         self.lock = threading.RLock()
         self.events: queue.Queue = queue.Queue()  # from handoff threads to the main loop
         self.trace = TraceSink(path=config.trace_path, keep=False)
@@ -150,6 +158,8 @@ class Worker:
                 self._switch_role()
             if self.engine.has_unfinished():
                 self.step()
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.blocks.vllm_events)
         self.close()
 
     def handle(self, msg: m.ToWorker) -> None:
@@ -339,6 +349,8 @@ class Worker:
         if self.runahead:
             self.runahead.close()
         self.fetch.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.sock.close()
         self.trace.close()
         if self.engine.step_log is not None:

@@ -1,0 +1,89 @@
+"""A worker's prefix-cache events on a ZeroMQ PUB socket in vLLM's KV-events wire format.
+
+Contract (vLLM's `ZmqEventPublisher`, so its subscribers work unchanged): each batch is one
+multipart message [topic, sequence number as 8 big-endian bytes, msgpack `KVEventBatch`
+(engine/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
+are kept for replay: a ROUTER socket answers a request [start sequence, 8 big-endian bytes] with
+one [sequence, payload] reply per kept message from that number on, then [-1, empty payload]
+as the end marker. `publish(sink)` runs on the worker's engine thread; replay requests are
+served by a daemon thread under a lock shared with `publish`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import msgspec
+import zmq
+
+from pdserve.engine.vllm_events import VllmEventSink
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def endpoint_for(base: str, index: int) -> str:
+    """Worker `index`'s endpoint: `base`'s port plus the index (one socket per worker, as vLLM
+    offsets data-parallel ranks), e.g. tcp://127.0.0.1:5557 -> tcp://127.0.0.1:5558 for index 1."""
+    head, _, port = base.rpartition(":")
+    if not head or not port.isdigit():
+        raise ValueError(f"a KV-events endpoint is tcp://HOST:PORT, got {base!r}")
+    return f"{head}:{int(port) + index}"
+
+
+class KvEventPublisher:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 buffer_batches: int = 10_000):
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._topic = topic.encode()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._replay = None
+        self._running = True
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            threading.Thread(target=self._serve_replay, daemon=True, name="kv-events-replay").start()
+
+    def publish(self, sink: VllmEventSink) -> None:
+        """Send the sink's pending events as one batch (nothing when there are none)."""
+        batch = sink.take()
+        if batch is None:
+            return
+        payload = self._encoder.encode(batch)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while self._running:
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._replay.recv_multipart()
+            except zmq.ZMQError:
+                break
+            if len(frames) < 2 or len(frames[-1]) != 8:
+                continue  # not a replay request: ignored, the thread goes on
+            client, start = frames[0], int.from_bytes(frames[-1], "big")
+            envelope = (client, b"") if len(frames) == 3 else (client,)
+            with self._lock:
+                kept = [(s, p) for s, p in self._buffer if s >= start]
+            for seq, payload in kept:
+                self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((*envelope, END_OF_REPLAY, b""))
+        self._replay.close(0)  # this thread owns the socket: closed here, never from another thread
+
+    def close(self) -> None:
+        self._running = False
+        self._pub.close(0)
