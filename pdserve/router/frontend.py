@@ -36,6 +36,7 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.decode_clocks import ItlWindows
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -91,6 +92,7 @@ class ClusterBackend:
         self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
         self.kv_inbox = KvInbox()  # heartbeats' block events, applied off the routing path (frontend_upkeep.apply_kv_slice)
+        self.itl = ItlWindows()  # decode workers' recent inter-token gaps: the P/D decision's p90 ITL (decode_clocks.py)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -315,6 +317,7 @@ class ClusterBackend:
                                                      reg.model_hash, reg.abi_hash, reg.tp))
         self.registered[reg.worker_id] = reg
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
+        self.itl.forget(reg.worker_id)
         upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
