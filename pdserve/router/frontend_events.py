@@ -161,7 +161,8 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
     backend.metrics.requests.labels("completed").inc()
     backend.fetches.on_finished(live)
     backend.trace.write(live.record(reason))
-    live.queue.put_nowait(FinishEvent(reason, len(live.req.prompt_ids), n))
+    prompt = len(live.req.prompt_ids)
+    live.queue.put_nowait(FinishEvent(reason, prompt, n, cached_tokens=min(prompt, live.trace.get("cached_tokens", 0))))
 
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:
