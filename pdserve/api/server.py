@@ -33,7 +33,7 @@ from pdserve.router.role_control import run_pool_controller
 from pdserve.router.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.frontend import ClusterBackend
-from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.pd_decision import PdPolicy, slo_line
 from pdserve.router.pd_served import served_pd
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
@@ -297,4 +297,6 @@ async def serve(config: ServeConfig) -> None:
         app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
+        if config.mode != "colocated":
+            print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()

@@ -87,6 +87,8 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
     }
+    if load is not None and reg.role in ("decode", "mixed"):
+        load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
         load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)

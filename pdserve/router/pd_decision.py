@@ -72,6 +72,7 @@ from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_time
 from pdserve.ledger.margin import (
     DecodeBudget,
     MarginTerms,
+    SLO_SCALE,
     net_margin_s,
     profile_slo_s,
     should_enable_pd,
@@ -114,6 +115,11 @@ class PdPolicy:
     def slo_source(self) -> str:
         """Where the margin's targets come from: "flags" (the user's) or "profile" (derived)."""
         return "flags" if self.ttft_slo_s is not None and self.tpot_slo_s is not None else "profile"
+
+    def slo_view(self) -> dict:
+        """The margin's targets as `/workers` shows them on decode workers (None: derived per request)."""
+        return {"source": self.slo_source, "ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s,
+                "profile_scale": SLO_SCALE, "safety_margin_s": self.safety_margin_s}
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,18 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     reason = "margin" if enable or not margin_ok else "gate"
     return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch,
                       facts.measured_tpot_s, ttft_slo_s, tpot_slo_s)
+
+
+def slo_line(policy: PdPolicy, cost: CostModel) -> str:
+    """The startup line that says which targets the margin decides with."""
+    ttft = f"{SLO_SCALE:g}x the prompt's idle prefill (profile)"
+    if policy.ttft_slo_s is not None:
+        ttft = f"{policy.ttft_slo_s * 1e3:g} ms"
+    tpot = f"{policy.tpot_slo_s * 1e3:g} ms" if policy.tpot_slo_s is not None else (
+        f"{SLO_SCALE:g}x an idle decode step (profile; {profile_slo_s(float(cost.decode_step_at(1, 1024))) * 1e3:.1f} ms "
+        "at 1,024 tokens)")
+    return (f"P/D decision {policy.mode}: TTFT target {ttft}, TPOT target {tpot}, safety margin "
+            f"{policy.safety_margin_s * 1e3:g} ms (--slo-ttft-ms / --slo-tpot-ms / --pd-safety-margin-ms)")
 
 
 def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost: CostModel) -> tuple[float, float]:

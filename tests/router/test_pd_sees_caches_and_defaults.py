@@ -15,7 +15,7 @@ from pdserve.model.default import resolve_model
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.pd_decision import PdPolicy, slo_line
 from pdserve.router.router import Router
 
 # round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token
@@ -101,6 +101,8 @@ def test_the_default_server_hands_a_long_prompt_off_beside_32_decodes_and_keeps_
     assert not busy.colocated and busy.pd.disaggregate and busy.pd.reason == "margin"
     assert cfg.pd.slo_source == "profile" and (cfg.pd.ttft_slo_s, cfg.pd.tpot_slo_s) == (None, None)
     assert (cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.pd.safety_margin_s) == (30.0, 5.0, 0.0)  # admission's backstop
+    # the startup line says so: 5 x (60 + 1 + 30.72) ms at 1,024 tokens
+    assert "TPOT target 5x an idle decode step (profile; 458.6 ms at 1,024 tokens)" in slo_line(cfg.pd, cfg.cost)
     # the targets the margin read: 5 x the 2,048-token prompt's idle prefill (four 512-token chunks
     # at D) and 5 x an idle decode step at the request's context (2,048 + 64 tokens)
     cost = cfg.cost

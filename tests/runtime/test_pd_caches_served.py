@@ -36,6 +36,15 @@ async def _wait_decoding(backend, worker_id: str) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _fresh_reports(backend, count: int = 2) -> None:
+    """Wait for `count` more heartbeats from every worker: the router's K/V index then holds the
+    blocks of every request finished before (a heartbeat carries its block events)."""
+    for _ in range(count):
+        seen = {wid: id(load) for wid, load in backend.loads.items()}
+        while any(id(backend.loads.get(wid)) == ref for wid, ref in seen.items()):
+            await asyncio.sleep(0.02)
+
+
 def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cache():
     async def main():
         async with cluster(default_server()) as (backend, _):
@@ -45,13 +54,17 @@ def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cach
             out, event = await collect(backend, "turn1", first, SamplingParams(max_tokens=1010, ignore_eos=True))
             assert isinstance(event, FinishEvent) and len(out) == 1010
             decode_id = next(w.id for w in backend.workers() if w.role == "decode")
+            await wait_baseline(backend)
+            await _fresh_reports(backend)  # the router's index holds turn 1's blocks
             # a long decode keeps D busy while the follow-up is decided
             busy = asyncio.create_task(collect(backend, "busy", prompt(40, 72), SamplingParams(max_tokens=400, ignore_eos=True)))
             await _wait_decoding(backend, decode_id)
             follow_up = first + tuple(out[:1008]) + prompt(16, 73)  # the 1,024-token history and 16 new: 1,040
             _, event2 = await collect(backend, "turn2", follow_up, SamplingParams(max_tokens=4, ignore_eos=True))
             await busy
-            await wait_baseline(backend)
+            views = await wait_baseline(backend)
+            slo = next(v.load["pd_slo"] for v in views if v.role == "decode")  # /workers says what the margin reads
+            assert (slo["source"], slo["ttft_s"], slo["tpot_s"], slo["profile_scale"]) == ("profile", None, None, 5.0)
             backend.router.assert_no_leaks()
             return event2, {line["request_id"]: line for line in backend.trace.recent}
 
@@ -60,15 +73,6 @@ def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cach
     assert turn2["prompt_tokens"] == 1040 and turn2["pd_decision"] == "local" and turn2["decode"] == turn2["prefill"]
     assert turn2["decode_hit_blocks"] == 64  # the decision read D's 64 cached blocks: 16 tokens to compute
     assert turn2["cached_tokens"] == 1024 and event.cached_tokens == 1024
-
-
-async def _fresh_reports(backend, count: int = 2) -> None:
-    """Wait for `count` more heartbeats from every worker: the router's K/V index then holds the
-    blocks of every request finished before (a heartbeat carries its block events)."""
-    for _ in range(count):
-        seen = {wid: id(load) for wid, load in backend.loads.items()}
-        while any(id(backend.loads.get(wid)) == ref for wid, ref in seen.items()):
-            await asyncio.sleep(0.02)
 
 
 async def _usage_calls(backend, port: int) -> dict:
