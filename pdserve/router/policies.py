@@ -32,7 +32,7 @@ cheaper transfer path when that is faster (Mooncake); with K/V sharing on (`kv_s
 another worker holds counts too, priced at its fetch time, and a hit in a worker's host tier is
 priced at its promotion time (`_prefix_priced`, prefix_terms.py; the rates are `kv_cost`'s).
 Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
-a prefix-aware decision whose capacity gates admit every slot without any hit runs the lookup,
+an `slo` or `prefix` decision (without placement costs) whose capacity gates admit every slot without any hit runs the lookup,
 the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
 path does (tests/router/test_router_fused.py and the double-loop reference).
 """
@@ -109,12 +109,6 @@ def _argmin_admitted(values: np.ndarray, mask: np.ndarray) -> int:
 
 def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
     """The fastest pair with each slot's own cached prefix priced (no placement costs: `prefix`)."""
-    return _cost_aware(snapshot, request, ctx, *prefix_hits(snapshot, request, ctx.cost.block_size_tokens))
-
-
-def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    if request.block_hashes and (ctx.kv_sharing or ctx.host_held is not None):
-        return _prefix_priced(snapshot, request, ctx)
     if kernels.enabled and request.block_hashes:
         rows = snapshot.prefix.probe(request.block_hashes)
         if rows is None:  # nobody holds the first block: no hit anywhere (what prefix_hits gives)
@@ -122,8 +116,13 @@ def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) 
         fused = _prefix_fused(snapshot, request, ctx, rows)
         if fused is not None:
             return fused
-    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
-    return _cost_aware(snapshot, request, ctx, p_hit, d_hit)
+    return _cost_aware(snapshot, request, ctx, *prefix_hits(snapshot, request, ctx.cost.block_size_tokens))
+
+
+def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    if request.block_hashes and (ctx.kv_sharing or ctx.host_held is not None):
+        return _prefix_priced(snapshot, request, ctx)
+    return slo_aware(snapshot, request, ctx)  # no placement cost to add: each slot's own hit, priced
 
 
 def _prefix_fused(
