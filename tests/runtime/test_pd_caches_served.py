@@ -1,6 +1,7 @@
-"""Issue 36, parts 1 and 7, through the server `pdserve serve --model tiny` builds with its default
-flags (jsq, margin, the profile timed at start, no SLO flags): a follow-up whose history only the
-decode worker holds is prefilled there from its cache, and every response's usage says how many
+"""Issue 36, parts 1, 2 and 7, through the server `pdserve serve --model tiny` builds with its
+default flags (jsq, margin, the profile timed at start, no SLO flags): a follow-up whose history
+only the decode worker holds is prefilled there from its cache; a long prompt is handed off beside
+32 running decodes and prefilled locally beside none; and every response's usage says how many
 prompt tokens were reused (`prompt_tokens_details.cached_tokens`)."""
 
 from __future__ import annotations
@@ -73,6 +74,32 @@ def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cach
     assert turn2["prompt_tokens"] == 1040 and turn2["pd_decision"] == "local" and turn2["decode"] == turn2["prefill"]
     assert turn2["decode_hit_blocks"] == 64  # the decision read D's 64 cached blocks: 16 tokens to compute
     assert turn2["cached_tokens"] == 1024 and event.cached_tokens == 1024
+
+
+def test_a_long_prompt_is_handed_off_beside_32_running_decodes_and_kept_beside_none():
+    async def main():
+        async with cluster(default_server()) as (backend, _):
+            params = SamplingParams(max_tokens=300, ignore_eos=True)
+            running = [asyncio.create_task(collect(backend, f"run{i}", prompt(16, 100 + i), params)) for i in range(32)]
+            while sum(backend.router.heavy_light(next(w.id for w in backend.workers() if w.role == "decode"))) < 32:
+                await asyncio.sleep(0.01)
+            _, busy = await collect(backend, "busy", prompt(2048, 80), SamplingParams(max_tokens=2, ignore_eos=True))
+            await asyncio.gather(*running)
+            await wait_baseline(backend)
+            await _fresh_reports(backend)
+            _, idle = await collect(backend, "idle", prompt(2048, 81), SamplingParams(max_tokens=2, ignore_eos=True))
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            assert isinstance(busy, FinishEvent) and isinstance(idle, FinishEvent)
+            return {line["request_id"]: line for line in backend.trace.recent}
+
+    lines = asyncio.run(main())
+    busy, idle = lines["busy"], lines["idle"]
+    assert busy["pd_decision"] == "disaggregate" and busy["pd_delayed_batch"] >= 32 and busy["pd_reason"] == "margin"
+    assert busy["pd_interference_saved_s"] > 0 and busy["pd_tpot_slo_s"] > 0  # the profile's target, not 5 s
+    assert busy["pd_tpot_slo_s"] < 1.0 and busy["prefill"] != busy["decode"]
+    assert idle["pd_decision"] == "local" and idle["pd_delayed_batch"] == 0 and idle["prefill"] == idle["decode"]
+    assert idle["pd_interference_saved_s"] == 0.0
 
 
 async def _usage_calls(backend, port: int) -> dict:
