@@ -369,7 +369,8 @@ class Router:
             return decide_pd(None, cfg.pd, cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
         ps, ds = choice.prefill_slot, choice.decode_slot
         budgets, itl_p90_s = self._decode_clocks.get(snapshot.decode.worker_ids[ds], ((), 0.0))
-        facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
+        p_hit = choice.prefill_hit_blocks if choice.terms is None else choice.terms.hit_blocks  # with a fetch that pays
+        facts = facts_for(request, p_hit, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
                           self.transfer_failure_rate(), cost, int(snapshot.decode.pending_tokens[ds]),
                           self.arrivals.rate(self._clock()),

@@ -142,3 +142,33 @@ def test_the_slo_flags_say_they_drive_the_decision():
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
     assert "P/D margin decision" in helps["slo_ttft_ms"] and "P/D margin decision" in helps["slo_tpot_ms"]
     assert "uncached" in helps["pd_min_prompt_tokens"] and "margin" in helps["pd_safety_margin_ms"]
+
+
+def test_a_prefix_p_fetches_counts_as_cached_at_p_in_the_decision():
+    """The prefix policy with K/V sharing picks an idle P and fetches the history another prefill
+    worker holds behind a long queue: the decision's compute set at P is what is left after the
+    fetch (the choice's `PrefixTerms.hit_blocks`), not the whole prompt."""
+    from pdserve.engine.kv_events import BlockEventKind as K
+    from pdserve.engine.kv_events import KvTier as T
+    from pdserve.router.kv_index import KvDelta
+    from pdserve.router.pd_decision import decide_pd, facts_for
+
+    cost = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02,
+                     decode_step_s_per_seq=1e-3, same_host_bytes_per_s=2e9, cross_host_bytes_per_s=1e8,
+                     transfer_overhead_s=0.0, kv_bytes_per_token=100, block_size_tokens=16, fetch_overhead_s=0.001,
+                     fitted=True)
+    pd = PdPolicy("margin", ttft_slo_s=10.0, tpot_slo_s=0.1)
+    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="prefix", cost=cost, pd=pd, ttft_slo_s=10.0,
+                                 tpot_slo_s=0.1, kv_sharing=True), clock=lambda: 0.0)
+    for wid, role, pending, batch in (("p0", Role.PREFILL, 5000, 0), ("p1", Role.PREFILL, 0, 0), ("d0", Role.DECODE, 0, 4)):
+        router.register(WorkerInfo(wid, "h0", role, 1, 1000, "m", "abi"))
+        router.report_load(wid, 1, WorkerLoad(pending, batch, 1000))
+    router.report_kv("p0", 1, KvDelta(64, tuple((K.STORED, k, T.DEVICE) for k in HISTORY), True))
+    request = RouteRequest("r", prompt_tokens=1040, expected_output_tokens=1, block_hashes=HISTORY)
+    plan = router.route(request)
+    assert (plan.prefill_id, plan.decode_id) == ("p1", "d0") and plan.prefix_terms.fetch_blocks == 64
+    fetched = facts_for(request, 64, 0, True, 4, 0, 0.0, cost, arrival_rate_rps=0.0, decode_routed=1)
+    assert fetched.remote_compute_tokens == 16
+    assert plan.pd == decide_pd(fetched, pd, cost, 10.0, 0.1)
+    router.complete("r")
+    router.assert_no_leaks()
