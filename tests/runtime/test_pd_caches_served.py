@@ -11,16 +11,17 @@ import json
 from dataclasses import replace
 
 import httpx
+import pytest
 import uvicorn
 
 from pdserve.api.app import create_app
 from pdserve.api.backend import FinishEvent
-from pdserve.api.server import cluster
 from pdserve.cli import build_parser
 from pdserve.commands.serve import serve_config
 from pdserve.engine.sequence import SamplingParams
 from pdserve.ports import free_local_port
 from tests.runtime.conftest import collect, prompt, wait_baseline
+from tests.runtime.shared_cluster import SharedCluster
 
 BLOCK = 16
 
@@ -32,6 +33,14 @@ def default_server(port: int = 8000):
     return replace(config, restart=replace(config.restart, enabled=False))
 
 
+@pytest.fixture(scope="module")
+def served():
+    """The default server, shared: each test leaves it at baseline with no leak; prompts differ."""
+    shared = SharedCluster(default_server(free_local_port()))
+    yield shared
+    shared.close()
+
+
 async def _fresh_reports(backend, count: int = 2) -> None:
     """Wait for `count` more heartbeats from every worker: the router's K/V index then holds the
     blocks of every request finished before (a heartbeat carries its block events)."""
@@ -41,25 +50,24 @@ async def _fresh_reports(backend, count: int = 2) -> None:
             await asyncio.sleep(0.02)
 
 
-def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cache():
-    async def main():
-        async with cluster(default_server()) as (backend, _):
-            first = prompt(BLOCK, 71)
-            # turn 1: 1,010 tokens decoded at D after a 16-token prompt; the first 1,024 tokens of the
-            # conversation (64 full blocks) are cached at D, P never saw past the prompt
-            out, event = await collect(backend, "turn1", first, SamplingParams(max_tokens=1010, ignore_eos=True))
-            assert isinstance(event, FinishEvent) and len(out) == 1010
-            await wait_baseline(backend)
-            await _fresh_reports(backend)  # the router's index holds turn 1's blocks
-            follow_up = first + tuple(out[:1008]) + prompt(16, 73)  # the 1,024-token history and 16 new: 1,040
-            _, event2 = await collect(backend, "turn2", follow_up, SamplingParams(max_tokens=4, ignore_eos=True))
-            views = await wait_baseline(backend)
-            slo = next(v.load["pd_slo"] for v in views if v.role == "decode")  # /workers says what the margin reads
-            assert (slo["source"], slo["ttft_s"], slo["tpot_s"], slo["profile_scale"]) == ("profile", None, None, 5.0)
-            backend.router.assert_no_leaks()
-            return event2, {line["request_id"]: line for line in backend.trace.recent}
+def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cache(served):
+    async def main(backend):
+        first = prompt(BLOCK, 71)
+        # turn 1: 1,010 tokens decoded at D after a 16-token prompt; the first 1,024 tokens of the
+        # conversation (64 full blocks) are cached at D, P never saw past the prompt
+        out, event = await collect(backend, "turn1", first, SamplingParams(max_tokens=1010, ignore_eos=True))
+        assert isinstance(event, FinishEvent) and len(out) == 1010
+        await wait_baseline(backend)
+        await _fresh_reports(backend)  # the router's index holds turn 1's blocks
+        follow_up = first + tuple(out[:1008]) + prompt(16, 73)  # the 1,024-token history and 16 new: 1,040
+        _, event2 = await collect(backend, "turn2", follow_up, SamplingParams(max_tokens=4, ignore_eos=True))
+        views = await wait_baseline(backend)
+        slo = next(v.load["pd_slo"] for v in views if v.role == "decode")  # /workers says what the margin reads
+        assert (slo["source"], slo["ttft_s"], slo["tpot_s"], slo["profile_scale"]) == ("profile", None, None, 5.0)
+        backend.router.assert_no_leaks()
+        return event2, {line["request_id"]: line for line in backend.trace.recent}
 
-    event, lines = asyncio.run(main())
+    event, lines = served.run(main(served.backend))
     turn2 = lines["turn2"]
     assert turn2["prompt_tokens"] == 1040 and turn2["pd_decision"] == "local" and turn2["decode"] == turn2["prefill"]
     # the pair's hits the decision read (jsq's choice too): D's 64 cached blocks, 16 tokens to compute
@@ -68,24 +76,23 @@ def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cach
     assert turn2["cached_tokens"] == 1024 and event.cached_tokens == 1024
 
 
-def test_a_long_prompt_is_handed_off_beside_32_running_decodes_and_kept_beside_none():
-    async def main():
-        async with cluster(default_server()) as (backend, _):
-            params = SamplingParams(max_tokens=300, ignore_eos=True)
-            running = [asyncio.create_task(collect(backend, f"run{i}", prompt(16, 100 + i), params)) for i in range(32)]
-            while sum(backend.router.heavy_light(next(w.id for w in backend.workers() if w.role == "decode"))) < 32:
-                await asyncio.sleep(0.01)
-            _, busy = await collect(backend, "busy", prompt(2048, 80), SamplingParams(max_tokens=2, ignore_eos=True))
-            await asyncio.gather(*running)
-            await wait_baseline(backend)
-            await _fresh_reports(backend)
-            _, idle = await collect(backend, "idle", prompt(2048, 81), SamplingParams(max_tokens=2, ignore_eos=True))
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
-            assert isinstance(busy, FinishEvent) and isinstance(idle, FinishEvent)
-            return {line["request_id"]: line for line in backend.trace.recent}
+def test_a_long_prompt_is_handed_off_beside_32_running_decodes_and_kept_beside_none(served):
+    async def main(backend):
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        running = [asyncio.create_task(collect(backend, f"run{i}", prompt(16, 100 + i), params)) for i in range(32)]
+        while sum(backend.router.heavy_light(next(w.id for w in backend.workers() if w.role == "decode"))) < 32:
+            await asyncio.sleep(0.01)
+        _, busy = await collect(backend, "busy", prompt(2048, 80), SamplingParams(max_tokens=2, ignore_eos=True))
+        await asyncio.gather(*running)
+        await wait_baseline(backend)
+        await _fresh_reports(backend)
+        _, idle = await collect(backend, "idle", prompt(2048, 81), SamplingParams(max_tokens=2, ignore_eos=True))
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+        assert isinstance(busy, FinishEvent) and isinstance(idle, FinishEvent)
+        return {line["request_id"]: line for line in backend.trace.recent}
 
-    lines = asyncio.run(main())
+    lines = served.run(main(served.backend))
     busy, idle = lines["busy"], lines["idle"]
     assert busy["pd_decision"] == "disaggregate" and busy["pd_delayed_batch"] >= 32 and busy["pd_reason"] == "margin"
     assert busy["pd_interference_saved_s"] > 0 and busy["pd_tpot_slo_s"] > 0  # the profile's target, not 5 s
@@ -122,20 +129,21 @@ async def _usage_calls(backend, port: int) -> dict:
     return usage
 
 
-def test_usage_counts_the_reused_prompt_tokens_streamed_and_not():
-    async def main():
-        port = free_local_port()
-        async with cluster(default_server(port)) as (backend, _):
-            server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
-            task = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.05)
-            usage = await _usage_calls(backend, port)
-            server.should_exit = True
-            await task
-            return usage, [line.get("cached_tokens", 0) for line in backend.trace.recent]
+def test_usage_counts_the_reused_prompt_tokens_streamed_and_not(served):
+    async def main(backend):
+        port = served.launcher.config.port
+        server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        before = len(backend.trace.recent)
+        usage = await _usage_calls(backend, port)
+        server.should_exit = True
+        await task
+        backend.router.assert_no_leaks()
+        return usage, [line.get("cached_tokens", 0) for line in backend.trace.recent[before:]]
 
-    usage, traced = asyncio.run(main())
+    usage, traced = served.run(main(served.backend))
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage.values()] == traced  # the workers' own counts
     for (kind, stream, turn), u in usage.items():
         n = u["prompt_tokens"]
