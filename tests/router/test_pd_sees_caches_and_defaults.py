@@ -172,3 +172,30 @@ def test_a_prefix_p_fetches_counts_as_cached_at_p_in_the_decision():
     assert plan.pd == decide_pd(fetched, pd, cost, 10.0, 0.1)
     router.complete("r")
     router.assert_no_leaks()
+
+
+def test_the_router_reads_d_s_decode_clocks():
+    """The frontend's per-heartbeat clocks (`note_decode_clocks`: each live decode's own budget and
+    the batch's p90 gap) are what the decision's slack and gap terms read for that decode worker."""
+    from pdserve.ledger.margin import DecodeBudget
+
+    pd = PdPolicy("margin", ttft_slo_s=10.0, tpot_slo_s=1.0)
+    router = pair_router("jsq", pd, decode_batch=1)
+    # 400 tokens beside 1 decode: one 410 ms chunk, a 431 ms gap within the 1 s target; the newcomer-
+    # style slack (the decode not reporting: 16 x (1 - 0.021) s) absorbs the 410 ms stall
+    quiet = router.route(RouteRequest("quiet", 400, 16))
+    assert quiet.colocated and quiet.pd.terms.interference_saved_s == 0.0
+    router.complete("quiet")
+    # its own budget: 99 tokens in 98.9 s, 1 left: 1 s x 99 gaps - 98.9 s - 21 ms = 79 ms of slack
+    router.note_decode_clocks("d0", (DecodeBudget(99, 98.9, 1),), 0.0)
+    router.arrivals.reset(0.0, 0.0)  # no arrival rate to share the slack with
+    late = router.route(RouteRequest("late", 400, 16))
+    assert late.pd.terms.interference_saved_s == pytest.approx(0.41 - (99 - 98.9 - 0.021), abs=1e-9)
+    router.complete("late")
+    # the batch's p90 gap of 700 ms: the 410 ms chunk opens a 1.11 s gap, 110 ms past the target
+    router.note_decode_clocks("d0", (), 0.7)
+    router.arrivals.reset(0.0, 0.0)
+    gap = router.route(RouteRequest("gap", 400, 16))
+    assert gap.pd.terms.interference_saved_s == pytest.approx(0.11, abs=1e-9)
+    router.complete("gap")
+    router.assert_no_leaks()
