@@ -113,5 +113,6 @@ class Choices:
 
     def usage(self, event: FinishEvent) -> Usage:
         if self.parsed.drop_output:
-            return Usage(event.prompt_tokens, 0)
-        return Usage(event.prompt_tokens, event.completion_tokens if self.parsed.n == 1 else self.num_tokens)
+            return Usage(event.prompt_tokens, 0, event.cached_tokens)
+        return Usage(event.prompt_tokens, event.completion_tokens if self.parsed.n == 1 else self.num_tokens,
+                     event.cached_tokens)

@@ -309,7 +309,8 @@ class InProcessBackend:
         if output.finished:
             del self._live[output.request_id]
             reason = output.finish_reason or "stop"
-            live.end(FinishEvent(reason, output.num_prompt_tokens, live.num_output_tokens), reason)
+            live.end(FinishEvent(reason, output.num_prompt_tokens, live.num_output_tokens,
+                                 cached_tokens=output.num_cached_tokens), reason)
 
     def _fail_all(self, message: str, code: str) -> None:
         """End every admitted request with an ErrorEvent and take it out of the engine."""

@@ -28,10 +28,12 @@ def sse(payload: dict) -> bytes:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, those reused rather than computed (OpenAI's and vLLM's field)
 
     def as_dict(self) -> dict:
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass(frozen=True)

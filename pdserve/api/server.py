@@ -35,7 +35,7 @@ from pdserve.router.role_control import run_pool_controller
 from pdserve.router.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.frontend import ClusterBackend
-from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.pd_decision import PdPolicy, slo_line
 from pdserve.router.pd_served import served_pd
 from pdserve.router.reserve_mode import load_policy
 from pdserve.router.tetri_runtime import TetriRuntime
@@ -61,8 +61,8 @@ class ServeConfig:
     decode_choice: str = "policy"  # "p2c": the decode worker by power-of-two choices on heavy/light (router/decode_choice.py)
     reserve: str = "static"  # decode holds cover max_tokens, or "dynamic": the predicted bucket's bound (router/reserve_mode.py)
     predictor: str | None = None  # the output-length predictor file (`pdserve predictor train`); reserve "dynamic" needs it
-    slo_ttft_s: float = 30.0
-    slo_tpot_s: float = 5.0
+    slo_ttft_s: float | None = None  # the SLO targets (P/D margin, admission); None: derived from the profile
+    slo_tpot_s: float | None = None  # for the margin (pd_decision.decision_slos), ADMISSION_SLOS_S for admission
     threads_per_worker: int = 1
     pin_cpus: bool = True
     trace_dir: str | None = None
@@ -80,7 +80,8 @@ class ServeConfig:
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is retired, ended and restarted (hung)
     max_reroutes: int = 2  # a request moved this many times to another worker ends with `max_reroutes` instead
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
-    pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
+    pd_min_prompt_tokens: int = 0  # prompts with fewer uncached tokens at D prefill there, before the margin
+    pd_safety_margin_s: float = 0.0  # the margin must exceed this to hand off
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
@@ -101,7 +102,7 @@ class ServeConfig:
         if not self.heartbeat_timeout_s >= 1.0 or self.max_reroutes < 0:
             raise ValueError(f"--heartbeat-timeout-s must be >= 1 and --max-reroutes >= 0, got "
                              f"{self.heartbeat_timeout_s}, {self.max_reroutes}")
-        PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
+        PdPolicy(self.pd_decision, self.pd_min_prompt_tokens, self.pd_safety_margin_s)  # raises on a bad mode or floor
         if self.num_mixed and self.mode != "splitwise":
             raise ValueError(f"--mixed {self.num_mixed} goes with --mode splitwise (Splitwise's mixed pool)")
         if self.reserve not in ("static", "dynamic"):
@@ -126,7 +127,16 @@ class ServeConfig:
 
     def pool_thresholds(self) -> Thresholds:
         """Splitwise's marks: a prompt pool is pressed at a quarter of the TTFT target queued per worker."""
-        return self.splitwise or Thresholds(prompt_high_s=self.slo_ttft_s / 4, prompt_low_s=self.slo_ttft_s / 16)
+        ttft_s = self.admission_slos_s()[0]
+        return self.splitwise or Thresholds(prompt_high_s=ttft_s / 4, prompt_low_s=ttft_s / 16)
+
+    def admission_slos_s(self) -> tuple[float, float]:
+        """(TTFT, TPOT) the slo and prefix policies refuse past: the user's, else ADMISSION_SLOS_S."""
+        ttft_s, tpot_s = ADMISSION_SLOS_S
+        return (ttft_s if self.slo_ttft_s is None else self.slo_ttft_s, tpot_s if self.slo_tpot_s is None else self.slo_tpot_s)
+
+
+ADMISSION_SLOS_S = (30.0, 5.0)  # admission's backstop without user targets (the margin derives its own)
 
 
 def router_for(config: ServeConfig, model_dir) -> Router:
@@ -141,7 +151,8 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     served = tuple(tp.for_role(role.value) for role in config.shape().roles())  # "auto" times their collectives
     profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0], served)
     cost, pd = served_pd(abi, profile, config.engine.max_num_batched_tokens, config.pd_decision,
-                         config.pd_min_prompt_tokens, config.layerwise_threshold_tokens)  # the planner's too
+                         config.pd_min_prompt_tokens, config.layerwise_threshold_tokens, config.pd_safety_margin_s,
+                         config.slo_ttft_s, config.slo_tpot_s)  # the planner's too
     pricing = TpPricing(cost, scaling_for(mc, profile, config.threads_per_worker), measured_tp(profile))
     cost = pricing.pair(*sizes)
     # Local worker deaths are seen at once through their processes; heartbeats catch hung or
@@ -149,7 +160,8 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mode = Mode.COLOCATED if config.mode == "colocated" else Mode.DISAGGREGATED
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                decode_choice=config.decode_choice,
-                               cost=cost, pricing=pricing, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
+                               cost=cost, pricing=pricing, ttft_slo_s=config.admission_slos_s()[0],
+                               tpot_slo_s=config.admission_slos_s()[1],
                                heartbeat_interval_s=0.5, missed_heartbeats=round(config.heartbeat_timeout_s / 0.5), pd=pd,
                                kv_index_max_entries=config.kv_index_max_entries, kv_sharing=config.kv_sharing))
 
@@ -312,4 +324,6 @@ async def serve(config: ServeConfig) -> None:
         app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
+        if config.mode != "colocated":
+            print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()

@@ -83,12 +83,21 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="disaggregated mode, per request: always hand off, never (prefill on the decode worker), or "
                         "only when the spec's net margin says the remote prefill pays (default)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
-                   help="prompts shorter than N tokens always prefill on their decode worker (applies first, with always or margin)")
+                   help="prompts with fewer than N uncached tokens at their decode worker (its prefix cache "
+                        "subtracted) always prefill there (applies first, with always or margin)")
+    p.add_argument("--pd-safety-margin-ms", type=float, default=0.0, metavar="MS",
+                   help="margin mode: hand off only when the net margin exceeds this (default 0)")
     p.add_argument("--pd-profile", default="auto", metavar="auto|FILE.json|none",
                    help="the router's cost model (what the margin decides with): auto (default) times the served "
                         "engine on this machine at start and fits it; FILE a `pdserve profile` fit; none: placeholders")
-    p.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="SLO-aware routing: TTFT target")
-    p.add_argument("--slo-tpot-ms", type=float, default=5000.0, help="SLO-aware routing: TPOT target")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="TTFT target: drives the P/D margin decision and the slo/prefix policies' admission; "
+                        "default: derived per request from the measured profile (5x the prompt's idle prefill; "
+                        "admission then refuses past 30 s)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="TPOT (and per-token gap) target: drives the P/D margin decision (how much stall a running "
+                        "decode absorbs) and the slo/prefix policies' admission; default: derived from the measured "
+                        "profile (5x an idle decode step; admission then refuses past 5 s)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--no-pin-cpus", action="store_true", help="do not pin each worker to its own CPUs")
     p.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto", help="K/V handoff transport")
@@ -174,7 +183,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         mode=args.mode, **dict(zip(("num_prefill", "num_decode", "num_mixed"), _split(args))), replicas=args.replicas,
         engine=engine,
         host=getattr(args, "host", "127.0.0.1"), port=port if port is not None else getattr(args, "port", 8000),
-        policy=args.policy, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+        policy=args.policy, slo_ttft_s=_seconds(args.slo_ttft_ms), slo_tpot_s=_seconds(args.slo_tpot_ms),
+        pd_safety_margin_s=getattr(args, "pd_safety_margin_ms", 0.0) / 1e3,
         kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
         kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None),
         decode_choice=getattr(args, "decode_choice", "policy"), reserve=getattr(args, "reserve", "static"),
@@ -202,6 +212,10 @@ def invariance(args: argparse.Namespace) -> bool:
     if getattr(args, "device", "cpu") == "cpu":
         return not args.no_batch_invariant
     return getattr(args, "batch_invariant", False) and not args.no_batch_invariant
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
 
 
 def with_config_file(args: argparse.Namespace) -> argparse.Namespace:

@@ -3,8 +3,11 @@
 dT = interference saved - exposed (non-overlapped) transfer - routing delta - expected failure
 penalty. Enable only when dT exceeds the declared safety margin and both SLO gates pass.
 The interference a local prefill would cause is counted against the SLOs (`slo_interference_s`):
-the running decodes' stall beyond their TPOT slack (TPOT as goodput counts it: a request's mean),
-and the request's own TTFT beyond its target.
+each running decode's harm is the larger of its stall beyond its own TPOT budget (TPOT as
+goodput counts it: a request's mean; `budget_slack_s`) and the inter-token gaps the prefill's
+steps open beyond the per-token target (`gap_late_s`); plus the request's own TTFT beyond its
+target. Without targets from the user, both are `SLO_SCALE` times the profile's idle times
+(`profile_slo_s`).
 """
 
 from __future__ import annotations
@@ -26,22 +29,57 @@ def net_margin_s(terms: MarginTerms) -> float:
     return terms.interference_saved_s - terms.transfer_exposed_s - terms.route_delta_s - terms.failure_penalty_s
 
 
+SLO_SCALE = 5.0  # profile-derived targets: this multiple of the idle time (DistServe's "SLO scale")
+
+
+def profile_slo_s(idle_s: float) -> float:
+    """A target derived from the measured profile when the user gives none: `SLO_SCALE` x the
+    idle time (TTFT: the prompt's whole prefill on an idle worker; TPOT: a decode step at batch 1)."""
+    return SLO_SCALE * idle_s
+
+
+@dataclass(frozen=True)
+class DecodeBudget:
+    """One running decode as its TPOT target sees it."""
+
+    tokens_done: int  # output tokens so far (the first one included)
+    decode_elapsed_s: float  # since its first token
+    tokens_left: int  # its max_tokens less tokens_done
+
+
+def budget_slack_s(budget: DecodeBudget, tpot_slo_s: float, decode_step_s: float, arrival_rate_rps: float) -> float:
+    """Stall one running decode absorbs before its mean TPOT over all its tokens misses the
+    objective: the target's time for all its gaps, less the time its gaps took so far and its
+    remaining steps, shared by the 1 + lambda x remaining life prefills expected to land before it ends."""
+    left_s = budget.tokens_left * decode_step_s
+    gaps = budget.tokens_done + budget.tokens_left - 1
+    return max(0.0, tpot_slo_s * gaps - budget.decode_elapsed_s - left_s) / (1.0 + arrival_rate_rps * left_s)
+
+
 def tpot_slack_s(tpot_slo_s: float, decode_step_s: float, decode_tokens: int, arrival_rate_rps: float) -> float:
-    """Stall one running decode absorbs from one local prefill before its TPOT (the per-request
-    mean, as goodput counts it) misses the objective: its headroom per token over its tokens,
-    shared by the 1 + lambda x lifetime prefills expected to land during its life."""
-    life_s = decode_tokens * decode_step_s
-    return max(0.0, tpot_slo_s - decode_step_s) * decode_tokens / (1.0 + arrival_rate_rps * life_s)
+    """`budget_slack_s` of a decode about to start (`decode_tokens` to make, no time spent yet)."""
+    return budget_slack_s(DecodeBudget(1, 0.0, decode_tokens), tpot_slo_s, decode_step_s, arrival_rate_rps)
+
+
+def gap_late_s(prefill_parts_s: Sequence[float], base_gap_s: float, tpot_slo_s: float) -> float:
+    """Per running decode: seconds by which the inter-token gaps a local prefill opens exceed the
+    per-token target. Each mixed step is one gap: the batch's usual gap `base_gap_s` (its p90
+    inter-token latency, at least its predicted step) plus the step's prefill part; only what the
+    prefill part adds beyond the target is charged (a batch already past it is not charged twice)."""
+    return sum(min(part, max(0.0, base_gap_s + part - tpot_slo_s)) for part in prefill_parts_s)
 
 
 def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: float, ttft_slo_s: float,
                        wait_s: float = 0.0, arrival_rate_rps: float = 0.0, decode_step_s: float = 0.0,
-                       decode_tokens: int = 1, own_stall_s: float = 0.0, measured_tpot_s: float = 0.0) -> float:
+                       decode_tokens: int = 1, own_stall_s: float = 0.0, measured_tpot_s: float = 0.0,
+                       budgets: Sequence[DecodeBudget] = (), itl_p90_s: float = 0.0) -> float:
     """SLO time a local prefill costs on its decode worker, run as the mixed steps `step_s` (each
     holding a prompt chunk beside the B running decodes, whose own step is `decode_step_s`) after
     `wait_s` of prompt work already queued there:
-      - each running decode waits the steps' prefill part; what exceeds its TPOT slack
-        (`tpot_slack_s` over `decode_tokens` tokens) is late;
+      - each running decode waits the steps' prefill part; its harm is the larger of what exceeds
+        its slack (`budget_slack_s` from its own budget in `budgets`; a decode without one, not
+        yet started, `tpot_slack_s` over `decode_tokens`) and the gaps' excess (`gap_late_s`,
+        from the batch's p90 inter-token latency `itl_p90_s`);
       - the request's first token is late by the wait and the steps beyond the TTFT objective;
       - less what disaggregating costs the request itself: handed off, it decodes beside the
         prompt work still queued at D when its K/V lands (`own_stall_s`), late beyond its slack.
@@ -50,9 +88,14 @@ def slo_interference_s(decode_batch: int, step_s: Sequence[float], tpot_slo_s: f
     predicted step in the slack when larger: a slower machine than the profile's leaves less.
     Disaggregating saves exactly this (negative: it costs more than it saves)."""
     busy_s = sum(step_s)
-    stall_s = busy_s - len(step_s) * decode_step_s if decode_batch else 0.0
-    slack_s = tpot_slack_s(tpot_slo_s, max(decode_step_s, measured_tpot_s), decode_tokens, arrival_rate_rps)
-    late_decodes = decode_batch * max(0.0, stall_s - slack_s)
+    parts = [s - decode_step_s for s in step_s] if decode_batch else []
+    stall_s = sum(parts)
+    step = max(decode_step_s, measured_tpot_s)
+    slack_s = tpot_slack_s(tpot_slo_s, step, decode_tokens, arrival_rate_rps)
+    gap_s = gap_late_s(parts, max(decode_step_s, itl_p90_s), tpot_slo_s)
+    own = [budget_slack_s(b, tpot_slo_s, step, arrival_rate_rps) for b in budgets[:decode_batch]]
+    slacks = own + [slack_s] * (decode_batch - len(own))
+    late_decodes = sum(max(stall_s - slack, gap_s, 0.0) for slack in slacks)
     return late_decodes + max(0.0, wait_s + busy_s - ttft_slo_s) - max(0.0, own_stall_s - slack_s)
 
 

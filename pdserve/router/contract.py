@@ -45,6 +45,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # any text released only at the finish (held back for stop strings)
+    cached_tokens: int = 0  # prompt tokens reused, not computed (usage.prompt_tokens_details.cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.control_acks import ControlAcks
+from pdserve.router.decode_clocks import ItlWindows
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -101,6 +102,7 @@ class ClusterBackend:
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
         self.acks = ControlAcks()  # acknowledgements the rollback waits for (control_acks.py)
         self.kv_inbox = KvInbox()  # heartbeats' block events, applied off the routing path (frontend_upkeep.apply_kv_slice)
+        self.itl = ItlWindows()  # decode workers' recent inter-token gaps: the P/D decision's p90 ITL (decode_clocks.py)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -329,6 +331,7 @@ class ClusterBackend:
         if self.router.route_epoch > 1:  # a rollback retired older route epochs: this incarnation refuses them too
             asyncio.get_running_loop().create_task(self._send(reg.worker_id, m.RouteEpoch(self.router.route_epoch)))
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
+        self.itl.forget(reg.worker_id)
         upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)

@@ -55,6 +55,8 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
     if live.first_token_s is None:
         live.first_token_s = now
         backend.metrics.ttft.observe(now - live.arrival_s)
+    if item.index == 0 and item.token_ids and worker_id == live.decode_id and len(live.output_ids) >= 2:
+        backend.itl.observe(worker_id, (now - live.last_token_s) / len(item.token_ids))  # the batch's gaps (decode_clocks.py)
     live.last_token_s = now
     if item.cached_tokens:  # prompt tokens the worker's prefix cache served (its tenant's only)
         live.note(cached_tokens=max(live.trace.get("cached_tokens", 0), item.cached_tokens))
@@ -161,7 +163,8 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
     backend.metrics.requests.labels("completed").inc()
     backend.fetches.on_finished(live)
     backend.trace.write(live.record(reason))
-    live.queue.put_nowait(FinishEvent(reason, len(live.req.prompt_ids), n))
+    prompt = len(live.req.prompt_ids)
+    live.queue.put_nowait(FinishEvent(reason, prompt, n, cached_tokens=min(prompt, live.trace.get("cached_tokens", 0))))
 
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:

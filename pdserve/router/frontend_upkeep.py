@@ -26,6 +26,7 @@ from pdserve.engine.tp_tally import PHASES
 from pdserve.router import control_acks
 from pdserve.router import frontend_events as ev
 from pdserve.router.contract import WorkerView
+from pdserve.router.decode_clocks import decode_budgets
 from pdserve.router.kv_inbox import SLICE_REPORTS
 from pdserve.router.kv_index import KvDelta
 from pdserve.router.leases import renewals
@@ -103,6 +104,8 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
     }
+    if load is not None and reg.role in ("decode", "mixed"):
+        load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
         load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)
@@ -125,6 +128,8 @@ def report_load(backend, hb: m.Heartbeat) -> None:
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
     backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
+    budgets = decode_budgets(backend.live.values(), hb.worker_id, time.monotonic())
+    backend.router.note_decode_clocks(hb.worker_id, budgets, backend.itl.p90_s(hb.worker_id))
     if hb.load.collectives is not None:  # a TP worker's collective seconds (router/live_collectives.py)
         backend.router.report_collectives(hb.worker_id, hb.epoch, hb.load.collectives)
         export_live_collectives(backend, hb.worker_id)

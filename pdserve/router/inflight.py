@@ -8,7 +8,9 @@ worker's first token is never held back for publication) and `kv_published_s` wh
 worker published the K/V (None without a handoff), both from arrival. In disaggregated mode it
 also records the request's P/D decision (`pd_decision`: disaggregate or local, `pd_reason`, and
 when the margin decided, its four terms `pd_interference_saved_s`, `pd_transfer_exposed_s`,
-`pd_route_delta_s`, `pd_failure_penalty_s`, with `pd_net_margin_s` and both gates).
+`pd_route_delta_s`, `pd_failure_penalty_s`, with `pd_net_margin_s`, both gates and the targets it
+read, `pd_ttft_slo_s` and `pd_tpot_slo_s`). `cached_tokens`: the prompt tokens the serving worker
+reused (its prefix cache, host tier, or a fetched prefix), what the response's usage reports.
 """
 
 from __future__ import annotations

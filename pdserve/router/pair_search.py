@@ -53,7 +53,7 @@ def capacity_gates(
     snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, p_hit: Hits, d_hit: Hits
 ) -> tuple[np.ndarray, np.ndarray] | Refusal:
     """Masks of prefill and decode slots with headroom for this request, or why there are none.
-    Hits are per-slot arrays, or 0 for policies that assume no reuse. A hit only lowers a slot's
+    Hits are per-slot arrays, or 0 where no slot holds any of the prompt. A hit only lowers a slot's
     demand, so when the pool's least headroom covers the no-hit demand every slot is admitted
     without looking at the hits (the common case: capacity is a backstop)."""
     bs = ctx.cost.block_size_tokens

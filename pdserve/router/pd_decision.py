@@ -5,8 +5,9 @@ holds blocks or does I/O. `decide_pd(facts, policy, cost, ttft_slo_s, tpot_slo_s
 where the policy reads none: "never", and "always" without a prompt floor):
 
     mode "never"                   prefill locally on the decode worker
-    prompt < min_prompt_tokens     prefill locally: shorter prompts never disaggregate (applies
-                                   first, in "always" and "margin" mode alike)
+    uncached < min_prompt_tokens   prefill locally: a prompt with fewer uncached tokens at D (its
+                                   prefix cache subtracted, as llm-d's decider counts) never
+                                   disaggregates (applies first, in "always" and "margin" mode alike)
     mode "always"                  disaggregate (the demo and the handoff tests pin it)
     mode "margin"                  the spec's net margin, decided by the ledger's `should_enable_pd`
                                    (one formula, shared with the planner and the release check)
@@ -22,7 +23,12 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
                         beyond each decode's TPOT slack (TPOT target - decode_step_s(B)) x its
                         tokens, shared by the 1 + lambda x lifetime prefills landing during its
                         life), plus the local TTFT (D's queued prompt work + the steps) beyond the TTFT
-                        target. D's step for its running decodes takes each to look like this
+                        target. Each decode's slack is its own (`PdFacts.budgets`: its tokens so
+                        far, the time they took and its max_tokens left; a decode not yet started
+                        takes this request's expected output), and its harm is at least the
+                        inter-token gaps the steps open beyond the TPOT target, each gap the
+                        batch's p90 ITL (`itl_p90_s`) plus the step's prefill part (the ledger's
+                        `gap_late_s`). D's step for its running decodes takes each to look like this
                         request (`decode_step_at`: its prompt and half its output as context);
                         lambda is the router's recent arrival rate. B counts every sequence
                         that will share D's batch with the local prefill: the larger of D's
@@ -46,6 +52,10 @@ machine at start or by `pdserve profile`: router/calibration.py) and the live lo
     failure penalty     the observed transfer-failure rate x the recompute cost (the whole prompt's
                         chunked prefill)
 
+Targets (`decision_slos`): the request's own, else `--slo-ttft-ms` / `--slo-tpot-ms`, else
+derived from the profile: `SLO_SCALE` x the prompt's idle prefill and x an idle decode step
+(the ledger's `profile_slo_s`).
+
 Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + its chunked prefill of u_P +
 exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
 mixed steps); TPOT passes when D's next decode step decode_step_s(B + 1) is within the TPOT
@@ -59,7 +69,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
-from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd, slo_interference_s
+from pdserve.ledger.margin import (
+    DecodeBudget,
+    MarginTerms,
+    SLO_SCALE,
+    net_margin_s,
+    profile_slo_s,
+    should_enable_pd,
+    slo_interference_s,
+)
 from pdserve.router import demand
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import RouteRequest
@@ -71,12 +89,16 @@ LOCAL = "local"
 
 @dataclass(frozen=True)
 class PdPolicy:
-    """`--pd-decision` and `--pd-min-prompt-tokens`; `stream_layers` and `layerwise_min_tokens`
+    """`--pd-decision`, `--pd-min-prompt-tokens` (uncached tokens at D), `--pd-safety-margin-ms`
+    and the SLO targets the margin reads (`--slo-ttft-ms`, `--slo-tpot-ms`; None: derived from
+    the profile per request, `decision_slos`); `stream_layers` and `layerwise_min_tokens`
     describe the handoff's layer-wise stream (one layer: a serialized transfer)."""
 
     mode: str = "always"
     min_prompt_tokens: int = 0
     safety_margin_s: float = 0.0
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
     stream_layers: int = 1
     layerwise_min_tokens: int = 256
     chunk_tokens: int = 512  # the decode worker's per-step token budget (its max_num_batched_tokens)
@@ -86,6 +108,18 @@ class PdPolicy:
             raise ValueError(f"--pd-decision must be one of {MODES}, got {self.mode!r}")
         if self.min_prompt_tokens < 0 or self.stream_layers < 1:
             raise ValueError("--pd-min-prompt-tokens must be >= 0 and stream_layers >= 1")
+        if not self.safety_margin_s >= 0:
+            raise ValueError(f"--pd-safety-margin-ms must be >= 0, got {self.safety_margin_s * 1e3}")
+
+    @property
+    def slo_source(self) -> str:
+        """Where the margin's targets come from: "flags" (the user's) or "profile" (derived)."""
+        return "flags" if self.ttft_slo_s is not None and self.tpot_slo_s is not None else "profile"
+
+    def slo_view(self) -> dict:
+        """The margin's targets as `/workers` shows them on decode workers (None: derived per request)."""
+        return {"source": self.slo_source, "ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s,
+                "profile_scale": SLO_SCALE, "safety_margin_s": self.safety_margin_s}
 
 
 @dataclass(frozen=True)
@@ -105,6 +139,8 @@ class PdFacts:
     decode_tokens: int = 1  # tokens a running decode makes (this request's expected output: the estimate)
     decode_routed: int = 0  # live routes to D (router ledger): decoding, prefilling at P, or queued at D
     measured_tpot_s: float = 0.0  # mean TPOT of D's live requests so far (0: none measured)
+    budgets: tuple[DecodeBudget, ...] = ()  # D's running decodes' own budgets (the frontend's token clocks)
+    itl_p90_s: float = 0.0  # p90 inter-token gap of D's recent tokens (0: none measured)
 
     @property
     def delayed_batch(self) -> int:
@@ -122,6 +158,8 @@ class PdDecision:
     tpot_gate: bool | None = None
     delayed_batch: int | None = None  # the B the margin read (PdFacts.delayed_batch)
     measured_tpot_s: float | None = None  # D's measured TPOT the slack read (PdFacts.measured_tpot_s)
+    ttft_slo_s: float | None = None  # the targets the margin read (decision_slos)
+    tpot_slo_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -135,7 +173,8 @@ class PdDecision:
                           pd_transfer_exposed_s=self.terms.transfer_exposed_s, pd_route_delta_s=self.terms.route_delta_s,
                           pd_failure_penalty_s=self.terms.failure_penalty_s, pd_net_margin_s=self.net_margin_s,
                           pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate, pd_delayed_batch=self.delayed_batch,
-                          pd_measured_tpot_s=self.measured_tpot_s)
+                          pd_measured_tpot_s=self.measured_tpot_s, pd_ttft_slo_s=self.ttft_slo_s,
+                          pd_tpot_slo_s=self.tpot_slo_s)
         return fields
 
 
@@ -145,7 +184,7 @@ PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "neve
 def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
               decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel,
               decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0, decode_routed: int = 0,
-              measured_tpot_s: float = 0.0) -> PdFacts:
+              measured_tpot_s: float = 0.0, budgets: tuple[DecodeBudget, ...] = (), itl_p90_s: float = 0.0) -> PdFacts:
     """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
     bs = cost.block_size_tokens
     local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
@@ -157,7 +196,7 @@ def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks:
         same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
         failure_rate=failure_rate, decode_pending_tokens=decode_pending_tokens, arrival_rate_rps=arrival_rate_rps,
         decode_tokens=max(1, request.expected_output_tokens), decode_routed=decode_routed,
-        measured_tpot_s=measured_tpot_s,
+        measured_tpot_s=measured_tpot_s, budgets=budgets, itl_p90_s=itl_p90_s,
     )
 
 
@@ -207,7 +246,8 @@ def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: 
         interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
                                                 facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens,
                                                 own_stall_s=max(0.0, wait_s - landed_s),
-                                                measured_tpot_s=facts.measured_tpot_s),
+                                                measured_tpot_s=facts.measured_tpot_s, budgets=facts.budgets,
+                                                itl_p90_s=facts.itl_p90_s),
         transfer_exposed_s=exposed_s(facts, policy, cost),
         route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
         failure_penalty_s=facts.failure_rate * sum(cost.chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)),
@@ -229,7 +269,7 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     """Disaggregate this request, or prefill it locally on the decode worker (module contract)."""
     if policy.mode == "never":
         return PINNED["never"]
-    if facts is not None and facts.prompt_tokens < policy.min_prompt_tokens:
+    if facts is not None and facts.local_compute_tokens < policy.min_prompt_tokens:
         return PdDecision(False, "min_prompt_tokens")
     if policy.mode == "always":
         return PINNED["always"]
@@ -243,4 +283,29 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     margin_ok = net_margin_s(terms) > policy.safety_margin_s
     reason = "margin" if enable or not margin_ok else "gate"
     return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch,
-                      facts.measured_tpot_s)
+                      facts.measured_tpot_s, ttft_slo_s, tpot_slo_s)
+
+
+def slo_line(policy: PdPolicy, cost: CostModel) -> str:
+    """The startup line that says which targets the margin decides with."""
+    ttft = f"{SLO_SCALE:g}x the prompt's idle prefill (profile)"
+    if policy.ttft_slo_s is not None:
+        ttft = f"{policy.ttft_slo_s * 1e3:g} ms"
+    tpot = f"{policy.tpot_slo_s * 1e3:g} ms" if policy.tpot_slo_s is not None else (
+        f"{SLO_SCALE:g}x an idle decode step (profile; {profile_slo_s(float(cost.decode_step_at(1, 1024))) * 1e3:.1f} ms "
+        "at 1,024 tokens)")
+    return (f"P/D decision {policy.mode}: TTFT target {ttft}, TPOT target {tpot}, safety margin "
+            f"{policy.safety_margin_s * 1e3:g} ms (--slo-ttft-ms / --slo-tpot-ms / --pd-safety-margin-ms)")
+
+
+def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost: CostModel) -> tuple[float, float]:
+    """(TTFT, TPOT) targets the margin reads: the request's own, else the user's flags, else
+    derived from the profile (the ledger's `profile_slo_s`): of the whole prompt's prefill on an
+    idle worker, and of one decode step at batch 1 at this request's context."""
+    ttft_s = request.ttft_slo_s if request.ttft_slo_s is not None else policy.ttft_slo_s
+    tpot_s = request.tpot_slo_s if request.tpot_slo_s is not None else policy.tpot_slo_s
+    if ttft_s is None:
+        ttft_s = profile_slo_s(sum(cost.at_decode_worker().chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)))
+    if tpot_s is None:
+        tpot_s = profile_slo_s(float(cost.decode_step_at(1, facts.prompt_tokens + facts.decode_tokens / 2)))
+    return ttft_s, tpot_s

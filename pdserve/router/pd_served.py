@@ -16,9 +16,11 @@ from pdserve.router.pd_decision import PdPolicy
 
 
 def served_pd(abi: KvAbi, profile: dict | None, chunk_tokens: int, mode: str, min_prompt_tokens: int = 0,
-              layerwise_min_tokens: int = 256) -> tuple[CostModel, PdPolicy]:
-    """(cost model, policy) for a worker pool of `abi` whose steps `profile` times (None: placeholders)."""
+              layerwise_min_tokens: int = 256, safety_margin_s: float = 0.0, ttft_slo_s: float | None = None,
+              tpot_slo_s: float | None = None) -> tuple[CostModel, PdPolicy]:
+    """(cost model, policy) for a worker pool of `abi` whose steps `profile` times (None: placeholders);
+    SLO targets None: derived from that cost model per request (pd_decision.decision_slos)."""
     cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(abi, profile, chunk_tokens)
-    policy = PdPolicy(mode, min_prompt_tokens, stream_layers=abi.num_layers, layerwise_min_tokens=layerwise_min_tokens,
-                      chunk_tokens=chunk_tokens)
+    policy = PdPolicy(mode, min_prompt_tokens, safety_margin_s, ttft_slo_s, tpot_slo_s, stream_layers=abi.num_layers,
+                      layerwise_min_tokens=layerwise_min_tokens, chunk_tokens=chunk_tokens)
     return cost, policy

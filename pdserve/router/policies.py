@@ -20,13 +20,19 @@ The cost-aware policies add the two SLO clocks (section 0x08E):
 and pick the admitted pair with the smallest TTFT. The TTFT splits into a per-P vector plus a
 per-D vector for each host path (same or cross host), so the P x D search is a grouped minimum
 per host and one argmin over P, not a Python double loop (pair_search.py: the gates and that
-search); a plain double-loop reference in the tests must pick the identical pair. `slo` assumes no prefix reuse;
-`prefix` reads the workers' prefix indexes, so the longest hit still loses to a shorter queue or a
+search); a plain double-loop reference in the tests must pick the identical pair.
+
+Every policy reads the same cache view: each slot's leading hit in the cluster K/V index (device
+and host tier; `prefix_hits`). The hits lower each slot's capacity demand in the gates, and the
+choice carries the chosen slots' hits, which the plan's holds and the P/D decision read, whatever
+ranked the pair (round robin's turn, JSQ's queues, a TTFT). `slo` prices each slot's hit in its
+TTFT as it is (a hit is computed no more); `prefix` adds the placement costs, so the longest hit
+still loses to a shorter queue or a
 cheaper transfer path when that is faster (Mooncake); with K/V sharing on (`kv_sharing`) a prefix
 another worker holds counts too, priced at its fetch time, and a hit in a worker's host tier is
 priced at its promotion time (`_prefix_priced`, prefix_terms.py; the rates are `kv_cost`'s).
 Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
-a prefix-aware decision whose capacity gates admit every slot without any hit runs the lookup,
+an `slo` or `prefix` decision (without placement costs) whose capacity gates admit every slot without any hit runs the lookup,
 the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
 path does (tests/router/test_router_fused.py and the double-loop reference).
 """
@@ -58,11 +64,19 @@ _count = np.count_nonzero  # on small bool masks: several times cheaper than nda
 
 
 def round_robin(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    gates = capacity_gates(snapshot, request, ctx, 0, 0)
+    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
+    gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
     if isinstance(gates, Refusal):
         return gates
     p, d = _nth_admitted(gates[0], ctx.turn), _nth_admitted(gates[1], ctx.turn)
-    return new_choice(p, p if snapshot.colocated else d, 0, 0)
+    return _with_hits(snapshot, p, d, p_hit, d_hit)
+
+
+def _with_hits(snapshot: Snapshot, p: int, d: int, p_hit: Hits, d_hit: Hits) -> Choice:
+    """The choice of (p, d) with the caches' hits at those slots: what the plan's holds and the
+    P/D decision read, whatever ranked the pair."""
+    d = p if snapshot.colocated else d
+    return new_choice(p, d, hit_at(p_hit, p), hit_at(d_hit, d))
 
 
 def _nth_admitted(mask: np.ndarray, turn: int) -> int:
@@ -75,15 +89,17 @@ def _nth_admitted(mask: np.ndarray, turn: int) -> int:
 
 def join_shortest_queue(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
     """Prefill by fewest pending prompt tokens, decode by smallest batch; colocated by their sum."""
-    gates = capacity_gates(snapshot, request, ctx, 0, 0)
+    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
+    gates = capacity_gates(snapshot, request, ctx, p_hit, d_hit)
     if isinstance(gates, Refusal):
         return gates
     p_ok, d_ok = gates
     pool = snapshot.prefill
     if snapshot.colocated:
         w = _argmin_admitted(pool.pending_tokens + pool.active_batch, p_ok)
-        return new_choice(w, w, 0, 0)
-    return new_choice(_argmin_admitted(pool.pending_tokens, p_ok), _argmin_admitted(snapshot.decode.active_batch, d_ok), 0, 0)
+        return _with_hits(snapshot, w, w, p_hit, d_hit)
+    p, d = _argmin_admitted(pool.pending_tokens, p_ok), _argmin_admitted(snapshot.decode.active_batch, d_ok)
+    return _with_hits(snapshot, p, d, p_hit, d_hit)
 
 
 def _argmin_admitted(values: np.ndarray, mask: np.ndarray) -> int:
@@ -92,12 +108,7 @@ def _argmin_admitted(values: np.ndarray, mask: np.ndarray) -> int:
 
 
 def slo_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    return _cost_aware(snapshot, request, ctx, 0, 0)
-
-
-def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
-    if request.block_hashes and (ctx.kv_sharing or ctx.host_held is not None):
-        return _prefix_priced(snapshot, request, ctx)
+    """The fastest pair with each slot's own cached prefix priced (no placement costs: `prefix`)."""
     if kernels.enabled and request.block_hashes:
         rows = snapshot.prefix.probe(request.block_hashes)
         if rows is None:  # nobody holds the first block: no hit anywhere (what prefix_hits gives)
@@ -105,8 +116,13 @@ def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) 
         fused = _prefix_fused(snapshot, request, ctx, rows)
         if fused is not None:
             return fused
-    p_hit, d_hit = prefix_hits(snapshot, request, ctx.cost.block_size_tokens)
-    return _cost_aware(snapshot, request, ctx, p_hit, d_hit)
+    return _cost_aware(snapshot, request, ctx, *prefix_hits(snapshot, request, ctx.cost.block_size_tokens))
+
+
+def prefix_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    if request.block_hashes and (ctx.kv_sharing or ctx.host_held is not None):
+        return _prefix_priced(snapshot, request, ctx)
+    return slo_aware(snapshot, request, ctx)  # no placement cost to add: each slot's own hit, priced
 
 
 def _prefix_fused(

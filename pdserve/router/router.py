@@ -57,7 +57,8 @@ from pdserve.router.messages import (
     WorkerInfo,
     WorkerLoad,
 )
-from pdserve.router.pd_decision import PdDecision, decide_pd, facts_for
+from pdserve.ledger.margin import DecodeBudget
+from pdserve.router.pd_decision import PdDecision, decide_pd, decision_slos, facts_for
 from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.errors import UnknownWorkerError
@@ -103,6 +104,7 @@ class Router:
         self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
         self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
+        self._decode_clocks: dict[str, tuple[tuple[DecodeBudget, ...], float]] = {}  # per decode worker: budgets, p90 ITL
         self._p2c = Sampler()
         # TP workers' collectives as their own steps show them, priced into the builders' slots
         self._prices = LivePricing(config.pricing, config.cost, (self._snapshots, self._whole, self._mixed))
@@ -349,6 +351,11 @@ class Router:
         """The mean TPOT a worker's live requests have had so far (the frontend, per heartbeat)."""
         self._measured_tpot[worker_id] = tpot_s
 
+    def note_decode_clocks(self, worker_id: str, budgets: tuple[DecodeBudget, ...], itl_p90_s: float) -> None:
+        """A decode worker's running decodes' own budgets and its recent p90 inter-token gap (the
+        frontend's token clocks, per heartbeat): the P/D decision's slack and gap terms."""
+        self._decode_clocks[worker_id] = (budgets, itl_p90_s)
+
     def heavy_light(self, worker_id: str) -> tuple[int, int]:
         """(heavy, light) live routes on a decode worker (--decode-choice p2c's load)."""
         return self._heavy_light.counts(worker_id)
@@ -361,15 +368,15 @@ class Router:
         if cfg.pd.mode == "never" or (cfg.pd.mode == "always" and not cfg.pd.min_prompt_tokens):
             return decide_pd(None, cfg.pd, cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
         ps, ds = choice.prefill_slot, choice.decode_slot
-        facts = facts_for(request, choice.prefill_hit_blocks, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
+        budgets, itl_p90_s = self._decode_clocks.get(snapshot.decode.worker_ids[ds], ((), 0.0))
+        p_hit = choice.prefill_hit_blocks if choice.terms is None else choice.terms.hit_blocks  # with a fetch that pays
+        facts = facts_for(request, p_hit, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
                           int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
                           self.transfer_failure_rate(), cost, int(snapshot.decode.pending_tokens[ds]),
                           self.arrivals.rate(self._clock()),
                           sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])),  # live routes to D
-                          self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0))
-        ttft_slo = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
-        tpot_slo = cfg.tpot_slo_s if request.tpot_slo_s is None else request.tpot_slo_s
-        return decide_pd(facts, cfg.pd, cost, ttft_slo, tpot_slo)
+                          self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0), budgets, itl_p90_s)
+        return decide_pd(facts, cfg.pd, cost, *decision_slos(request, facts, cfg.pd, cost))
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch

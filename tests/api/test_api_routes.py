@@ -75,7 +75,8 @@ def test_completion_stream_shape(fake_server, fake):
     assert [c["choices"][0]["text"] for c in chunks] == ["he", "llo", "!"]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
     assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") and c["usage"] is None for c in chunks)
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert fake.aborts == []
 
 
@@ -99,7 +100,8 @@ def test_non_streamed_aggregates_text_and_usage(fake_server, fake):
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "xyz"}
     assert out["choices"][0]["token_ids"] == [0, 1] and out["choices"][0]["finish_reason"] == "stop"
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_error_mid_stream_becomes_error_event_then_done(fake_server, fake):

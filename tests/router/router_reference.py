@@ -17,17 +17,18 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def reference_cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext, use_prefix: bool) -> Choice | Refusal:
+def reference_cost_aware(snapshot: Snapshot, request: RouteRequest, ctx: PolicyContext) -> Choice | Refusal:
+    """The pair `slo` and `prefix` (without placement costs) choose: both price each slot's own hit."""
     cost, bs, n = ctx.cost, ctx.cost.block_size_tokens, request.prompt_tokens
     P, D = snapshot.prefill, snapshot.decode
     if len(P) == 0 or len(D) == 0:
         return Refusal(RejectReason.NO_ROUTE, ctx.retry_after_s)
-    raw_p = [leading_hit_blocks(request.block_hashes, h) if use_prefix else 0 for h in P.members.held_prefixes]
+    raw_p = [leading_hit_blocks(request.block_hashes, h) for h in P.members.held_prefixes]
     p_hit = [min(h, (n - 1) // bs) for h in raw_p]
     if snapshot.colocated:
         d_hit = p_hit
     else:
-        raw_d = [leading_hit_blocks(request.block_hashes, h) if use_prefix else 0 for h in D.members.held_prefixes]
+        raw_d = [leading_hit_blocks(request.block_hashes, h) for h in D.members.held_prefixes]
         d_hit = [min(h, n // bs) for h in raw_d]
     total_blocks = _ceil_div(n + request.expected_output_tokens, bs)
     d_ok = [int(D.headroom_blocks[j]) >= total_blocks - d_hit[j] for j in range(len(D))]

@@ -181,9 +181,9 @@ def test_every_policy_routes_over_twin_slots_and_prefix_sets_follow_both(policy)
     assert list(p_hits) == [0, 6] and list(d_hits) == [0, 6]  # slots: [p0, m0] and [d0, m0]
     plan = r.route(RouteRequest("r", prompt_tokens=100, expected_output_tokens=60, block_hashes=blocks))
     assert isinstance(plan, RoutePlan)
-    if policy == "prefix":  # the whole prefix at m0, in both pools: it runs there, reusing it
+    if policy != "round_robin":  # the whole prefix at m0, in both pools: it runs there, reusing it
         assert pair(plan) == ("m0", "m0") and plan.pd.reason == "mixed_whole" and plan.decode_hit_blocks == 6
-    else:  # round robin's turn 0, and slo (no prefix credit: equal costs): the lowest slots, own-role workers
+    else:  # round robin's turn 0: the lowest slots, own-role workers
         assert pair(plan) == ("p0", "d0")
     r.complete("r")
     r.assert_no_leaks()

@@ -69,7 +69,7 @@ def test_disaggregated_policies_match_reference(prefill, decode, request, use_pr
     snapshot = make_snapshot(prefill, decode)
     ctx = PolicyContext(COST, ttft_slo_s=1.0, tpot_slo_s=0.011)
     policy = prefix_aware if use_prefix else slo_aware
-    want = reference_cost_aware(snapshot, request, ctx, use_prefix)
+    want = reference_cost_aware(snapshot, request, ctx)
     assert same(policy(snapshot, request, ctx), want, snapshot, request)
 
 
@@ -79,5 +79,5 @@ def test_colocated_policies_match_reference(pool, request, use_prefix):
     snapshot = make_snapshot(pool, [], colocated=True)
     ctx = PolicyContext(COST, ttft_slo_s=1.0, tpot_slo_s=0.011)
     policy = prefix_aware if use_prefix else slo_aware
-    want = reference_cost_aware(snapshot, request, ctx, use_prefix)
+    want = reference_cost_aware(snapshot, request, ctx)
     assert same(policy(snapshot, request, ctx), want, snapshot, request)

@@ -19,19 +19,24 @@ for term (`test_the_planner_routes_each_request_as_the_served_router`), the whol
 where the facts fit a load report (`..._through_route`).
 
 What the planner now finds (pinned in `test_the_margin_routed_plan`):
-- long (1024-2048 prompts): disaggregate. The margin-routed 1P1D has 0.0941 req/s of goodput
+- long (1024-2048 prompts): disaggregate. The margin-routed 1P1D has 0.0965 req/s of goodput
   (always-disaggregate: 0.0965; 2 colocated replicas: 0.0325), the measured direction on the real
   server (scripts/pd_decision_study.sh: margin ~ always on long prompts). At the matched load its
-  router keeps 428 of 512 requests local, every one that finds D idle (B = 0: nothing to stall,
-  TTFT met), and hands off most that find B >= 1; at its goodput it keeps 15% local.
-- short (32-128 prompts): colocate. Margin-routed 1P1D 0.741 req/s (always 0.802, colocated 1.13):
-  the router keeps 60% local at that rate, the stall fitting the decodes' TPOT slack.
+  router keeps 400 of 512 requests local, every one that finds D idle (B = 0: nothing to stall,
+  TTFT met), and hands off those that find B >= 1 (each local chunk would be a gap of seconds
+  against a 214 ms per-token target); at its goodput it keeps 8% local.
+- short (32-128 prompts): colocate. Margin-routed 1P1D 0.782 req/s (always 0.802, colocated 1.13):
+  the router keeps 3% local at that rate: a local prefill's step is one inter-token gap past the
+  127 ms target for every running decode (the ledger's `gap_late_s`), which the decodes' mean-TPOT
+  slack would have absorbed.
 The median long request at the matched load is still kept local while the verdict is
 "disaggregate": the verdict chooses the deployment (1P1D with margin routing, which carries more
 load within the SLOs), the decision routes one request within it (D is idle at that load, so the
 prefill stays there). They no longer disagree: the deployment the verdict picks is the one whose
 router made that local decision (`test_long_prompts_stay_local_beside_an_idle_decode_worker`).
-The report's dT keeps the sign of the router's net margin at the same point.
+The report's dT (end-to-end latency, colocated against disaggregated) keeps the sign of the
+router's net margin at the long point; at the short point they differ by design: the report
+weighs end-to-end time, the router the running decodes' inter-token gaps.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ from pdserve.latency.load import latency_from_dict
 from pdserve.latency.profiled import ProfiledLatency
 from pdserve.model.default import resolve_model
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.ledger.margin import tpot_slack_s
-from pdserve.router.pd_decision import PdDecision, decide_pd
+from pdserve.ledger.margin import gap_late_s, tpot_slack_s
+from pdserve.router.pd_decision import PdDecision, PdFacts, decide_pd, local_steps_s
 from pdserve.router.router import Router
 from pdserve.search.margin_routing import RoutedDecision, served_pricing
 from pdserve.search.plan_report import plan_summary, plan_table
@@ -213,7 +218,10 @@ def test_one_profile_and_one_geometry_time_both_sides(plans, profile_path):
         assert cost.decode_step_s_per_seq == pytest.approx(1e-3 + 3e-5 * 512, abs=1e-15)  # 16.36 ms: 512 context each
         assert (pd.mode, pd.chunk_tokens, pd.stream_layers, pd.layerwise_min_tokens) == ("margin", 512, 12, 256)
         # the planner's decisions are priced by the same construction, to the bit
-        assert served_pricing(inputs.model, inputs.fixed_model.to_dict(), ENGINE.max_num_batched_tokens) == (cost, pd)
+        # (the served policy also carries the user's SLO targets; the planner passes its own per call)
+        assert (pd.ttft_slo_s, pd.tpot_slo_s) == study_slo_s(case)
+        planned = dataclasses.replace(pd, ttft_slo_s=None, tpot_slo_s=None)
+        assert served_pricing(inputs.model, inputs.fixed_model.to_dict(), ENGINE.max_num_batched_tokens) == (cost, planned)
 
 
 @pytest.mark.parametrize("name", ["long", "short"])
@@ -292,8 +300,8 @@ def test_the_margin_routed_plan(plans, always_plans, name):
     routed; the share kept local at that goodput and at the matched load (module docstring)."""
     margin, always = plans[name], always_plans[name]
     expected = {  # colocated, always, margin, local share at margin's goodput, local of 512 at the matched load
-        "long": (0.03245945230590531, 0.09648533857995086, 0.09407320511545209, 0.150390625, 428),
-        "short": (1.132860233360725, 0.8022912890410148, 0.7405765744993982, 0.599609375, 394),
+        "long": (0.03245945230590531, 0.09648533857995086, 0.09648533857995086, 0.080078125, 400),
+        "short": (1.132860233360725, 0.8022912890410148, 0.7817197175271425, 0.03125, 9),
     }[name]
     got = (margin.end_to_end["colocated"].rate, always.end_to_end["disaggregated"].rate,
            margin.end_to_end["disaggregated"].rate, margin.local_share,
@@ -311,7 +319,7 @@ def test_the_margin_routed_plan(plans, always_plans, name):
     assert plan_summary(always)["pd_decision"] == "always" and "every request handed off" in plan_table(plan_summary(always))
     if name == "long":  # every request that found D idle stayed there; B = 0 never disaggregates
         idle = [r for r in margin.routed if r.facts.delayed_batch == 0]
-        assert len(idle) == 399 and not any(r.decision.disaggregate for r in idle)
+        assert len(idle) == 400 and not any(r.decision.disaggregate for r in idle)
 
 
 def test_long_prompts_stay_local_beside_an_idle_decode_worker(plans, profile_path):
@@ -335,41 +343,48 @@ def test_long_prompts_stay_local_beside_an_idle_decode_worker(plans, profile_pat
     # the report's dT points the same way: at this load a request finishes sooner colocated
     assert plans["long"].net_margin_s < 0 and plans["long"].verdict.agrees is False
     # one running decode of ~1.6k-token context steps in 108.5 ms: 96 tokens x (214.2 - 108.5) ms = 10.1 s
-    # of TPOT slack absorb the 8.7 s stall (whole 512-token chunks beside it); two such decodes step in 157 ms,
-    # leaving 5.5 s of slack each: both late by 3.3 s
+    # of mean-TPOT slack would absorb the 8.7 s stall, but each of the three local chunks (1.865, 2.914,
+    # 3.962 s) is one inter-token gap past the 214.2 ms target: 8.742 - 3 x (214.2 - 108.5) ms late
     one = route_median_request(serving_router(profile_path, LONG), LONG, 1, pending)
-    assert not one.disaggregate and one.terms.interference_saved_s == 0.0
+    assert one.disaggregate and one.reason == "margin"
+    assert one.terms.interference_saved_s == pytest.approx(8.741664 - 3 * (0.21416 - 0.10852), abs=1e-9)
+    # two such decodes step in 157 ms: each gap 57.1 ms shorter past the target, for both
     two = route_median_request(serving_router(profile_path, LONG), LONG, 2, pending)
     running = cost.decode_step_at(2, LONG.median_prompt + int(LONG.mean_output) / 2)
     assert running == pytest.approx(0.06 + 2 * (1e-3 + 3e-5 * 1584), abs=1e-12)
     assert two.disaggregate and two.reason == "margin" and two.ttft_gate and two.tpot_gate
-    assert two.terms.interference_saved_s == pytest.approx(6.516288, abs=1e-9)
+    assert two.terms.interference_saved_s == pytest.approx(2 * (8.741664 - 3 * (0.21416 - running)), abs=1e-9)
 
 
-def test_short_prompts_stay_local_by_the_margin(plans, profile_path):
-    """The short agreement, term by term: the stall fits in the running decodes' TPOT slack."""
+def test_short_prompts_beside_five_decodes_are_handed_off_for_the_gaps(plans, profile_path):
+    """The short point, term by term: the stall fits the running decodes' mean-TPOT slack, but the
+    local prefill's step is one inter-token gap past the per-token target for each of them."""
     rate, batch, pending = operating_point(plans, SHORT)
     router = serving_router(profile_path, SHORT)
     cost, (ttft_slo, tpot_slo) = router.config.cost, study_slo_s(SHORT)
     decision = route_median_request(router, SHORT, batch, pending, rate)
-    assert batch == 5 and not decision.disaggregate and decision.reason == "margin"
-    assert decision.ttft_gate and decision.tpot_gate and decision.terms.interference_saved_s == 0.0
+    assert batch == 5 and decision.disaggregate and decision.reason == "margin"
+    assert decision.ttft_gate and decision.tpot_gate
     # D's step for 5 decodes of ~128-token context (the profile's form, not the 512 reference): 84.2 ms
     running = cost.decode_step_at(5, SHORT.median_prompt + int(SHORT.mean_output) / 2)
     assert running == pytest.approx(0.06 + 5 * (1e-3 + 3e-5 * 128), abs=1e-12)
     # slack: (126.8 - 84.2) ms x 96 tokens, shared by 1 + rate x 96 x 84.2 ms prefills: ~0.68 s > the
-    # 80-token prompt's 342 ms stall
+    # 80-token prompt's 342 ms stall: the mean-TPOT view alone would keep it local
     slack = tpot_slack_s(tpot_slo, running, int(SHORT.mean_output), rate)
     stall = float(cost.prefill_s(SHORT.median_prompt))
     assert stall == pytest.approx(0.342080, abs=1e-9) and slack > stall
-    assert decision.net_margin_s == pytest.approx(-(decision.terms.transfer_exposed_s + decision.terms.route_delta_s),
-                                                  abs=1e-12)
+    # the gap: D's step with the prompt beside the 5 decodes, past 126.8 ms, for each of the 5
+    facts = PdFacts(SHORT.median_prompt, SHORT.median_prompt, SHORT.median_prompt, 0, True, batch, pending, 0.0,
+                    decode_tokens=int(SHORT.mean_output))
+    parts = [step - running for step in local_steps_s(facts, router.config.pd, cost)]
+    assert decision.terms.interference_saved_s == pytest.approx(5 * gap_late_s(parts, running, tpot_slo), abs=1e-12)
+    assert decision.terms.interference_saved_s > decision.terms.transfer_exposed_s + decision.terms.route_delta_s
 
 
-@pytest.mark.parametrize("name", ["long", "short"])
-def test_the_router_agrees_with_the_report_s_net_margin(plans, profile_path, name):
-    """At the same operating point, the router's net margin and the report's dT have one sign."""
-    case = CASES[name]
-    rate, batch, pending = operating_point(plans, case)
-    decision = route_median_request(serving_router(profile_path, case), case, batch, pending, rate)
-    assert plans[name].net_margin_s < 0 and decision.net_margin_s < 0 and not decision.disaggregate
+def test_the_router_agrees_with_the_report_s_net_margin_at_the_long_point(plans, profile_path):
+    """At the long operating point (D idle), the router's net margin and the report's dT have one
+    sign; at the short point the report's end-to-end dT and the router's gap charge differ by design
+    (`test_short_prompts_beside_five_decodes_are_handed_off_for_the_gaps`)."""
+    rate, batch, pending = operating_point(plans, LONG)
+    decision = route_median_request(serving_router(profile_path, LONG), LONG, batch, pending, rate)
+    assert plans["long"].net_margin_s < 0 and decision.net_margin_s < 0 and not decision.disaggregate

@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.latency.profiled import ProfiledLatency
-from pdserve.ledger.margin import MarginTerms, net_margin_s, should_enable_pd, tpot_slack_s
+from pdserve.ledger.margin import (
+    DecodeBudget,
+    MarginTerms,
+    budget_slack_s,
+    gap_late_s,
+    net_margin_s,
+    should_enable_pd,
+    tpot_slack_s,
+)
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
@@ -88,17 +96,47 @@ def test_a_gate_vetoes_only_a_target_the_local_route_would_meet():
     assert decide_pd(FACTS, MARGIN, COST, 2.0, 0.025).tpot_gate
 
 
-def test_a_long_decode_absorbs_a_stall_within_its_slack_shared_by_the_prefills_of_its_life():
-    # 100-token decodes have (100 - 28) ms x 100 = 7.2 s of TPOT slack; a 4,096-token local prefill
-    # (eight 512-token chunks beside the decode rows, 4.4 s) stalls each by 4.176 s: within it
+def test_a_long_decode_s_mean_slack_does_not_hide_the_gaps_a_local_prefill_opens():
+    # 100-token decodes have (100 - 28) ms x 100 = 7.2 s of mean-TPOT slack, which a 4,096-token local
+    # prefill's 4.176 s stall (eight 512-token chunks beside the decode rows, 4.4 s) fits; but each of the
+    # eight mixed steps is one 550 ms inter-token gap, 450 ms past the 100 ms target: 3.6 s late per decode
     long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
                       "decode_tokens": 100})
     assert sum(local_steps_s(long, MARGIN, COST)) == pytest.approx(4.4, abs=1e-12)
-    assert margin_terms(long, MARGIN, COST, 10.0, 0.1).interference_saved_s == 0.0
-    # at 1 request/s, 1 + 1 x 2.8 s = 3.8 prefills share a decode's life: 1.895 s each, 2.291 s late
+    assert gap_late_s([0.522] * 8, 0.028, 0.1) == pytest.approx(3.6, abs=1e-12)
+    assert margin_terms(long, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * 3.6, abs=1e-9)
+    assert decide_pd(long, MARGIN, COST, 10.0, 0.1).disaggregate
+    # at 1 request/s, 1 + 1 x 2.8 s = 3.8 prefills share a decode's life: 1.895 s of slack each, 2.281 s
+    # late by the mean, still less than the gaps' 3.6 s
     busy = PdFacts(**{**vars(long), "arrival_rate_rps": 1.0})
     assert tpot_slack_s(0.1, 0.028, 100, 1.0) == pytest.approx(7.2 / 3.8, abs=1e-12)
-    assert margin_terms(busy, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.176 - 7.2 / 3.8), abs=1e-9)
+    assert margin_terms(busy, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * 3.6, abs=1e-9)
+    # a 1 s per-token target: no gap is late and the mean slack (97.2 s) absorbs the stall
+    assert margin_terms(long, MARGIN, COST, 10.0, 1.0).interference_saved_s == 0.0
+
+
+def test_each_running_decode_s_slack_is_its_own_remaining_budget():
+    # one of the 8 decodes has made 50 tokens in 48 s and has 2 left: 1 s x 51 gaps - 48 s - 2 x 28 ms
+    # = 2.944 s of slack against the 4.176 s stall; the 7 not yet reporting take the newcomer's 100
+    # tokens (97.2 s): only the one is late, by 1.232 s (gaps 550 ms within the 1 s target)
+    long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
+                      "decode_tokens": 100, "budgets": (DecodeBudget(50, 48.0, 2),)})
+    assert budget_slack_s(DecodeBudget(50, 48.0, 2), 1.0, 0.028, 0.0) == pytest.approx(2.944, abs=1e-12)
+    assert margin_terms(long, MARGIN, COST, 10.0, 1.0).interference_saved_s == pytest.approx(4.176 - 2.944, abs=1e-9)
+    # a decode about to start is exactly the old newcomer estimate
+    assert budget_slack_s(DecodeBudget(1, 0.0, 100), 0.1, 0.028, 1.0) == tpot_slack_s(0.1, 0.028, 100, 1.0)
+    # the newcomer's own max_tokens no longer sets the running decodes' slack: 4,096 tokens asked
+    greedy = PdFacts(**{**vars(long), "decode_tokens": 4096, "budgets": (DecodeBudget(50, 48.0, 2),) * 8})
+    assert margin_terms(greedy, MARGIN, COST, 10.0, 1.0).interference_saved_s == pytest.approx(8 * 1.232, abs=1e-9)
+
+
+def test_the_gap_is_the_batch_s_p90_itl_plus_the_prefill_part():
+    # D's measured p90 gap of 60 ms (over its 28 ms predicted step): a 522 ms chunk opens a 582 ms gap,
+    # 482 ms past 100 ms; a batch already past the target is charged only the prefill part
+    assert gap_late_s([0.522], 0.06, 0.1) == pytest.approx(0.482, abs=1e-12)
+    assert gap_late_s([0.522], 0.3, 0.1) == pytest.approx(0.522, abs=1e-12)
+    slow = PdFacts(**{**vars(FACTS), "itl_p90_s": 0.06})
+    assert margin_terms(slow, MARGIN, COST, 2.0, 0.1).interference_saved_s == pytest.approx(8 * 0.482, abs=1e-12)
 
 
 def test_pinned_modes_and_the_prompt_floor():
@@ -219,8 +257,8 @@ def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
     """The study's failure (README, P/D decision figure): three long prompts were handed off while
     D was busy; D's old decodes finished and it reported an idle batch, the three still prefilling
     at P or in transfer. A fourth long prompt kept local then stalled all three decodes."""
-    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST, pd=MARGIN,
-                                 ttft_slo_s=10.0, tpot_slo_s=0.03), clock=lambda: 0.0)
+    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST,
+                                 pd=PdPolicy("margin", ttft_slo_s=10.0, tpot_slo_s=0.03)), clock=lambda: 0.0)
     free = 1000
     for worker_id, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
         router.register(WorkerInfo(worker_id, "h0", role, 1, free, "m", "abi"))
@@ -239,10 +277,11 @@ def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
     router.arrivals.reset(0.0, 0.0)
     plan = router.route(RouteRequest("r3", prompt_tokens=1024, expected_output_tokens=100))
     # a local prefill: two whole 512-token chunks beside 3 decodes (23 + 522 ms each): each decode
-    # waits 1.044 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack
+    # waits 1.044 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack, and sees two 545 ms gaps,
+    # 515 ms each past the 30 ms target (the larger harm)
     assert not plan.colocated and plan.pd.disaggregate and plan.pd.delayed_batch == 3
-    assert plan.pd.terms.interference_saved_s == pytest.approx(3 * (1.044 - 0.7), abs=1e-12)
-    assert plan.pd.net_margin_s == pytest.approx(3 * (1.044 - 0.7) - 0.1034, abs=1e-12)
+    assert plan.pd.terms.interference_saved_s == pytest.approx(3 * 2 * 0.515, abs=1e-12)
+    assert plan.pd.net_margin_s == pytest.approx(3 * 2 * 0.515 - 0.1034, abs=1e-12)
     # the load report alone (the old input) saw nobody to stall and kept the prompt local
     blind = PdFacts(1024, 1024, 1024, 102_400, True, 0, 0, 0.0, decode_tokens=100)
     old = decide_pd(blind, MARGIN, COST, 10.0, 0.03)
@@ -264,9 +303,10 @@ def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
     landed = 0.074 + 0.0074
     decision = decide_pd(short, MARGIN, COST, ttft_slo_s=10.0, tpot_slo_s=0.04)
     own_late = (2.0 - landed) - 72 * (0.04 - 0.021)
+    gap = 0.021 + 0.074 - 0.04  # the one routed decode's gap beside the local prefill, past the 40 ms target
     assert decision.terms.route_delta_s == pytest.approx(-landed, abs=1e-12)  # not the whole -2 s
-    assert decision.terms.interference_saved_s == pytest.approx(-own_late, abs=1e-12)
-    assert decision.net_margin_s == pytest.approx(-own_late - 0.0074 + landed, abs=1e-12)
+    assert decision.terms.interference_saved_s == pytest.approx(gap - own_late, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(gap - own_late - 0.0074 + landed, abs=1e-12)
     assert not decision.disaggregate and decision.reason == "margin" and decision.ttft_gate
     # D's queue drained before the K/V lands (a long prompt's own prefill at P): nothing is met
     long = PdFacts(**{**vars(short), "prompt_tokens": 2500, "local_compute_tokens": 2500,
@@ -280,28 +320,29 @@ def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
 
 
 def test_the_slack_reads_d_s_measured_tpot_when_the_machine_runs_slower_than_its_profile():
-    # the 4,096-token prefill's 4.176 s stall fits 100 x (100 - 28) ms of slack by the profile; D's
-    # live requests measured at 70 ms per token leave 100 x 30 ms = 3 s: each of the 8 is 1.176 s late
+    # a 600 ms per-token target: the 550 ms gaps are within it, and the 4,096-token prefill's 4.176 s
+    # stall fits 100 x (600 - 28) ms of slack by the profile; D's live requests measured at 590 ms per
+    # token leave 100 x 10 ms = 1 s: each of the 8 is 3.176 s late
     long = PdFacts(**{**vars(FACTS), "prompt_tokens": 4096, "local_compute_tokens": 4096, "remote_compute_tokens": 4096,
                       "decode_tokens": 100})
-    slow = PdFacts(**{**vars(long), "measured_tpot_s": 0.07})
-    assert margin_terms(slow, MARGIN, COST, 10.0, 0.1).interference_saved_s == pytest.approx(8 * (4.176 - 3.0), abs=1e-9)
-    assert decide_pd(slow, MARGIN, COST, 10.0, 0.1).disaggregate and not decide_pd(long, MARGIN, COST, 10.0, 0.1).disaggregate
+    slow = PdFacts(**{**vars(long), "measured_tpot_s": 0.59})
+    assert margin_terms(slow, MARGIN, COST, 10.0, 0.6).interference_saved_s == pytest.approx(8 * (4.176 - 1.0), abs=1e-9)
+    assert decide_pd(slow, MARGIN, COST, 10.0, 0.6).disaggregate and not decide_pd(long, MARGIN, COST, 10.0, 0.6).disaggregate
     # a measurement below the profile's step changes nothing
     fast = PdFacts(**{**vars(long), "measured_tpot_s": 0.01})
-    assert margin_terms(fast, MARGIN, COST, 10.0, 0.1) == margin_terms(long, MARGIN, COST, 10.0, 0.1)
+    assert margin_terms(fast, MARGIN, COST, 10.0, 0.6) == margin_terms(long, MARGIN, COST, 10.0, 0.6)
 
 
 def test_the_router_passes_the_measured_tpot_of_the_chosen_decode_worker():
     router = make_router("margin")
-    router.config = RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST, pd=MARGIN,
-                                 ttft_slo_s=10.0, tpot_slo_s=0.1)
+    router.config = RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST,
+                                 pd=PdPolicy("margin", ttft_slo_s=10.0, tpot_slo_s=0.5))
     router.report_load("d0", 1, WorkerLoad(0, 8, 100))
     quiet = router.route(RouteRequest("quiet", prompt_tokens=400, expected_output_tokens=20))
-    router.note_measured_tpot("d0", 0.09)
+    router.note_measured_tpot("d0", 0.49)
     slow = router.route(RouteRequest("slow", prompt_tokens=400, expected_output_tokens=20))
-    # 400 tokens beside 8 (then 9) decodes stall each ~0.4 s: within 20 x (100 - 28) ms by the
-    # profile, beyond 20 x (100 - 90) ms measured
+    # 400 tokens beside 8 (then 9) decodes stall each ~0.41 s in one gap within the 500 ms target:
+    # within 20 x (500 - 28) ms of slack by the profile, beyond 20 x (500 - 490) ms measured
     assert quiet.colocated and quiet.pd.terms.interference_saved_s == 0.0
     assert not slow.colocated and slow.pd.terms.interference_saved_s > 9 * (0.4 - 0.2)
     for request_id in ("quiet", "slow"):

@@ -74,7 +74,7 @@ def test_prefix_visible_at_decode_shrinks_the_transfer():
     # d1 already sees the prefix: 10 tokens cross host (0.1 s) beats 138 tokens (1.38 s) despite batch 3
     snapshot = pd([dict(host="h0")], [dict(host="h1"), dict(host="h1", batch=3, held=frozenset(DOC))])
     assert prefix_aware(snapshot, LONG, CTX) == Choice(0, 1, 0, 8)
-    assert slo_aware(snapshot, LONG, CTX) == Choice(0, 0, 0, 0)  # prefix-blind: sees no difference
+    assert slo_aware(snapshot, LONG, CTX) == Choice(0, 1, 0, 8)  # every policy reads the caches' hits
 
 
 def test_only_leading_blocks_count_as_a_hit():

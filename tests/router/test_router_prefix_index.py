@@ -107,9 +107,9 @@ def test_router_snapshots_match_reference_under_prefix_reports():
             pools = (snapshot.prefill,) if colocated else (snapshot.prefill, snapshot.decode)
             held_sets = [h for pool in pools for h in pool.members.held_prefixes]
             assert_matches_scan(snapshot.prefix, held_sets, list(request.block_hashes))
-            for name, use_prefix in (("prefix", True), ("slo", False)):
+            for name in ("prefix", "slo"):
                 got = POLICIES[name](snapshot, request, ctx)
-                want = reference_cost_aware(snapshot, request, ctx, use_prefix)
+                want = reference_cost_aware(snapshot, request, ctx)
                 if isinstance(want, Choice):
                     assert got == want and got.ttft_s == predicted_clocks(snapshot, request, got, ctx.cost)[0]
                 else:

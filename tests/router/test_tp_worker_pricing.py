@@ -29,7 +29,7 @@ PRICING = TpPricing(BASE, TpScaling(PhaseShares(0.0), PhaseShares(0.5), 1, num_l
 # TP 2: o = 8 x 1 ms + 2 ms = 10 ms a step, 8 x 1000 x 1 ns = 8 us a row; compute x 0.5 (prefill), x 0.75 (decode)
 P_FIXED2, P_ROW2 = 0.5 * 0.01 + 0.010, 0.5 * 1e-3 + 8e-6  # 15 ms, 0.508 ms a token
 D_FIXED2, D_ROW2 = 0.75 * 0.02 + 0.010, 0.75 * 1e-3 + 8e-6  # 25 ms, 0.758 ms a sequence
-MARGIN = PdPolicy(mode="margin")
+MARGIN = PdPolicy(mode="margin", ttft_slo_s=100.0, tpot_slo_s=100.0)  # the decision reads the targets the router admits by
 
 
 def _router(workers: dict[str, tuple[Role, int]], loads: dict[str, tuple[int, int]], pricing=PRICING, pd=MARGIN) -> Router:
