@@ -33,7 +33,7 @@ class DecodeSide:
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
                                         on_done=lambda tid, state: worker.events.put(("dest_done", (tid, state))),
-                                        verifier=worker.verifier)
+                                        verifier=worker.verifier, io_timeout_s=worker.config.handoff_io_timeout_s)
         self.requests: dict[str, m.ReserveKv] = {}  # request id -> its reservation order
         self.first: dict[str, m.StartDecode] = {}
         self.published: set[str] = set()

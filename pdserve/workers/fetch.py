@@ -128,6 +128,7 @@ class FetchSide:
         self.endpoint = DecodeEndpoint(worker.id, worker.epoch, self.engine.pool, self.blocks, self.engine.identity,
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host, verifier=worker.verifier,
+                                        io_timeout_s=worker.config.handoff_io_timeout_s,
                                         on_done=lambda tid, state: worker.events.put(("fetch_dest", (tid, state))))
         self.leases = LeaseTable(worker.config.lease_s)
         self.holder = FetchHolder(worker, self.leases, pin_prefix)

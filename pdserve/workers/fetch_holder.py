@@ -86,7 +86,8 @@ class FetchHolder:
         self.sources = holder_sources(self.engine)
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda fid, src, dt, phys: worker.events.put(("fetch_source", (fid, src, dt, phys))),
-                                    verifier=worker.verifier, sources=self.sources)
+                                    verifier=worker.verifier, sources=self.sources,
+                                    io_timeout_s=worker.config.handoff_io_timeout_s)
         self.pinned: dict[str, HolderPins] = {}  # fetch id -> pins (pinned, served or not)
         self.serving: set[str] = set()  # fetch ids whose sender runs
         self.ended: OrderedDict[str, None] = OrderedDict()  # aborted or served fetch ids, the most recent

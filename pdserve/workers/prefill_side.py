@@ -36,7 +36,7 @@ class PrefillSide:
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))),
                                     prefill_chunk_tokens=self.engine.config.max_num_batched_tokens,
-                                    verifier=worker.verifier)
+                                    verifier=worker.verifier, io_timeout_s=worker.config.handoff_io_timeout_s)
         self.plans: dict[str, m.Prefill] = {}
         self.started: dict[str, SourceTransfer] = {}
         self.prefill_end: dict[str, float] = {}

@@ -35,6 +35,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
 from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
+from pdserve.handoff.limits import DEFAULT_IO_TIMEOUT_S
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
@@ -68,6 +69,12 @@ class WorkerConfig:
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
     capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
     capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
+
+    @property
+    def handoff_io_timeout_s(self) -> float:
+        """Every blocking read or write on a handoff socket ends within this (handoff/limits.py):
+        a third of the lease, so a stalled transfer is reported well within it (at least 1 s)."""
+        return max(1.0, min(DEFAULT_IO_TIMEOUT_S, self.lease_s / 3))
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -237,7 +244,7 @@ class Worker:
                 return False
             if self.prefill is not None and (self.prefill.started or self.prefill.plans or self.engine.prefilled):
                 return False
-            if self.runahead is not None and self.runahead.links:
+            if self.runahead is not None and (self.runahead.links or self.runahead.draining):
                 return False
             return self.decode is None or (not self.decode.requests and not self.decode.decoding)
 
@@ -271,12 +278,23 @@ class Worker:
                 self.leases_reclaimed += 1
 
     def abort(self, request_id: str) -> None:
+        """Every abort trigger ends here (the router's Abort on a client disconnect, reroute or
+        recompute, an expired lease, a role change, a failed chain stage). One release path per
+        block: a destination's blocks go back through its endpoint once no granted write is open
+        (the engine's abort never frees an import), an admitted chain stage under a write waits
+        for `finish_abort`, and a source copy stays pinned while its transfer still runs."""
         self.leases.drop(request_id)
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)
-            if self.runahead:
-                self.runahead.abort(request_id)
+            if self.runahead and self.runahead.abort(request_id):
+                return  # RunaheadSide.poll calls finish_abort once the link is quiescent
+            self.finish_abort(request_id)
+
+    def finish_abort(self, request_id: str) -> None:
+        """The engine's part of an abort (under the lock): the sequence stops; a source copy a
+        transfer still reads stays pinned until that transfer's end releases it."""
+        with self.lock:
             transfer_running = self.prefill is not None and self.prefill.abort(request_id)
             self.engine.abort(request_id, keep_blocks=transfer_running)
 
