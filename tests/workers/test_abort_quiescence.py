@@ -2,7 +2,7 @@
 disconnect, reroute, recompute, lease expiry, role change) while a landing write is in flight.
 
 A source (this test, on a real TCP socket into the decode worker's real listener) sends a
-manifest and half of a chunk's payload, then stalls: the listener holds a landing grant on the
+manifest and the first bytes of a chunk's payload, then stalls: the listener holds a landing grant on the
 reservation's blocks. The router's Abort arrives. The blocks must not go back to the engine
 until the grant ended, so the next reservation cannot get them, and bytes that land late never
 reach another request's K/V: the next request decodes exactly what one engine computes.
@@ -30,6 +30,7 @@ ENGINE = EngineConfig(model="tiny", dtype="float32", num_blocks=6, max_num_batch
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPT_A = tuple((i * 7919 + 13) % 250 + 3 for i in range(64))
 PROMPT_B = tuple((i * 104729 + 7) % 250 + 3 for i in range(64))
+STALL_AFTER_BYTES = 16  # the source stops 16 bytes into chunk 0: every later byte of it lands late
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def _plan(at: m.Reserved, d0: Worker) -> m.TransferPlan:
 
 
 def _stall_mid_payload(p0: Worker, d0: Worker, at: m.Reserved) -> tuple[socket.socket, bytes]:
-    """Open a's link, send its manifest and half of chunk 0; returns the socket and the rest."""
+    """Open a's link, send its manifest and the first bytes of chunk 0; returns the socket and the rest."""
     manifest = p0.prefill.sender.manifest_for("a", PROMPT_A, _plan(at, d0), "default", "serialized")
     spec = manifest.chunks[0]
     header = encode_frame(ChunkFrame(at.transfer_id, manifest.fence, spec.chunk_id, spec.layer, spec.nbytes, 0))
@@ -73,8 +74,8 @@ def _stall_mid_payload(p0: Worker, d0: Worker, at: m.Reserved) -> tuple[socket.s
     sock = socket.create_connection(d0.decode.address)
     manifest_header = encode_frame(ManifestFrame(manifest))
     sock.sendall(b"T" + _LEN.pack(len(manifest_header)) + manifest_header + _LEN.pack(len(header)) + header
-                 + payload[: spec.nbytes // 2])
-    return sock, payload[spec.nbytes // 2:]
+                 + payload[: STALL_AFTER_BYTES])
+    return sock, payload[STALL_AFTER_BYTES:]
 
 
 def _run_b(p0: Worker, d0: Worker, sent, at_b: m.Reserved) -> None:
