@@ -287,15 +287,17 @@ class Worker:
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)
+            if self.prefill is not None:
+                self.prefill.abort(request_id)  # no transfer starts for it any more; a running one is cancelled
             if self.runahead and self.runahead.abort(request_id):
                 return  # RunaheadSide.poll calls finish_abort once the link is quiescent
             self.finish_abort(request_id)
 
     def finish_abort(self, request_id: str) -> None:
-        """The engine's part of an abort (under the lock): the sequence stops; a source copy a
-        transfer still reads stays pinned until that transfer's end releases it."""
+        """The engine's part of an abort (under the lock): the sequence stops; a source copy an
+        outgoing transfer still reads stays pinned until that transfer's end releases it."""
         with self.lock:
-            transfer_running = self.prefill is not None and self.prefill.abort(request_id)
+            transfer_running = self.prefill is not None and request_id in self.prefill.started
             self.engine.abort(request_id, keep_blocks=transfer_running)
 
     def drain_events(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.handoff.frames import ChunkFrame, ManifestFrame, encode_frame
+from pdserve.handoff.kvbytes import checksum_views
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.channels import _LEN
 from pdserve.workers import messages as m
@@ -127,3 +129,60 @@ def test_abort_under_an_open_landing_grant_frees_nothing_until_the_write_ends(wo
         w.engine.assert_no_leaks()
     d0.decode.endpoint.assert_no_leaks()
     d0.decode.blocks.assert_no_leaks()
+
+
+CHAIN = EngineConfig(model="tiny", dtype="float32", num_blocks=48, max_num_batched_tokens=64, num_threads=1)
+CHAIN_PROMPT = tuple((i * 7919 + 13) % 250 + 3 for i in range(128))
+SPLIT = 64  # the stage's prefix: 4 blocks, one chunk per layer
+
+
+def test_an_admitted_chain_stage_aborted_under_a_write_keeps_its_blocks_until_the_write_ends():
+    """A KV-Runahead stage is admitted once layer 0 of its prefix landed; the link then stalls in
+    layer 1's payload and the stage is aborted: the engine keeps the stage's sequence (and its
+    blocks) until the link is quiescent, then frees everything."""
+    torch.set_num_threads(1)
+    p0, p1 = (Worker(WorkerConfig(wid, "prefill", "tcp://127.0.0.1:9", engine=CHAIN)) for wid in ("p0", "p1"))
+    sent: list = []
+    p1.send = sent.append
+    try:
+        p1.handle(m.ReserveKv("r", "r/g1/ra1", 1, CHAIN_PROMPT, PARAMS, "p0", 1, chain_start=SPLIT))
+        at = [x for x in sent if isinstance(x, m.Reserved)][-1]
+        assert at.ok
+        link = m.TransferPlan(at.transfer_id, 1, m.FIRST_ATTEMPT, "default", "p1", 1, at.reservation_id, at.dest_blocks,
+                              at.num_visible_blocks, "tcp", p1.runahead.address)
+        onward = m.TransferPlan("r/g1", 1, m.FIRST_ATTEMPT, "default", "d0", 1, "r/g1/res", tuple(range(8)), 0, "tcp",
+                                ("127.0.0.1", 9))  # never reached: the stage never computes here
+        p1.handle(m.Prefill("r", CHAIN_PROMPT, PARAMS, 5, onward, 0, m.ChainStage(1, 2, SPLIT, at.transfer_id)))
+        manifest = p0.prefill.sender.manifest_for("r", CHAIN_PROMPT[:SPLIT], link, "default", "layerwise")
+        layer0 = [c for c in manifest.chunks if c.layer == 0]
+        layer1 = next(c for c in manifest.chunks if c.layer == 1)
+        first = encode_frame(ManifestFrame(manifest))
+        wire = b"T" + _LEN.pack(len(first)) + first
+        for spec in layer0:  # zero K/V with its true checksum: layer 0 lands and the stage is admitted
+            frame = encode_frame(ChunkFrame(at.transfer_id, manifest.fence, spec.chunk_id, 0, spec.nbytes,
+                                            checksum_views([np.zeros(spec.nbytes, np.uint8)])))
+            wire += _LEN.pack(len(frame)) + frame + bytes(spec.nbytes)
+        stalled = encode_frame(ChunkFrame(at.transfer_id, manifest.fence, layer1.chunk_id, 1, layer1.nbytes, 0))
+        sock = socket.create_connection(p1.runahead.address)
+        sock.sendall(wire + _LEN.pack(len(stalled)) + stalled + bytes(STALL_AFTER_BYTES))
+        txn = p1.runahead.endpoint.transfers[at.transfer_id]
+
+        def admitted_and_writing() -> bool:
+            p1.runahead.poll()
+            return p1.runahead.links.get("r") is not None and p1.runahead.links["r"].admitted and txn.writers == 1
+        _until(admitted_and_writing, "the stage was never admitted with layer 1 in flight")
+        held = list(p1.engine.kv_blocks("r"))
+
+        p1.handle(m.Abort("r"))
+        assert txn.state is TxnState.ABORTED
+        assert "r" in p1.engine.seqs and list(p1.engine.kv_blocks("r")) == held, "blocks freed under an open write"
+        sock.sendall(bytes(layer1.nbytes - STALL_AFTER_BYTES))  # the late bytes land in the stage's own blocks
+        sock.close()
+        _until(lambda: (p1.runahead.poll(), not p1.runahead.draining)[1], "the stage never finished its abort")
+        assert "r" not in p1.engine.seqs
+        p1.engine.check_integrity()
+        p1.engine.assert_no_leaks()
+        p1.runahead.assert_no_leaks()
+    finally:
+        for w in (p0, p1):
+            w.close()
