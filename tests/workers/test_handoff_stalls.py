@@ -28,7 +28,9 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 def _worker(wid: str, role: str) -> tuple[Worker, list]:
     torch.set_num_threads(1)
-    worker = Worker(WorkerConfig(wid, role, "tcp://127.0.0.1:9", engine=ENGINE, lease_s=LEASE_S))
+    # serialized transfers: all the K/V is ready when the link opens, so the stall comes at once
+    worker = Worker(WorkerConfig(wid, role, "tcp://127.0.0.1:9", engine=ENGINE, lease_s=LEASE_S,
+                                 layerwise_threshold_tokens=1 << 20))
     sent: list = []
     worker.send = sent.append
     return worker, sent
