@@ -67,7 +67,8 @@ def _send_ready(src: SourceTransfer, link: SenderLink, cancelled: Callable[[], b
     return sent
 
 
-def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str], cancelled: Callable[[], bool] = lambda: False) -> None:
+def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str],
+            cancelled: Callable[[], bool] = lambda: False) -> None:
     for chunk_id in chunk_ids:
         _check_cancel(src, cancelled)
         frame = src.resend_frame(chunk_id, resend=src.log.num_resends + 1)
