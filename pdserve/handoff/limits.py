@@ -39,6 +39,12 @@ def link_limits(abi: KvAbi, num_blocks: int, io_timeout_s: float | None = DEFAUL
     return LinkLimits(header, payload, io_timeout_s)
 
 
+def io_timeout_for_lease(lease_s: float) -> float:
+    """A worker's handoff socket timeout: a third of its K/V lease (so a stalled transfer is
+    reported well within it), at least 1 s and at most `DEFAULT_IO_TIMEOUT_S`."""
+    return max(1.0, min(DEFAULT_IO_TIMEOUT_S, lease_s / 3))
+
+
 # Links built without a pool in view (benches, tools): a generous bound that still refuses a
 # peer's 4 GiB header before allocating it.
 UNSIZED = LinkLimits(64 << 20, 1 << 40, None)

@@ -34,6 +34,7 @@ from pdserve.engine.prefix_import import admit_prefix, reserve_prefix
 from pdserve.handoff.destination import DestinationTransfer, ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffListener, prompt_digest
@@ -94,7 +95,7 @@ class RunaheadSide:
                                        trace=worker.trace, make_visible=self._on_landed)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
                                         on_done=lambda tid, state: worker.events.put(("chain_done", (tid, state))),
-                                        verifier=worker.verifier, io_timeout_s=worker.config.handoff_io_timeout_s)
+                                        verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.links: dict[str, Link] = {}  # request id -> its incoming link, until published or failed
         self.inner: set[str] = set()  # inner stages here: their first token stays on this worker
         self.num_failed = 0

@@ -35,7 +35,6 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
 from pdserve.handoff.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
-from pdserve.handoff.limits import DEFAULT_IO_TIMEOUT_S
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
@@ -69,12 +68,6 @@ class WorkerConfig:
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
     capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
     capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
-
-    @property
-    def handoff_io_timeout_s(self) -> float:
-        """Every blocking read or write on a handoff socket ends within this (handoff/limits.py):
-        a third of the lease, so a stalled transfer is reported well within it (at least 1 s)."""
-        return max(1.0, min(DEFAULT_IO_TIMEOUT_S, self.lease_s / 3))
 
 
 def pin_threads(config: WorkerConfig) -> None:

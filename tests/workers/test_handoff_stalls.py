@@ -1,7 +1,7 @@
 """A peer that stops in the middle of a payload over TCP (what SIGSTOP of the other worker looks
 like on the wire: the connection stays open and no byte moves), against real worker objects and
 their own sender and listener threads. Each side ends the transfer with a report within the
-lease (the socket timeout is a third of it: WorkerConfig.handoff_io_timeout_s), and its blocks,
+lease (the socket timeout is a third of it: handoff/limits.py io_timeout_for_lease), and its blocks,
 credits and sender slots come back without anyone's help.
 """
 

@@ -49,7 +49,7 @@ class HostNode(Node):
         self.events: queue.Queue = queue.Queue()
         self.sent: list = []
         self.trace, self.verifier = TraceSink(), Verifier(bytes.fromhex(issuer.public_key_hex))
-        self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=lease_s, handoff_io_timeout_s=10.0)
+        self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=lease_s)
         self.fetch = FetchSide(self)
         self.engine.external_tables = self.fetch.tables
         self.sources: list = []

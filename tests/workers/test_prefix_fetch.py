@@ -44,7 +44,7 @@ class Node:
         self.events: queue.Queue = queue.Queue()
         self.sent: list = []
         self.trace, self.verifier = TraceSink(), None
-        self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=30.0, handoff_io_timeout_s=10.0)
+        self.config = SimpleNamespace(handoff_host="127.0.0.1", lease_s=30.0)
         self.fetch = FetchSide(self)
         self.engine.external_tables = self.fetch.tables
 
