@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.cli_argv = list(sys.argv[1:] if argv is None else argv)  # what was typed (serve --config: typed flags win)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

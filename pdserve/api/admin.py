@@ -12,7 +12,9 @@ the OpenAI error body, and the token is never logged). The backend must run a ro
 
 Answers: 200 with the operation's record; 400 for a malformed body; 409 when another admin
 operation runs or the release state does not allow the move (e.g. enabling on a colocated
-cluster, rolling back twice); 503 when a worker did not complete its role change in time.
+cluster, rolling back twice); 503 when a worker did not complete its role change in time, or
+when the rollback's RECLAIM_UNPUBLISHED step found staging or an unpublished transfer still
+held (the release stays ROLLING_BACK; posting the rollback again runs it from the top).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.api.errors import ApiError
 from pdserve.api.openapi_doc import errors
-from pdserve.router.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController
+from pdserve.router.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController, RollbackIncomplete
 from pdserve.router.role_control import RoleChangeFailed
 
 
@@ -50,6 +52,8 @@ async def _run(operation):
         raise ApiError(409, str(exc), type="conflict_error", code="illegal_release_transition") from None
     except RoleChangeFailed as exc:
         raise ApiError(503, str(exc), type="service_unavailable_error", code="role_change_failed") from None
+    except RollbackIncomplete as exc:
+        raise ApiError(503, str(exc), type="service_unavailable_error", code="rollback_incomplete") from None
 
 
 def install_admin_routes(app: FastAPI, backend, token: str) -> None:

@@ -35,7 +35,7 @@ from pdserve.api.choices import Choices
 from pdserve.api.logprob_format import TokenNames
 from pdserve.api.protocol import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ParsedRequest, ServedModel, parse_chat,
-    parse_completion,
+    parse_completion, with_scripted_eos,
 )
 from pdserve.api.relay import EventStreamResponse, collect, sse_events
 from pdserve.api.responses import ChatFormat, ResponseFormat
@@ -66,13 +66,13 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
 
     @app.post("/v1/completions", responses=errors(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        parsed = parse_completion(body, served_model(backend, max_logprobs))
+        parsed = with_scripted_eos(parse_completion(body, served_model(backend, max_logprobs)), request.headers)
         parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
         return await generate(backend, request, parsed, new_format(ResponseFormat, "cmpl", backend, parsed))
 
     @app.post("/v1/chat/completions", responses=errors(400, 401, 404, 429, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        parsed = parse_chat(body, served_model(backend, max_logprobs))
+        parsed = with_scripted_eos(parse_chat(body, served_model(backend, max_logprobs)), request.headers)
         parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
 

@@ -1,9 +1,12 @@
-"""`pdserve chaos`: steady load over HTTP while workers are killed with kill -9, then a tally.
+"""`pdserve chaos`: steady load over HTTP while workers are killed with kill -9 or stopped with
+SIGSTOP, then a tally.
 
 Contract: `run_chaos(config, spec)` serves `config` on a free local port, sends seeded streaming
 requests at `spec.rate` req/s (at most `spec.max_in_flight` open) for `spec.duration_s`, and every
-`spec.kill_every_s` kills a random live worker (SIGKILL, no warning). Each request ends in
-exactly one class:
+`spec.kill_every_s` strikes a random live worker with the next fault of `spec.faults` in turn:
+"kill" (SIGKILL, no warning) or "stop" (SIGSTOP, and SIGCONT `spec.stop_s` later: past the
+router's heartbeat timeout the worker is retired, ended and restarted; within it, it resumes).
+Each request ends in exactly one class:
   completed    the stream delivered max_tokens tokens and [DONE];
   error        an explicit end: an HTTP error status, an error event in the stream, or a
                finish short of max_tokens that says why (finish_reason "abort");
@@ -11,14 +14,18 @@ exactly one class:
   cut          the stream ended without its length and without saying why.
 After the load it waits for every worker to be back (supervision) and idle, then reports leaked
 blocks (a worker whose pool is not all free, or fails its integrity check), router holds still
-open, restarts, and whether every killed worker came back under a newer epoch.
+open, restarts, workers FAILED by the crash-loop limit, and whether every killed worker (and every
+one stopped past the heartbeat timeout) came back under a newer epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +36,7 @@ from pdserve.bench.sse import sse_lines
 from pdserve.ports import free_local_port
 
 CLASSES = ("completed", "error", "hung", "cut")
+FAULTS = ("kill", "stop")
 
 
 @dataclass(frozen=True)
@@ -44,17 +52,22 @@ class ChaosSpec:
     hang_s: float = 60.0
     settle_s: float = 180.0  # after the load: how long workers may take to be back and idle
     seed: int = 0
+    faults: tuple[str, ...] = ("kill", "stop")  # struck in turn, one every kill_every_s
+    stop_s: float = 15.0  # a stopped worker gets SIGCONT this much later
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.kill_every_s <= 0 or self.rate <= 0 or self.max_in_flight < 1:
             raise ValueError("duration, kill interval and rate must be > 0, max_in_flight >= 1")
+        if not self.faults or set(self.faults) - set(FAULTS) or self.stop_s <= 0:
+            raise ValueError(f"faults must be some of {FAULTS} and stop_s > 0, got {self.faults}, {self.stop_s}")
 
 
 @dataclass
 class Tally:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     errors: dict[str, int] = field(default_factory=dict)
-    kills: list[tuple[float, str]] = field(default_factory=list)
+    kills: list[tuple[float, str]] = field(default_factory=list)  # kill -9
+    stops: list[tuple[float, str]] = field(default_factory=list)  # SIGSTOP, SIGCONT stop_s later
 
     def add(self, kind: str, detail: str | None = None) -> None:
         self.counts[kind] += 1
@@ -134,27 +147,55 @@ async def _load(url: str, spec: ChaosSpec, vocab: int, model: str, tally: Tally)
 
 
 async def _killer(backend, launcher, spec: ChaosSpec, tally: Tally, t0: float) -> None:
-    """A kill every `kill_every_s` while requests still arrive; none while the last ones drain."""
+    """A fault every `kill_every_s` while requests still arrive; none while the last ones drain."""
     rng = random.Random(spec.seed + 1)
-    while time.monotonic() + spec.kill_every_s < t0 + spec.duration_s:
-        await asyncio.sleep(spec.kill_every_s)
-        live = sorted(w.id for w in backend.workers())
-        if live:
-            victim = rng.choice(live)
-            launcher.kill(victim)
-            tally.kills.append((round(time.monotonic() - t0, 1), victim))
+    resumes, n = [], 0
+    try:
+        while time.monotonic() + spec.kill_every_s < t0 + spec.duration_s:
+            await asyncio.sleep(spec.kill_every_s)
+            live = sorted(w.id for w in backend.workers() if w.state != "failed")
+            if not live:
+                continue
+            victim, fault = rng.choice(live), spec.faults[n % len(spec.faults)]
+            n += 1
+            at = round(time.monotonic() - t0, 1)
+            if fault == "kill":
+                launcher.kill(victim)
+                tally.kills.append((at, victim))
+            else:
+                pid = launcher.pid(victim)
+                os.kill(pid, signal.SIGSTOP)
+                tally.stops.append((at, victim))
+                resumes.append(asyncio.create_task(_resume(pid, spec.stop_s)))
+        await asyncio.gather(*resumes)
+    finally:
+        for task in resumes:
+            task.cancel()
+
+
+async def _resume(pid: int, after_s: float) -> None:
+    """SIGCONT a stopped worker (if the supervisor has not ended it meanwhile), also when cancelled."""
+    try:
+        await asyncio.sleep(after_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 async def _settle(backend, killed: set[str], first_epoch: dict[str, int], timeout_s: float) -> dict:
+    """Wait until every worker in `killed` is back under a newer epoch and every pool is idle
+    (a FAILED worker has no pool: it is reported, and counts as not replaced)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        views = {w.id: w for w in backend.workers()}
-        back = all(w in views and views[w].epoch > first_epoch[w] for w in killed)
+        rows = backend.workers()
+        failed = sorted(w.id for w in rows if w.state == "failed")
+        views = {w.id: w for w in rows if w.state != "failed"}
+        back = not failed and all(w in views and views[w].epoch > first_epoch[w] for w in killed)
         idle = [v for v in views.values() if v.load and v.load["num_running"] == 0 and v.load["reserved_blocks"] == 0
                 and v.load["free_blocks"] == v.load["num_blocks"] and v.load["integrity_ok"]]
         if (back and len(idle) == len(first_epoch) and not backend.live) or time.monotonic() > deadline:
             leaked = {wid: v.load for wid, v in views.items() if v not in idle}
-            return {"all_replaced": back, "workers_back": len(views), "leaked_workers": leaked,
+            return {"all_replaced": back, "workers_back": len(views), "leaked_workers": leaked, "failed_workers": failed,
                     "epochs": {wid: v.epoch for wid, v in sorted(views.items())}, "requests_still_live": len(backend.live)}
         await asyncio.sleep(0.2)
 
@@ -176,16 +217,18 @@ async def run_chaos(config: ServeConfig, spec: ChaosSpec) -> dict:
         t0 = time.monotonic()
         killer = asyncio.create_task(_killer(backend, launcher, spec, tally, t0))
         await _load(f"http://127.0.0.1:{port}/v1/completions", spec, vocab, model, tally)
-        killer.cancel()
-        settled = await _settle(backend, {v for _, v in tally.kills}, first_epoch, spec.settle_s)
+        await killer  # strikes ended before the last requests; this waits out the last SIGCONT
+        hung_past_timeout = spec.stop_s > config.heartbeat_timeout_s  # retired, ended and restarted
+        replaced = {v for _, v in tally.kills} | ({v for _, v in tally.stops} if hung_past_timeout else set())
+        settled = await _settle(backend, replaced, first_epoch, spec.settle_s)
         holds_ok = _router_clean(backend)
         server.should_exit = True
         await serving
         restarts = launcher.num_restarts
     total = sum(tally.counts.values())
     return {"requests": total, **tally.counts, "completed_ratio": tally.counts["completed"] / total if total else 0.0,
-            "kills": len(tally.kills), "restarts": restarts, "router_holds_clean": holds_ok, **settled,
-            "kill_log": tally.kills, "error_kinds": dict(sorted(tally.errors.items(), key=lambda kv: -kv[1])[:8]),
+            "kills": len(tally.kills), "stops": len(tally.stops), "restarts": restarts, "router_holds_clean": holds_ok,
+            **settled, "kill_log": tally.kills, "stop_log": tally.stops, "stop_s": spec.stop_s, "error_kinds": dict(sorted(tally.errors.items(), key=lambda kv: -kv[1])[:8]),
             "duration_s": spec.duration_s, "kill_every_s": spec.kill_every_s, "rate": spec.rate}
 
 

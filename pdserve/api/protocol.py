@@ -6,14 +6,15 @@ then check what types cannot (served model name, unsupported features, prompt le
 `ParsedRequest`: prompt token ids plus engine `SamplingParams`. Every failure is an `ApiError`
 (400, or 404 for an unknown model) naming the offending parameter.
 
-Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `scripted_eos_tokens` (for
-benchmarks: the output ends with reason "stop" after that many tokens, as if the model had emitted
-EOS there; `max_tokens` stays the bound every reservation uses), `return_token_ids` (each
+Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
 choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_generation_prompt`
 (default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
 400 when set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and
 frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
 Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0.
+Benchmark hook, outside the OpenAI body: the header `x-pdserve-scripted-eos-tokens: N`
+(`with_scripted_eos`) ends the output with reason "stop" after N tokens, as if the model had
+emitted EOS there; `max_tokens` stays the bound every reservation uses.
 
 Logprobs (values: log_softmax of the raw logits, engine/logprobs.py): completions `logprobs: k`,
 chat `logprobs: true` with `top_logprobs: k`; k above the server's `max_logprobs` (serve
@@ -67,7 +68,6 @@ class _CommonRequest(StrictBody):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    scripted_eos_tokens: Annotated[int, Field(ge=1)] | None = None  # benchmarks: a stand-in EOS (engine/sequence.py)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -151,6 +151,19 @@ class ParsedRequest:
     def to_generation(self, request_id: str) -> GenerationRequest:
         return GenerationRequest(request_id=request_id, prompt_ids=self.prompt_ids, params=self.params,
                                  tenant=self.params.tenant)
+
+
+SCRIPTED_EOS_HEADER = "x-pdserve-scripted-eos-tokens"  # the benchmark's stand-in EOS (engine/sequence.py)
+
+
+def with_scripted_eos(parsed: ParsedRequest, headers) -> ParsedRequest:
+    """`parsed` ending after the header's N tokens, when the request carries SCRIPTED_EOS_HEADER."""
+    value = headers.get(SCRIPTED_EOS_HEADER)
+    if value is None:
+        return parsed
+    if not value.strip().isdigit() or int(value) < 1:
+        raise bad_request(f"{SCRIPTED_EOS_HEADER} must be a positive integer, got {value!r}", param=SCRIPTED_EOS_HEADER)
+    return replace(parsed, params=replace(parsed.params, scripted_eos_tokens=int(value)))
 
 
 # ---- entry points -------------------------------------------------------------------------
@@ -331,7 +344,6 @@ def _sampling_params(body: _CommonRequest, max_tokens: int | None, logprobs: int
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
-        scripted_eos_tokens=body.scripted_eos_tokens,
         logprobs=logprobs,
         n=body.n or 1,
     )

@@ -5,9 +5,11 @@ defaults from here). `cluster(config)` is an async context manager that starts t
 (local processes, or Ray actors with `ray=True`), waits until all registered, yields the
 `ClusterBackend` (with the start-up heap frozen, see heap.py), and on exit shuts every worker
 down. While it runs, a supervisor task starts every dead worker again under its next epoch, on
-the backoff of `config.restart` (`--no-restart` turns it off); the router learns of the death
-through `launcher.dead` and of the new incarnation when it registers. `serve(config)` runs
-uvicorn on top.
+the backoff of `config.restart` (`--no-restart` turns it off; past its crash-loop limit a worker
+is FAILED and stays down); the router learns of the death through `launcher.dead` and of the new
+incarnation when it registers. A worker the router retires for missed heartbeats (hung, e.g.
+SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one.
+`serve(config)` runs uvicorn on top.
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
 """
@@ -73,6 +75,8 @@ class ServeConfig:
     startup_timeout_s: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # dead workers start again (supervisor.py)
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long is retired, ended and restarted (hung)
+    max_reroutes: int = 2  # a request moved this many times to another worker ends with `max_reroutes` instead
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # shorter prompts prefill on their decode worker, before the margin
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
@@ -92,6 +96,9 @@ class ServeConfig:
             raise ValueError(f"--kv-index-max-entries must be >= 1, got {self.kv_index_max_entries}")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
+        if not self.heartbeat_timeout_s >= 1.0 or self.max_reroutes < 0:
+            raise ValueError(f"--heartbeat-timeout-s must be >= 1 and --max-reroutes >= 0, got "
+                             f"{self.heartbeat_timeout_s}, {self.max_reroutes}")
         PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
         if self.num_mixed and self.mode != "splitwise":
             raise ValueError(f"--mixed {self.num_mixed} goes with --mode splitwise (Splitwise's mixed pool)")
@@ -141,7 +148,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     return Router(RouterConfig(mode, checkpoint_hash(model_dir), abi.abi_hash, policy=config.policy,
                                decode_choice=config.decode_choice,
                                cost=cost, pricing=pricing, ttft_slo_s=config.slo_ttft_s, tpot_slo_s=config.slo_tpot_s,
-                               heartbeat_interval_s=0.5, missed_heartbeats=20, pd=pd,
+                               heartbeat_interval_s=0.5, missed_heartbeats=round(config.heartbeat_timeout_s / 0.5), pd=pd,
                                kv_index_max_entries=config.kv_index_max_entries, kv_sharing=config.kv_sharing))
 
 
@@ -164,6 +171,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
                                          backend.router.config.pricing, config.pd_profile, backend.metrics.registry)
     backend.on_role_changed = launcher.note_role
     backend.on_key_rotated = launcher.note_key
+    backend.on_worker_registered, backend.on_worker_hung = launcher.note_registered, launcher.retire_hung
+    backend.failed_workers, backend.max_reroutes = launcher.failed, config.max_reroutes
     backend.tetri = TetriRuntime(backend, reserve)
     backend.start()
     try:
@@ -230,6 +239,22 @@ class _Launcher:
             for wid, epoch in self.schedule.due(self.clock()):
                 await loop.run_in_executor(None, self.impl.restart, wid, epoch)
                 self.schedule.mark_restarted(wid, epoch, self.clock())
+
+    def note_registered(self, worker_id: str, epoch: int) -> None:
+        """An incarnation registered: healthy from now (a long registration resets the backoff)."""
+        self.schedule.on_registered(worker_id, epoch, self.clock())
+
+    def retire_hung(self, worker_id: str, epoch: int, grace_s: float = 1.0) -> None:
+        """The router retired the worker's `epoch` for missed heartbeats: end its process off the
+        event loop (SIGKILL after `grace_s`); `dead()` then reports it and the schedule restarts it.
+        Only the incarnation running that epoch is ended (a restarted one is not the hung one)."""
+        life = self.schedule.lives.get(worker_id)
+        if self.impl is not None and life is not None and life.epoch == epoch and life.due_s is None:
+            asyncio.get_running_loop().run_in_executor(None, self.impl.stop_hung, worker_id, grace_s)
+
+    def failed(self) -> list[str]:
+        """Workers past the crash-loop limit (supervisor.py): not started again."""
+        return self.schedule.failed()
 
     def note_key(self, public_key_hex: str, key_epoch: int) -> None:
         """The router revoked its capability key: restarts carry the new one."""

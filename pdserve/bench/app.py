@@ -9,9 +9,10 @@ rate if none passed), and `sweep` lists every measured rate.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, replace
 
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.client import EndpointConfig, scripted_eos_ignored
 from pdserve.bench.goodput import GoodputResult, SearchPlan, next_rate_any, result
 from pdserve.bench.metrics import Attainment, Slo, attainment, select_window, summarize
 from pdserve.bench.records import RequestRecord
@@ -63,6 +64,12 @@ def measure_rate(config: BenchConfig, workload: Workload, rate: float | None, la
     summary = {**window_fields(window, len(requests)), **summarize(window.measured, config.slo)}
     summary["offered_rate"] = rate if rate is not None else workload.native_rate
     summary["max_send_lag_ms"] = result_.max_send_lag_s * 1e3
+    if config.endpoint.max_tokens is not None:  # pdserve's scripted EOS header: did the server honour it?
+        summary["scripted_eos_ignored"] = ignored = scripted_eos_ignored(result_.records, requests)
+        if ignored:
+            print(f"pdserve bench: the server ignored the scripted end of sequence on {ignored} of {len(requests)} "
+                  f"requests (it ran them to --max-tokens {config.endpoint.max_tokens}): output lengths differ from "
+                  "the workload's", file=sys.stderr)
     att = attainment(window.measured, config.slo)
     return RateRun(rate, result_.records, window.measured, summary, att)
 

@@ -18,6 +18,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from pdserve.api.protocol import SCRIPTED_EOS_HEADER  # the server side of the hook
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.sse import StreamEvent, parse_sse_line
 from pdserve.bench.transport import Transport, make_transport
@@ -49,8 +50,8 @@ def request_body(request: BenchRequest, endpoint: EndpointConfig) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if endpoint.max_tokens is not None:  # the bound the server reserves for; the trace's length ends it
-        body["max_tokens"], body["scripted_eos_tokens"] = endpoint.max_tokens, request.output_tokens
+    if endpoint.max_tokens is not None:  # the bound the server reserves for; the trace's length ends it (header)
+        body["max_tokens"] = endpoint.max_tokens
     if endpoint.ignore_eos:
         body["ignore_eos"] = True
     if endpoint.api == "chat":
@@ -59,6 +60,21 @@ def request_body(request: BenchRequest, endpoint: EndpointConfig) -> dict:
         prompt = request.prompt
         body["prompt"] = list(prompt) if isinstance(prompt, tuple) else prompt
     return body
+
+
+def request_headers(request: BenchRequest, endpoint: EndpointConfig, request_id: str) -> dict[str, str]:
+    """The request's headers: its id, and with `max_tokens` pdserve's scripted end of sequence at
+    the request's own length (a header, outside the OpenAI body: another server ignores it, and
+    `scripted_eos_ignored` then counts the requests that ran past it)."""
+    headers = {"x-request-id": request_id}
+    if endpoint.max_tokens is not None:
+        headers[SCRIPTED_EOS_HEADER] = str(request.output_tokens)
+    return headers
+
+
+def scripted_eos_ignored(records, requests) -> int:
+    """Successful requests that streamed more tokens than their scripted end: the server ignored it."""
+    return sum(r.success and r.output_tokens > q.output_tokens for r, q in zip(records, requests))
 
 
 def make_transport_for(endpoint: EndpointConfig) -> Transport:
@@ -125,7 +141,7 @@ async def send_request(
 ) -> RequestRecord:
     """Send `request`, read its stream to the end, and time it (bounded by the request timeout)."""
     body = request_body(request, endpoint)
-    headers = {"x-request-id": str(request.request_id)}
+    headers = request_headers(request, endpoint, str(request.request_id))
     timer = StreamTimer(time.perf_counter())
     try:
         async with asyncio.timeout(endpoint.request_timeout_s):

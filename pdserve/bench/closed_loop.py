@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.client import API_PATHS, EndpointConfig, StreamTimer, classify_error, make_transport_for, request_body
+from pdserve.bench.client import (API_PATHS, EndpointConfig, StreamTimer, classify_error, make_transport_for, request_body,
+                                  request_headers)
 from pdserve.bench.metrics import percentile
 from pdserve.bench.prompts import PromptStyle, text_for_tokens
 from pdserve.bench.records import RequestRecord
@@ -87,7 +88,7 @@ async def _conversation(transport, endpoint, config, conv: int, prompt: str, fol
 async def _send(transport, request: BenchRequest, endpoint: EndpointConfig, run_start_s: float) -> tuple[RequestRecord, str]:
     """One streamed turn: its record and the answer text as streamed."""
     timer, text = StreamTimer(time.perf_counter()), []
-    headers = {"x-request-id": f"c{request.conversation_id}t{request.turn}"}
+    headers = request_headers(request, endpoint, f"c{request.conversation_id}t{request.turn}")
     try:
         async with asyncio.timeout(endpoint.request_timeout_s):
             async with transport.post_lines(API_PATHS["completions"], request_body(request, endpoint), headers) as response:

@@ -1,9 +1,11 @@
-"""`pdserve chaos`: kill -9 random workers under steady load and count how every request ended.
+"""`pdserve chaos`: kill -9 and SIGSTOP random workers under steady load and count how every
+request ended.
 
 Prints one JSON object: requests completed / ended with an explicit error / hung / silently cut,
-kills and restarts, whether every killed worker came back under a newer epoch, and the pools or
+kills, stops and restarts, whether every killed worker (and every one stopped past the heartbeat
+timeout) came back under a newer epoch, workers FAILED by the crash-loop limit, and the pools or
 router holds left unreleased (see pdserve/api/chaos.py). Exit status 1 when any request hung or
-was cut, anything leaked, or a killed worker did not come back.
+was cut, anything leaked, or a struck worker did not come back.
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ from pdserve.commands.serve import add_cluster_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("chaos", help="kill -9 random workers under steady load; report how every request ended")
+    p = subparsers.add_parser("chaos", help="kill -9 and SIGSTOP random workers under steady load; report how every "
+                                            "request ended")
     add_cluster_args(p)
     p.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
-    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
+    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between faults")
+    p.add_argument("--faults", default="kill,stop",
+                   help="faults struck in turn: kill (kill -9), stop (SIGSTOP, SIGCONT --stop-s later)")
+    p.add_argument("--stop-s", type=float, default=15.0,
+                   help="how long a stopped worker stays stopped (past --heartbeat-timeout-s it is replaced)")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     p.add_argument("--max-in-flight", type=int, default=16)
     p.add_argument("--hang-s", type=float, default=60.0, help="a stream silent this long counts as hung")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run, pd_decision="always")  # kills land mid-handoff too: every request takes it
+    # kills land mid-handoff too: every request takes it; the soak's own strikes are not a crash loop,
+    # so a worker struck often within the window is not FAILED unless --max-crashes asks for it
+    p.set_defaults(func=run, pd_decision="always", max_crashes=100)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         config = serve_config(args, port=0)
         config.shape()
         spec = ChaosSpec(duration_s=args.minutes * 60, kill_every_s=args.kill_every, rate=args.rate,
-                         max_in_flight=args.max_in_flight, hang_s=args.hang_s, seed=args.seed)
+                         max_in_flight=args.max_in_flight, hang_s=args.hang_s, seed=args.seed,
+                         faults=tuple(f for f in args.faults.split(",") if f), stop_s=args.stop_s)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

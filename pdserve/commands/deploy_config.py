@@ -2,7 +2,8 @@
 `pdserve serve --config FILE` runs it, and command-line flags given explicitly override it.
 
 Contract: one JSON object, `{"pdserve_serve_config": 1, ...}` with these keys (all optional but
-the version): mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, mixed (splitwise
+the version): model (a built-in name or a checkpoint directory: what the plan was made for),
+dtype and compute_dtype (the engine's), mode ("disaggregated" | "colocated" | "splitwise"), prefill, decode, mixed (splitwise
 only), replicas (worker counts), max_num_batched_tokens (the chunk budget), max_num_seqs (batch limit), policy,
 pd_decision, reserve ("static" | "dynamic": then `predictor` names the
 predictor file, or `--predictor` gives it), predictor, prefill_runahead (0 or 1: off; K >= 2: a
@@ -11,18 +12,21 @@ prefill_pp, decode_tp, decode_pp, tp, pp (1): the TP sizes become `--prefill-tp`
 and `--tp` (workers of N ranks, workers/tp_rank.py; the model's heads must split N ways, checked
 when a worker starts). `check_runnable` refuses what this runtime cannot
 run, naming what is missing (pipeline parallelism, a runahead chain longer than the prefill pool); `apply(args, config, explicit)` sets every argparse destination the file names unless
-the user set that flag (a value other than its default).
+the user typed that flag, whatever its value (`explicit_flags` re-reads the command line with
+every default suppressed: `--prefill 1` typed wins over the file's 2 although 1 is the default).
+`source.undecided` lists what the plan left to the server's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
 VERSION_KEY = "pdserve_serve_config"
 # file key -> argparse destination of `pdserve serve`
-ARG_OF = {"mode": "mode", "prefill": "prefill", "decode": "decode", "mixed": "mixed", "replicas": "replicas",
+ARG_OF = {"model": "model", "dtype": "dtype", "compute_dtype": "compute_dtype", "mode": "mode", "prefill": "prefill", "decode": "decode", "mixed": "mixed", "replicas": "replicas",
           "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs", "policy": "policy",
           "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice",
           "prefill_runahead": "prefill_runahead", "prefill_tp": "prefill_tp", "decode_tp": "decode_tp", "tp": "tp"}
@@ -63,9 +67,25 @@ def check_runnable(config: dict) -> None:
         raise ConfigError("this runtime cannot run the configuration: " + "; ".join(missing))
 
 
-def explicit_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
-    """The destinations whose value differs from the parser's default: flags the user set."""
-    return {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
+def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags typed in `argv` (the subcommand's own arguments), whatever
+    their values: `argv` parsed again by a copy of `parser` whose every default is suppressed."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    probe._defaults = {}
+    typed, _ = probe.parse_known_args(argv)
+    return set(vars(typed))
+
+
+def check_model(config: dict, explicit: set[str]) -> None:
+    """Refuse a file whose model this machine cannot load, unless `--model` was typed."""
+    from pdserve.model.default import DEFAULT_SPECS
+    model = config.get("model")
+    if model is None or "model" in explicit or model in DEFAULT_SPECS or Path(model).expanduser().is_dir():
+        return
+    raise ConfigError(f"the configuration is for model {model!r}, which has no checkpoint here (built-in: "
+                      f"{', '.join(DEFAULT_SPECS)}, or a checkpoint directory): give --model to serve another")
 
 
 def apply(args: argparse.Namespace, config: dict, explicit: set[str]) -> argparse.Namespace:

@@ -24,6 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=EngineConfig.dtype)
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="activation/matmul dtype (default: --dtype)")
+    p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
+                   help="where weights, the K/V pool and activations live (cuda: the Triton kernels of model/gpu/)")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="let products pick the library's fastest kernel per batch size (on cuda: cuBLAS)")
+    p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=run)
@@ -37,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.model.numerics import BatchInvarianceError
 
     try:
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype))
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                                     device=args.device, batch_invariant=not args.no_batch_invariant,
+                                     enforce_eager=args.enforce_eager))
         prompt_ids = _prompt_ids(args, engine)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

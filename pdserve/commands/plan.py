@@ -117,17 +117,25 @@ def plan_inputs(args: argparse.Namespace):
     )
 
 
-def serve_config_of(result) -> dict:
-    """The deployment the plan chose, as a serve configuration (commands/deploy_config.py)."""
+# what a plan does not decide: the server's defaults apply (listed in the file's source.undecided)
+UNDECIDED = ("policy", "reserve", "prefill_runahead", "compute_dtype")
+
+
+def serve_config_of(result, model: str) -> dict:
+    """The deployment the plan chose, as a serve configuration (commands/deploy_config.py):
+    `model` is what the plan was made for (the plan's --model)."""
     inputs = result.inputs
-    common = {"max_num_seqs": inputs.max_seqs, "policy": "jsq", "reserve": "static", "prefill_runahead": 0,
-              "source": {"decision": result.decision, "gpus": inputs.gpus, "latency_model": inputs.latency_label}}
+    common = {"model": model, "dtype": "bfloat16" if inputs.model.geometry.dtype_bytes == 2 else "float32",
+              "max_num_seqs": inputs.max_seqs,
+              "source": {"decision": result.decision, "gpus": inputs.gpus, "latency_model": inputs.latency_label,
+                         "undecided": list(UNDECIDED)}}
     if result.decision == "colocate" and result.colocated is not None:
         colo = result.colocated
         return {"mode": "colocated", "replicas": colo.replicas, "tp": colo.score.par.tp, "pp": colo.score.par.pp,
                 "max_num_batched_tokens": colo.score.chunk_tokens or None, **common}
     dis = result.disaggregated
     return {"mode": "disaggregated", "prefill": dis.n_prefill, "decode": dis.n_decode, "pd_decision": result.pd_decision,
+            "max_num_batched_tokens": inputs.pd_chunk_tokens,  # the step budget the decision was priced with
             "prefill_tp": dis.prefill.par.tp, "prefill_pp": dis.prefill.par.pp, "decode_tp": dis.decode.par.tp,
             "decode_pp": dis.decode.par.pp, **common}
 
@@ -160,7 +168,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.emit_config:
         from pdserve.commands import deploy_config
 
-        deploy_config.write(args.emit_config, serve_config_of(result))
+        deploy_config.write(args.emit_config, serve_config_of(result, args.model))
     if args.validate:
         summary["validation"] = _validate(args, result, summary)
     print(json.dumps(summary) if args.json else plan_table(summary))

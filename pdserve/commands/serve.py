@@ -34,6 +34,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="let fp32 products pick MKL's fastest kernel per batch size (faster small-batch decode; "
                         "a request's tokens may then depend on its batch mates)")
+    p.add_argument("--device", default=EngineConfig.device, metavar="cpu|cuda[:N]",
+                   help="where every worker's weights, K/V pool and activations live; cuda runs the Triton kernels "
+                        "(model/gpu/) and, for now, --mode colocated only (the GPU handoff is not built yet)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU: run decode steps eagerly instead of replaying CUDA graphs (engine/cuda_graphs.py)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="K/V pool per worker (MiB)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -106,6 +111,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="the most top logprobs a request may ask for (completions logprobs, chat top_logprobs); more is a 400")
     p.add_argument("--no-restart", action="store_true",
                    help="do not start a dead worker again (default: restart under a new epoch, backoff 0.5 s doubling to 8 s)")
+    p.add_argument("--max-crashes", type=int, default=5, metavar="N",
+                   help="a worker that dies N times within --crash-window-s is marked FAILED (/workers, metrics) "
+                        "and not started again")
+    p.add_argument("--crash-window-s", type=float, default=120.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                   help="a worker silent this long (hung, e.g. SIGSTOP) is retired, ended (SIGKILL after a grace) "
+                        "and restarted under its next epoch")
+    p.add_argument("--max-reroutes", type=int, default=2, metavar="K",
+                   help="a request whose route broke is moved to another worker at most K times, then ends with "
+                        "the explicit error max_reroutes")
 
 
 def _split(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -138,11 +153,15 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,
         batch_invariant=not args.no_batch_invariant, block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        device=getattr(args, "device", EngineConfig.device), enforce_eager=getattr(args, "enforce_eager", False),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
     )
+    if engine.device != "cpu" and args.mode != "colocated":
+        raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "
+                         "(CUDA IPC, or TCP through pinned host staging) is not built yet")
     return ServeConfig(
         mode=args.mode, **dict(zip(("num_prefill", "num_decode", "num_mixed"), _split(args))), replicas=args.replicas,
         engine=engine,
@@ -153,7 +172,10 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         threads_per_worker=args.threads_per_worker, pin_cpus=not args.no_pin_cpus, trace_dir=args.trace_dir,
         layerwise_threshold_tokens=args.layerwise_threshold, transport=args.transport, ray=args.ray,
         ray_address=args.address, ray_pack_pairs=args.ray_pack_pairs,
-        restart=RestartPolicy(enabled=not args.no_restart), lease_s=args.lease_s,
+        restart=RestartPolicy(enabled=not args.no_restart, max_crashes=getattr(args, "max_crashes", 5),
+                              crash_window_s=getattr(args, "crash_window_s", 120.0)),
+        lease_s=args.lease_s, heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 10.0),
+        max_reroutes=getattr(args, "max_reroutes", 2),
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
@@ -171,7 +193,11 @@ def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
     from pdserve.commands import deploy_config
 
     file_config = deploy_config.load(args.config)
-    return deploy_config.apply(args, file_config, deploy_config.explicit_flags(args.serve_parser, args))
+    argv = getattr(args, "cli_argv", None)
+    argv = argv[1:] if argv is not None else sys.argv[2:]  # the subcommand's own arguments
+    explicit = deploy_config.explicit_flags(args.serve_parser, argv)
+    deploy_config.check_model(file_config, explicit)
+    return deploy_config.apply(args, file_config, explicit)
 
 
 def length_buckets(text: str) -> tuple[int, ...]:

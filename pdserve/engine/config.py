@@ -26,4 +26,6 @@ class EngineConfig:
     prompt_priority: PromptPriority | None = None  # Splitwise mixed-machine rule (prompt_priority.py); None = off
     prefill_length_buckets: tuple[int, ...] = ()  # bucketed prefill admission (prefill_buckets.py); () = off
     tp: int = 1  # tensor-parallel ranks: this process and tp - 1 followers (engine/tp_group.py)
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N": weights, K/V pool and activations (model/gpu/ on CUDA)
+    enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/cuda_graphs.py)
     tp_cores: tuple[int, ...] = ()  # rank r is pinned to tp_cores[r % len]; () = no pinning (1 thread each)

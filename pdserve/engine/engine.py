@@ -48,6 +48,27 @@ from pdserve.model.loader import checkpoint_hash, load_state_dict
 from pdserve.model.tokenizer import load_tokenizer
 
 
+def check_device(config: EngineConfig) -> None:
+    """Refuse, naming the reason, a device this engine cannot run on or a feature it has not there."""
+    if config.device == "cpu":
+        return
+    if not config.device.startswith("cuda"):
+        raise ValueError(f"unknown device {config.device!r}: 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device}: this torch sees no CUDA device")
+    from pdserve.model import gpu
+    if not gpu.triton_present():
+        raise ValueError(f"--device {config.device} needs Triton (the GPU attention and invariant kernels)")
+    for name, unsupported in (("tensor parallelism (tp > 1)", config.tp > 1), ("a host K/V tier", config.host_kv_bytes > 0)):
+        if unsupported:
+            raise ValueError(f"--device {config.device} does not support {name} yet")
+
+
+def device_report(device: str) -> dict[str, str]:
+    """The GPU's name in reports and /workers (nothing on the CPU)."""
+    return {} if device == "cpu" else {"device": f"{device} ({torch.cuda.get_device_name(torch.device(device))})"}
+
+
 def new_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
@@ -57,6 +78,7 @@ class Engine(HandoffSide):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        check_device(config)
         self.model_dir = resolve_model(config.model)
         self.model_config = load_config(self.model_dir)
         dtype = TORCH_DTYPES[config.dtype]
@@ -65,15 +87,16 @@ class Engine(HandoffSide):
         mc = self.model_config
         self.abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
-        self.pool = KvPool(self.abi, num_blocks, shm_name=config.kv_shm_name or tp_group.private_pool_name(config.tp),
+        shm_name = None if config.device != "cpu" else config.kv_shm_name or tp_group.private_pool_name(config.tp)
+        self.pool = KvPool(self.abi, num_blocks, shm_name=shm_name, device=config.device,
                            prefault=True)  # no page faults inside prefills' K/V writes (kv_pool.py)
         if config.tp == 1:
-            self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant)
+            self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant, config.device)
         else:  # rank 0 of a tensor-parallel group; followers run the other shards (tp_group.py)
             self.model = tp_group.start_engine_group(config, self.model_dir, state, self.pool)
             self.pool.tp = config.tp
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.numerics = {**cpu_report(), "compute_dtype": str(compute).removeprefix("torch."),
+        self.numerics = {**cpu_report(), **device_report(config.device), "compute_dtype": str(compute).removeprefix("torch."),
                          "products": self.model.products.describe()}  # `cpu` in reports and /workers
         self.identity = CacheIdentity(
             model_hash=checkpoint_hash(self.model_dir),
@@ -89,7 +112,7 @@ class Engine(HandoffSide):
                                 config.prompt_priority,
                                 config.prefill_length_buckets)
         self.scheduler = Scheduler(self.blocks, sched)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self._decode_graphs())
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.stops = StopChecker(self.tokenizer, frozenset(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
@@ -100,6 +123,13 @@ class Engine(HandoffSide):
         self.step_log: StepLog | None = None  # when set, every step that ran is recorded (step_log.py)
         # block tables held outside the engine's requests (a worker's prefix fetches pin blocks)
         self.external_tables: Callable[[], list[list[int]]] = list
+
+    def _decode_graphs(self):
+        """CUDA graphs for decode-only steps on a GPU (engine/cuda_graphs.py); None on the CPU or eager."""
+        if self.config.device == "cpu" or self.config.enforce_eager:
+            return None
+        from pdserve.engine.cuda_graphs import DecodeGraphs
+        return DecodeGraphs(self.model, self.pool, self.config.max_num_seqs, -(-self.max_model_len // self.abi.block_size))
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

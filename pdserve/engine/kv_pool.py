@@ -12,6 +12,10 @@ otherwise each 4 KiB page faults on its first write, inside a prefill's K/V writ
 ~30 ms of CPU per fresh 512-token prefill of the 107M checkpoint on a KVM guest where a fault
 costs ~20 us (docs/engine_speed.md §8); `MAP_POPULATE` maps 512 MiB in ~0.25 s of CPU.
 
+A pool on a CUDA device (`device="cuda[:N]"`) is one device allocation, zeroed; it has no shared
+segment and no raw host view, and its chunk I/O stages through host memory (the TCP handoff and
+host copies read and write bytes there).
+
 Chunk I/O works on raw bytes so transports never need to know torch dtypes: a chunk is the
 K and V slabs of one layer for a list of blocks, serialized as [2, len(blocks), B, H_kv, D].
 """
@@ -36,9 +40,10 @@ class KvPool:
     """Paged K/V storage for `num_blocks` blocks of `abi` geometry."""
 
     def __init__(self, abi: KvAbi, num_blocks: int, shm_name: str | None = None, create: bool = True,
-                 prefault: bool = False):
+                 prefault: bool = False, device: str = "cpu"):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.device = torch.device(device)
         self.abi = abi
         self.num_blocks = num_blocks
         self.tp = 1  # tensor-parallel ranks sharing this pool, each over its K/V heads (engine/tp_group.py)
@@ -48,6 +53,16 @@ class KvPool:
         self._owned = create
         view_dtype = NUMPY_VIEW_DTYPES[abi.dtype]
         self._mapping: mmap.mmap | None = None
+        self.scratch_slot: int | None = None
+        if self.device.type != "cpu":
+            if shm_name is not None:
+                raise ValueError("a K/V pool on a GPU cannot live in a POSIX shared-memory segment")
+            self._raw = None  # type: ignore[assignment]
+            # one block past the last is the scratch block: padding rows of a replayed decode graph write there
+            full = self.shape[:2] + (num_blocks + 1,) + self.shape[3:]
+            self.tensor = torch.zeros(full, dtype=TORCH_DTYPES[abi.dtype], device=self.device)
+            self.scratch_slot = num_blocks * abi.block_size
+            return
         if shm_name is None and prefault and hasattr(mmap, "MAP_POPULATE"):
             self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                                       | mmap.MAP_POPULATE)  # zeroed pages, all mapped now
@@ -74,23 +89,38 @@ class KvPool:
 
     def read_chunk(self, layer: int, block_ids: list[int]) -> bytes:
         """K and V of `layer` for `block_ids`, as bytes shaped [2, len(block_ids), B, H, D]."""
+        if self._raw is None:  # a GPU pool: gather on the device, one copy to the host
+            return self._host_view(self.tensor[layer][:, block_ids]).tobytes()
         return self._raw[layer][:, block_ids].tobytes()
+
+    def _host_view(self, t: torch.Tensor) -> np.ndarray:
+        return t.contiguous().cpu().view(torch.uint8).numpy().view(NUMPY_VIEW_DTYPES[self.abi.dtype])
 
     def read_chunk_into(self, layer: int, block_ids: list[int], out: memoryview) -> None:
         """Same bytes as `read_chunk`, written into a caller's buffer without an extra copy."""
+        if self._raw is None:
+            out[:] = memoryview(self.read_chunk(layer, block_ids)).cast("B")
+            return
         dst = np.frombuffer(out, dtype=self._raw.dtype).reshape((2, len(block_ids)) + self.shape[3:])
         np.take(self._raw[layer], block_ids, axis=1, out=dst)
 
     def write_chunk(self, layer: int, block_ids: list[int], data: bytes | memoryview) -> None:
         """Inverse of `read_chunk`: place a chunk's bytes into `block_ids` of `layer`."""
-        src = np.frombuffer(data, dtype=self._raw.dtype)
+        src = np.frombuffer(data, dtype=NUMPY_VIEW_DTYPES[self.abi.dtype])
         expected = 2 * len(block_ids) * self.abi.slab_elems
         if src.size != expected:
             raise ValueError(f"chunk holds {src.size} scalars, expected {expected} for {len(block_ids)} blocks")
+        if self._raw is None:
+            staged = torch.from_numpy(src.copy()).view(self.tensor.dtype).reshape((2, len(block_ids)) + self.shape[3:])
+            self.tensor[layer][:, block_ids] = staged.to(self.device)
+            return
         self._raw[layer][:, block_ids] = src.reshape((2, len(block_ids)) + self.shape[3:])
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy whole blocks (all layers, K and V) inside this pool."""
+        if self._raw is None:
+            self.tensor[:, :, dst_ids] = self.tensor[:, :, src_ids]
+            return
         self._raw[:, :, dst_ids] = self._raw[:, :, src_ids]
 
     def close(self, unlink: bool = False) -> None:

@@ -17,7 +17,7 @@ applies results after the model returns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -150,15 +150,41 @@ def _decode_group(seqs: list[Sequence], ctx: list[int], rows: list[int], width: 
     return DecodeGroup(torch.tensor(rows, dtype=torch.int64), tables, key_mask[:, None, None, :])
 
 
+def to_device(batch: StepBatch, device: torch.device) -> StepBatch:
+    """The step's tensors on a CUDA device, with the tile map its attention kernel reads
+    (model/gpu/attention.py: every row, decode or prefill, in one launch per layer)."""
+    from pdserve.model.gpu.attention import tile_map
+    meta = batch.meta
+    decode = meta.decode
+    tables = decode.block_tables.tolist() if decode is not None else []
+    lens = decode.context_lens.tolist() if decode is not None else []
+    chunks = [(c.block_table.tolist(), c.q_start, c.q_len, c.ctx_len) for c in meta.prefills]
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    meta = replace(meta, slot_mapping=move(meta.slot_mapping), tiles=tile_map(tables, lens, chunks, device))
+    return replace(batch, token_ids=move(batch.token_ids), positions=move(batch.positions), meta=meta,
+                   logits_rows=move(batch.logits_rows))
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KvPool):
+    def __init__(self, model: LlamaModel, pool: KvPool, graphs=None):
+        """`graphs`: an engine/cuda_graphs.DecodeGraphs replaying decode-only steps (GPU), or None."""
         self.model = model
         self.pool = pool
-        self.padded_groups = not paged_decode.eligible(pool.tensor[0, 0])  # [N, B, H_kv, D]
+        self.graphs = graphs
+        self.device = pool.tensor.device
+        # the CPU's padded decode groups are for the gather + SDPA fallback; a GPU pool is read in place
+        self.padded_groups = self.device.type == "cpu" and not paged_decode.eligible(pool.tensor[0, 0])  # [N, B, H_kv, D]
 
     def run(self, plan: StepPlan, layer_hook: Callable[[int], None] | None = None) -> tuple[StepBatch, torch.Tensor]:
-        """-> (batch, logits [R, V] fp32)."""
+        """-> (batch, logits [R, V] fp32, on the pool's device)."""
         batch = build_batch(plan, self.pool.abi.block_size, self.model.dtype, self.padded_groups)
+        if self.graphs is not None and self.graphs.takes(batch):
+            logits = self.graphs.run(batch)
+            for layer in range(len(self.model.layers)) if layer_hook is not None else ():
+                layer_hook(layer)  # every layer's K/V rows are in the pool once the replay is done
+            return batch, logits
+        if self.device.type != "cpu":
+            batch = to_device(batch, self.device)
         logits = self.model.forward(
             batch.token_ids, batch.positions, batch.meta, self.pool.tensor, batch.logits_rows, layer_hook
         )

@@ -54,7 +54,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, seed: int, index: i
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    gen = torch.Generator().manual_seed(position_seed(seed, index))
+    gen = torch.Generator(device=logits.device).manual_seed(position_seed(seed, index))  # the same seed, device: the same draw
     race = torch.empty_like(probs).exponential_(generator=gen)
     return int(torch.argmax(probs / race))
 

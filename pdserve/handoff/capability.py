@@ -8,12 +8,14 @@ Contract:
     blocks it may write (`regions`), a byte bound, an expiry (Unix seconds), a single-use
     nonce and, for a prefix fetch, the source blocks it may read: `src_slots`, (segment, slot)
     pairs in transfer order, segment i being the shared-memory segment `src_segments[i]` (the
-    holder's device pool, then its host tier; advertised at registration). Empty: the source's
+    holder's device pool, then its host tier; advertised at registration), and the route epoch
+    it was issued under (a rollback advances it). Empty `src_slots`: the source's
     blocks are not bound here (a prefill -> decode handoff; the source grants them in-band). It is signed with Ed25519 by the router (`sign`); a token is `signature || claims`
     (64 bytes, then msgpack as an array), a few hundred bytes.
   * `Verifier` holds only the issuer's public key and key epoch. `verify(token, expect)` returns
     the claims or raises `HandoffError` with a `capability_*` reason, in this order: present and
     well formed, signature by the current key (an older key epoch reads `capability_revoked`),
+    issued under the current route epoch or a later one (older: `capability_stale_route`),
     unexpired with a lifetime within `max_ttl_s`, every equality field equal to `expect`,
     `expect.regions` a subset of the allowed regions, 0 < `expect.nbytes` <= the bound, the
     source blocks (when the checker knows them: the holder, from its own pins) exactly the
@@ -21,7 +23,8 @@ Contract:
     learns the source blocks only from frames (the pull destination) enforces `src_slots` per
     read instead (transports/pull.py). The caller runs it before any memory is touched.
   * Revocation: `Verifier.install(public_key, key_epoch)` moves to a new key (a bumped epoch);
-    every capability signed under an older key is refused from then on. Keys are never logged
+    every capability signed under an older key is refused from then on. `advance_route(epoch)`
+    retires every route epoch below `epoch` (the rollback's ADVANCE_ROUTE_EPOCH). Keys are never logged
     or printed: no repr here shows one.
 Pure apart from the clock (injectable) and the replay cache's lock; the router's side, which
 owns the private key, is router/capabilities.py.
@@ -68,6 +71,7 @@ class Claims(msgspec.Struct, frozen=True, array_like=True):
     nonce: bytes
     src_segments: tuple[str, ...] = ()  # shared-memory segments the source blocks live in
     src_slots: tuple[tuple[int, int], ...] = ()  # (segment index, slot) of each source block; () unbound
+    route_epoch: int = 1  # the router's route epoch at issue; the owner refuses one a rollback retired
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class Verifier:
         self.replay = replay if replay is not None else ReplayCache()
         self._key: Ed25519PublicKey | None = None
         self.key_epoch = 0
+        self.route_epoch = 1  # capabilities of an older route epoch are refused
         self.install(public_key, key_epoch)
 
     def __repr__(self) -> str:
@@ -200,6 +205,10 @@ class Verifier:
             raise ValueError(f"key epoch {key_epoch} does not advance {self.key_epoch}")
         self._key = Ed25519PublicKey.from_public_bytes(public_key)
         self.key_epoch = key_epoch
+
+    def advance_route(self, route_epoch: int) -> None:
+        """The router retired every route epoch below `route_epoch` (never moves back)."""
+        self.route_epoch = max(self.route_epoch, route_epoch)
 
     def verify(self, token: bytes | None, expect: Expectation) -> Claims:
         if not token:
@@ -215,6 +224,8 @@ class Verifier:
             raise _deny(RejectReason.CAPABILITY_FORGED, "signature is not the issuer's") from None
         if claims.key_epoch != self.key_epoch:
             raise _deny(RejectReason.CAPABILITY_REVOKED, f"key epoch {claims.key_epoch} != {self.key_epoch}")
+        if claims.route_epoch < self.route_epoch:
+            raise _deny(RejectReason.CAPABILITY_STALE_ROUTE, f"route epoch {claims.route_epoch} < {self.route_epoch}")
         now = self.clock()
         check_claims(claims, expect, now, self.max_ttl_s)
         self.replay.claim(claims.nonce, claims.expires_at, now)

@@ -65,6 +65,7 @@ class RejectReason(str, Enum):
     CAPABILITY_MALFORMED = "capability_malformed"
     CAPABILITY_FORGED = "capability_forged"
     CAPABILITY_REVOKED = "capability_revoked"
+    CAPABILITY_STALE_ROUTE = "capability_stale_route"  # issued under a route epoch a rollback retired
     CAPABILITY_EXPIRED = "capability_expired"
     CAPABILITY_MISMATCH = "capability_mismatch"
     CAPABILITY_REGION = "capability_region"

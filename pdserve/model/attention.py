@@ -12,6 +12,8 @@ prefix-cache hits and imported (handed-off) blocks are all read the same way.
   expanded), a causal mask offset by the tokens already in cache.
 - The pool may hold a narrower dtype than the compute dtype (bf16 K/V, fp32 math): gathered
   K/V are widened after the gather, so every reader sees the same rounded values.
+- On a CUDA device every row, decode or prefill, goes through one Triton kernel reading the
+  pool in place (model/gpu/attention.py) over the step's `tiles`, built by the runner.
 - Decode rows: read in place from the pool by `paged_decode` (a C kernel walking each row's
   block table, fp32 softmax, batch-invariant by construction) when it is built on this machine;
   otherwise the G = H_q / H_kv query heads that share a K/V head are treated as G query rows of
@@ -63,6 +65,7 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block * B + offset for each new row
     decode: DecodeBatch | None
     prefills: tuple[PrefillSlice, ...]
+    tiles: object | None = None  # model/gpu/attention.TileMap on a CUDA pool (every row in one kernel)
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -79,6 +82,9 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttnMetadata
 ) -> torch.Tensor:
     """q: [T, H_q, D]; k, v: [T, H_kv, D] (this step's rows, already in the pool) -> [T, H_q, D]."""
+    if meta.tiles is not None:
+        from pdserve.model.gpu.attention import paged_attention as gpu_paged_attention
+        return gpu_paged_attention(q, cache_k, cache_v, meta.tiles)
     if not meta.prefills and meta.decode is not None and meta.decode.num_rows == q.shape[0]:
         return _decode_attention(q, cache_k, cache_v, meta.decode)  # a decode-only step: no copy
     out = torch.empty_like(q)

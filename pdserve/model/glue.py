@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from pdserve.model import ckernel, paged_decode
+from pdserve.model import ckernel, gpu, paged_decode
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -52,7 +52,8 @@ def _threads(rows: int, width: int) -> int:
 
 
 def _fits(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype in (torch.float32, torch.bfloat16) and t.is_contiguous() for t in tensors) and available()
+    return all(t.dtype in (torch.float32, torch.bfloat16) and t.is_contiguous() and t.device.type == "cpu"
+               for t in tensors) and available()
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,6 +68,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if delta is not None:
         delta = delta.contiguous()  # a tiled product's output may be a strided view
     parts = (x, weight) if delta is None else (x, delta, weight)
+    if x.dim() == 2 and gpu.serves(x) and x.is_contiguous():  # one Triton program per row (model/gpu/norm.py)
+        from pdserve.model.gpu.norm import add_rms_norm as gpu_add_rms_norm
+        return gpu_add_rms_norm(x, delta, weight, eps)
     if x.dim() != 2 or not _fits(*parts) or len({t.dtype for t in parts}) != 1:
         if delta is not None:
             x.add_(delta)

@@ -88,16 +88,19 @@ class LlamaModel:
     """Weights plus the forward pass. Holds no K/V: the caller passes the pool per step."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None = None, batch_invariant: bool = True):
+                 compute_dtype: torch.dtype | None = None, batch_invariant: bool = True, device: str = "cpu"):
         """`dtype`: storage (weights are rounded to it, the K/V pool holds it); `compute_dtype`:
-        what activations and matmuls use (defaults to `dtype`); `batch_invariant`: see numerics."""
+        what activations and matmuls use (defaults to `dtype`); `batch_invariant`: see numerics;
+        `device`: where weights and activations live ("cpu" or "cuda[:N]")."""
         self.config = config
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads  # this rank's (model/tp.py)
         self.storage_dtype = dtype
         self.dtype = compute_dtype or dtype
-        state = {name: t.to(dtype) for name, t in state.items()}  # round once to the storage dtype
-        self.products = choose_plan(self.dtype, batch_invariant, _product_shapes(state))
-        self.skinny = skinny.eligible(self.dtype, batch_invariant)  # small-row fp32 products (numerics.py)
+        self.device = torch.device(device)
+        state = {name: t.to(dtype).to(self.device) for name, t in state.items()}  # round once to the storage dtype
+        self.products = choose_plan(self.dtype, batch_invariant, _product_shapes(state), self.device.type)
+        # small-row fp32 products (numerics.py): a CPU kernel
+        self.skinny = self.device.type == "cpu" and skinny.eligible(self.dtype, batch_invariant)
         if self.skinny:
             skinny.warm_up()
         self.embed = state["model.embed_tokens.weight"].to(self.dtype)  # [V, d]
@@ -109,7 +112,8 @@ class LlamaModel:
         self.products = self.products.with_weights(
             [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)])
         cos, sin = rope_tables(config, config.max_position_embeddings)
-        self.rope_cos, self.rope_sin = cos.to(self.dtype), rotary_sin(sin.to(self.dtype))  # [P, D]
+        self.rope_cos = cos.to(self.dtype).to(self.device)  # [P, D]
+        self.rope_sin = rotary_sin(sin.to(self.dtype)).to(self.device)
 
     def _fuse_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -32,6 +32,8 @@ Contract:
   checked at start-up) at memory speed, so neither the one-row kernel nor the padding is used there
   (the probe then finds "native" invariant); where it cannot match a shape, or the thread count
   changed since load, rows fall back to oneDNN padded to ONE_ROW_AS.
+- On a CUDA device: "triton" (invariant: model/gpu/gemm.py, one fixed tiling whatever the row
+  count) or, without invariance, "cublas" (torch's products, the faster default on a GPU).
 - Without batch invariance ("fast"), fp32 on one thread, products of 2-8 rows go through skinny.py's
   kernel (one pass over the weights instead of MKL's small-row GEMM, which reads them per row);
   on the AVX2 kind bf16 products keep the "kernel" plan (the faster product there too).
@@ -57,7 +59,7 @@ TILE_COLS = 512  # weight rows (output columns) per call: a [512, K] fp32 block 
 # 2 and 3 rows padded to 4 (engine decode step, 1 thread): batch 2 33.0 -> 27.9 ms, batch 3 27.5 -> 26.5
 ONE_ROW_AS = 4
 COMPUTE_CHOICES = ("float32", "bfloat16")
-PLANS = ("tiled", "native", "paired", "kernel", "fast")
+PLANS = ("tiled", "native", "paired", "kernel", "fast", "triton", "cublas")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -171,6 +173,11 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
         return TiledWeight(weight)
     if plan == "kernel":
         return KernelWeight(weight)
+    if plan == "triton":
+        from pdserve.model.gpu.gemm import GemmWeight  # Triton: imported only where a GPU plan runs
+        return GemmWeight(weight)
+    if plan == "cublas":
+        return weight.contiguous()
     base = onednn_packed.pack(weight)
     matched = MatchedWeight.build(weight) if isinstance(base, PackedWeight) else None
     if plan == "paired" or matched is not None:  # few rows: the matched kernel, else (paired) padded
@@ -180,16 +187,14 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
 
 def dense(weight: Weight) -> torch.Tensor:
     """The plain [N, K] tensor behind a prepared weight."""
-    return weight.weight if isinstance(weight, (TiledWeight, PairedWeight, PackedWeight, KernelWeight)) else weight
+    return getattr(weight, "weight", weight) if not isinstance(weight, torch.Tensor) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, skinny_rows: bool = False) -> torch.Tensor:
     """x: [T, in] -> [T, out]. A TiledWeight runs fixed-shape calls; with `skinny_rows` (see
     skinny.eligible) 2-8 rows go through the skinny kernel; otherwise one F.linear."""
-    if isinstance(weight, PackedWeight):
-        return weight(x, bias)
-    if isinstance(weight, PairedWeight):
-        return weight(x, bias)
+    if isinstance(weight, (PackedWeight, PairedWeight)) or not isinstance(weight, (torch.Tensor, TiledWeight, KernelWeight)):
+        return weight(x, bias)  # packed, paired, or the GPU's GemmWeight
     if isinstance(weight, (TiledWeight, KernelWeight)):
         out = weight(x)
         return out if bias is None else out + bias
@@ -222,12 +227,17 @@ class ProductPlan:
             return f"tiled {TILE_ROWS}x{TILE_COLS} ({packing})"
         return {"native": "native (probed invariant)", "paired": f"native, products of 1-{ONE_ROW_AS - 1} rows as {ONE_ROW_AS} rows (probed invariant)",
                 "kernel": "bf16_gemm kernel (one fma chain per element)",
-                "fast": "fast (not batch-invariant)"}[self.plan]
+                "fast": "fast (not batch-invariant)",
+                "triton": "triton GEMM, one fixed tiling (batch-invariant by construction)",
+                "cublas": "cuBLAS (not batch-invariant)"}[self.plan]
 
 
-def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple[int, int], ...]) -> ProductPlan:
+def choose_plan(compute: torch.dtype, batch_invariant: bool, shapes: tuple[tuple[int, int], ...],
+                device: str = "cpu") -> ProductPlan:
     """The product plan for a model whose weights have these [N, K] shapes; raises
     BatchInvarianceError when invariance was asked for and no plan passes the probe."""
+    if device != "cpu":  # the GPU plans: invariant by construction, no probe of a library's choices
+        return ProductPlan("triton" if batch_invariant else "cublas", batch_invariant)
     # no oneDNN bf16 (AVX2 kind): torch re-reads the weights for every row, the kernel does not
     kernel_first = compute == torch.bfloat16 and not onednn_packed.available() and bf16_gemm.vectorised()
     if not batch_invariant:

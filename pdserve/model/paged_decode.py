@@ -66,7 +66,7 @@ def eligible(cache: torch.Tensor) -> bool:
     whose heads are D apart and each head's D values contiguous (a whole pool, or a
     tensor-parallel rank's view of some of its heads)."""
     head_dim = cache.shape[-1]
-    return (cache.dtype in _POOL_DTYPES and head_dim % 16 == 0 and head_dim <= 256 and dense_heads(cache)
+    return (cache.device.type == "cpu" and cache.dtype in _POOL_DTYPES and head_dim % 16 == 0 and head_dim <= 256 and dense_heads(cache)
             and available())
 
 

@@ -8,7 +8,9 @@ the destination blocks the transfer writes (those not already visible there), th
 count as the bound, an expiry `ttl_s` ahead and a fresh nonce; for a prefix fetch also the
 holder's source blocks as the plan names them (`plan.src_slots`, (segment, slot) pairs) and the
 segments those index (`src_segments`: the holder's registered device and host-tier segments).
-`rotate()` revokes every outstanding capability: a new key under the next key epoch (workers must be given the new public
+Every capability binds the router's current route epoch (`route_epoch`, read at issue; a
+rollback advances it and the owners refuse older ones). `rotate()` revokes every outstanding
+capability: a new key under the next key epoch (workers must be given the new public
 key with `Verifier.install`). The format and the check live in handoff/capability.py.
 """
 
@@ -25,8 +27,9 @@ from pdserve.workers.messages import TransferPlan
 
 
 class CapabilityIssuer:
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time):
-        self.ttl_s, self.clock = ttl_s, clock
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time,
+                 route_epoch: Callable[[], int] = lambda: 1):
+        self.ttl_s, self.clock, self.route_epoch = ttl_s, clock, route_epoch
         self._key = new_signing_key()
         self.key_epoch = 1
         self.num_issued = 0
@@ -52,6 +55,6 @@ class CapabilityIssuer:
         claims = Claims(self.key_epoch, plan.tenant, source, source_epoch, plan.dest_worker, plan.dest_epoch,
                         plan.transfer_id, plan.generation, abi, PULL if pull else PUSH, regions,
                         len(regions) * bytes_per_block, self.clock() + self.ttl_s, new_nonce(),
-                        src_segments if plan.src_slots else (), plan.src_slots)
+                        src_segments if plan.src_slots else (), plan.src_slots, self.route_epoch())
         self.num_issued += 1
         return msgspec.structs.replace(plan, capability=sign(self._key, claims))

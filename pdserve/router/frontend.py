@@ -36,6 +36,7 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.control_acks import ControlAcks
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -78,6 +79,13 @@ class ClusterBackend:
         self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
         self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's
         self.on_key_rotated: Callable[[str, int], None] = lambda key, epoch: None  # the launcher's
+        # supervision (api/server.py's launcher): a registration counts as healthy, a hung worker is ended,
+        # FAILED workers (past the crash-loop limit) stay in /workers; a request moves at most max_reroutes times
+        self.on_worker_registered: Callable[[str, int], None] = lambda wid, epoch: None
+        self.on_worker_hung: Callable[[str, int], None] = lambda wid, epoch: None
+        self.failed_workers: Callable[[], list[str]] = lambda: []
+        self.max_reroutes = 2
+        self.last_register: dict[str, m.Register] = {}  # each worker's latest registration (a FAILED one's row)
         self.loads: dict[str, m.Load] = {}
         self.live: dict[str, InFlight] = {}
         self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
@@ -87,9 +95,11 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task] = []
         self._gen = itertools.count(1)
         self.runahead = None  # KV-Runahead chains (router/runahead.py), set by the server with --prefill-runahead
-        self.capabilities = CapabilityIssuer()  # signs every transfer; workers hold its public key (launch config)
+        # signs every transfer under the current route epoch; workers hold its public key (launch config)
+        self.capabilities = CapabilityIssuer(route_epoch=lambda: router.route_epoch)
         self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
         self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
+        self.acks = ControlAcks()  # acknowledgements the rollback waits for (control_acks.py)
         self.kv_inbox = KvInbox()  # heartbeats' block events, applied off the routing path (frontend_upkeep.apply_kv_slice)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -139,7 +149,8 @@ class ClusterBackend:
         return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
 
     def workers(self) -> list[WorkerView]:
-        return [self._view(w) for w in self.registered.values()]
+        failed = [upkeep.failed_view(self, wid) for wid in self.failed_workers() if wid not in self.registered]
+        return [self._view(w) for w in self.registered.values()] + failed
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
@@ -313,7 +324,10 @@ class ClusterBackend:
         old = self.registered.get(reg.worker_id)
         retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
                                                      reg.model_hash, reg.abi_hash, reg.tp))
-        self.registered[reg.worker_id] = reg
+        self.registered[reg.worker_id] = self.last_register[reg.worker_id] = reg
+        self.on_worker_registered(reg.worker_id, reg.epoch)
+        if self.router.route_epoch > 1:  # a rollback retired older route epochs: this incarnation refuses them too
+            asyncio.get_running_loop().create_task(self._send(reg.worker_id, m.RouteEpoch(self.router.route_epoch)))
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)
@@ -327,8 +341,8 @@ class ClusterBackend:
     async def _watchdog(self) -> None:
         await upkeep.watchdog(self)
 
-    async def revoke_capabilities(self) -> int:
-        return await upkeep.revoke_capabilities(self)
+    async def revoke_capabilities(self, ack_timeout_s: float = 5.0) -> dict:
+        return await upkeep.revoke_capabilities(self, ack_timeout_s)
 
     async def renew_leases(self) -> None:
         await upkeep.renew_leases(self)

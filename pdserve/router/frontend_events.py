@@ -35,6 +35,8 @@ async def dispatch(backend, msg) -> None:
             live.reserved.set_result(msg)
     elif isinstance(msg, m.TransferDone):
         await _on_transfer_done(backend, msg)
+    elif isinstance(msg, m.ControlAck):
+        backend.acks.on_ack(msg)  # a rollback step waits for it (router/control_acks.py)
     elif isinstance(msg, (m.FetchReserved, m.FetchPinned, m.FetchDone)):
         backend.fetches.on_message(msg)  # cross-worker prefix fetch (router/fetch_runner.py)
     elif isinstance(msg, m.WorkerError):

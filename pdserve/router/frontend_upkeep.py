@@ -3,16 +3,18 @@ load reports and `/workers` rows (split out of frontend.py; each function takes 
 `ClusterBackend`).
 
 Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers whose process
-is gone or whose heartbeats stopped (their requests move on through frontend_events), and every
+is gone or whose heartbeats stopped (their requests move on through frontend_events; a hung one
+is handed to the launcher to be ended and so restarted, `on_worker_hung`), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
-router's capability key and hands the new public key to every worker. `report_load` applies one
+router's capability key, hands the new public key to every worker and waits for each one's
+acknowledgement (a silent worker is retired: router/control_acks.py). `report_load` applies one
 heartbeat's load, hands a TP worker's collective seconds to the router's live price of them
 (router/live_collectives.py; gauges and the /workers row show it, a phase's gauges only while it
 is priced live: a retired or new epoch's go, `forget_live_collectives`) and queues its block events
 for the cluster K/V index (router/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
 slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
 included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
-one row of GET /workers.
+one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import time
 
 from pdserve.engine.tp_tally import PHASES
+from pdserve.router import control_acks
 from pdserve.router import frontend_events as ev
 from pdserve.router.contract import WorkerView
 from pdserve.router.kv_inbox import SLICE_REPORTS
@@ -40,14 +43,15 @@ async def watchdog(backend) -> None:
             await backend.renew_leases()
 
 
-async def revoke_capabilities(backend) -> int:
+async def revoke_capabilities(backend, ack_timeout_s: float = 5.0) -> dict:
     """A new capability key: every worker verifies with it from now on (outstanding
-    capabilities of the old key fail), and restarted workers get it. Returns the key epoch."""
+    capabilities of the old key fail), and restarted workers get it. Returns the key epoch and
+    {worker: when it installed the key} (its wall clock); a worker that did not is retired."""
     public_key_hex, key_epoch = backend.capabilities.rotate()
-    for wid in list(backend.registered):
-        await backend._send(wid, m.CapabilityKey(public_key_hex, key_epoch))
-    backend.on_key_rotated(public_key_hex, key_epoch)
-    return key_epoch
+    backend.on_key_rotated(public_key_hex, key_epoch)  # a worker restarted from here on starts with it
+    key = m.CapabilityKey(public_key_hex, key_epoch)
+    acks = await control_acks.broadcast(backend, lambda wid: key, "capability_key", str(key_epoch), ack_timeout_s)
+    return {"key_epoch": key_epoch, "installed_at_s": acks}
 
 
 async def renew_leases(backend) -> None:
@@ -74,7 +78,20 @@ async def reap_lost_workers(backend) -> None:
         backend.registered.pop(wid, None)
         backend.away.add(wid)
         forget_live_collectives(backend, wid)
+        backend.metrics.hung_workers.inc()
+        backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+    for wid in backend.failed_workers():
+        backend.away.discard(wid)  # not coming back: admission does not wait for it
+        backend.metrics.workers_failed.labels(wid).set(1)
+
+
+def failed_view(backend, worker_id: str) -> WorkerView:
+    """The /workers row of a worker past the crash-loop limit: its last registration, state "failed"."""
+    reg = backend.last_register.get(worker_id)
+    if reg is None:  # it never registered (crashed while loading)
+        return WorkerView(worker_id, "unknown", "", 0, 0, "failed")
+    return WorkerView(worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "failed", {}, reg.cpu, reg.tp)
 
 
 def worker_view(backend, reg: m.Register) -> WorkerView:

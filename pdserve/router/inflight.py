@@ -41,6 +41,7 @@ class InFlight:
     last_token_s: float | None = None
     published: bool = False
     kv_failed: bool = False
+    draining: bool = False  # the rollback's drain is cancelling this attempt: it alone moves the request
     started_decode: bool = False
     done: bool = False
     trace: dict = field(default_factory=dict)

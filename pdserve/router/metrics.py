@@ -197,6 +197,12 @@ class RuntimeMetrics:
                                   "(a loan adopted as the worker's role)", ["kind"], registry=r)
         self.stale_messages = Counter("pdserve_stale_messages",
                                       "Worker messages dropped for a retired or superseded epoch", registry=r)
+        self.hung_workers = Counter("pdserve_hung_workers", "Workers retired for missed heartbeats and ended "
+                                    "(restarted like a dead worker)", registry=r)
+        self.workers_failed = Gauge("pdserve_workers_failed", "Workers past the restart crash-loop limit (1: FAILED, "
+                                    "not started again; workers/supervisor.py)", ["worker"], registry=r)
+        self.reroute_limits = Counter("pdserve_reroute_limit", "Requests ended with max_reroutes: their route broke "
+                                      "once more after --max-reroutes moves", registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token (sent to the client)", buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS_S, registry=r)
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)

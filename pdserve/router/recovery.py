@@ -23,7 +23,10 @@ published by then. REROUTE / RECOMPUTE tell the old owners to abort (the decode 
 its reservation, the source cancels its transfer), move the router's holds to the new worker
 (the old ones released once, the new one taken; `Router.retake`) and resume there with
 Generate after the tokens already streamed (same seed, so the continuation is identical).
-FAIL ends the request with an explicit `kv_not_visible` error. Every decision but a first-try
+FAIL ends the request with an explicit `kv_not_visible` error. A request already moved
+`backend.max_reroutes` times (`--max-reroutes`; reroutes and retries together) is not moved
+again: it FAILs with `max_reroutes`, so a request that takes down every worker it lands on (a
+poison request) costs at most that many more workers. Every decision but a first-try
 ENQUEUE or WAIT (the normal path) is counted in `pdserve_fallback_total` by outcome and written
 on the request's trace line (`fallback`, `fallback_cause`); `decode_start` records the whole
 path, e.g. "wait>recompute".
@@ -41,6 +44,8 @@ from pdserve.router.messages import RouteRequest
 from pdserve.router.reservations import HoldRequest
 from pdserve.workers import messages as m
 
+MAX_REROUTES = "max_reroutes"
+
 
 def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSituation, dict[str, HoldRequest]]:
     """The facts `decide_decode_start` reads, and the hold each candidate worker would take."""
@@ -56,10 +61,13 @@ def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSit
     return DecodeStartSituation(visible, budget, expected, tuple(h.worker_id for h in seen), bool(fresh)), holds
 
 
-async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -> DecodeStartDecision:
-    """Decide and act; see the module contract."""
+async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -> DecodeStartDecision | None:
+    """Decide and act; see the module contract. None: the rollback's drain is cancelling this
+    attempt (source first, then destination: router/release.py) and moves the request itself."""
+    if live.draining:
+        return None
     facts, holds = situation(backend, live, lost)
-    decision = decide_decode_start(facts)
+    decision = _capped(backend, live, decide_decode_start(facts))
     _record(backend, live, decision, cause)
     action = decision.action
     if action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
@@ -71,11 +79,28 @@ async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -
         if action is DecodeStartAction.WAIT:
             _arm_wait(backend, live, decision.wait_s)
         return decision
+    if action is DecodeStartAction.FAIL and decision.reason == MAX_REROUTES:
+        backend.metrics.reroute_limits.inc()
+        await fail(backend, live, f"the request's route broke after {moves(live)} reroutes (--max-reroutes "
+                                  f"{backend.max_reroutes}); last cause: {cause}", MAX_REROUTES)
+        return decision
     if action is DecodeStartAction.FAIL:
         await fail(backend, live, "no live decode worker can continue this request", decision.reason)
         return decision
     target = decision.reroute_to or _first_recompute(facts, holds)
     await _move(backend, live, holds[target], lost)
+    return decision
+
+
+def moves(live: InFlight) -> int:
+    """How many times the request was moved to another worker (reroutes and retries)."""
+    return int(live.trace.get("reroutes", 0)) + int(live.trace.get("retries", 0))
+
+
+def _capped(backend, live: InFlight, decision: DecodeStartDecision) -> DecodeStartDecision:
+    """A move past the request's reroute budget becomes a FAIL naming it."""
+    if decision.action in (DecodeStartAction.REROUTE, DecodeStartAction.RECOMPUTE) and moves(live) >= backend.max_reroutes:
+        return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
     return decision
 
 

@@ -4,11 +4,14 @@ Contract: `LocalCluster` starts one OS process per worker (`python -m pdserve.wo
 no state is inherited from the router process), each with an explicit torch thread count and, when asked,
 a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
 `dead()` reports each worker whose process exited, once per death; `restart(worker, epoch)` starts
-a dead one again under a new epoch (the supervisor decides when); `kill()` exists for fault tests.
+a dead one again under a new epoch (the supervisor decides when); `stop_hung(worker, grace_s)` ends
+a worker the router retired for missed heartbeats (SIGTERM and SIGCONT, SIGKILL after the grace),
+so its death is reported and it is restarted like any other; `kill()` exists for fault tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -101,6 +104,21 @@ class LocalCluster:
 
     def kill(self, worker_id: str) -> None:
         os.kill(self.procs[worker_id].pid, signal.SIGKILL)
+
+    def stop_hung(self, worker_id: str, grace_s: float = 1.0) -> None:
+        """End a worker retired for missed heartbeats: a stopped process gets SIGCONT so that it
+        can take the SIGTERM; one that has not exited after `grace_s` is killed."""
+        proc = self.procs[worker_id]
+        if proc.poll() is not None:
+            return
+        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Workers were asked to shut down; wait, then terminate any that did not."""

@@ -111,6 +111,7 @@ class StartDecode(msgspec.Struct, frozen=True, tag=True):
 class Abort(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     reason: str = "abort"
+    ack: bool = False  # answer with ControlAck("abort", request_id) once handled (the rollback's drain)
 
 
 class ChangeRole(msgspec.Struct, frozen=True, tag=True):
@@ -127,6 +128,13 @@ class CapabilityKey(msgspec.Struct, frozen=True, tag=True):
 
     public_key_hex: str
     key_epoch: int
+
+
+class RouteEpoch(msgspec.Struct, frozen=True, tag=True):
+    """The router retired every route epoch below `route_epoch` (a rollback): capabilities issued
+    under an older one stop verifying at once (handoff/capability.py `Verifier.advance_route`)."""
+
+    route_epoch: int
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
@@ -326,6 +334,18 @@ class FetchDone(msgspec.Struct, frozen=True, tag=True):
     transfer_s: float = 0.0
 
 
+class ControlAck(msgspec.Struct, frozen=True, tag=True):
+    """A control message took effect on the worker: `kind` "route_epoch" | "capability_key" (subject:
+    the epoch the worker's verifier now holds) or "abort" (subject: the request id); `at_s` is the
+    worker's wall clock when it did (the rollback reports these times)."""
+
+    worker_id: str
+    epoch: int
+    kind: str
+    subject: str
+    at_s: float
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
@@ -334,10 +354,10 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     code: str = "internal_error"
 
 
-ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | ResyncKv
+ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | RenewLeases | ChangeRole | CapabilityKey | RouteEpoch | ResyncKv
             | FetchReserve | FetchPin | FetchServe | FetchAbort)
 ToRouter = (Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchPinned
-            | FetchDone)
+            | FetchDone | ControlAck)
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

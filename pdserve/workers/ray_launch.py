@@ -176,6 +176,10 @@ class RayCluster:
     def kill(self, worker_id: str) -> None:
         ray.kill(self.actors[worker_id], no_restart=True)
 
+    def stop_hung(self, worker_id: str, grace_s: float = 1.0) -> None:
+        """A worker retired for missed heartbeats: its actor is killed (its run ends, `dead()` sees it)."""
+        self.kill(worker_id)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Workers were asked to shut down; wait briefly, then kill the actors and free the groups."""
         if not ray.is_initialized():

@@ -1,11 +1,17 @@
-"""When to start a dead worker again: bounded exponential backoff, one new epoch per start.
+"""When to start a dead worker again: bounded exponential backoff, one new epoch per start, and
+a crash-loop limit.
 
 Contract: `RestartSchedule` is pure (the caller passes the clock). `on_death(worker, now)` is
-called once per death and returns when the worker may start again; `due(now)` lists the workers
-whose time came, each with the epoch to start it under (one above the epoch that died, so the
-router's registry fences every message of the dead incarnation); `on_started(worker, epoch, now)`
-records the start. Delays double from `first_delay_s` up to `max_delay_s`; a worker that stayed
-up `reset_after_s` starts again from `first_delay_s`. With `enabled=False` nothing is scheduled.
+called once per death and returns when the worker may start again (None: restarts are off, or
+the worker is FAILED); `due(now)` lists the workers whose time came, each with the epoch to
+start it under (one above the epoch that died, so the router's registry fences every message of
+the dead incarnation); `on_started(worker, epoch, now)` records the first start and
+`mark_restarted` each later one. Delays double from `first_delay_s` up to `max_delay_s`; they
+start again from `first_delay_s` only after a death that followed a healthy registration
+(`on_registered`) that lasted `reset_after_s` — a worker that crashes after a slow load keeps
+its growing delay. `max_crashes` deaths within `crash_window_s` mark the worker FAILED: it is
+not started again (`failed()` lists it, the router shows it in /workers and metrics). With
+`enabled=False` nothing is scheduled.
 """
 
 from __future__ import annotations
@@ -18,19 +24,26 @@ class RestartPolicy:
     enabled: bool = True
     first_delay_s: float = 0.5
     max_delay_s: float = 8.0
-    reset_after_s: float = 30.0
+    reset_after_s: float = 30.0  # a registration this long counts as healthy: the backoff starts over
+    max_crashes: int = 5  # this many deaths within crash_window_s mark the worker FAILED
+    crash_window_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 < self.first_delay_s <= self.max_delay_s:
             raise ValueError(f"restart delays must satisfy 0 < first ({self.first_delay_s}) <= max ({self.max_delay_s})")
+        if self.max_crashes < 1 or not self.crash_window_s > 0:
+            raise ValueError(f"--max-crashes must be >= 1 and --crash-window-s > 0, got {self.max_crashes}, "
+                             f"{self.crash_window_s}")
 
 
 @dataclass
 class _Life:
     epoch: int
-    started_s: float
     delay_s: float
+    registered_s: float | None = None  # when this incarnation registered with the router (healthy)
     due_s: float | None = None  # set while dead and waiting for its restart
+    deaths_s: list[float] = field(default_factory=list)  # recent deaths, within the crash window
+    failed: bool = False
 
 
 @dataclass
@@ -42,21 +55,31 @@ class RestartSchedule:
     def on_started(self, worker_id: str, epoch: int, now: float) -> None:
         life = self.lives.get(worker_id)
         delay = self.policy.first_delay_s if life is None else life.delay_s
-        self.lives[worker_id] = _Life(epoch, now, delay)
+        self.lives[worker_id] = _Life(epoch, delay)
+
+    def on_registered(self, worker_id: str, epoch: int, now: float) -> None:
+        """The incarnation under `epoch` registered with the router: healthy from `now`."""
+        life = self.lives.get(worker_id)
+        if life is not None and life.due_s is None and epoch >= life.epoch:
+            life.epoch, life.registered_s = epoch, now
 
     def on_death(self, worker_id: str, now: float) -> float | None:
-        """The time the worker may start again, or None when restarts are off."""
-        life = self.lives.get(worker_id) or _Life(1, now, self.policy.first_delay_s)
-        if not self.policy.enabled:
-            self.lives[worker_id] = life
+        """The time the worker may start again, or None when restarts are off or it is FAILED."""
+        life = self.lives.get(worker_id) or _Life(1, self.policy.first_delay_s)
+        self.lives[worker_id] = life
+        if not self.policy.enabled or life.failed:
             return None
         if life.due_s is not None:
             raise ValueError(f"{worker_id}: death reported twice")
-        if now - life.started_s >= self.policy.reset_after_s:
+        if life.registered_s is not None and now - life.registered_s >= self.policy.reset_after_s:
             life.delay_s = self.policy.first_delay_s
+        life.registered_s = None
+        life.deaths_s = [t for t in life.deaths_s if now - t < self.policy.crash_window_s] + [now]
+        if len(life.deaths_s) >= self.policy.max_crashes:
+            life.failed = True
+            return None
         life.due_s = now + life.delay_s
         life.delay_s = min(2 * life.delay_s, self.policy.max_delay_s)
-        self.lives[worker_id] = life
         return life.due_s
 
     def due(self, now: float) -> list[tuple[str, int]]:
@@ -68,7 +91,7 @@ class RestartSchedule:
         life = self.lives[worker_id]
         if life.due_s is None or epoch != life.epoch + 1:
             raise ValueError(f"{worker_id}: restart under epoch {epoch} was not scheduled")
-        life.epoch, life.started_s, life.due_s = epoch, now, None
+        life.epoch, life.due_s = epoch, None
         self.num_restarts += 1
 
     def note_epoch(self, worker_id: str, epoch: int) -> None:
@@ -79,3 +102,7 @@ class RestartSchedule:
 
     def waiting(self) -> list[str]:
         return sorted(wid for wid, life in self.lives.items() if life.due_s is not None)
+
+    def failed(self) -> list[str]:
+        """Workers past the crash-loop limit: never started again."""
+        return sorted(wid for wid, life in self.lives.items() if life.failed)

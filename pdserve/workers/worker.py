@@ -172,8 +172,11 @@ class Worker:
             elif isinstance(msg, m.ChangeRole):
                 self.change_role(msg)
             elif isinstance(msg, m.CapabilityKey):
-                if self.verifier is not None:
+                if self.verifier is not None and msg.key_epoch > self.verifier.key_epoch:
                     self.verifier.install(bytes.fromhex(msg.public_key_hex), msg.key_epoch)
+            elif isinstance(msg, m.RouteEpoch):
+                if self.verifier is not None:
+                    self.verifier.advance_route(msg.route_epoch)
             elif isinstance(msg, m.ResyncKv):
                 with self.lock:
                     self.kv_resync_wanted = True  # answered by the next heartbeat
@@ -190,6 +193,20 @@ class Worker:
         except (EngineError, ValueError, KeyError) as exc:
             log.warning("worker %s: %s failed: %r", self.id, type(msg).__name__, exc)
             self.send(m.WorkerError(self.id, self.epoch, getattr(msg, "request_id", "?"), str(exc), "invalid_request"))
+        self.acknowledge(msg)
+
+    def acknowledge(self, msg: m.ToWorker) -> None:
+        """Tell the router a control message took effect (its rollback waits for these)."""
+        v = self.verifier
+        if isinstance(msg, m.RouteEpoch):
+            ack = ("route_epoch", str(v.route_epoch if v is not None else msg.route_epoch))
+        elif isinstance(msg, m.CapabilityKey):
+            ack = ("capability_key", str(v.key_epoch if v is not None else msg.key_epoch))
+        elif isinstance(msg, m.Abort) and msg.ack:
+            ack = ("abort", msg.request_id)
+        else:
+            return
+        self.send(m.ControlAck(self.id, self.epoch, *ack, time.time()))
 
     def add_local(self, msg: m.Generate) -> None:
         """A whole request here: colocated serving, or a local prefill on a decode worker."""

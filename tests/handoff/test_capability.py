@@ -113,6 +113,21 @@ def test_rotation_revokes_every_outstanding_token():
         v.install(bytes.fromhex(public), epoch)  # the key epoch only moves forward
 
 
+def test_a_capability_of_a_retired_route_epoch_is_refused_by_the_owner():
+    route = [1]
+    issuer = CapabilityIssuer(clock=lambda: NOW, route_epoch=lambda: route[0])
+    plan = TransferPlan("req-1/g1", 1, 1, "tenant-a", "decode-0", 7, "res", (9, 4, 5, 6), 1, "tcp", ("127.0.0.1", 1))
+    old = issuer.issue(plan, "prefill-0", 3, "abi-x", False, 1024).capability
+    v = Verifier(bytes.fromhex(issuer.public_key_hex), issuer.key_epoch, clock=lambda: NOW)
+    route[0] = 2  # a rollback's ADVANCE_ROUTE_EPOCH, on the router and then on the worker
+    v.advance_route(2)
+    assert peek(old).route_epoch == 1 and reason(v, old) is RejectReason.CAPABILITY_STALE_ROUTE
+    fresh = issuer.issue(plan, "prefill-0", 3, "abi-x", False, 1024).capability
+    assert peek(fresh).route_epoch == 2 and reason(v, fresh) is None
+    v.advance_route(1)  # never moves back
+    assert v.route_epoch == 2
+
+
 def test_the_issuer_binds_the_plan_exactly():
     issuer = CapabilityIssuer(ttl_s=30.0, clock=lambda: NOW)
     plan = TransferPlan("req-1/g1", 1, 1, "tenant-a", "decode-0", 7, "res", (9, 4, 5, 6), 1, "shm", ("127.0.0.1", 1))
@@ -140,7 +155,7 @@ def test_the_replay_cache_is_bounded_and_forgets_expired_nonces():
 
 def test_every_capability_reason_is_a_reject_reason_with_the_prefix():
     assert {r.value for r in CAPABILITY_DENIALS} == {r.value for r in RejectReason if r.value.startswith("capability_")}
-    assert len(CAPABILITY_DENIALS) == 11
+    assert len(CAPABILITY_DENIALS) == 12
 
 
 def _ledger_view(c: Claims, e: Expectation, signed_ok: bool) -> tuple[dict, dict]:

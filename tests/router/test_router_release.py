@@ -17,9 +17,10 @@ class Backend:
     def __init__(self):
         self.router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi"))
         self.live, self.registered = {}, {}
+        self.metrics = type("M", (), {"rollback_seconds": type("H", (), {"observe": lambda self, v: None})()})()
 
-    async def revoke_capabilities(self) -> int:
-        return 2
+    async def revoke_capabilities(self, ack_timeout_s: float) -> dict:
+        return {"key_epoch": 2, "installed_at_s": {}}
 
 
 def failing(calls):
@@ -44,7 +45,6 @@ def test_a_failed_disable_pins_the_release_and_a_failed_rollback_can_run_again(m
         with pytest.raises(role_control.RoleChangeFailed):
             await control.rollback()
         stuck = control.state
-        control.backend.metrics = type("M", (), {"rollback_seconds": type("H", (), {"observe": lambda self, v: None})()})()
         done = await control.rollback()
         with pytest.raises(release.IllegalReleaseTransition):
             await control.rollback()
@@ -55,3 +55,38 @@ def test_a_failed_disable_pins_the_release_and_a_failed_rollback_can_run_again(m
     assert stuck == "ROLLING_BACK" and done["state"] == "ROLLED_BACK"
     assert [s["name"] for s in done["steps"]][-1] == "ROLLBACK_COMPLETE"
     assert [h[0] for h in control.history] == ["ACTIVE", "PINNED", "ACTIVE", "ROLLING_BACK", "ROLLED_BACK"]
+
+
+def test_a_rollback_that_finds_staging_still_held_fails_stays_rolling_back_and_runs_again(monkeypatch):
+    """RECLAIM_UNPUBLISHED with a prefill staging hold still taken (a route the drain could not
+    end) fails the rollback: ROLLING_BACK stays, the next move is refused, a retry runs from the
+    top and completes once the hold is gone."""
+    from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
+
+    async def flip(backend, enabled, drain_timeout_s):
+        backend.router.set_disaggregation(enabled)
+        return []
+
+    async def scenario():
+        monkeypatch.setattr(role_control, "set_disaggregation", flip)
+        backend = Backend()
+        for wid, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
+            backend.router.register(WorkerInfo(wid, "h0", role, 1, 1000, "m", "abi"))
+            backend.router.report_load(wid, 1, WorkerLoad(0, 0, 1000))
+        backend.router.route(RouteRequest("r", 64, 16, ()))
+        held = backend.router.staging_holds()
+        control = release.ReleaseController(backend, drain_timeout_s=0.05, drain_window_s=0.0)
+        with pytest.raises(release.RollbackIncomplete, match="1 staging holds"):
+            await control.rollback()
+        stuck = control.state
+        with pytest.raises(release.IllegalReleaseTransition):
+            await control.set_disaggregation(True)
+        backend.router.abort("r")
+        done = await control.rollback()
+        return held, stuck, done, control
+
+    held, stuck, done, control = asyncio.run(scenario())
+    assert held == 1 and stuck == "ROLLING_BACK"
+    assert done["state"] == "ROLLED_BACK" and done["steps"][6]["detail"] == {"unpublished": 0, "staging_holds": 0}
+    assert [h[0] for h in control.history] == ["ACTIVE", "ROLLING_BACK", "ROLLED_BACK"]
+    assert control.backend.router.route_epoch == 3  # the retry ran from the top: the epoch advanced again

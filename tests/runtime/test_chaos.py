@@ -25,11 +25,14 @@ def test_streams_are_classified_by_how_they_ended():
     assert classify_stream([], 5)[0] == "cut"
 
 
-def test_one_minute_of_kills_under_load_1p2d():
-    spec = ChaosSpec(duration_s=60.0, kill_every_s=15.0, rate=0.75, max_in_flight=8, max_prompt=192, hang_s=60.0, seed=3)
-    cfg = config(num_decode=2, restart=RestartPolicy(first_delay_s=0.2, max_delay_s=2.0))
+def test_one_minute_of_kills_and_stops_under_load_1p2d():
+    """kill -9, SIGSTOP (5 s, past the 3 s heartbeat timeout: retired, ended, replaced), kill -9."""
+    spec = ChaosSpec(duration_s=60.0, kill_every_s=15.0, rate=0.75, max_in_flight=8, max_prompt=192, hang_s=60.0, seed=3,
+                     faults=("kill", "stop"), stop_s=5.0)
+    cfg = config(num_decode=2, restart=RestartPolicy(first_delay_s=0.2, max_delay_s=2.0), heartbeat_timeout_s=3.0)
     report = asyncio.run(run_chaos(cfg, spec))
-    assert report["kills"] == 3 and report["restarts"] >= 3, report
+    assert report["kills"] == 2 and report["stops"] == 1 and report["restarts"] >= 3, report
+    assert report["failed_workers"] == [], report
     assert report["hung"] == 0 and report["cut"] == 0, report
     assert report["leaked_workers"] == {} and report["router_holds_clean"] and report["all_replaced"], report
     assert report["requests"] == report["completed"] + report["error"] and report["completed"] > 0, report

@@ -23,7 +23,32 @@ def write(tmp_path, **config) -> str:
 
 
 def parse(*argv):
-    return with_config_file(build_parser().parse_args(["serve", *argv]))
+    args = build_parser().parse_args(["serve", *argv])
+    args.cli_argv = ["serve", *argv]  # as pdserve.cli.main records it
+    return with_config_file(args)
+
+
+def test_a_typed_flag_wins_even_at_its_default_value(tmp_path):
+    """`--prefill 1` or `--policy jsq` typed on the command line beat the file although each is the
+    flag's default (a "differs from the default" test took the file's value)."""
+    path = write(tmp_path, mode="disaggregated", prefill=2, decode=2, policy="prefix", max_num_batched_tokens=128)
+    config = serve_config(parse("--config", path, "--prefill", "1", "--policy", "jsq"))
+    assert (config.num_prefill, config.num_decode, config.policy) == (1, 2, "jsq")
+    assert config.engine.max_num_batched_tokens == 128
+
+
+def test_the_file_carries_the_model_and_dtypes(tmp_path):
+    path = write(tmp_path, mode="colocated", replicas=1, model="small", dtype="float32", compute_dtype="float32")
+    engine = serve_config(parse("--config", path)).engine
+    assert (engine.model, engine.dtype, engine.compute_dtype) == ("small", "float32", "float32")
+    assert serve_config(parse("--config", path, "--model", "tiny", "--dtype", "bfloat16")).engine.model == "tiny"
+
+
+def test_a_model_with_no_checkpoint_here_is_refused_unless_model_is_typed(tmp_path):
+    path = write(tmp_path, mode="colocated", replicas=2, model="meta-llama/Llama-3.1-70B")
+    with pytest.raises(deploy_config.ConfigError, match="Llama-3.1-70B.*no checkpoint here.*give --model"):
+        parse("--config", path)
+    assert serve_config(parse("--config", path, "--model", "tiny")).engine.model == "tiny"
 
 
 def test_the_file_sets_the_deployment_and_set_flags_override_it(tmp_path):
@@ -120,6 +145,10 @@ def test_plan_emits_what_serve_runs(tmp_path, capsys, tpot_ms, mode, roles):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     config = json.loads(emitted.read_text())
     assert config["mode"] == mode and config["source"]["decision"] == summary["decision"].lower()
+    assert (config["model"], config["dtype"]) == ("tiny", "bfloat16")  # what the plan was made for
+    assert config["max_num_batched_tokens"] == (256 if mode == "colocated" else 512)  # the chunk budget, both modes
+    assert not {"policy", "reserve", "prefill_runahead"} & set(config)  # not decided, so not written ...
+    assert {"policy", "reserve", "prefill_runahead"} <= set(config["source"]["undecided"])  # ... but named
 
     async def served():
         args = parse("--config", str(emitted), "--kv-cache-mb", "32", "--pd-profile", "none")

@@ -22,14 +22,52 @@ def test_backoff_doubles_to_its_bound_and_each_restart_takes_the_next_epoch():
     assert waits == [0.5, 1.0, 2.0, 2.0] and s.num_restarts == 4 and s.waiting() == []
 
 
-def test_a_long_life_resets_the_backoff():
-    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=8.0, reset_after_s=30.0))
+def test_a_long_healthy_registration_resets_the_backoff_a_long_load_does_not():
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=8.0, reset_after_s=30.0, max_crashes=99))
     s.on_started("prefill-0", 1, now=0.0)
     due = 0.0
     for _ in range(3):
         due = s.on_death("prefill-0", due + 1.0)
         s.mark_restarted("prefill-0", s.due(due)[0][1], due)
-    assert s.on_death("prefill-0", due + 31.0) == due + 31.5  # it had lived 31 s: first delay again
+    # it loaded for 40 s and crashed before (or just after) registering: the delay keeps growing
+    assert s.on_death("prefill-0", due + 40.0) == due + 40.0 + 4.0
+    due += 44.0
+    epoch = s.due(due)[0][1]
+    s.mark_restarted("prefill-0", epoch, due)
+    s.on_registered("prefill-0", epoch, due + 35.0)  # a slow load, then registered
+    assert s.on_death("prefill-0", due + 36.0) == due + 36.0 + 8.0  # healthy for 1 s only
+    due += 44.0
+    epoch = s.due(due)[0][1]
+    s.mark_restarted("prefill-0", epoch, due)
+    s.on_registered("prefill-0", epoch, due + 1.0)
+    assert s.on_death("prefill-0", due + 32.0) == due + 32.5  # registered 31 s: first delay again
+
+
+def test_a_crash_loop_ends_in_failed():
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=1.0, max_crashes=3, crash_window_s=60.0))
+    s.on_started("decode-0", 1, now=0.0)
+    s.on_started("decode-1", 1, now=0.0)
+    now = 0.0
+    for epoch in (2, 3):
+        due = s.on_death("decode-0", now + 1.0)
+        s.mark_restarted("decode-0", epoch, due)
+        now = due
+    assert s.on_death("decode-1", 1.0) is not None  # another worker's deaths are its own
+    assert s.on_death("decode-0", now + 1.0) is None  # the third death within 60 s
+    assert s.failed() == ["decode-0"] and s.due(1e9) == [("decode-1", 2)] and s.num_restarts == 2
+    assert s.on_death("decode-0", now + 2.0) is None  # stays failed
+
+
+def test_deaths_outside_the_window_do_not_count():
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5, max_delay_s=1.0, max_crashes=2, crash_window_s=10.0))
+    s.on_started("decode-0", 1, now=0.0)
+    now = 0.0
+    for epoch in (2, 3, 4):
+        due = s.on_death("decode-0", now + 11.0)
+        assert due is not None
+        s.mark_restarted("decode-0", epoch, due)
+        now = due
+    assert s.failed() == []
 
 
 def test_disabled_policy_schedules_nothing_and_bad_calls_raise():

@@ -1,0 +1,128 @@
+"""Supervision of workers that hang or keep dying, and of requests that keep losing their worker,
+driven through the served path: SIGSTOP and kill -9 on real worker processes under `cluster()`.
+
+A stopped worker misses its heartbeats: it is retired, ended (SIGKILL after a grace) and started
+again under its next epoch, while its requests finish elsewhere or end with an explicit error. A
+worker killed `max_crashes` times within the window is FAILED (in /workers and the metrics), not
+restarted forever. A request whose worker dies under it is moved at most `max_reroutes` times,
+then ends with the explicit error `max_reroutes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+from pdserve.api.backend import ErrorEvent, FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.sequence import SamplingParams
+from pdserve.workers.supervisor import RestartPolicy
+from tests.runtime.conftest import collect, config, prompt, wait_baseline
+from tests.runtime.test_supervision import wait_epoch
+
+FAST = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0)
+
+
+async def until(check, timeout_s: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_requests_finish():
+    params = SamplingParams(max_tokens=600, ignore_eos=True)
+
+    async def main():
+        cfg = config(num_decode=2, restart=FAST, heartbeat_timeout_s=2.0)
+        async with cluster(cfg) as (backend, launcher):
+            tasks = [asyncio.create_task(collect(backend, f"r{i}", prompt(24, i), params)) for i in range(4)]
+            await until(lambda: all(backend.live.get(f"r{i}") and backend.live[f"r{i}"].output_ids for i in range(4)),
+                        what="every request streaming")
+            victim = backend.live["r0"].decode_id
+            pid = launcher.pid(victim)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+                await wait_epoch(backend, victim, 2)
+                await until(lambda: _gone(pid), 10, "the stopped process was ended")
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for ids, event in results:  # each finished in full or said why it did not
+                assert (isinstance(event, FinishEvent) and len(ids) == 600) or isinstance(event, ErrorEvent), event
+            assert sum(isinstance(e, FinishEvent) for _, e in results) >= 1
+            assert launcher.pid(victim) != pid and launcher.num_restarts == 1
+            assert "pdserve_hung_workers_total 1.0" in backend.metrics_text().decode()
+            ids, event = await collect(backend, "after", prompt(24, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_a_crash_loop_ends_in_failed_instead_of_restarting_forever():
+    policy = RestartPolicy(first_delay_s=0.1, max_delay_s=0.2, max_crashes=3, crash_window_s=300.0)
+
+    async def main():
+        async with cluster(config(num_decode=2, restart=policy)) as (backend, launcher):
+            for epoch in (2, 3):
+                launcher.kill("decode-1")
+                await wait_epoch(backend, "decode-1", epoch)
+            launcher.kill("decode-1")  # the third death within the window
+            await until(lambda: any(w.id == "decode-1" and w.state == "failed" for w in backend.workers()), 30,
+                        "decode-1 marked failed")
+            await asyncio.sleep(1.0)  # well past the backoff: it stays down
+            row = next(w for w in backend.workers() if w.id == "decode-1")
+            assert (row.state, row.epoch, launcher.num_restarts) == ("failed", 3, 2)
+            assert 'pdserve_workers_failed{worker="decode-1"} 1.0' in backend.metrics_text().decode()
+            assert backend.healthy()  # decode-0 still serves
+            ids, event = await collect(backend, "after", prompt(24, 5), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_workers_keep_dying_ends_after_max_reroutes():
+    """Each worker the request lands on is killed as soon as it streams the request's tokens
+    (what a poison request does); with --max-reroutes 1 the second loss ends it with the
+    explicit error, though a third decode worker could have taken it."""
+
+    async def main():
+        async with cluster(config(num_decode=3, max_reroutes=1)) as (backend, launcher):
+            task = asyncio.create_task(collect(backend, "poison", prompt(24, 3),
+                                               SamplingParams(max_tokens=3000, ignore_eos=True)))
+            killed, streamed = [], 0
+            for _ in range(2):
+                def streams_on_a_new_worker() -> bool:
+                    live = backend.live.get("poison")
+                    return live is not None and live.decode_id not in killed and len(live.output_ids) > streamed + 1
+
+                await until(streams_on_a_new_worker, 60, "streaming on a new worker")
+                live = backend.live["poison"]
+                killed.append(live.decode_id)
+                streamed = len(live.output_ids)
+                launcher.kill(killed[-1])
+                await until(lambda: killed[-1] not in backend.registered, 10, "the kill seen")
+            ids, event = await asyncio.wait_for(task, timeout=60)
+            assert isinstance(event, ErrorEvent) and event.code == "max_reroutes", event
+            assert "max-reroutes 1" in event.message and len(ids) < 3000
+            assert "pdserve_reroute_limit_total 1.0" in backend.metrics_text().decode()
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
