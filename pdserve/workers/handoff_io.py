@@ -12,6 +12,11 @@ Contract:
   land in reserved blocks outside it. Each landing grant is ended (`end_landing`) as soon as the
   transport's receive returns or fails, so an abort meanwhile frees the blocks only after the
   write is over (quiescence). The final state is reported through `on_done`.
+- Bounds (handoff/limits.py): every link's header and payload sizes follow from the pool's K/V
+  ABI, every socket has a read/write timeout and keepalive, and the listener's accept loop is a
+  `BoundedServer` (a connection limit, transient accept errors retried). An aborted sender whose
+  destination copies out of its memory (pull) reports only once that destination hung up: its
+  source blocks are released then, never after a wait that merely ran out.
 A fetch holder's sender reads `SourceSegments` (handoff/segments.py: its device pool and its host
 tier, host slots read in place) instead of its pool alone; a pull link then announces both
 segments, and the capability must name exactly the plan's (segment, slot) pairs.
