@@ -180,9 +180,11 @@ class Engine(HandoffSide):
         """Stop a request wherever it is (every sequence of an n > 1 request); its blocks go back
         to the pool. False if unknown. `keep_blocks` (a handoff still reads them): a prefill-only
         request stops computing but its blocks stay pinned as a source copy until
-        `release_prefilled`."""
+        `release_prefilled`. An import (a reserved handoff destination) is never freed here: the
+        handoff endpoint that reserved it returns it through `cancel_import` once no write into
+        its blocks is in flight (handoff/destination.py), so a late copy never lands in blocks
+        another request owns."""
         if request_id in self.imports:
-            self.cancel_import(request_id)
             return True
         if keep_blocks and self._pin(request_id):
             return True

@@ -5,10 +5,11 @@ Contract:
     gate and credits allow -> seal -> wait for publication. Unanswered chunks are resent under
     the same transfer id after `ack_timeout_s`. It returns the source transfer in PUBLISHED or
     ABORTED state; on a dead link it aborts (credits reclaimed) rather than raising. `cancelled()`
-    (polled every loop) aborts it on the owner's word: the destination is told with an AbortFrame.
+    (checked every loop and before every chunk sent) aborts it on the owner's word: the
+    destination is told with an AbortFrame.
   * `await_peer_close` is the source's quiescence step after an abort: the destination may be
     copying out of the source's blocks (pull) until it hangs up, so the caller releases them
-    only after this returns.
+    only once it returned True (never because a wait ran out).
   * `serve_destination` runs on the decode worker: frames in, `DecodeEndpoint.handle`, answers
     out, until the transfer is terminal. A dead or silent link aborts the unpublished transfer.
     With a `LinkGuard` (guard.py) nothing reaches the endpoint or lands before the link's
@@ -44,12 +45,19 @@ def _payload(src: SourceTransfer, chunk_id: str) -> ChunkPayload:
     return ChunkPayload(spec.layer, src.raw, tuple(src.chunk_src_blocks(spec)), tuple(src.manifest.chunk_dst_blocks(spec)))
 
 
-def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
-    """Send every producer-ready chunk the credit window admits; returns how many were sent."""
+def _check_cancel(src: SourceTransfer, cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise HandoffError(RejectReason.CANCELLED, src.manifest.transfer_id)
+
+
+def _send_ready(src: SourceTransfer, link: SenderLink, cancelled: Callable[[], bool] = lambda: False) -> int:
+    """Send every producer-ready chunk the credit window admits; returns how many were sent.
+    The owner's cancel is checked before each chunk, so an abort never waits for a whole window."""
     sent = 0
     for spec in src.ready_chunks():
         if not src.credits.can_acquire(spec.nbytes):
             break
+        _check_cancel(src, cancelled)
         payload = _payload(src, spec.chunk_id)
         frame = src.begin_send(spec.chunk_id, stage=lambda offset: link.stage(offset, payload))
         sent_s = src.trace.clock()
@@ -59,8 +67,10 @@ def _send_ready(src: SourceTransfer, link: SenderLink) -> int:
     return sent
 
 
-def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str]) -> None:
+def _resend(src: SourceTransfer, link: SenderLink, chunk_ids: list[str],
+            cancelled: Callable[[], bool] = lambda: False) -> None:
     for chunk_id in chunk_ids:
+        _check_cancel(src, cancelled)
         frame = src.resend_frame(chunk_id, resend=src.log.num_resends + 1)
         sent_s = src.trace.clock()
         link.send_chunk(frame, _payload(src, chunk_id))
@@ -99,14 +109,13 @@ def _drive(src: SourceTransfer, link: SenderLink, config: DriveConfig, cancelled
     link.send(ManifestFrame(src.manifest, capability))  # the link's first manifest carries the capability
     sealed, last_progress, deadline = False, time.monotonic(), time.monotonic() + config.give_up_s
     while src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
-        if cancelled():
-            raise HandoffError(RejectReason.CANCELLED, src.manifest.transfer_id)
+        _check_cancel(src, cancelled)
         if time.monotonic() > deadline:
             raise HandoffError(RejectReason.TIMEOUT, src.manifest.transfer_id)
         version = src.gate.version  # read before looking for work, so no report is missed below
-        progressed = _send_ready(src, link) > 0
+        progressed = _send_ready(src, link, cancelled) > 0
         if src.resend_queue:
-            _resend(src, link, _take(src.resend_queue))
+            _resend(src, link, _take(src.resend_queue), cancelled)
             progressed = True
         if not sealed and src.all_sent():
             link.send(src.seal())
@@ -151,7 +160,9 @@ def _abort_source(src: SourceTransfer, link: SenderLink, reason: RejectReason) -
 
 def await_peer_close(link: SenderLink, timeout_s: float) -> bool:
     """Read (and ignore) answers until the destination hangs up; False if it did not within
-    `timeout_s` (the chunk checksums still refuse bytes read from a reused source block)."""
+    `timeout_s`. The destination hangs up once its transaction is terminal and its last granted
+    copy is over (its acknowledgement of the cancel), so a caller whose peer reads its blocks
+    keeps them pinned until this returns True, however many times it has to ask."""
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

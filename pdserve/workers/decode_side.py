@@ -16,6 +16,7 @@ from __future__ import annotations
 from pdserve.handoff.destination import ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.states import TxnState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.workers import messages as m
@@ -33,7 +34,7 @@ class DecodeSide:
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
                                         on_done=lambda tid, state: worker.events.put(("dest_done", (tid, state))),
-                                        verifier=worker.verifier)
+                                        verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.requests: dict[str, m.ReserveKv] = {}  # request id -> its reservation order
         self.first: dict[str, m.StartDecode] = {}
         self.published: set[str] = set()

@@ -30,6 +30,7 @@ from pdserve.handoff.destination import ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.leases import LeaseTable
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.reservations import Reservation
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
@@ -128,6 +129,7 @@ class FetchSide:
         self.endpoint = DecodeEndpoint(worker.id, worker.epoch, self.engine.pool, self.blocks, self.engine.identity,
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host, verifier=worker.verifier,
+                                        io_timeout_s=io_timeout_for_lease(worker.config.lease_s),
                                         on_done=lambda tid, state: worker.events.put(("fetch_dest", (tid, state))))
         self.leases = LeaseTable(worker.config.lease_s)
         self.holder = FetchHolder(worker, self.leases, pin_prefix)

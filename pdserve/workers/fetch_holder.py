@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.leases import LeaseTable
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.segments import SourceSegments
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
@@ -86,7 +87,8 @@ class FetchHolder:
         self.sources = holder_sources(self.engine)
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda fid, src, dt, phys: worker.events.put(("fetch_source", (fid, src, dt, phys))),
-                                    verifier=worker.verifier, sources=self.sources)
+                                    verifier=worker.verifier, sources=self.sources,
+                                    io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.pinned: dict[str, HolderPins] = {}  # fetch id -> pins (pinned, served or not)
         self.serving: set[str] = set()  # fetch ids whose sender runs
         self.ended: OrderedDict[str, None] = OrderedDict()  # aborted or served fetch ids, the most recent

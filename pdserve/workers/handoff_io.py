@@ -12,6 +12,11 @@ Contract:
   land in reserved blocks outside it. Each landing grant is ended (`end_landing`) as soon as the
   transport's receive returns or fails, so an abort meanwhile frees the blocks only after the
   write is over (quiescence). The final state is reported through `on_done`.
+- Bounds (handoff/limits.py): every link's header and payload sizes follow from the pool's K/V
+  ABI, every socket has a read/write timeout and keepalive, and the listener's accept loop is a
+  `BoundedServer` (a connection limit, transient accept errors retried). An aborted sender whose
+  destination copies out of its memory (pull) reports only once that destination hung up: its
+  source blocks are released then, never after a wait that merely ran out.
 A fetch holder's sender reads `SourceSegments` (handoff/segments.py: its device pool and its host
 tier, host slots read in place) instead of its pool alone; a pull link then announces both
 segments, and the capability must name exactly the plan's (segment, slot) pairs.
@@ -47,6 +52,7 @@ from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import Frame, ManifestFrame
 from pdserve.handoff.guard import LinkGuard, source_expectation
 from pdserve.handoff.kvbytes import pool_bytes
+from pdserve.handoff.limits import DEFAULT_IO_TIMEOUT_S, link_limits
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest
 from pdserve.handoff.shard_map import layout_of
 from pdserve.handoff.gate import LayerGate
@@ -59,11 +65,12 @@ from pdserve.handoff.transports.base import LinkClosed, ReceiverLink
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.copy import ShmReceiverLink, ShmSenderLink
 from pdserve.handoff.transports.pull import ShmPullReceiverLink, ShmPullSenderLink
+from pdserve.handoff.transports.server import BoundedServer
 from pdserve.handoff.transports.tcp import TcpReceiverLink, TcpSenderLink, tune
 from pdserve.workers.messages import TransferPlan
 
 CHUNK_TARGET_BYTES = 1 << 20
-PEER_CLOSE_WAIT_S = 2.0  # an aborted source waits this long for the destination to hang up
+PEER_CLOSE_WAIT_S = 2.0  # a refusing destination drains its source this long before hanging up
 log = logging.getLogger("pdserve.worker")
 
 
@@ -81,8 +88,9 @@ class HandoffSender:
     def __init__(self, worker_id: str, epoch: int, pool: KvPool, identity: CacheIdentity, trace: TraceSink,
                  on_done: Callable[[str, SourceTransfer, float, int], None], credit_bytes: int = 64 << 20,
                  max_concurrent: int = 4, prefill_chunk_tokens: int | None = None, verifier: Verifier | None = None,
-                 sources: SourceSegments | None = None):
+                 sources: SourceSegments | None = None, io_timeout_s: float = DEFAULT_IO_TIMEOUT_S):
         self.worker_id, self.epoch = worker_id, epoch
+        self.limits = link_limits(pool.abi, pool.num_blocks, io_timeout_s)  # every link's bounds (handoff/limits.py)
         self.verifier = verifier  # None: this worker runs without capabilities (tests, benches)
         # transfer chunks no longer than a prefill chunk: each becomes sendable as soon as the prefill
         # chunk(s) writing it passed its layer (aligned unless the destination already had a prefix)
@@ -143,8 +151,40 @@ class HandoffSender:
         return src
 
     def _run(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
+        t0 = time.monotonic()
         with self.slots:  # a few transfers at a time: dozens of threads only fight for the GIL
-            self._transfer(request_id, src, plan)
+            link = self._connect(src, plan)
+            if link is not None:
+                self._drive(request_id, src, plan, link)
+        physical = 0
+        if link is not None:
+            if src.state is TxnState.ABORTED and link.peer_reads_source:
+                self._await_hang_up(src, link)  # outside the slot: a silent peer holds its blocks, not a slot
+            physical = link.traffic.snapshot.total_bytes
+            link.close()
+        self.gates.pop(request_id, None)
+        self.cancels.pop(request_id, None)
+        self.on_done(request_id, src, time.monotonic() - t0, physical)
+
+    def _drive(self, request_id: str, src: SourceTransfer, plan: TransferPlan, link) -> None:
+        cancel = self.cancels[request_id]
+        try:
+            drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0), cancelled=cancel.is_set,
+                         capability=plan.capability)
+        except Exception as exc:  # noqa: BLE001 - a broken link must still end the transaction
+            log.warning("handoff %s failed: %r", src.manifest.transfer_id, exc)
+            if src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
+                src.abort(RejectReason.TRANSPORT_FAILURE)
+
+    def _await_hang_up(self, src: SourceTransfer, link) -> None:
+        """A pull destination copies out of this pool: the source blocks stay pinned until it hung
+        up (it does once its transaction is terminal and no copy runs: the cancel's acknowledgement).
+        A destination that stays connected and silent keeps them pinned; the router's supervision
+        ends such a worker, which closes the link (docs/security.md)."""
+        wait_s = self.limits.io_timeout_s or DEFAULT_IO_TIMEOUT_S
+        while not await_peer_close(link, wait_s):
+            log.warning("handoff %s: aborted, the destination has not hung up; source blocks stay pinned",
+                        src.manifest.transfer_id)
 
     def _direction(self, plan: TransferPlan) -> str:
         return PULL if plan.transport == "shm" and self.pool.shm_name is not None else PUSH
@@ -166,41 +206,19 @@ class HandoffSender:
             src.abort(RejectReason.TRANSPORT_FAILURE)
         return None
 
-    def _transfer(self, request_id: str, src: SourceTransfer, plan: TransferPlan) -> None:
-        t0 = time.monotonic()
-        link = self._connect(src, plan)
-        physical = 0
-        if link is not None:
-            cancel = self.cancels[request_id]
-            try:
-                drive_source(src, link, DriveConfig(ack_timeout_s=2.0, give_up_s=30.0), cancelled=cancel.is_set,
-                             capability=plan.capability)
-            except Exception as exc:  # noqa: BLE001 - a broken link must still end the transaction
-                log.warning("handoff %s failed: %r", src.manifest.transfer_id, exc)
-                if src.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
-                    src.abort(RejectReason.TRANSPORT_FAILURE)
-            finally:
-                if src.state is TxnState.ABORTED:  # the peer may still copy out of our blocks (pull)
-                    await_peer_close(link, PEER_CLOSE_WAIT_S)
-                physical = link.traffic.snapshot.total_bytes
-                link.close()
-        self.gates.pop(request_id, None)
-        self.cancels.pop(request_id, None)
-        self.on_done(request_id, src, time.monotonic() - t0, physical)
-
     def _open_link(self, plan: TransferPlan, window: int):
-        sock = tune(socket.create_connection(tuple(plan.dest_address), timeout=5.0))
-        sock.settimeout(None)
+        """Connect with a bounded wait; the channel then puts the link's read/write timeout on it."""
+        sock = tune(socket.create_connection(tuple(plan.dest_address), timeout=self.limits.io_timeout_s))
         if plan.transport == "shm" and self.pool.shm_name is not None:  # pull from this pool's segment
             sock.sendall(b"P")
             extra = () if self.sources is None else tuple(
                 (name, raw.shape[2]) for name, raw in zip(self.sources.names[1:], self.sources.raws[1:]) if name)
-            return ShmPullSenderLink(SocketChannel(sock), self.pool.shm_name, self.pool.num_blocks, extra)
+            return ShmPullSenderLink(SocketChannel(sock, self.limits), self.pool.shm_name, self.pool.num_blocks, extra)
         if plan.transport == "shm":
             sock.sendall(b"S")
-            return ShmSenderLink(SocketChannel(sock), window)
+            return ShmSenderLink(SocketChannel(sock, self.limits), window)
         sock.sendall(b"T")
-        return TcpSenderLink(sock)
+        return TcpSenderLink(sock, self.limits)
 
 
 def _land_nothing(frame) -> None:
@@ -244,35 +262,34 @@ class _FirstFrameLink(ReceiverLink):
 
 
 class HandoffListener:
+    """A bounded server (handoff/transports/server.py: connection limit, accept queue, timeouts,
+    keepalive) whose connections are links into `endpoint`, each bounded by the pool's limits."""
+
     def __init__(self, endpoint: DecodeEndpoint, lock: threading.RLock, host: str,
-                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0, verifier: Verifier | None = None):
+                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0, verifier: Verifier | None = None,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, max_connections: int | None = None):
         self.endpoint, self.lock, self.on_done = endpoint, lock, on_done
         self.give_up_s = give_up_s
         self.verifier = verifier  # None: no capability check (tests, benches); `pdserve serve` always sets one
-        self.sock = socket.create_server((host, 0))
-        self.address = (host, self.sock.getsockname()[1])
-        threading.Thread(target=self._accept_loop, daemon=True, name="handoff-listener").start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(tune(conn),), daemon=True).start()
+        self.limits = link_limits(endpoint.pool.abi, endpoint.pool.num_blocks, io_timeout_s)
+        extra = {} if max_connections is None else {"max_connections": max_connections}
+        self.server = BoundedServer(host, self._serve, io_timeout_s, **extra)
+        self.address = self.server.address
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             kind = conn.recv(1)
             if kind == b"P":
-                link = ShmPullReceiverLink(SocketChannel(conn), self.endpoint.raw)
+                link = ShmPullReceiverLink(SocketChannel(conn, self.limits), self.endpoint.raw)
             elif kind == b"S":  # under capabilities the staging segment exists only once the link is admitted
-                link = ShmReceiverLink(SocketChannel(conn), self.endpoint.raw, deferred=self.verifier is not None)
+                link = ShmReceiverLink(SocketChannel(conn, self.limits), self.endpoint.raw, deferred=self.verifier is not None)
+            elif kind == b"T":
+                link = TcpReceiverLink(conn, self.endpoint.raw, self.limits)
             else:
-                link = TcpReceiverLink(conn, self.endpoint.raw)
-            first = link.recv(30.0, _land_nothing)  # the link's first frame names its transfer; it lands nothing
+                return  # not a handoff peer (the server closes the connection)
+            # the link's first frame names its transfer and lands nothing; a silent peer frees its slot soon
+            first = link.recv(self.limits.io_timeout_s or self.give_up_s, _land_nothing)
         except (OSError, LinkClosed):
-            conn.close()
             return
         if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers:
             link.close()
@@ -312,4 +329,4 @@ class HandoffListener:
         return txn.state
 
     def close(self) -> None:
-        self.sock.close()
+        self.server.close()

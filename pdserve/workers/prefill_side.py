@@ -20,6 +20,7 @@ import time
 
 from pdserve.engine.outputs import PrefillProgress, RequestOutput
 from pdserve.engine.sequence import SeqMode
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.streaming import ScheduleConfig, choose_schedule
@@ -36,7 +37,7 @@ class PrefillSide:
         self.sender = HandoffSender(worker.id, worker.epoch, self.engine.pool, self.engine.identity, worker.trace,
                                     on_done=lambda rid, src, dt, phys: worker.events.put(("source_done", (rid, src, dt, phys, time.monotonic()))),
                                     prefill_chunk_tokens=self.engine.config.max_num_batched_tokens,
-                                    verifier=worker.verifier)
+                                    verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.plans: dict[str, m.Prefill] = {}
         self.started: dict[str, SourceTransfer] = {}
         self.prefill_end: dict[str, float] = {}

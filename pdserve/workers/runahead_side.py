@@ -13,7 +13,9 @@ Life cycle of stage i > 0 of one request here (stage 0 is an ordinary prefill-on
 The link is an ordinary handoff transfer (the same manifests, fences, credits, capabilities,
 validation and publication, over the same `HandoffListener`), addressed to this worker.
 Failure: the link aborts, lands nothing for `wait_s`, or dies mid-forward -> the stage is aborted
-here (its blocks back once no write into them is in flight; an onward transfer is cancelled)
+here (its blocks back once no write into them is in flight: an unadmitted stage's reservation
+through the endpoint's release, an admitted stage's sequence by `Worker.finish_abort` once `poll`
+sees the link quiescent; an onward transfer is cancelled)
 and `WorkerError(code="runahead_failed")` tells the router, which re-runs the request as a
 single-worker prefill. A forward waiting on a broken link raises `ChainBroken` out of the step:
 the step's results are dropped (so no block of it is published to the prefix cache) and the
@@ -32,6 +34,7 @@ from pdserve.engine.prefix_import import admit_prefix, reserve_prefix
 from pdserve.handoff.destination import DestinationTransfer, ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffListener, prompt_digest
@@ -92,10 +95,11 @@ class RunaheadSide:
                                        trace=worker.trace, make_visible=self._on_landed)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
                                         on_done=lambda tid, state: worker.events.put(("chain_done", (tid, state))),
-                                        verifier=worker.verifier)
+                                        verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.links: dict[str, Link] = {}  # request id -> its incoming link, until published or failed
         self.inner: set[str] = set()  # inner stages here: their first token stays on this worker
         self.num_failed = 0
+        self.draining: dict[str, DestinationTransfer] = {}  # aborted admitted stages waiting for quiescence
 
     @property
     def address(self) -> tuple[str, int]:
@@ -156,6 +160,8 @@ class RunaheadSide:
     # ---- main loop ----------------------------------------------------------------------------
     def poll(self) -> None:
         """Admit stages whose prefix layer 0 landed; fail those whose link broke or never came."""
+        with self.worker.lock:
+            self._finish_draining()
         now = time.monotonic()
         for rid, link in list(self.links.items()):
             if link.admitted:
@@ -245,36 +251,34 @@ class RunaheadSide:
     def _fail(self, rid: str, reason: str) -> None:
         log.warning("worker %s: KV-Runahead stage of %s failed: %s", self.worker.id, rid, reason)
         self.num_failed += 1
-        self._quiesce(self.links.get(rid))
-        self.worker.abort(rid)
+        self.worker.abort(rid)  # the link's blocks come back once no write into them is in flight
         self.worker.send(m.WorkerError(self.worker.id, self.worker.epoch, rid, reason, FAILED))
 
-    def _quiesce(self, link: Link | None, timeout_s: float = 2.0) -> None:
-        """An aborted link may still be writing into the blocks: wait until it is not."""
-        if link is None:
-            return
-        with self.worker.lock:
-            txn = self._txn(link)
-            if txn is not None and txn.state < TxnState.PUBLISHED:
-                self.endpoint.abort(txn.transfer_id, RejectReason.CANCELLED)
-        deadline = time.monotonic() + timeout_s
-        while txn is not None and not txn.quiescent and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def abort(self, rid: str) -> None:
-        """Called under the worker lock: the link's reservation goes back (or, once admitted, the
-        engine's abort frees the sequence's blocks)."""
+    def abort(self, rid: str) -> bool:
+        """Called under the worker lock. The link is aborted (fenced at once); an unadmitted
+        stage's reservation goes back through the endpoint when the link is quiescent. True when
+        the stage was admitted and a write into its blocks is still in flight: the engine must
+        keep the sequence (and its blocks) until `poll` sees the link quiescent."""
         self.inner.discard(rid)
         link = self.links.pop(rid, None)
         if link is None:
-            return
+            return rid in self.draining
         txn = self._txn(link)
         if txn is not None and txn.state < TxnState.PUBLISHED:
             self.endpoint.abort(txn.transfer_id, RejectReason.CANCELLED)
         elif txn is not None and txn.state is TxnState.PUBLISHED and self.endpoint.directory.lookup(rid):
             self.endpoint.retire(rid)
-        if not link.admitted and rid in self.engine.imports:
-            self.engine.cancel_import(rid)
+        if link.admitted and txn is not None and not txn.quiescent:
+            self.draining[rid] = txn
+            return True
+        return False
+
+    def _finish_draining(self) -> None:
+        """Admitted stages aborted under an in-flight write: their sequence ends once the link is quiet."""
+        for rid, txn in list(self.draining.items()):
+            if txn.quiescent:
+                del self.draining[rid]
+                self.worker.finish_abort(rid)
 
     def holds(self, rid: str) -> bool:
         return rid in self.links
@@ -284,5 +288,6 @@ class RunaheadSide:
 
     def assert_no_leaks(self) -> None:
         assert not self.links, f"chain links held: {sorted(self.links)}"
+        assert not self.draining, f"aborted stages still draining: {sorted(self.draining)}"
         self.endpoint.assert_no_leaks()
         self.blocks.assert_no_leaks()

@@ -264,7 +264,7 @@ class Worker:
                 return False
             if self.prefill is not None and (self.prefill.started or self.prefill.plans or self.engine.prefilled):
                 return False
-            if self.runahead is not None and self.runahead.links:
+            if self.runahead is not None and (self.runahead.links or self.runahead.draining):
                 return False
             return self.decode is None or (not self.decode.requests and not self.decode.decoding)
 
@@ -298,13 +298,26 @@ class Worker:
                 self.leases_reclaimed += 1
 
     def abort(self, request_id: str) -> None:
+        """Every abort trigger ends here (the router's Abort on a client disconnect, reroute or
+        recompute, an expired lease, a role change, a failed chain stage). One release path per
+        block: a destination's blocks go back through its endpoint once no granted write is open
+        (the engine's abort never frees an import), an admitted chain stage under a write waits
+        for `finish_abort`, and a source copy stays pinned while its transfer still runs."""
         self.leases.drop(request_id)
         with self.lock:
             if self.decode:
                 self.decode.abort(request_id)
-            if self.runahead:
-                self.runahead.abort(request_id)
-            transfer_running = self.prefill is not None and self.prefill.abort(request_id)
+            if self.prefill is not None:
+                self.prefill.abort(request_id)  # no transfer starts for it any more; a running one is cancelled
+            if self.runahead and self.runahead.abort(request_id):
+                return  # RunaheadSide.poll calls finish_abort once the link is quiescent
+            self.finish_abort(request_id)
+
+    def finish_abort(self, request_id: str) -> None:
+        """The engine's part of an abort (under the lock): the sequence stops; a source copy an
+        outgoing transfer still reads stays pinned until that transfer's end releases it."""
+        with self.lock:
+            transfer_running = self.prefill is not None and request_id in self.prefill.started
             self.engine.abort(request_id, keep_blocks=transfer_running)
 
     def drain_events(self) -> None:

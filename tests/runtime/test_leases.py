@@ -83,9 +83,11 @@ def test_unrenewed_decode_reservation_is_reclaimed(monkeypatch):
 
 
 def test_unrenewed_prefill_pin_is_reclaimed_while_its_transfer_stalls(monkeypatch):
-    """No renewals; the decode worker freezes after reserving, so the prefill's transfer stalls:
-    the prefill worker reclaims its request and source copy after one lease (the transfer is
-    cancelled first), and the decode worker's reservation is gone once it runs again."""
+    """No renewals; the decode worker freezes after reserving, so the prefill's transfer (a pull
+    link: the decode worker copies out of the prefill's pool) stalls: the prefill worker reclaims
+    its request after one lease (the transfer is cancelled first), but its source copy stays
+    pinned while the frozen reader may still copy from it (no timer releases it); once the decode
+    worker runs again it hangs up and both pools are free."""
     async def main():
         async with cluster(config(lease_s=1.0)) as (backend, launcher):
             stream, pending = _orphan(monkeypatch, backend, launcher, 3)
@@ -93,8 +95,10 @@ def test_unrenewed_prefill_pin_is_reclaimed_while_its_transfer_stalls(monkeypatc
             os.kill(launcher.pid("decode-0"), signal.SIGSTOP)
             os.kill(launcher.pid("prefill-0"), signal.SIGCONT)
             await _until(lambda: _load(backend, "prefill-0")["leases_expired"] == 1, what="prefill never reclaimed")
-            await _until(lambda: _free(backend, "prefill-0"), what="prefill kept blocks")
+            await asyncio.sleep(3.0)  # past the 2 s after which the source copy used to be released anyway
+            assert not _free(backend, "prefill-0"), "source blocks released while their pull reader may copy them"
             os.kill(launcher.pid("decode-0"), signal.SIGCONT)
+            await _until(lambda: _free(backend, "prefill-0"), what="prefill kept blocks after the reader hung up")
             await _until(lambda: _free(backend, "decode-0"), what="decode kept its reservation")
             await _abandon(backend, stream, pending)
 

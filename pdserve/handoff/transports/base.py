@@ -51,6 +51,8 @@ class ChunkPayload:
 
 
 class SenderLink(ABC):
+    peer_reads_source = False  # True when the destination copies out of the source's own memory (pull)
+
     def __init__(self) -> None:
         self.traffic = TrafficCounter()
 

@@ -3,7 +3,9 @@
 Contract: a channel carries whole frames in order. `SocketChannel` writes a 4-byte length, the
 msgpack header and then any payload views in one scatter-gather `sendmsg` (no concatenation),
 and reads payloads with `recv_into` straight into caller-provided views (the destination pool).
-A closed peer raises `LinkClosed`.
+A closed peer raises `LinkClosed`, and so do a header longer than the channel's
+`LinkLimits.max_header_bytes` (refused before anything is allocated) and a read or write that
+stalls longer than its `io_timeout_s` (handoff/limits.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import socket
 import struct
 import threading
 
+import msgspec
 import numpy as np
 
 from pdserve.handoff.frames import Frame, decode_frame, encode_frame
+from pdserve.handoff.limits import UNSIZED, LinkLimits
 from pdserve.handoff.transports.base import LinkClosed
 
 _LEN = struct.Struct("<I")
@@ -56,9 +60,9 @@ class QueueChannel:
 class SocketChannel:
     """Frames over a connected stream socket (TCP or Unix)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        sock.setblocking(True)
+    def __init__(self, sock: socket.socket, limits: LinkLimits = UNSIZED):
+        self.sock, self.limits = sock, limits
+        sock.settimeout(limits.io_timeout_s)  # a stalled peer ends the link (LinkClosed), never blocks it for good
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._scratch = bytearray(_SCRATCH_BYTES)
@@ -88,15 +92,27 @@ class SocketChannel:
             return None
         size = bytearray(_LEN.size)
         self._recv_exact(memoryview(size))
-        header = bytearray(_LEN.unpack(size)[0])
+        nbytes = _LEN.unpack(size)[0]
+        if nbytes > self.limits.max_header_bytes:  # refused before a byte of it is allocated
+            raise LinkClosed(f"frame header of {nbytes} B over the link's bound of {self.limits.max_header_bytes} B")
+        header = bytearray(nbytes)
         self._recv_exact(memoryview(header))
-        return decode_frame(header)
+        try:
+            return decode_frame(header)
+        except msgspec.DecodeError as err:  # a malformed frame ends the link like a dead peer
+            raise LinkClosed(f"malformed frame: {err}") from err
 
     def recv_into_views(self, views: list[np.ndarray]) -> None:
         for v in views:
             self._recv_exact(memoryview(v).cast("B"))
 
+    def check_payload(self, nbytes: int) -> None:
+        """A chunk payload larger than any chunk of this pool can be ends the link unread."""
+        if not 0 <= nbytes <= self.limits.max_payload_bytes:
+            raise LinkClosed(f"chunk payload of {nbytes} B over the link's bound of {self.limits.max_payload_bytes} B")
+
     def discard(self, nbytes: int) -> None:
+        self.check_payload(nbytes)
         view = memoryview(self._scratch)
         while nbytes > 0:
             step = min(nbytes, len(view))

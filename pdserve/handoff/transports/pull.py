@@ -42,6 +42,8 @@ class ShmPullSenderLink(SenderLink):
     """Announces the source pool with the first chunk and grants each transfer's blocks as its
     chunks need them; a chunk frame names the blocks to copy from."""
 
+    peer_reads_source = True  # the source keeps its blocks until the destination hung up
+
     def __init__(self, channel: SocketChannel, pool_shm_name: str, num_blocks: int,
                  extra: tuple[tuple[str, int], ...] = ()):
         super().__init__()

@@ -14,22 +14,32 @@ import numpy as np
 
 from pdserve.handoff.frames import ChunkFrame, Frame
 from pdserve.handoff.kvbytes import chunk_views
+from pdserve.handoff.limits import UNSIZED, LinkLimits
 from pdserve.handoff.transports.base import ChunkPayload, Landing, ReceiverLink, SenderLink
 from pdserve.handoff.transports.channels import SocketChannel
 
 _SOCKET_BUFFER_BYTES = 4 << 20
 
 
+_KEEPALIVE = (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3))  # a dead host is noticed in ~11 s
+
+
 def tune(sock: socket.socket) -> socket.socket:
+    """Large buffers, and keepalive so a peer host that vanished ends the link."""
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     return sock
 
 
 class TcpSenderLink(SenderLink):
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, limits: LinkLimits = UNSIZED):
         super().__init__()
-        self.channel = SocketChannel(tune(sock))
+        self.channel = SocketChannel(tune(sock), limits)
 
     def send(self, frame: Frame) -> None:
         self.traffic.record(header_bytes=self.channel.send_frame(frame), num_frames=1)
@@ -48,14 +58,15 @@ class TcpSenderLink(SenderLink):
 
 
 class TcpReceiverLink(ReceiverLink):
-    def __init__(self, sock: socket.socket, dst_raw: np.ndarray):
+    def __init__(self, sock: socket.socket, dst_raw: np.ndarray, limits: LinkLimits = UNSIZED):
         super().__init__()
-        self.channel = SocketChannel(tune(sock))
+        self.channel = SocketChannel(tune(sock), limits)
         self.dst_raw = dst_raw
 
     def recv(self, timeout_s: float, landing: Landing) -> Frame | None:
         frame = self.channel.recv_frame(timeout_s)
         if isinstance(frame, ChunkFrame):
+            self.channel.check_payload(frame.nbytes)  # before any grant: an absurd size ends the link
             blocks = landing(frame)
             if blocks is None:
                 self.channel.discard(frame.nbytes)

@@ -1,0 +1,181 @@
+"""Hostile and failing handoff peers against a served 1P1D cluster over TCP (issue 35).
+
+The peer is this test, on a real socket into the served decode worker's handoff listener:
+  * a 6-byte message claiming a 256 MiB frame header: the connection is closed before the worker
+    allocates it (the bound follows from the K/V ABI and the pool: handoff/limits.py), and the
+    listener goes on serving real handoffs;
+  * the prefill side of a request that stops in the middle of a chunk's payload (the router's
+    Prefill is held back from the real prefill worker and its signed plan used here: what a
+    SIGSTOP mid-payload looks like on the wire), then the client disconnects and a new request
+    arrives that needs the same blocks, and the late bytes land. The new request's tokens equal
+    one engine's: the aborted request's blocks came back only after its write ended.
+Every scenario ends at baseline with the router's leak check. The pool is tight on purpose (five
+blocks per worker): the aborted request's blocks are the only ones the next request can get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import time
+
+import pytest
+
+from pdserve.api.backend import FinishEvent, GenerationRequest, TokenEvent
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.handoff.frames import ChunkFrame, ManifestFrame, encode_frame
+from pdserve.handoff.trace import TraceSink
+from pdserve.handoff.transports.channels import _LEN
+from pdserve.workers import messages as m
+from pdserve.workers.handoff_io import HandoffSender
+from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+from tests.runtime.shared_cluster import SharedCluster
+
+TIGHT = EngineConfig(model="tiny", num_blocks=5)
+CLAIMED_HEADER_BYTES = 256 << 20
+STALL_AFTER_BYTES = 16  # the source stops 16 bytes into chunk 0: every later byte of it lands late
+
+
+@pytest.fixture(scope="module")
+def served():
+    cluster = SharedCluster(config(engine=TIGHT, transport="tcp"))
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib << 10
+
+
+def _closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    """True when the peer closed (EOF or reset) within `timeout_s`."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_an_oversized_frame_header_closes_the_link_unallocated_and_the_listener_serves_on(served, reference):
+    async def main(backend, launcher):
+        dest = backend.registered["decode-0"]
+        pid = launcher.pid("decode-0")
+        before = _rss_bytes(pid)
+        hostile = socket.create_connection(tuple(dest.handoff_address))
+        hostile.sendall(b"T" + struct.pack("<I", CLAIMED_HEADER_BYTES) + b"\x00")  # 6 bytes claiming 256 MiB
+        t0 = time.monotonic()
+        closed = await asyncio.to_thread(_closed_by_peer, hostile, 10.0)
+        closed_s, grown = time.monotonic() - t0, _rss_bytes(pid) - before
+        hostile.close()
+        assert closed, "the listener kept a connection that declared a 256 MiB header"
+        assert grown < 32 << 20, f"the worker grew by {grown >> 20} MiB for a 6-byte message"
+        assert closed_s < 5.0
+        for i, n in enumerate((20, 47)):  # real handoffs over the same listener afterwards
+            p, s = prompt(n, i), SamplingParams(max_tokens=6, ignore_eos=True)
+            ids, event = await collect(backend, f"after-{i}", p, s)
+            assert isinstance(event, FinishEvent) and ids == list(reference.generate([list(p)], s)[0].output_ids)
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+
+    served.run(main(served.backend, served.launcher))
+
+
+def _hold_prefill(monkeypatch, backend, rid: str) -> tuple[asyncio.Future, set[str]]:
+    """Test wrapper: the router's Prefill of `rid` never reaches the prefill worker; the future
+    gets it (with its signed transfer plan) so this test can act as that worker's sender. The set
+    collects the request ids of every Prefill sent (a Prefill follows a granted reservation)."""
+    held, send, prefills = asyncio.get_running_loop().create_future(), backend._send, set()
+
+    async def send_but_hold(worker_id: str, msg) -> bool:
+        if isinstance(msg, m.Prefill):
+            prefills.add(msg.request_id)
+            if msg.request_id == rid:
+                held.set_result((worker_id, msg))
+                return True
+        return await send(worker_id, msg)
+    monkeypatch.setattr(backend, "_send", send_but_hold)
+    return held, prefills
+
+
+async def _until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def _stall_mid_payload(backend, reference, worker_id: str, msg: m.Prefill) -> tuple[socket.socket, bytes]:
+    """Open the held request's link as its prefill worker would, send the manifest (with the
+    router's capability) and the first bytes of chunk 0's payload; returns the socket and the rest."""
+    src = backend.registered[worker_id]
+    sender = HandoffSender(worker_id, src.epoch, reference.pool, reference.identity, TraceSink(), on_done=None)
+    plan = msg.plan
+    manifest = sender.manifest_for(msg.request_id, msg.prompt_ids, plan, plan.tenant, "serialized")
+    spec = manifest.chunks[0]
+    first = encode_frame(ManifestFrame(manifest, plan.capability))
+    header = encode_frame(ChunkFrame(plan.transfer_id, manifest.fence, spec.chunk_id, spec.layer, spec.nbytes, 0))
+    payload = bytes([0x5A]) * spec.nbytes  # K/V nobody computed: no request may ever read it
+    sock = socket.create_connection(tuple(plan.dest_address))
+    sock.sendall(b"T" + _LEN.pack(len(first)) + first + _LEN.pack(len(header)) + header + payload[: STALL_AFTER_BYTES])
+    return sock, payload[STALL_AFTER_BYTES:]
+
+
+async def _consume(stream, tokens: list[int], started: asyncio.Event):
+    """Read `stream` to its terminal event, collecting tokens; `started` is set at the first."""
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+            started.set()
+        else:
+            return event
+    return None
+
+
+def test_disconnect_mid_payload_then_a_request_on_the_same_blocks_decodes_exactly(served, reference, monkeypatch):
+    async def main(backend, _launcher):
+        a = GenerationRequest("a", prompt(64, 11), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks + 1 growth
+        held, prefills = _hold_prefill(monkeypatch, backend, "a")
+        stream_a = backend.submit(a)
+        pending_a = asyncio.create_task(anext(stream_a))
+        worker_id, prefill = await asyncio.wait_for(held, 30)
+        sock, rest = await asyncio.to_thread(_stall_mid_payload, backend, reference, worker_id, prefill)
+        await asyncio.sleep(0.5)  # the listener admits the link and grants the chunk's landing
+        pending_a.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await pending_a
+        await stream_a.aclose()  # the client leaves: the router aborts "a" at the decode worker
+        # b (3 prompt blocks + 2 of growth) fits only in a's blocks: it gets a reservation (and its
+        # Prefill is sent) only where they came back at the abort; there b runs to its end first
+        b = GenerationRequest("b", prompt(47, 12), SamplingParams(max_tokens=24, ignore_eos=True))
+        tokens_b, started = [], asyncio.Event()
+        consumer = asyncio.create_task(_consume(backend.submit(b), tokens_b, started))
+        if await _until(lambda: "b" in prefills, 3.0):
+            await asyncio.wait_for(asyncio.shield(consumer), 120)
+        sock.sendall(rest)  # a's late bytes land
+        sock.close()
+        assert isinstance(await asyncio.wait_for(consumer, 120), FinishEvent)
+        await asyncio.sleep(0.5)  # the listener is done with a's link
+        # c repeats b's prompt: the decode worker's prefix cache serves its leading blocks
+        ids_c, event_c = await collect(backend, "c", b.prompt_ids, b.params)
+        assert isinstance(event_c, FinishEvent)
+        want = list(reference.generate([list(b.prompt_ids)], b.params)[0].output_ids)
+        assert tokens_b == want and ids_c == want
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+
+    served.run(main(served.backend, served.launcher))
