@@ -167,7 +167,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend.tetri = TetriRuntime(backend, reserve)
     backend.start()
     try:
-        launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
+        launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex,
+                       backend.control_auth.issue)
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         supervisor = asyncio.create_task(launcher.supervise())
         if config.mode == "splitwise":
@@ -198,7 +199,8 @@ class _Launcher:
         self.schedule = RestartSchedule(config.restart)
         self.clock = time.monotonic
 
-    def start(self, router_address: str, capability_key: str | None = None) -> None:
+    def start(self, router_address: str, capability_key: str | None = None, control_keys=None) -> None:
+        """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/control_auth.py)."""
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
@@ -207,9 +209,9 @@ class _Launcher:
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 
-            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs)
+            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs, control_keys=control_keys)
         else:
-            self.impl = LocalCluster(launch, router_address)
+            self.impl = LocalCluster(launch, router_address, control_keys)
         self.impl.start()
         for wid in self.impl.worker_ids():
             self.schedule.on_started(wid, 1, self.clock())

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.router.admission_retry import ADMISSION_POLL_S, AdmissionRetry, admission_waits
 from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
@@ -36,6 +38,7 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.control_auth import HANDSHAKE_EVENTS, ControlAuth, reject_reason
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -48,6 +51,7 @@ from pdserve.router.router import Router
 from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.workers import messages as m
 
+log = logging.getLogger("pdserve.router")
 
 
 class ClusterBackend:
@@ -64,10 +68,14 @@ class ClusterBackend:
                                       lambda: router.counters().pd_decisions, router.kv_index_stats)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
+        self.control_auth = ControlAuth()  # only keys it issued may connect (control_auth.py)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.control_auth.secure(self.sock)
+        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)  # refused handshakes, counted
         self.sock.bind(bind)
+        self.failed: str | None = None  # a router task that ended by an error: /health says unhealthy
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.is_dead = is_dead
         self.transport = transport
@@ -95,7 +103,19 @@ class ClusterBackend:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive_loop()), loop.create_task(self._watchdog())]
+        self.control_auth.start(self.ctx)
+        self._tasks = [loop.create_task(self._receive_loop(), name="receive"), loop.create_task(self._watchdog(), name="watchdog"),
+                       loop.create_task(self._monitor_loop(), name="control-monitor")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A router task must live as long as the backend: one that ends by an error marks it unhealthy."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failed = f"{task.get_name()}: {task.exception()!r}"
+        self.metrics.loop_failures.labels(task.get_name()).inc()
+        log.error("router task %s", self.failed, exc_info=task.exception())
 
     async def wait_for_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -110,6 +130,9 @@ class ClusterBackend:
             await self._send(wid, m.Shutdown())
         for task in self._tasks:
             task.cancel()
+        self.control_auth.stop()
+        self.sock.disable_monitor()
+        self._monitor.close()
         self.sock.close()
         self.trace.close()
 
@@ -135,6 +158,8 @@ class ClusterBackend:
         return self._tokenizer
 
     def healthy(self) -> bool:
+        if self.failed is not None:
+            return False
         roles = {w.role for w in self.registered.values()}
         return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
 
@@ -288,13 +313,25 @@ class ClusterBackend:
             return False
 
     async def _receive_loop(self) -> None:
+        """Every message from the control socket: one that fails authentication, decoding or its
+        handler is dropped and counted, never the end of this loop (control_auth.py)."""
         while True:
-            ident, data = await self.sock.recv_multipart()
-            try:
-                msg = m.decode_to_router(data)
-            except Exception:  # noqa: BLE001 - a malformed message must not stop the router
+            frames = await self.sock.recv_multipart(copy=False)
+            msg, reason = self.control_auth.accept(frames)
+            if msg is None:
+                self.metrics.control_rejects.labels(reason).inc()
                 continue
-            await self._on_message(msg)
+            try:
+                await self._on_message(msg)
+            except Exception:  # noqa: BLE001 - a message its handler cannot apply must not stop the router
+                self.metrics.control_rejects.labels("invalid").inc()
+                log.exception("router: dropped %s from %s", type(msg).__name__, msg.worker_id)
+
+    async def _monitor_loop(self) -> None:
+        """Handshakes the socket refused: no CURVE, not ZMTP, or a key this router did not issue."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            self.metrics.control_rejects.labels(reject_reason(event["event"])).inc()
 
     def _current(self, msg) -> bool:
         reg = self.registered.get(msg.worker_id)
