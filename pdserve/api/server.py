@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
@@ -78,7 +79,8 @@ class ServeConfig:
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
-    admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
+    admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
     tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
@@ -90,6 +92,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.kv_index_max_entries < 1:
             raise ValueError(f"--kv-index-max-entries must be >= 1, got {self.kv_index_max_entries}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
         PdPolicy(self.pd_decision, self.pd_min_prompt_tokens)  # raises on a bad mode or floor
@@ -284,7 +288,8 @@ async def serve(config: ServeConfig) -> None:
         from pdserve.api.tenants import load_api_keys
 
         keys = load_api_keys(config.api_keys) if config.api_keys else None
-        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys)
+        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys,
+                         max_request_body_bytes=config.max_request_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         await server.serve()
