@@ -13,15 +13,17 @@ dropped:
     decode      the body is not a worker -> router message
     identity    the message names another worker than its key's, or its routing id does
     epoch       a Register under another epoch than the key's (a role change advances it: `advance`)
-Handshake failures seen by the socket monitor are `reject_reason(event)`: a client without CURVE or
-not speaking ZMTP (`handshake`), a key the ZAP handler refused (`unknown_key`). Every reject is
-counted by reason (`pdserve_control_rejects_total`, router/metrics.py); none ends a loop.
+Before any message: every handshake the socket refuses (no CURVE, not ZMTP, a refused key: the
+socket monitor, which cannot always tell these apart) counts as `handshake`, and each key the ZAP
+handler refuses also as `unknown_key` (`on_refused`). Every reject is counted by reason
+(`pdserve_control_rejects_total`, router/metrics.py); none ends a loop.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -42,7 +44,8 @@ class _Binding:
 
 
 class ControlAuth:
-    def __init__(self):
+    def __init__(self, on_refused: Callable[[str], None] = lambda reason: None):
+        self.on_refused = on_refused  # counts a key the ZAP handler refused (from its thread)
         self.server_public, self._server_secret = zmq.curve_keypair()
         self.domain = f"pdserve-{secrets.token_hex(8)}"
         self._bindings: dict[bytes, _Binding] = {}  # issued client public key (Z85) -> its worker
@@ -59,6 +62,11 @@ class ControlAuth:
             self._bindings[public] = _Binding(worker_id, epoch)
         return ControlKeys(self.server_public, public, secret)
 
+    def revoke(self, worker_id: str) -> None:
+        """`worker_id`'s key admits nothing from now on (new connections and messages alike)."""
+        with self._lock:
+            self._bindings.pop(self._keys.pop(worker_id, b""), None)
+
     def advance(self, worker_id: str, epoch: int) -> None:
         """The router moved a live worker to `epoch` (ChangeRole): its key may register under it."""
         with self._lock:
@@ -72,7 +80,10 @@ class ControlAuth:
 
     def callback(self, domain: str, key: bytes) -> bool:
         """The ZAP handler's question (its thread): may this CURVE client key connect?"""
-        return domain == self.domain and self.is_issued(key)
+        allowed = domain == self.domain and self.is_issued(key)
+        if not allowed:
+            self.on_refused("unknown_key")
+        return allowed
 
     # ---- the socket -----------------------------------------------------------------------
     def secure(self, sock: zmq.Socket) -> None:
@@ -111,11 +122,6 @@ class ControlAuth:
         if isinstance(msg, m.Register) and msg.epoch != binding.epoch:
             return None, "epoch"
         return msg, ""
-
-
-def reject_reason(event: int) -> str:
-    """A socket monitor's handshake failure -> its reject reason."""
-    return "unknown_key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake"
 
 
 def _user_id(frame) -> bytes:

@@ -38,7 +38,7 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.router import frontend_events as ev
 from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
-from pdserve.router.control_auth import HANDSHAKE_EVENTS, ControlAuth, reject_reason
+from pdserve.router.control_auth import HANDSHAKE_EVENTS, ControlAuth
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -68,14 +68,15 @@ class ClusterBackend:
                                       lambda: router.counters().pd_decisions, router.kv_index_stats)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
-        self.control_auth = ControlAuth()  # only keys it issued may connect (control_auth.py)
+        self.control_auth = ControlAuth(lambda reason: self.metrics.control_rejects.labels(reason).inc())  # control_auth.py
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control_auth.secure(self.sock)
         self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)  # refused handshakes, counted
         self.sock.bind(bind)
-        self.failed: str | None = None  # a router task that ended by an error: /health says unhealthy
+        self.failed: str | None = None  # a router task that ended before close: /health says unhealthy
+        self._closing = False
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.is_dead = is_dead
         self.transport = transport
@@ -110,12 +111,14 @@ class ClusterBackend:
             task.add_done_callback(self._task_ended)
 
     def _task_ended(self, task: asyncio.Task) -> None:
-        """A router task must live as long as the backend: one that ends by an error marks it unhealthy."""
-        if task.cancelled() or task.exception() is None:
+        """A router task must live as long as the backend: one that ends before `close` (an error,
+        or cancelled by anything else) marks it unhealthy."""
+        if self._closing:
             return
-        self.failed = f"{task.get_name()}: {task.exception()!r}"
+        error = None if task.cancelled() else task.exception()
+        self.failed = f"{task.get_name()}: {'cancelled' if task.cancelled() else repr(error)}"
         self.metrics.loop_failures.labels(task.get_name()).inc()
-        log.error("router task %s", self.failed, exc_info=task.exception())
+        log.error("router task ended: %s", self.failed, exc_info=error)
 
     async def wait_for_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -126,12 +129,14 @@ class ClusterBackend:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        self._closing = True
         for wid in list(self.registered):
             await self._send(wid, m.Shutdown())
         for task in self._tasks:
             task.cancel()
         self.control_auth.stop()
-        self.sock.disable_monitor()
+        if not self.sock.closed:
+            self.sock.disable_monitor()
         self._monitor.close()
         self.sock.close()
         self.trace.close()
@@ -330,8 +335,8 @@ class ClusterBackend:
     async def _monitor_loop(self) -> None:
         """Handshakes the socket refused: no CURVE, not ZMTP, or a key this router did not issue."""
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            self.metrics.control_rejects.labels(reject_reason(event["event"])).inc()
+            parse_monitor_message(await self._monitor.recv_multipart())
+            self.metrics.control_rejects.labels("handshake").inc()
 
     def _current(self, msg) -> bool:
         reg = self.registered.get(msg.worker_id)
