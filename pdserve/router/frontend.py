@@ -3,7 +3,8 @@
 Contract: implements the API's `Backend`. One asyncio task receives every worker message and
 applies it, only from keys this router issued and only as the worker its key names
 (control_auth.py): anything else is dropped and counted, never the end of the task, and a router
-task that ends before `close` makes `healthy()` false; `submit` drives one request through its life cycle (messages.py):
+task that ends before `close` makes `healthy()` false. `submit` drives one request through its
+life cycle (messages.py):
     route (early rejection -> Rejection, no prefill work spent)
     disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
         (both sent by frontend_start.py) -> first token from P (TTFT) -> StartDecode at D
