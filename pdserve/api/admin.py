@@ -1,8 +1,10 @@
 """Admin endpoints: live disable/enable of disaggregation, the rollback drill, the release state.
 
-Contract: mounted only when the server is given `--admin-token T`; every call must carry
+Contract: mounted only when the server is given an admin token (`--admin-token-file FILE` or
+$PDSERVE_ADMIN_TOKEN, never argv: commands/serve.py); every call must carry
 `Authorization: Bearer T` (compared in constant time; a missing or wrong token answers 401 with
-the OpenAI error body, and the token is never logged). The backend must run a router
+the OpenAI error body, and the token is never logged). The token is checked before the body is
+read (api/http_guard.py): an unauthenticated call answers 401 whatever its body. The backend must run a router
 (`pdserve serve`); the work itself is router/release.py's:
 
     GET  /admin/state                                   release state, disaggregation, route epoch
@@ -35,8 +37,8 @@ class DisaggregationBody(BaseModel):
     enabled: bool
 
 
-def _authorize(request: Request, token: str) -> None:
-    header = request.headers.get("authorization", "")
+def check_admin_token(header: str, token: str) -> None:
+    """Raise 401 unless `header` is `Bearer <token>` (http_guard.py runs it before the body is read)."""
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'",
@@ -66,9 +68,9 @@ def install_admin_routes(app: FastAPI, backend, token: str) -> None:
     app.state.release = control
 
     def authorized(request: Request) -> None:
-        _authorize(request, token)
+        check_admin_token(request.headers.get("authorization", ""), token)
 
-    guard = [Depends(authorized)]  # a dependency: checked before the body is read
+    guard = [Depends(authorized)]  # again here (the app's HttpGuard checked it before the body was read)
 
     @app.get("/admin/state", tags=["admin"], dependencies=guard, responses=errors(401))
     async def admin_state() -> dict:

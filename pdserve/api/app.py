@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.api.backend import Backend, ErrorEvent
 from pdserve.api import openapi_doc
 from pdserve.api.errors import from_event_code, install_error_handlers
+from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, HttpGuard
 from pdserve.api.openapi_doc import METRICS_RESPONSE, errors
 from pdserve.api.lifecycle import ClientDisconnected, RequestStream, until_disconnected
 from pdserve.api.choices import Choices
@@ -46,11 +47,13 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
 
 
 def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-               api_keys: dict[str, str] | None = None) -> FastAPI:
+               api_keys: dict[str, str] | None = None,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving `backend`; the caller owns the backend's start and close. With
     `admin_token`, the /admin endpoints are mounted (admin.py). `max_logprobs` caps the top
     logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant),
-    generation needs a key and runs in its tenant (tenants.py)."""
+    generation needs a key and runs in its tenant (tenants.py). Credentials and the body limit
+    are checked before any route reads the body (http_guard.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     app.state.max_logprobs = max_logprobs
@@ -58,11 +61,14 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
     install_error_handlers(app)
     openapi_doc.install(app)
     if admin_token is not None:
-        from pdserve.api.admin import install_admin_routes
+        from pdserve.api.admin import check_admin_token, install_admin_routes
 
         install_admin_routes(app, backend, admin_token)
 
     tenants = TenantResolver(api_keys)  # whose prefix cache a request uses (tenants.py)
+    admin_check = None if admin_token is None else (lambda header: check_admin_token(header, admin_token))
+    app.add_middleware(HttpGuard, max_body_bytes=max_request_body_bytes, admin=admin_check,
+                       api_key=tenants.authenticate if tenants.keyed else None)
 
     @app.post("/v1/completions", responses=errors(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
@@ -85,7 +86,8 @@ class ServeConfig:
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
     # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
-    admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token
+    admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
     tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
@@ -97,6 +99,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.kv_index_max_entries < 1:
             raise ValueError(f"--kv-index-max-entries must be >= 1, got {self.kv_index_max_entries}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
         if not self.heartbeat_timeout_s >= 1.0 or self.max_reroutes < 0:
@@ -190,7 +194,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend.tetri = TetriRuntime(backend, reserve)
     backend.start()
     try:
-        launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex)
+        launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex,
+                       backend.control_auth.issue)
         await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
         supervisor = asyncio.create_task(launcher.supervise())
         if config.mode == "splitwise":
@@ -221,7 +226,8 @@ class _Launcher:
         self.schedule = RestartSchedule(config.restart)
         self.clock = time.monotonic
 
-    def start(self, router_address: str, capability_key: str | None = None) -> None:
+    def start(self, router_address: str, capability_key: str | None = None, control_keys=None) -> None:
+        """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/control_auth.py)."""
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
@@ -230,9 +236,9 @@ class _Launcher:
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 
-            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs)
+            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs, control_keys=control_keys)
         else:
-            self.impl = LocalCluster(launch, router_address)
+            self.impl = LocalCluster(launch, router_address, control_keys)
         self.impl.start()
         for wid in self.impl.worker_ids():
             self.schedule.on_started(wid, 1, self.clock())
@@ -321,7 +327,8 @@ async def serve(config: ServeConfig) -> None:
         from pdserve.api.tenants import load_api_keys
 
         keys = load_api_keys(config.api_keys) if config.api_keys else None
-        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys)
+        app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys,
+                         max_request_body_bytes=config.max_request_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
         if config.mode != "colocated":

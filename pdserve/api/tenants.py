@@ -52,6 +52,14 @@ class TenantResolver:
     def __init__(self, keys: dict[str, str] | None = None):
         self._keys = [(k.encode(), t) for k, t in (keys or {}).items()]
 
+    @property
+    def keyed(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Raise 401 unless the header carries a configured key (http_guard.py: before the body is read)."""
+        self._key_tenant(authorization)
+
     def tenant(self, authorization: str | None, cache_salt: str | None) -> str:
         base = self._key_tenant(authorization) if self._keys else None
         if cache_salt is None:

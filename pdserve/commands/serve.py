@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.workers.tp_rank import add_tp_flags, shape_from_args
 
+ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
 
 
@@ -121,9 +125,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="KEY -> TENANT file (JSON object or 'KEY TENANT' lines): generation needs "
                         "'Authorization: Bearer KEY', and K/V is reused only within the key's tenant")
-    p.add_argument("--admin-token", default=None, metavar="T",
+    p.add_argument("--admin-token-file", default=None, metavar="FILE",
                    help="mount /admin/* (live disable of disaggregation, rollback, release state) behind "
-                        "'Authorization: Bearer T'; off without it")
+                        f"'Authorization: Bearer T', T read from FILE (or from ${ADMIN_TOKEN_ENV}); off without either")
+    p.add_argument("--admin-token", default=None, metavar="T",
+                   help=f"deprecated: the token is visible in `ps`; use --admin-token-file or ${ADMIN_TOKEN_ENV}")
+    p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
+                   help="HTTP request bodies above N bytes answer 413, checked while the body streams in "
+                        "(default 4 MiB: api/http_guard.py)")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="the most top logprobs a request may ask for (completions logprobs, chat top_logprobs); more is a 400")
     p.add_argument("--no-restart", action="store_true",
@@ -197,7 +206,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         lease_s=args.lease_s, heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 10.0),
         max_reroutes=getattr(args, "max_reroutes", 2),
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-        pd_profile=args.pd_profile, admin_token=getattr(args, "admin_token", None),
+        pd_profile=args.pd_profile, admin_token=admin_token(args),
+        **({"max_request_body_bytes": args.max_request_body_bytes} if getattr(args, "max_request_body_bytes", None) else {}),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
         prefill_runahead=getattr(args, "prefill_runahead", 0), runahead_min_tokens=getattr(args, "runahead_min_tokens", 1024),
@@ -253,6 +263,20 @@ def check_predictor(config) -> None:
     from pdserve.router.reserve_mode import load_policy
 
     load_policy(config.reserve, config.predictor, resolve_model(config.engine.model))
+
+
+def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The admin token from --admin-token-file or $PDSERVE_ADMIN_TOKEN, never from argv (`ps` shows
+    argv to every user); the deprecated --admin-token still works, with a warning."""
+    path, given, env = getattr(args, "admin_token_file", None), getattr(args, "admin_token", None), environ.get(ADMIN_TOKEN_ENV)
+    if sum(x is not None for x in (path, given, env)) > 1:
+        raise ValueError(f"give the admin token once: --admin-token-file, ${ADMIN_TOKEN_ENV} or --admin-token")
+    if given is not None:
+        print(f"warning: --admin-token is visible in `ps`; use --admin-token-file or ${ADMIN_TOKEN_ENV}", file=sys.stderr)
+    token = Path(path).read_text().strip() if path is not None else (env if env is not None else given)
+    if token is not None and not token.strip():
+        raise ValueError("the admin token is empty")
+    return token
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,7 +1,10 @@
 """The router process's serving backend: the control plane wired to worker processes over zmq.
 
 Contract: implements the API's `Backend`. One asyncio task receives every worker message and
-applies it; `submit` drives one request through its life cycle (messages.py):
+applies it, only from keys this router issued and only as the worker its key names
+(control_auth.py): anything else is dropped and counted, never the end of the task, and a router
+task that ends before `close` makes `healthy()` false. `submit` drives one request through its
+life cycle (messages.py):
     route (early rejection -> Rejection, no prefill work spent)
     disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
         (both sent by frontend_start.py) -> first token from P (TTFT) -> StartDecode at D
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.router.admission_retry import ADMISSION_POLL_S, AdmissionRetry, admission_waits
 from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
@@ -38,6 +43,7 @@ from pdserve.router import frontend_upkeep as upkeep
 from pdserve.router.capabilities import CapabilityIssuer
 from pdserve.router.control_acks import ControlAcks
 from pdserve.router.decode_clocks import ItlWindows
+from pdserve.router.control_auth import HANDSHAKE_EVENTS, ControlAuth
 from pdserve.router.inflight import InFlight, RequestTraceWriter
 from pdserve.router.kv_inbox import KvInbox
 from pdserve.router.kv_index import hash_key
@@ -50,6 +56,7 @@ from pdserve.router.router import Router
 from pdserve.router.tetri_runtime import TetriRuntime
 from pdserve.workers import messages as m
 
+log = logging.getLogger("pdserve.router")
 
 
 class ClusterBackend:
@@ -66,10 +73,15 @@ class ClusterBackend:
                                       lambda: router.counters().pd_decisions, router.kv_index_stats)
         self.trace = RequestTraceWriter(trace_path)
         self.ctx = zmq.asyncio.Context.instance()
+        self.control_auth = ControlAuth(lambda reason: self.metrics.control_rejects.labels(reason).inc())  # control_auth.py
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.control_auth.secure(self.sock)
+        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)  # refused handshakes, counted
         self.sock.bind(bind)
+        self.failed: str | None = None  # a router task that ended before close: /health says unhealthy
+        self._closing = False
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.is_dead = is_dead
         self.transport = transport
@@ -107,7 +119,21 @@ class ClusterBackend:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive_loop()), loop.create_task(self._watchdog())]
+        self.control_auth.start(self.ctx)
+        self._tasks = [loop.create_task(self._receive_loop(), name="receive"), loop.create_task(self._watchdog(), name="watchdog"),
+                       loop.create_task(self._monitor_loop(), name="control-monitor")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A router task must live as long as the backend: one that ends before `close` (an error,
+        or cancelled by anything else) marks it unhealthy."""
+        if self._closing:
+            return
+        error = None if task.cancelled() else task.exception()
+        self.failed = f"{task.get_name()}: {'cancelled' if task.cancelled() else repr(error)}"
+        self.metrics.loop_failures.labels(task.get_name()).inc()
+        log.error("router task ended: %s", self.failed, exc_info=error)
 
     async def wait_for_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,10 +144,15 @@ class ClusterBackend:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        self._closing = True
         for wid in list(self.registered):
             await self._send(wid, m.Shutdown())
         for task in self._tasks:
             task.cancel()
+        self.control_auth.stop()
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+        self._monitor.close()
         self.sock.close()
         self.trace.close()
 
@@ -147,6 +178,8 @@ class ClusterBackend:
         return self._tokenizer
 
     def healthy(self) -> bool:
+        if self.failed is not None:
+            return False
         roles = {w.role for w in self.registered.values()}
         return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
 
@@ -301,13 +334,25 @@ class ClusterBackend:
             return False
 
     async def _receive_loop(self) -> None:
+        """Every message from the control socket: one that fails authentication, decoding or its
+        handler is dropped and counted, never the end of this loop (control_auth.py)."""
         while True:
-            ident, data = await self.sock.recv_multipart()
-            try:
-                msg = m.decode_to_router(data)
-            except Exception:  # noqa: BLE001 - a malformed message must not stop the router
+            frames = await self.sock.recv_multipart(copy=False)
+            msg, reason = self.control_auth.accept(frames)
+            if msg is None:
+                self.metrics.control_rejects.labels(reason).inc()
                 continue
-            await self._on_message(msg)
+            try:
+                await self._on_message(msg)
+            except Exception:  # noqa: BLE001 - a message its handler cannot apply must not stop the router
+                self.metrics.control_rejects.labels("invalid").inc()
+                log.exception("router: dropped %s from %s", type(msg).__name__, msg.worker_id)
+
+    async def _monitor_loop(self) -> None:
+        """Handshakes the socket refused: no CURVE, not ZMTP, or a key this router did not issue."""
+        while True:
+            parse_monitor_message(await self._monitor.recv_multipart())
+            self.metrics.control_rejects.labels("handshake").inc()
 
     def _current(self, msg) -> bool:
         reg = self.registered.get(msg.worker_id)

@@ -155,6 +155,9 @@ class ReservationMetrics:
         self.coverage.set(self._covered / self._predicted)
 
 
+CONTROL_REJECTS = ("frames", "unknown_key", "decode", "identity", "epoch", "invalid", "handshake")
+
+
 class RuntimeMetrics:
     def __init__(self, route_counts: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  worker_roles: Callable[[], Iterable[str]] = tuple,
@@ -203,6 +206,12 @@ class RuntimeMetrics:
                                     "not started again; workers/supervisor.py)", ["worker"], registry=r)
         self.reroute_limits = Counter("pdserve_reroute_limit", "Requests ended with max_reroutes: their route broke "
                                       "once more after --max-reroutes moves", registry=r)
+        self.control_rejects = Counter("pdserve_control_rejects", "Control-socket connections and messages dropped, "
+                                       "by reason (router/control_auth.py)", ["reason"], registry=r)
+        for reason in CONTROL_REJECTS:  # every reason is exposed, at 0 until a reject
+            self.control_rejects.labels(reason)
+        self.loop_failures = Counter("pdserve_router_loop_failures", "Router tasks that ended by an error "
+                                     "(/health answers 503 after one)", ["task"], registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token (sent to the client)", buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS_S, registry=r)
         self.queue_depth = Gauge("pdserve_queue_pending_prompt_tokens", "Pending prompt tokens", ["worker"], registry=r)

@@ -74,6 +74,7 @@ async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float
         await asyncio.sleep(POLL_S)
     drain_s, left = time.monotonic() - t0, len(holders(backend, worker_id))
     epoch = reg.epoch + 1
+    backend.control_auth.advance(worker_id, epoch)  # its key may register under the new epoch
     await backend._send(worker_id, m.ChangeRole(role, epoch))
     await _until_live(backend, worker_id, role, epoch, register_timeout_s)
     backend.metrics.role_changes.labels(reg.role, role).inc()

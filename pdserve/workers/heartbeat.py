@@ -21,6 +21,7 @@ import time
 import zmq
 
 from pdserve.workers import messages as m
+from pdserve.workers.control_keys import secure
 
 log = logging.getLogger("pdserve.worker")
 
@@ -30,6 +31,7 @@ def heartbeat_loop(worker) -> None:
     sock = worker.ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"{worker.id}#hb".encode())
     sock.setsockopt(zmq.LINGER, 0)
+    secure(sock, worker.control_keys)  # the same CURVE key as the worker's main socket
     sock.connect(worker.config.router_address)
     parent = os.getppid()
     while worker.running:

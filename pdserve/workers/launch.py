@@ -17,9 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.workers.control_keys import ENV as CONTROL_KEYS_ENV
+from pdserve.workers.control_keys import ControlKeys
 from pdserve.workers.main import encode_config
 from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
 from pdserve.workers.worker import WorkerConfig
@@ -70,8 +73,10 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
 
 
 class LocalCluster:
-    def __init__(self, launch: LaunchConfig, router_address: str):
+    def __init__(self, launch: LaunchConfig, router_address: str,
+                 control_keys: Callable[[str, int], ControlKeys] | None = None):
         self.launch = launch
+        self.control_keys = control_keys  # the router's key issuer: one key pair per (worker, epoch)
         self.configs = worker_configs(launch, router_address)
         self.procs: dict[str, subprocess.Popen] = {}
         self._reported: set[str] = set()
@@ -85,7 +90,10 @@ class LocalCluster:
 
     def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
-        self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        env = dict(os.environ)
+        if self.control_keys is not None:  # in the environment, not argv: `ps` shows argv to everyone
+            env[CONTROL_KEYS_ENV] = self.control_keys(cfg.worker_id, cfg.epoch).to_env()
+        self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
     def restart(self, worker_id: str, epoch: int) -> None:
         """Start a dead worker again under `epoch` (same id, role, cores and config otherwise)."""

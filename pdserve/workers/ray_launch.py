@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.workers.control_keys import ControlKeys
 from pdserve.workers.launch import LaunchConfig, worker_configs
 from pdserve.workers.tp_rank import worker_width
 from pdserve.workers.worker import WorkerConfig, serve_worker
@@ -43,13 +45,16 @@ class Placement:
 
 @ray.remote
 class WorkerActor:
+    def __init__(self, control_keys: ControlKeys | None = None):
+        self.control_keys = control_keys  # this incarnation's CURVE keys (control_keys.py), never in a config
+
     def describe(self, model_dir: str) -> Placement:
         ctx = ray.get_runtime_context()
         return Placement(os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address(), os.path.isdir(model_dir))
 
     def run(self, config: WorkerConfig) -> None:
         """Serves until the router sends Shutdown; returns (or raises) when the worker ends."""
-        serve_worker(config)
+        serve_worker(config, self.control_keys)
 
 
 def group_workers(worker_ids: list[str], pack_pairs: bool) -> list[tuple[str, list[str]]]:
@@ -83,8 +88,10 @@ def connect(ray_address: str | None) -> bool:
 
 class RayCluster:
     def __init__(self, launch: LaunchConfig, router_address: str, ray_address: str | None = None,
-                 pack_pairs: bool = False, cpus_per_worker: float | None = None, placement_timeout_s: float = 120.0):
+                 pack_pairs: bool = False, cpus_per_worker: float | None = None, placement_timeout_s: float = 120.0,
+                 control_keys: Callable[[str, int], ControlKeys] | None = None):
         self.launch = launch
+        self.control_keys = control_keys  # the router's key issuer: one key pair per (worker, epoch)
         self.ray_address, self.pack_pairs = ray_address, pack_pairs
         self.placement_timeout_s = placement_timeout_s
         # Ray does not hand out specific cores: built unpinned (no affinity, TP ranks unpinned);
@@ -126,15 +133,16 @@ class RayCluster:
     def worker_ids(self) -> list[str]:
         return list(self.configs)
 
-    def _new_actor(self, worker_id: str) -> ray.actor.ActorHandle:
+    def _new_actor(self, worker_id: str, epoch: int = 1) -> ray.actor.ActorHandle:
         pg, index = self.bundles[worker_id]
         in_group = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-        return WorkerActor.options(num_cpus=self.cpus[worker_id], scheduling_strategy=in_group).remote()
+        keys = self.control_keys(worker_id, epoch) if self.control_keys is not None else None
+        return WorkerActor.options(num_cpus=self.cpus[worker_id], scheduling_strategy=in_group).remote(keys)
 
     def restart(self, worker_id: str, epoch: int) -> None:
         """A new actor in the dead worker's bundle, run under `epoch` (supervisor.py decides when)."""
         ray.kill(self.actors[worker_id], no_restart=True)
-        actor = self.actors[worker_id] = self._new_actor(worker_id)
+        actor = self.actors[worker_id] = self._new_actor(worker_id, epoch)
         self.placements[worker_id] = ray.get(actor.describe.remote(self.launch.engine.model))
         self.runs[actor.run.remote(replace(self._placed_config(worker_id), epoch=epoch))] = worker_id
 

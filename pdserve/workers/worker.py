@@ -40,6 +40,8 @@ from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
+from pdserve.workers.control_keys import ControlKeys, secure
+from pdserve.workers.control_keys import from_env as control_keys_from_env
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.fetch import FetchSide
 from pdserve.workers.heartbeat import heartbeat, heartbeat_loop
@@ -80,8 +82,10 @@ def pin_threads(config: WorkerConfig) -> None:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, control_keys: ControlKeys | None = None):
         pin_threads(config)
+        # the router's CURVE keys for this incarnation, never in argv (control_keys.py)
+        self.control_keys = control_keys or control_keys_from_env()
         self.config, self.id, self.epoch = config, config.worker_id, config.epoch
         # every pool is shared (pull transfers read it): mode 0600 and an unguessable name (docs/security.md)
         shm = f"pdserve-{config.worker_id}-{os.getpid()}-{secrets.token_hex(16)}"
@@ -105,6 +109,7 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure(self.sock, self.control_keys)
         self.sock.connect(config.router_address)
         self.running = True
         self.applied_grant_seq = 0
@@ -395,11 +400,11 @@ def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:
     return replace(config, kv_shm_name=shm_name)
 
 
-def serve_worker(config: WorkerConfig) -> None:
+def serve_worker(config: WorkerConfig, control_keys: ControlKeys | None = None) -> None:
     """Process entry point (multiprocessing target or Ray actor body). A machine that cannot keep
     rows batch-invariant ends the worker with one clear line instead of serving inexactly."""
     try:
-        worker = Worker(config)
+        worker = Worker(config, control_keys)
     except BatchInvarianceError as exc:
         print(f"pdserve worker {config.worker_id}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
