@@ -65,6 +65,38 @@ def tile_map(decode_tables: list[list[int]], decode_lens: list[int], chunks: lis
 
 
 @triton.jit
+def _key_block(table, start, n_keys, k_ptr, v_ptr, d, dk, kv_head, stride_kn, stride_kb, stride_kh,
+               BLOCK: tl.constexpr, KEYS: tl.constexpr):
+    """Keys start..start + KEYS of one sequence, gathered through its block table: (j, inside, k, v)."""
+    j = start + tl.arange(0, KEYS)
+    inside = j < n_keys
+    block = tl.load(table + j // BLOCK, mask=inside, other=0).to(tl.int64)
+    slot = block * stride_kn + (j % BLOCK) * stride_kb + kv_head * stride_kh
+    k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)  # [KEYS, DP]
+    v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)
+    return j, inside, k, v
+
+
+@triton.jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale2, IEEE: tl.constexpr):
+    """One key block of the online softmax: scores where `visible`, -inf elsewhere (exact zeros)."""
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # [rows, KEYS] fp32
+    s = tl.where(visible, qk * scale2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, tile_pos, stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_kn, stride_kb, stride_kh, stride_table, scale2, GROUP: tl.constexpr, GP: tl.constexpr,
                   BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
@@ -82,26 +114,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, tile_pos, stride_qt, s
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, DP), tl.float32)
     for start in range(0, n_keys, KEYS):
-        j = start + tl.arange(0, KEYS)
-        inside = j < n_keys
-        block = tl.load(table + j // BLOCK, mask=inside, other=0).to(tl.int64)
-        slot = block * stride_kn + (j % BLOCK) * stride_kb + kv_head * stride_kh
-        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)  # [KEYS, DP]
-        v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [GP, KEYS] fp32
-        s = tl.where(inside[None, :], qk * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        j, inside, k, v = _key_block(table, start, n_keys, k_ptr, v_ptr, d, dk, kv_head, stride_kn, stride_kb,
+                                     stride_kh, BLOCK, KEYS)
+        m_i, l_i, acc = _softmax_step(q, k, v, inside[None, :], m_i, l_i, acc, scale2, IEEE)
     out = acc / l_i[:, None]
     tl.store(o_ptr + row64 * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=(g[:, None] < GROUP) & dk[None, :])
@@ -132,26 +147,9 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, tile_seq, tile_row, t
     n_keys = pos0 + rows
     table = tables_ptr + seq.to(tl.int64) * stride_table
     for start in range(0, n_keys, KEYS):
-        j = start + tl.arange(0, KEYS)
-        inside = j < n_keys
-        block = tl.load(table + j // BLOCK, mask=inside, other=0).to(tl.int64)
-        slot = block * stride_kn + (j % BLOCK) * stride_kb + kv_head * stride_kh
-        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)  # [KEYS, DP]
-        v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=inside[:, None] & dk[None, :], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [TILE, KEYS] fp32
-        s = tl.where(j[None, :] <= pos[:, None], qk * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        j, inside, k, v = _key_block(table, start, n_keys, k_ptr, v_ptr, d, dk, kv_head, stride_kn, stride_kb,
+                                     stride_kh, BLOCK, KEYS)
+        m_i, l_i, acc = _softmax_step(q, k, v, j[None, :] <= pos[:, None], m_i, l_i, acc, scale2, IEEE)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=live[:, None] & dk[None, :])
