@@ -126,3 +126,32 @@ def test_a_request_whose_workers_keep_dying_ends_after_max_reroutes():
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_restarted_worker_that_hangs_before_it_registers_is_ended_and_started_again():
+    """A restart that never registers (stopped, or stuck loading) sends no heartbeat, so the
+    heartbeat watchdog never sees it: past the policy's registration timeout it is ended like a
+    hung worker and started again under its next epoch."""
+    policy = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0, register_timeout_s=15.0)
+
+    async def main():
+        async with cluster(config(num_decode=2, restart=policy)) as (backend, launcher):
+            first = launcher.pid("decode-1")
+            launcher.kill("decode-1")
+            await until(lambda: launcher.pid("decode-1") != first, 30, "decode-1 started again")
+            stuck = launcher.pid("decode-1")
+            os.kill(stuck, signal.SIGSTOP)  # hangs while it loads: it never registers
+            try:
+                await until(lambda: _gone(stuck), 60, "the restart that never registered was ended")
+                await until(lambda: any(w.id == "decode-1" and w.state == "live" and w.epoch >= 3 and w.load
+                                        for w in backend.workers()), 60, "decode-1 replaced again")
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stuck, signal.SIGKILL)
+            assert "decode-1" not in launcher.failed()
+            ids, event = await collect(backend, "after", prompt(24, 4), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
