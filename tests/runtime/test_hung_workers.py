@@ -155,3 +155,31 @@ def test_a_restarted_worker_that_hangs_before_it_registers_is_ended_and_started_
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_lost_worker_leaves_no_load_gauges_behind():
+    """Per-worker load gauges describe live incarnations only: once a worker dies (here FAILED
+    at once, so never registered again) /metrics must not keep showing its last batch and the
+    blocks its requests held."""
+    policy = RestartPolicy(max_crashes=1)
+
+    async def main():
+        async with cluster(config(num_decode=2, restart=policy)) as (backend, launcher):
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            tasks = [asyncio.create_task(collect(backend, f"r{i}", prompt(24, i), params)) for i in range(4)]
+            await until(lambda: (load := backend.loads.get("decode-1")) is not None and load.active_decode > 0, 60,
+                        "decode-1 reports a decode batch")
+            launcher.kill("decode-1")
+            await until(lambda: "decode-1" in launcher.failed() and "decode-1" not in backend.registered, 30,
+                        "decode-1 failed")
+            await until(lambda: 'pdserve_workers_failed{worker="decode-1"} 1.0' in backend.metrics_text().decode(), 10)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            text = backend.metrics_text().decode()
+            stale = [line for line in text.splitlines() if 'worker="decode-1"' in line
+                     and not line.startswith(("#", "pdserve_workers_failed"))]
+            assert stale == [], stale
+            assert 'pdserve_free_blocks{worker="decode-0"}' in text  # the live one still reports
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
