@@ -8,7 +8,8 @@ down. While it runs, a supervisor task starts every dead worker again under its 
 the backoff of `config.restart` (`--no-restart` turns it off; past its crash-loop limit a worker
 is FAILED and stays down); the router learns of the death through `launcher.dead` and of the new
 incarnation when it registers. A worker the router retires for missed heartbeats (hung, e.g.
-SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one.
+SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one; so is
+a restart that did not register within the policy's `register_timeout_s` (it sends no heartbeat).
 `serve(config)` runs uvicorn on top.
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +48,8 @@ from pdserve.router.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 from pdserve.workers.tp_rank import TpShape
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -252,13 +256,18 @@ class _Launcher:
         return gone
 
     async def supervise(self, poll_s: float = 0.1) -> None:
-        """Start every dead worker whose backoff elapsed again, under its next epoch."""
+        """Start every dead worker whose backoff elapsed again, under its next epoch; end a restart
+        that did not register in time (the schedule then starts it again)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(poll_s)
             for wid, epoch in self.schedule.due(self.clock()):
                 await loop.run_in_executor(None, self.impl.restart, wid, epoch)
                 self.schedule.mark_restarted(wid, epoch, self.clock())
+            for wid, epoch in self.schedule.unregistered(self.clock()):  # hung while loading: no heartbeat to miss
+                log.warning("%s (epoch %d) did not register within %g s of its restart: ending it", wid, epoch,
+                            self.config.restart.register_timeout_s)
+                loop.run_in_executor(None, self.impl.stop_hung, wid, 1.0)
 
     def note_registered(self, worker_id: str, epoch: int) -> None:
         """An incarnation registered: healthy from now (a long registration resets the backoff)."""

@@ -375,6 +375,9 @@ class ClusterBackend:
         self.on_worker_registered(reg.worker_id, reg.epoch)
         if self.router.route_epoch > 1:  # a rollback retired older route epochs: this incarnation refuses them too
             asyncio.get_running_loop().create_task(self._send(reg.worker_id, m.RouteEpoch(self.router.route_epoch)))
+        if self.capabilities.key_epoch > 1:  # started before a rotation it was not asked about: the current key
+            key = m.CapabilityKey(self.capabilities.public_key_hex, self.capabilities.key_epoch)
+            asyncio.get_running_loop().create_task(self._send(reg.worker_id, key))  # ignored if it has it already
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         self.itl.forget(reg.worker_id)
         upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges

@@ -14,7 +14,8 @@ is priced live: a retired or new epoch's go, `forget_live_collectives`) and queu
 for the cluster K/V index (router/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
 slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
 included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
-one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on).
+one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on);
+`forget_worker` drops a retired incarnation's last load and per-worker gauges.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ async def reap_lost_workers(backend) -> None:
         backend.away.add(wid)
         if reg is not None:
             retirement = backend.router.deregister(wid, reg.epoch)
-            forget_live_collectives(backend, wid)
+            forget_worker(backend, wid)
             await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
     for retirement in backend.router.expire():
         wid = retirement.worker.worker_id
         backend.registered.pop(wid, None)
         backend.away.add(wid)
-        forget_live_collectives(backend, wid)
+        forget_worker(backend, wid)
         backend.metrics.hung_workers.inc()
         backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
@@ -159,6 +160,18 @@ def export_live_collectives(backend, worker_id: str) -> None:
         backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
     for reason, count in live.num_ignored.items():
         backend.metrics.tp_reports_ignored.labels(reason).set(count)
+
+
+def forget_worker(backend, worker_id: str) -> None:
+    """The worker's incarnation was retired: its last load report and per-worker gauges go with it
+    (a dead or FAILED worker shows no batch, queue or blocks; the next incarnation reports anew)."""
+    backend.loads.pop(worker_id, None)
+    metrics = backend.metrics
+    for gauge in (metrics.queue_depth, metrics.active_decode, metrics.free_blocks):
+        gauge.remove(worker_id)  # absent labels: nothing to do
+    for cause in ("prompt_priority", "memory"):
+        metrics.preemptions.remove(worker_id, cause)
+    forget_live_collectives(backend, worker_id)
 
 
 def forget_live_collectives(backend, worker_id: str) -> None:

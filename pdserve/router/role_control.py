@@ -14,7 +14,9 @@ Contract: `change_role(backend, worker_id, role)` is the one mechanism every rol
 
 `set_disaggregation(backend, enabled)`: disabled, new requests run whole on the decode workers at
 once, and every prefill worker changes role to colocated (so all workers serve); enabled, those
-workers change back to prefill and the router routes disaggregated again. Every change returns a
+workers change back to prefill and the router routes disaggregated again. A worker the
+supervisor is starting again (it comes back in its launch role) is waited for, up to the drain
+timeout, and changed too. Every change returns a
 `RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
 
 `run_pool_controller(backend, controller)`: `pdserve serve --mode splitwise` runs Splitwise's pool
@@ -95,6 +97,17 @@ async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s:
         await asyncio.sleep(POLL_S)
 
 
+async def _back(backend, worker_id: str, timeout_s: float) -> bool:
+    """Whether the worker is registered, waiting for one the supervisor is starting again (lost,
+    restarts on): it comes back in its launch role, so skipping it would leave it there."""
+    deadline = time.monotonic() + timeout_s
+    while worker_id not in backend.registered and backend.restarts and worker_id in backend.away:
+        if time.monotonic() > deadline:
+            raise RoleChangeFailed(f"{worker_id} is restarting and did not register within {timeout_s:.0f}s")
+        await asyncio.sleep(POLL_S)
+    return worker_id in backend.registered
+
+
 def origin_prefill_workers(backend) -> list[str]:
     """Workers launched as prefill workers (the ones live disable turns colocated)."""
     return sorted(wid for wid, role in backend.origin_roles.items() if role == "prefill")
@@ -107,11 +120,11 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
     if not enabled:
         router.set_disaggregation(False)  # new requests run whole on decode workers from now on
         for wid in origin_prefill_workers(backend):
-            if wid in backend.registered:
+            if await _back(backend, wid, drain_timeout_s):
                 changes.append(await change_role(backend, wid, "colocated", drain_timeout_s))
         return changes
     for wid in origin_prefill_workers(backend):
-        if wid in backend.registered:
+        if await _back(backend, wid, drain_timeout_s):
             changes.append(await change_role(backend, wid, "prefill", drain_timeout_s))
     router.set_disaggregation(True)
     return changes

@@ -10,8 +10,10 @@ the dead incarnation); `on_started(worker, epoch, now)` records the first start 
 start again from `first_delay_s` only after a death that followed a healthy registration
 (`on_registered`) that lasted `reset_after_s` — a worker that crashes after a slow load keeps
 its growing delay. `max_crashes` deaths within `crash_window_s` mark the worker FAILED: it is
-not started again (`failed()` lists it, the router shows it in /workers and metrics). With
-`enabled=False` nothing is scheduled.
+not started again (`failed()` lists it, the router shows it in /workers and metrics). A restart
+sends no heartbeat until it registers, so `unregistered(now)` lists (once) each restarted
+incarnation that has not registered `register_timeout_s` after its start: the caller ends it as
+hung and its death is then reported like any other. With `enabled=False` nothing is scheduled.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ class RestartPolicy:
     reset_after_s: float = 30.0  # a registration this long counts as healthy: the backoff starts over
     max_crashes: int = 5  # this many deaths within crash_window_s mark the worker FAILED
     crash_window_s: float = 120.0
+    register_timeout_s: float = 180.0  # a restart not registered this long after its start is ended (hung loading)
 
     def __post_init__(self) -> None:
         if not 0 < self.first_delay_s <= self.max_delay_s:
             raise ValueError(f"restart delays must satisfy 0 < first ({self.first_delay_s}) <= max ({self.max_delay_s})")
-        if self.max_crashes < 1 or not self.crash_window_s > 0:
+        if self.max_crashes < 1 or not self.crash_window_s > 0 or not self.register_timeout_s > 0:
             raise ValueError(f"--max-crashes must be >= 1 and --crash-window-s > 0, got {self.max_crashes}, "
                              f"{self.crash_window_s}")
 
@@ -44,6 +47,7 @@ class _Life:
     due_s: float | None = None  # set while dead and waiting for its restart
     deaths_s: list[float] = field(default_factory=list)  # recent deaths, within the crash window
     failed: bool = False
+    started_s: float | None = None  # a restart not registered yet: when it started
 
 
 @dataclass
@@ -61,7 +65,7 @@ class RestartSchedule:
         """The incarnation under `epoch` registered with the router: healthy from `now`."""
         life = self.lives.get(worker_id)
         if life is not None and life.due_s is None and epoch >= life.epoch:
-            life.epoch, life.registered_s = epoch, now
+            life.epoch, life.registered_s, life.started_s = epoch, now, None
 
     def on_death(self, worker_id: str, now: float) -> float | None:
         """The time the worker may start again, or None when restarts are off or it is FAILED."""
@@ -73,7 +77,7 @@ class RestartSchedule:
             raise ValueError(f"{worker_id}: death reported twice")
         if life.registered_s is not None and now - life.registered_s >= self.policy.reset_after_s:
             life.delay_s = self.policy.first_delay_s
-        life.registered_s = None
+        life.registered_s = life.started_s = None
         life.deaths_s = [t for t in life.deaths_s if now - t < self.policy.crash_window_s] + [now]
         if len(life.deaths_s) >= self.policy.max_crashes:
             life.failed = True
@@ -91,8 +95,17 @@ class RestartSchedule:
         life = self.lives[worker_id]
         if life.due_s is None or epoch != life.epoch + 1:
             raise ValueError(f"{worker_id}: restart under epoch {epoch} was not scheduled")
-        life.epoch, life.due_s = epoch, None
+        life.epoch, life.due_s, life.started_s = epoch, None, now
         self.num_restarts += 1
+
+    def unregistered(self, now: float) -> list[tuple[str, int]]:
+        """(worker id, epoch) of each restart not registered `register_timeout_s` after its start;
+        each is listed once (the caller ends it, and its death puts it back on the schedule)."""
+        stuck = [(wid, life.epoch) for wid, life in sorted(self.lives.items())
+                 if life.started_s is not None and now - life.started_s >= self.policy.register_timeout_s]
+        for wid, _ in stuck:
+            self.lives[wid].started_s = None
+        return stuck
 
     def note_epoch(self, worker_id: str, epoch: int) -> None:
         """A live worker moved to a newer epoch (a role change): its next restart goes above it."""

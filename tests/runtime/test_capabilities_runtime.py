@@ -45,3 +45,36 @@ def test_serve_signs_every_transfer_and_denies_an_untrusted_key():
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_worker_restarted_across_a_key_rotation_gets_the_new_key_when_it_registers():
+    """A worker the supervisor started again before a rotation (its launch config holds the old
+    key) that registers only after the rotation's broadcast (it was loading, so not asked) must
+    still verify with the new key: otherwise every transfer to it is denied from then on."""
+    import os
+    import signal
+
+    from pdserve.workers.supervisor import RestartPolicy
+    from tests.runtime.test_hung_workers import until
+    from tests.runtime.test_supervision import wait_epoch
+
+    async def main():
+        async with cluster(config(restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0))) as (backend, launcher):
+            old = launcher.pid("decode-0")
+            launcher.kill("decode-0")
+            await until(lambda: launcher.pid("decode-0") != old, 30, "decode-0 started again")
+            os.kill(launcher.pid("decode-0"), signal.SIGSTOP)  # held before it registers
+            try:
+                assert "decode-0" not in backend.registered
+                rotated = await backend.revoke_capabilities(2.0)
+                assert rotated["key_epoch"] == 2 and list(rotated["installed_at_s"]) == ["prefill-0"]
+            finally:
+                os.kill(launcher.pid("decode-0"), signal.SIGCONT)
+            await wait_epoch(backend, "decode-0", 2)
+            ids, event = await collect(backend, "after", prompt(40, 7), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            assert set(denials(backend).values()) == {0}  # the handoff was allowed, not recomputed
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())

@@ -126,3 +126,60 @@ def test_a_request_whose_workers_keep_dying_ends_after_max_reroutes():
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_restarted_worker_that_hangs_before_it_registers_is_ended_and_started_again():
+    """A restart that never registers (stopped, or stuck loading) sends no heartbeat, so the
+    heartbeat watchdog never sees it: past the policy's registration timeout it is ended like a
+    hung worker and started again under its next epoch."""
+    policy = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0, register_timeout_s=15.0)
+
+    async def main():
+        async with cluster(config(num_decode=2, restart=policy)) as (backend, launcher):
+            first = launcher.pid("decode-1")
+            launcher.kill("decode-1")
+            await until(lambda: launcher.pid("decode-1") != first, 30, "decode-1 started again")
+            stuck = launcher.pid("decode-1")
+            os.kill(stuck, signal.SIGSTOP)  # hangs while it loads: it never registers
+            try:
+                await until(lambda: _gone(stuck), 60, "the restart that never registered was ended")
+                await until(lambda: any(w.id == "decode-1" and w.state == "live" and w.epoch >= 3 and w.load
+                                        for w in backend.workers()), 60, "decode-1 replaced again")
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stuck, signal.SIGKILL)
+            assert "decode-1" not in launcher.failed()
+            ids, event = await collect(backend, "after", prompt(24, 4), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())
+
+
+def test_a_lost_worker_leaves_no_load_gauges_behind():
+    """Per-worker load gauges describe live incarnations only: once a worker dies (here FAILED
+    at once, so never registered again) /metrics must not keep showing its last batch and the
+    blocks its requests held."""
+    policy = RestartPolicy(max_crashes=1)
+
+    async def main():
+        async with cluster(config(num_decode=2, restart=policy)) as (backend, launcher):
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            tasks = [asyncio.create_task(collect(backend, f"r{i}", prompt(24, i), params)) for i in range(4)]
+            await until(lambda: (load := backend.loads.get("decode-1")) is not None and load.active_decode > 0, 60,
+                        "decode-1 reports a decode batch")
+            launcher.kill("decode-1")
+            await until(lambda: "decode-1" in launcher.failed() and "decode-1" not in backend.registered, 30,
+                        "decode-1 failed")
+            await until(lambda: 'pdserve_workers_failed{worker="decode-1"} 1.0' in backend.metrics_text().decode(), 10)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            text = backend.metrics_text().decode()
+            stale = [line for line in text.splitlines() if 'worker="decode-1"' in line
+                     and not line.startswith(("#", "pdserve_workers_failed"))]
+            assert stale == [], stale
+            assert 'pdserve_free_blocks{worker="decode-0"}' in text  # the live one still reports
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())

@@ -205,3 +205,36 @@ def test_a_short_drill_under_steady_load_ends_every_request_and_leaks_nothing():
     assert report["completed"] + report["error"] == report["requests"]
     assert not report["leaked_workers"] and report["router_holds_clean"] and healthy(report)
     assert report["roles_after"] == {"prefill-0": ("colocated", 4), "decode-0": ("decode", 1)}
+
+
+def test_a_prefill_worker_retired_during_the_rollback_comes_back_colocated():
+    """A prefill worker that does not acknowledge the new route epoch is retired and restarted
+    (as prefill: its launch role); the fallback step must still turn it colocated before the
+    rollback reports ROLLED_BACK, or it serves nothing afterwards."""
+    import os
+    import signal
+
+    from pdserve.router.release import ReleaseController
+    from pdserve.workers.supervisor import RestartPolicy
+
+    async def main():
+        async with cluster(config(restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0))) as (backend, launcher):
+            control = ReleaseController(backend, ack_timeout_s=2.0)
+            stopped = launcher.pid("prefill-0")
+            os.kill(stopped, signal.SIGSTOP)  # silent at ADVANCE_ROUTE_EPOCH: retired, ended, restarted
+            try:
+                rolled = await control.rollback()
+            finally:
+                if launcher.pid("prefill-0") == stopped:
+                    os.kill(stopped, signal.SIGKILL)
+            steps = {s["name"]: s["detail"] for s in rolled["steps"]}
+            assert sorted(steps["ADVANCE_ROUTE_EPOCH"]["installed_at_s"]) == ["decode-0"]
+            assert rolled["state"] == "ROLLED_BACK"
+            assert steps["ENABLE_COLOCATED_FALLBACK"]["role_changes"] == ["prefill-0:prefill->colocated@3"]
+            assert roles(backend) == {"prefill-0": ("colocated", 3, "live"), "decode-0": ("decode", 1, "live")}
+            ids, event = await collect(backend, "after", prompt(24, 2), SamplingParams(max_tokens=8, ignore_eos=True))
+            assert isinstance(event, FinishEvent) and len(ids) == 8
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())

@@ -101,3 +101,17 @@ def test_a_restarted_worker_reaps_only_its_dead_incarnations_pools(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     assert sorted(reap_dead_pools("decode-0", str(tmp_path))) == sorted(dead)
     assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+
+
+def test_a_restart_that_never_registers_is_listed_once_after_the_timeout():
+    s = RestartSchedule(RestartPolicy(first_delay_s=1.0, max_delay_s=4.0, register_timeout_s=10.0))
+    s.on_started("decode-0", 1, 0.0)
+    assert s.unregistered(500.0) == []  # the first start is the cluster's start-up wait's business
+    s.on_death("decode-0", 1.0)
+    s.mark_restarted("decode-0", 2, 2.0)
+    assert s.unregistered(11.9) == [] and s.unregistered(12.0) == [("decode-0", 2)] and s.unregistered(13.0) == []
+    s.on_death("decode-0", 13.5)  # ended as hung: a death like any other, restarted under epoch 3
+    assert s.due(15.5) == [("decode-0", 3)]
+    s.mark_restarted("decode-0", 3, 15.5)
+    s.on_registered("decode-0", 3, 20.0)
+    assert s.unregistered(100.0) == []  # registered in time: the heartbeat watchdog's from here
