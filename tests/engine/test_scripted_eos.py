@@ -26,11 +26,14 @@ def test_scripted_eos_must_be_a_positive_integer(bad):
 
 
 def test_the_completions_api_passes_it_through_and_refuses_zero():
-    from pdserve.api.protocol import CompletionRequest, ServedModel, parse_completion
+    """The benchmark's scripted end reaches the engine through its header (api/protocol.py), not the body."""
+    from pdserve.api.errors import ApiError
+    from pdserve.api.protocol import SCRIPTED_EOS_HEADER, CompletionRequest, ServedModel, parse_completion, with_scripted_eos
     from tests.api.servers import ByteTokenizer
 
     served = ServedModel("m", 64, ByteTokenizer())
-    body = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "max_tokens": 50, "scripted_eos_tokens": 9})
-    assert parse_completion(body, served).params.scripted_eos_tokens == 9
-    with pytest.raises(ValueError):
-        CompletionRequest.model_validate({"model": "m", "prompt": "abc", "scripted_eos_tokens": 0})
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "max_tokens": 50})
+    assert with_scripted_eos(parse_completion(body, served), {SCRIPTED_EOS_HEADER: "9"}).params.scripted_eos_tokens == 9
+    assert with_scripted_eos(parse_completion(body, served), {}).params.scripted_eos_tokens is None
+    with pytest.raises(ApiError):
+        with_scripted_eos(parse_completion(body, served), {SCRIPTED_EOS_HEADER: "0"})
