@@ -41,6 +41,14 @@ def _gone(pid: int) -> bool:
     return False
 
 
+async def serves_then_settles(backend, seed: int) -> None:
+    """One more request completes in full, then every pool is back at baseline with no router leak."""
+    ids, event = await collect(backend, "after", prompt(24, seed), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert isinstance(event, FinishEvent) and len(ids) == 8
+    await wait_baseline(backend)
+    backend.router.assert_no_leaks()
+
+
 def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_requests_finish():
     params = SamplingParams(max_tokens=600, ignore_eos=True)
 
@@ -65,10 +73,7 @@ def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_reques
             assert sum(isinstance(e, FinishEvent) for _, e in results) >= 1
             assert launcher.pid(victim) != pid and launcher.num_restarts == 1
             assert "pdserve_hung_workers_total 1.0" in backend.metrics_text().decode()
-            ids, event = await collect(backend, "after", prompt(24, 9), SamplingParams(max_tokens=8, ignore_eos=True))
-            assert isinstance(event, FinishEvent) and len(ids) == 8
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
+            await serves_then_settles(backend, seed=9)
 
     asyncio.run(main())
 
@@ -89,10 +94,7 @@ def test_a_crash_loop_ends_in_failed_instead_of_restarting_forever():
             assert (row.state, row.epoch, launcher.num_restarts) == ("failed", 3, 2)
             assert 'pdserve_workers_failed{worker="decode-1"} 1.0' in backend.metrics_text().decode()
             assert backend.healthy()  # decode-0 still serves
-            ids, event = await collect(backend, "after", prompt(24, 5), SamplingParams(max_tokens=8, ignore_eos=True))
-            assert isinstance(event, FinishEvent) and len(ids) == 8
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
+            await serves_then_settles(backend, seed=5)
 
     asyncio.run(main())
 
@@ -149,10 +151,7 @@ def test_a_restarted_worker_that_hangs_before_it_registers_is_ended_and_started_
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(stuck, signal.SIGKILL)
             assert "decode-1" not in launcher.failed()
-            ids, event = await collect(backend, "after", prompt(24, 4), SamplingParams(max_tokens=8, ignore_eos=True))
-            assert isinstance(event, FinishEvent) and len(ids) == 8
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
+            await serves_then_settles(backend, seed=4)
 
     asyncio.run(main())
 
