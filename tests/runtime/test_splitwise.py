@@ -99,22 +99,34 @@ async def _two_machine_scenario():
     async with cluster(cfg) as (backend, _):
         first = await asyncio.wait_for(asyncio.gather(
             *(collect(backend, f"t{i}", p, LONG) for i, p in enumerate(MIXED))), 180)
+        moved = asyncio.Event()
+
+        async def press() -> list:  # decode work until the move: the controller samples every 0.5 s,
+            runs = []                              # and a fast machine can finish the first batch between samples
+            while not moved.is_set():
+                runs.append(await collect(backend, f"p{len(runs)}", MIXED[0], LONG))
+            return runs
+
+        pressing = asyncio.create_task(press())
         deadline = time.monotonic() + 60
         while sorted(w.role for w in backend.workers() if w.state == "live") != ["decode", "decode"]:
             assert time.monotonic() < deadline, [(w.id, w.role, w.state) for w in backend.workers()]
             await asyncio.sleep(0.1)
+        moved.set()
+        pressed = await asyncio.wait_for(pressing, 180)
         after = await asyncio.wait_for(asyncio.gather(
             *(collect(backend, f"a{i}", p, LONG) for i, p in enumerate(MIXED))), 180)
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
-        return first, after, {w.id: (w.role, w.epoch) for w in backend.workers()}, backend.metrics_text().decode()
+        return (first, pressed), after, {w.id: (w.role, w.epoch) for w in backend.workers()}, backend.metrics_text().decode()
 
 
 def test_the_last_prompt_worker_is_lent_to_the_token_pool_and_requests_run_whole():
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
     expected = [list(out.output_ids) for out in alone.generate([list(p) for p in MIXED], LONG)]  # batch-invariant
-    first, after, roles, metrics = asyncio.run(_two_machine_scenario())
+    (first, pressed), after, roles, metrics = asyncio.run(_two_machine_scenario())
     assert [ids for ids, _ in first] == expected and [ids for ids, _ in after] == expected
+    assert all(ids == expected[0] for ids, _ in pressed)  # the requests running across the move, whole too
     assert roles == {"prefill-0": ("decode", 2), "decode-0": ("decode", 1)}
     assert 'pdserve_pool_moves_total{kind="lend"} 1.0' in metrics
     assert 'pdserve_role_changes_total{from_role="prefill",to_role="decode"} 1.0' in metrics
