@@ -1,5 +1,5 @@
 """What a TP engine's own steps say its collectives cost, against what the router would price
-without them (router/live_collectives.py over engine/tp_tally.py, outside a server).
+without them (router/pricing/live_collectives.py over engine/tp_tally.py, outside a server).
 
 Runs prefills of two lengths one at a time and a decode batch on a TP N engine, folds rank 0's
 tally into `LiveCollectives` as the router does, and prints per phase the measured all_reduce and
@@ -25,9 +25,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.step_log import StepLog, read_steps
-from pdserve.router.cost import CostModel
-from pdserve.router.live_collectives import LiveCollectives
-from pdserve.router.tp_pricing import TpPricing, scaling_for
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.live_collectives import LiveCollectives
+from pdserve.router.pricing.tp_pricing import TpPricing, scaling_for
 from pdserve.workers.heartbeat import collective_report
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from pdserve.latency.profiled import ProfiledLatency
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
-from pdserve.router.tp_pricing import scaling_for
+from pdserve.router.pricing.tp_pricing import scaling_for
 
 
 def profile(model: str, threads: int, tp: int, collectives_tp: int, out: Path, quick: bool) -> dict:

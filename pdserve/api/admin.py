@@ -5,7 +5,7 @@ $PDSERVE_ADMIN_TOKEN, never argv: commands/serve.py); every call must carry
 `Authorization: Bearer T` (compared in constant time; a missing or wrong token answers 401 with
 the OpenAI error body, and the token is never logged). The token is checked before the body is
 read (api/http_guard.py): an unauthenticated call answers 401 whatever its body. The backend must run a router
-(`pdserve serve`); the work itself is router/release.py's:
+(`pdserve serve`); the work itself is router/process/release.py's:
 
     GET  /admin/state                                   release state, disaggregation, route epoch
     POST /admin/disaggregation  {"enabled": false|true} switch a running cluster to whole requests
@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.api.errors import ApiError
 from pdserve.api.openapi_doc import errors
-from pdserve.router.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController, RollbackIncomplete
-from pdserve.router.role_control import RoleChangeFailed
+from pdserve.router.process.release import IllegalReleaseTransition, ReleaseBusy, ReleaseController, RollbackIncomplete
+from pdserve.router.process.role_control import RoleChangeFailed
 
 
 class DisaggregationBody(BaseModel):

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Terminal ErrorEvent codes -> HTTP status when the error arrives before the response started.
 # kv_not_visible: the request's workers were lost and no live worker could take it over (the
-# decode-start fallback's last step, router/recovery.py): the cluster is short, not broken: 503.
+# decode-start fallback's last step, router/process/recovery.py): the cluster is short, not broken: 503.
 STATUS_BY_EVENT_CODE = {"invalid_request": 400, "overloaded": 503, "shutdown": 503, "worker_lost": 503,
                         "kv_not_visible": 503}
 

@@ -33,18 +33,18 @@ from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
-from pdserve.router.calibration import AUTO, NONE, cost_profile
-from pdserve.router.role_control import run_pool_controller
-from pdserve.router.splitwise import PoolController, Thresholds
+from pdserve.router.pricing.calibration import AUTO, NONE, cost_profile
+from pdserve.router.process.role_control import run_pool_controller
+from pdserve.router.splitwise.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
-from pdserve.router.frontend import ClusterBackend
-from pdserve.router.pd_decision import PdPolicy, slo_line
-from pdserve.router.pd_served import served_pd
-from pdserve.router.reserve_mode import load_policy
-from pdserve.router.tetri_runtime import TetriRuntime
-from pdserve.router.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
+from pdserve.router.process.frontend import ClusterBackend
+from pdserve.router.policy.pd_decision import PdPolicy, slo_line
+from pdserve.router.policy.pd_served import served_pd
+from pdserve.router.tetri.reserve_mode import load_policy
+from pdserve.router.tetri.tetri_runtime import TetriRuntime
+from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
 from pdserve.router.router import Router
-from pdserve.router.runahead import make_runahead
+from pdserve.router.runahead.runahead import make_runahead
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 from pdserve.workers.tp_rank import TpShape
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
@@ -57,14 +57,14 @@ class ServeConfig:
     mode: str = "disaggregated"
     num_prefill: int = 1
     num_decode: int = 1
-    num_mixed: int = 0  # splitwise mode: workers serving both phases (router/mixed_pool.py)
+    num_mixed: int = 0  # splitwise mode: workers serving both phases (router/splitwise/mixed_pool.py)
     replicas: int = 2
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(kv_cache_bytes=256 << 20))
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "jsq"
-    decode_choice: str = "policy"  # "p2c": the decode worker by power-of-two choices on heavy/light (router/decode_choice.py)
-    reserve: str = "static"  # decode holds cover max_tokens, or "dynamic": the predicted bucket's bound (router/reserve_mode.py)
+    decode_choice: str = "policy"  # "p2c": the decode worker by power-of-two choices on heavy/light (router/tetri/decode_choice.py)
+    reserve: str = "static"  # decode holds cover max_tokens, or "dynamic": the predicted bucket's bound (router/tetri/reserve_mode.py)
     predictor: str | None = None  # the output-length predictor file (`pdserve predictor train`); reserve "dynamic" needs it
     slo_ttft_s: float | None = None  # the SLO targets (P/D margin, admission); None: derived from the profile
     slo_tpot_s: float | None = None  # for the margin (pd_decision.decision_slos), ADMISSION_SLOS_S for admission
@@ -84,17 +84,17 @@ class ServeConfig:
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is retired, ended and restarted (hung)
     max_reroutes: int = 2  # a request moved this many times to another worker ends with `max_reroutes` instead
-    pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/pd_decision.py)
+    pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/policy/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # prompts with fewer uncached tokens at D prefill there, before the margin
     pd_safety_margin_s: float = 0.0  # the margin must exceed this to hand off
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
-    # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/calibration.py)
+    # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/pricing/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
-    kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv_index.py; LRU past it)
+    kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv/kv_index.py; LRU past it)
     tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
-    prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead.py)
+    prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead/runahead.py)
     runahead_min_tokens: int = 1024  # the shortest prompt a chain prefills
     kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
     api_keys: str | None = None  # a KEY -> TENANT file: generation needs a key and runs in its tenant (api/tenants.py)
@@ -154,7 +154,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     if source == AUTO and (config.mode == "colocated" or config.pd_decision != "margin"):
         source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/tp_pricing.py)
+    tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/pricing/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)
     served = tuple(tp.for_role(role.value) for role in config.shape().roles())  # "auto" times their collectives
     profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0], served)
@@ -231,7 +231,7 @@ class _Launcher:
         self.clock = time.monotonic
 
     def start(self, router_address: str, capability_key: str | None = None, control_keys=None) -> None:
-        """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/control_auth.py)."""
+        """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/process/control_auth.py)."""
         cfg = self.config
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,

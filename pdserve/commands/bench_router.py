@@ -15,7 +15,7 @@ Block events (`--kv-events N`, N events per worker report; 0 skips it): at 64 x 
 timed in three arms interleaved decision by decision, so all see the same machine: `quiet`
 (nothing before it), `events` (one worker report arrives before the route and is handled as the
 serving process handles it: its events converted from the heartbeat's engine form, queued, and
-applied by the applier's turn, router/kv_inbox.py and frontend_upkeep.apply_kv_slice; stored,
+applied by the applier's turn, router/kv/kv_inbox.py and frontend_upkeep.apply_kv_slice; stored,
 removed, demoted to and promoted from a host tier, so the prefix policy also prices host-tier
 hits; synthetic.EventFlow) and `control` (the same handling into a detached router built alike:
 the cost of that work in the thread, with the routing router's state untouched); `kv_apply` is
@@ -90,7 +90,7 @@ def _print_events(per_report: int, rows: list[dict]) -> None:
 
 def bench_events(args: argparse.Namespace) -> list[dict]:
     """Per policy: route p50/p99 with and without block events (medians over runs) and the p99 ratio."""
-    from pdserve.router.policies import POLICIES
+    from pdserve.router.policy.policies import POLICIES
 
     rows = []
     for policy in POLICIES:
@@ -111,8 +111,8 @@ def _measure_events(num_prefill: int, num_decode: int, policy: str, decisions: i
     (a worker report received, queued and applied by one applier turn first) and `control` (the
     same into a detached router: what the work costs the next route whatever it changes)."""
     from pdserve.heap import frozen_heap
-    from pdserve.router.kv_inbox import KvInbox
-    from pdserve.router.kv_index import KvDelta
+    from pdserve.router.kv.kv_inbox import KvInbox
+    from pdserve.router.kv.kv_index import KvDelta
     from pdserve.router.synthetic import EventFlow, random_load, random_router
 
     router, workload = random_router(seed, num_prefill, num_decode, policy)
@@ -165,7 +165,7 @@ def _median_row(same_row_per_run: tuple[dict, ...]) -> dict:
 
 
 def bench_size(num_prefill: int, num_decode: int, decisions: int, seed: int) -> list[dict]:
-    from pdserve.router.policies import POLICIES
+    from pdserve.router.policy.policies import POLICIES
 
     rows = []
     for mode in ("disaggregated", "colocated"):
@@ -179,7 +179,7 @@ def bench_size(num_prefill: int, num_decode: int, decisions: int, seed: int) -> 
 
 def _measure(num_prefill: int, num_decode: int, policy: str, mode: str, decisions: int, seed: int) -> dict:
     from pdserve.heap import frozen_heap
-    from pdserve.router.policies import POLICIES, PolicyContext
+    from pdserve.router.policy.policies import POLICIES, PolicyContext
     from pdserve.router.synthetic import random_load, random_router
 
     router, workload = random_router(seed, num_prefill, num_decode, policy, colocated=mode == "colocated")

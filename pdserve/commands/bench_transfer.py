@@ -183,7 +183,7 @@ class _Rig:
         from pdserve.engine.kv_pool import KvPool
         from pdserve.handoff.capability import Verifier
         from pdserve.handoff.kvbytes import pool_bytes
-        from pdserve.router.capabilities import CapabilityIssuer
+        from pdserve.router.process.capabilities import CapabilityIssuer
 
         self.abi, self.num_tokens, self.blocks_per_chunk = abi, num_tokens, blocks_per_chunk
         self.num_blocks = -(-num_tokens // abi.block_size)
@@ -274,7 +274,7 @@ def handoff_s(rig: _Rig, kind: str, check: bool = False, capabilities: bool = Fa
 def capability_costs(num_blocks: int = 128, n: int = 2000) -> tuple[float, float]:
     """Median microseconds of one signature and of one check of a capability for `num_blocks`."""
     from pdserve.handoff.capability import PUSH, Expectation, Verifier
-    from pdserve.router.capabilities import CapabilityIssuer
+    from pdserve.router.process.capabilities import CapabilityIssuer
     from pdserve.workers.messages import TransferPlan
 
     issuer = CapabilityIssuer()

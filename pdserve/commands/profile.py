@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a few points only (tests)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="time a TP N engine (N one-thread ranks; recorded as meta.tp, which the router's "
-                        "cost model prices TP N workers with as measured: router/tp_pricing.py)")
+                        "cost model prices TP N workers with as measured: router/pricing/tp_pricing.py)")
     p.add_argument("--collectives-tp", type=_ints, metavar="N,M",
                    help="also time gloo's all_reduce and the step broadcast at these TP sizes, recorded as the "
                         "profile's `collectives` (default: --tp when it is > 1; latency/tp_collectives.py)")

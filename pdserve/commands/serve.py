@@ -20,14 +20,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Deployment flags shared by `serve` and `demo`; defaults mirror `ServeConfig`."""
     p.add_argument("--mode", choices=["disaggregated", "colocated", "splitwise"], default="disaggregated",
                    help="splitwise: disaggregated, and a pool controller moves workers between the prompt and "
-                        "the token pool as load shifts (router/splitwise.py)")
+                        "the token pool as load shifts (router/splitwise/splitwise.py)")
     p.add_argument("--workers", type=int, default=None,
                    help="splitwise: workers in all, half prompt (prefill) and half token (decode) at start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--mixed", type=int, default=0, metavar="M",
                    help="splitwise: M mixed workers that serve both phases, taking prompt work while the prompt "
-                        "pool is pressed and token work while the token pool is (router/mixed_pool.py)")
+                        "pool is pressed and token work while the token pool is (router/splitwise/mixed_pool.py)")
     p.add_argument("--replicas", type=int, default=2, help="colocated workers (colocated)")
     add_tp_flags(p)
     p.add_argument("--model", default="tiny", help="tiny | small | path to a HF checkpoint dir")
@@ -256,11 +256,11 @@ def length_buckets(text: str) -> tuple[int, ...]:
 
 def check_predictor(config) -> None:
     """Refuse at start, before any worker, a predictor that is missing, malformed or trained for
-    another model (router/reserve_mode.py; raises ValueError)."""
+    another model (router/tetri/reserve_mode.py; raises ValueError)."""
     if config.predictor is None:
         return
     from pdserve.model.default import resolve_model
-    from pdserve.router.reserve_mode import load_policy
+    from pdserve.router.tetri.reserve_mode import load_policy
 
     load_policy(config.reserve, config.predictor, resolve_model(config.engine.model))
 

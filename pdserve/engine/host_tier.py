@@ -17,7 +17,7 @@ used (holds one block) or draining: `check()` proves it. The device pool and thi
 K/V ABI, so a copy is one [L, 2] slab per block, bitwise.
 Capacity, use, pins, hits (blocks promoted), in-place reads, demotions and evictions are counted
 for the worker's load report (`/workers`, `pdserve_kv_tier_blocks`). The copy rate is measured for
-the router's cost model (router/kv_rates.py: a host-tier hit is priced at its promotion):
+the router's cost model (router/pricing/kv_rates.py: a host-tier hit is priced at its promotion):
 `copy_bytes` and `copy_s` sum a calibration at start (`CALIBRATION_BLOCKS` device -> free host
 slot copies, which change nothing, timed on a second pass: the first one maps fresh pages, a
 one-off cost that would price every later promotion ~1,000x too high) and then every promotion's

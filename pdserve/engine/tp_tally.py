@@ -8,7 +8,7 @@ step's all_reduce calls (model/tp.py `reduce_s`) and inside the broadcast of the
 (with the sums of rows^2 and rows x all_reduce seconds, which a per-step line needs).
 `take()` returns the totals since the previous `take()` as a `CollectiveReport` and starts a new
 window; the worker's heartbeat sends it (workers/heartbeat.py, `Load.collectives`) and the
-router folds it into a live price of the worker's collectives (router/live_collectives.py).
+router folds it into a live price of the worker's collectives (router/pricing/live_collectives.py).
 `add` runs on the engine's step thread and `take` on the heartbeat thread: a lock pairs them.
 The report is a frozen msgspec Struct (it crosses the worker -> router boundary).
 """
@@ -30,7 +30,7 @@ class PhaseCollectives(msgspec.Struct, frozen=True):
     reduce_s: float = 0.0  # rank 0's wall seconds inside all_reduce
     broadcast_s: float = 0.0  # rank 0's wall seconds broadcasting the steps' rows
     rows_sq: int = 0  # sum over the steps of rows^2 and of rows x reduce_s: a window of steps of
-    rows_reduce_s: float = 0.0  # different sizes still gives the per-step line (router/live_collectives.py)
+    rows_reduce_s: float = 0.0  # different sizes still gives the per-step line (router/pricing/live_collectives.py)
 
 
 class CollectiveReport(msgspec.Struct, frozen=True):

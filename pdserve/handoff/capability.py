@@ -27,7 +27,7 @@ Contract:
     retires every route epoch below `epoch` (the rollback's ADVANCE_ROUTE_EPOCH). Keys are never logged
     or printed: no repr here shows one.
 Pure apart from the clock (injectable) and the replay cache's lock; the router's side, which
-owns the private key, is router/capabilities.py.
+owns the private key, is router/process/capabilities.py.
 """
 
 from __future__ import annotations

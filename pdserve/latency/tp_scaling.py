@@ -1,7 +1,7 @@
 """How a step's time changes with the tensor-parallel size of the CPU worker that runs it (issue 23).
 
 Contract: one formula prices every TP worker of our engine (the router's cost model through
-router/tp_pricing.py, scripts/tp_pricing_check.py; anything else that prices a TP worker calls
+router/pricing/tp_pricing.py, scripts/tp_pricing_check.py; anything else that prices a TP worker calls
 `TpScaling.price`). A step of `rows` rows measured at TP m (time t_m) costs at TP n
 
     t_n = (c(n) / c(m)) * (t_m - o(m, rows)) + o(n, rows)                     (`StepPrice`)
@@ -38,7 +38,7 @@ docs/tensor_parallel.md, pinned, as measured there. On a core that another proce
 every message waits for the partner's time slice, so alpha is milliseconds, not microseconds:
 that, not bandwidth, is what a short decode step pays. A served worker's own steps can stand in for
 the measurement at its size: `price(..., live=costs)` takes the alpha, beta and sync its rank 0
-shows live (router/live_collectives.py fits them from its heartbeats), by the same formula.
+shows live (router/pricing/live_collectives.py fits them from its heartbeats), by the same formula.
 
 The planner's GPU models (latency/roofline.py, latency/aic.py) price a tp x pp instance of a GPU
 from hardware rates; this one prices our CPU engine's ranks relative to a measured profile.
@@ -135,7 +135,7 @@ class TpScaling:
 
     def price(self, phase: str, tp: int, measured_tp: int = 1, live: CollectiveCosts | None = None) -> StepPrice:
         """A `phase` step at `tp` from the same step measured at `measured_tp`. `live`: the
-        collectives a served TP `tp` worker's own steps show (router/live_collectives.py) in place
+        collectives a served TP `tp` worker's own steps show (router/pricing/live_collectives.py) in place
         of the measured ones at `tp`; the measured step keeps the measured ones at `measured_tp`,
         so a worker profiled at its own size pays o_live - o_measured on top of its steps."""
         if phase not in PHASES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdserve.router.registry import RetiredWorker
+from pdserve.router.state.registry import RetiredWorker
 
 
 @dataclass(frozen=True)

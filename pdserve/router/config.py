@@ -9,11 +9,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.router.cost import CostModel
-from pdserve.router.kv_index import DEFAULT_MAX_ENTRIES
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.kv.kv_index import DEFAULT_MAX_ENTRIES
 from pdserve.router.messages import Role
-from pdserve.router.pd_decision import PdPolicy
-from pdserve.router.tp_pricing import TpPricing
+from pdserve.router.policy.pd_decision import PdPolicy
+from pdserve.router.pricing.tp_pricing import TpPricing
 
 
 class Mode(str, enum.Enum):
@@ -83,7 +83,7 @@ class RouterConfig:
     retry_after_s: float = 1.0  # suggested Retry-After when capacity is exhausted
     pd: PdPolicy = field(default_factory=PdPolicy)  # per-request P/D decision (disaggregated mode); "always" here,
     # `pdserve serve` defaults to "margin" (ServeConfig)
-    kv_index_max_entries: int = DEFAULT_MAX_ENTRIES  # cluster K/V index bound (router/kv_index.py; LRU past it)
+    kv_index_max_entries: int = DEFAULT_MAX_ENTRIES  # cluster K/V index bound (router/kv/kv_index.py; LRU past it)
     kv_sharing: bool = False  # the prefix policy credits prefixes other workers hold (fetch_plan.py)
 
     @property

@@ -16,7 +16,7 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
-    MIXED = "mixed"  # Splitwise's mixed pool: prompt or token work, as the pools' pressure says (router/mixed_pool.py)
+    MIXED = "mixed"  # Splitwise's mixed pool: prompt or token work, as the pools' pressure says (router/splitwise/mixed_pool.py)
 
 
 class RejectReason(str, enum.Enum):
@@ -75,7 +75,7 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     ttft_slo_s: float | None = None  # None: use the router's default
     tpot_slo_s: float | None = None
-    heavy: bool = False  # a predicted-heavy decode (router/reserve_mode.py), for --decode-choice p2c
+    heavy: bool = False  # a predicted-heavy decode (router/tetri/reserve_mode.py), for --decode-choice p2c
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.expected_output_tokens < 0:

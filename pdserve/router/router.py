@@ -42,11 +42,11 @@ from pdserve.router import kernels
 from pdserve.router.answers import Retirement, RouterCounters
 from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.cost import CostModel
-from pdserve.router.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.tetri.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
 from pdserve.router.fastnew import new_frozen
-from pdserve.router.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
-from pdserve.router.live_pricing import LivePricing
+from pdserve.router.kv.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
+from pdserve.router.policy.live_pricing import LivePricing
 from pdserve.router.messages import (
     BlockHold,
     Role,
@@ -58,14 +58,14 @@ from pdserve.router.messages import (
     WorkerLoad,
 )
 from pdserve.ledger.margin import DecodeBudget
-from pdserve.router.pd_decision import PdDecision, decide_pd, decision_slos, facts_for
-from pdserve.router.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
-from pdserve.router.policies import POLICIES, Choice, PolicyContext, Refusal
+from pdserve.router.policy.pd_decision import PdDecision, decide_pd, decision_slos, facts_for
+from pdserve.router.policy.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
+from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.errors import UnknownWorkerError
-from pdserve.router.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
-from pdserve.router.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
-from pdserve.router.reservations import HoldRequest, ReservationLedger
-from pdserve.router.snapshot import Snapshot, SnapshotBuilder
+from pdserve.router.splitwise.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
+from pdserve.router.state.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
+from pdserve.router.state.reservations import HoldRequest, ReservationLedger
+from pdserve.router.state.snapshot import Snapshot, SnapshotBuilder
 
 ROUTED = "routed"
 _MAX_RETRY_AFTER_S = PolicyContext(CostModel()).max_retry_after_s  # the policies' default

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_events import BlockEvent, BlockEventKind, KvReport, KvTier
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.kv_index import KvDelta
+from pdserve.router.kv.kv_index import KvDelta
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.latency.geometry import ModelSpec
 from pdserve.router.arrival_rate import ArrivalRate
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RouteRequest
-from pdserve.router.pd_decision import PdDecision, PdFacts, PdPolicy, decide_pd, facts_for
-from pdserve.router.pd_served import served_pd
+from pdserve.router.policy.pd_decision import PdDecision, PdFacts, PdPolicy, decide_pd, facts_for
+from pdserve.router.policy.pd_served import served_pd
 from pdserve.sim.margin_routed import ArrivalView
 
 DTYPES = {4: "float32", 2: "bfloat16"}  # K/V bytes per scalar -> the served dtype of that width

@@ -1,6 +1,6 @@
 """A worker's CURVE key material for the router's control socket, and how it reaches the worker.
 
-Contract: the router issues one `ControlKeys` per worker incarnation (router/control_auth.py):
+Contract: the router issues one `ControlKeys` per worker incarnation (router/process/control_auth.py):
 the router's public server key and the worker's own client key pair, all Z85 text. The launcher
 hands it over outside argv: in the environment variable `PDSERVE_CONTROL_KEYS` of a local worker
 process (readable only by the same user, like a 0600 file; `ps` shows argv, not the environment),

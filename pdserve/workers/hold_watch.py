@@ -9,7 +9,7 @@ consumes the owner's reservation first, then unreserved free blocks), and a pree
 scheduler's recompute path (no block to grow into: engine/scheduler.py preempts the newest other
 running sequence, or the request itself, and recomputes it later from its tokens). `counts(rid)`
 gives the cumulative (grown blocks, preemptions) every token message for the request carries, so
-the router sees each growth with the token that needed it (router/tetri_runtime.py).
+the router sees each growth with the token that needed it (router/tetri/tetri_runtime.py).
 """
 
 from __future__ import annotations

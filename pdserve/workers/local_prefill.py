@@ -1,8 +1,8 @@
 """Local prefills on a decode worker: requests whose prefill runs where they decode.
 
 Contract: the router sends `Generate` to a decode worker when its P/D decision chose a local
-prefill (router/pd_decision.py), and when the decode-start fallback recomputes a request there
-(router/recovery.py). The decode worker runs it as a NORMAL-mode engine request, so the prompt is
+prefill (router/policy/pd_decision.py), and when the decode-start fallback recomputes a request there
+(router/process/recovery.py). The decode worker runs it as a NORMAL-mode engine request, so the prompt is
 prefilled in aligned chunks of the engine's per-step token budget (`max_num_batched_tokens`),
 and each step takes the running decode rows first and gives prefill chunks only what the budget
 leaves: a local prefill never grows a step past the budget that sets the decode batch's TPOT (the

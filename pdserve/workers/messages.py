@@ -18,7 +18,7 @@ device blocks and host-tier slots, read in place); router -> H: FetchServe(plan 
 (segment, slot) pairs, bound into its capability); H -> W over a handoff link; both send FetchDone.
 Prefix cache: each Heartbeat carries the block events since the previous one (`kv`, a numbered
 KvReport: engine/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
-by the next Heartbeat with the whole key set marked as a resync (router/kv_index.py).
+by the next Heartbeat with the whole key set marked as a resync (router/kv/kv_index.py).
 """
 
 from __future__ import annotations
@@ -229,11 +229,11 @@ class Load(msgspec.Struct, frozen=True):
     host_hits: int = 0  # blocks promoted back on a hit (since the worker started)
     host_evictions: int = 0  # blocks the host tier itself evicted (since start)
     host_copy_bytes: int = 0  # host tier <-> pool copies timed (a calibration at start, then promotions)
-    host_copy_s: float = 0.0  # their seconds: the router's measured host -> pool rate (router/kv_rates.py)
+    host_copy_s: float = 0.0  # their seconds: the router's measured host -> pool rate (router/pricing/kv_rates.py)
     host_pinned: int = 0  # host slots a live fetch pins (read in place by a peer)
     host_inplace_reads: int = 0  # host-tier blocks peers' fetches read in place (since start)
     # TP > 1: rank 0's collective seconds, steps and rows per phase since the previous report
-    # (engine/tp_tally.py; router/live_collectives.py prices them); None at TP 1 and from older senders
+    # (engine/tp_tally.py; router/pricing/live_collectives.py prices them); None at TP 1 and from older senders
     collectives: CollectiveReport | None = None
 
 

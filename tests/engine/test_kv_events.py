@@ -14,7 +14,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv_events import BlockEventKind, BlockEventLog
 from pdserve.engine.sequence import SamplingParams
-from pdserve.router.kv_index import KvDelta, KvIndex, KvOutcome, hash_key
+from pdserve.router.kv.kv_index import KvDelta, KvIndex, KvOutcome, hash_key
 
 
 def cache_keys(blocks: BlockManager) -> set[int]:

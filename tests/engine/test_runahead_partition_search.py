@@ -1,11 +1,11 @@
-"""KV-Runahead partition search (router/runahead_plan.py): the critical-path model on exact
+"""KV-Runahead partition search (router/runahead/runahead_plan.py): the critical-path model on exact
 binary fractions, the search's choice, and the per-(model, K, dtype, CPU kind) cache."""
 
 from __future__ import annotations
 
 import json
 
-from pdserve.router.runahead_plan import (
+from pdserve.router.runahead.runahead_plan import (
     ChunkCost,
     LinkCost,
     PartitionCache,

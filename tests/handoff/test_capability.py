@@ -1,4 +1,4 @@
-"""Transfer capabilities, the pure core (handoff/capability.py, router/capabilities.py): every
+"""Transfer capabilities, the pure core (handoff/capability.py, router/process/capabilities.py): every
 denial has its reason, nothing but a fully valid token passes, a nonce is spent only by a token
 that passed every other check, and the verdicts agree with the ledger's reference rule."""
 
@@ -13,7 +13,7 @@ from pdserve.handoff.capability import (EQUALITY_FIELDS, PULL, PUSH, Claims, Exp
                                         new_nonce, new_signing_key, peek, public_key_bytes, sign)
 from pdserve.handoff.errors import CAPABILITY_DENIALS, HandoffError, RejectReason
 from pdserve.ledger.release import authorization_error
-from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.workers.messages import TransferPlan
 
 NOW = 1_000_000.0

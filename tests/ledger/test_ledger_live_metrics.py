@@ -30,7 +30,7 @@ def test_names_cover_families_samples_and_counters_without_children():
 
 
 def test_check_cli_reads_a_saved_metrics_text(tmp_path, capsys):
-    from pdserve.router.metrics import RuntimeMetrics
+    from pdserve.router.process.metrics import RuntimeMetrics
 
     full, partial = tmp_path / "full.prom", tmp_path / "partial.prom"
     full.write_bytes(RuntimeMetrics().text())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
-from pdserve.router.registry import WorkerEntry, WorkerState
-from pdserve.router.snapshot import Snapshot, make_snapshot
+from pdserve.router.state.registry import WorkerEntry, WorkerState
+from pdserve.router.state.snapshot import Snapshot, make_snapshot
 
 MODEL, ABI = "test-model", "test-abi"
 

@@ -1,4 +1,4 @@
-"""The rollback's acknowledged control messages (router/control_acks.py), driven with typed
+"""The rollback's acknowledged control messages (router/process/control_acks.py), driven with typed
 worker messages, no processes: the key rotation waits for every live worker's `ControlAck`, a
 worker that stays silent is retired (deregistered and handed to the launcher to be ended), and an
 ack for another subject or from nobody waited on changes nothing."""

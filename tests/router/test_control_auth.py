@@ -1,5 +1,5 @@
-"""The router's control-socket authority (router/control_auth.py) and what happens when a router
-task dies anyway (router/frontend.py): pure checks of every reject reason with stand-in frames,
+"""The router's control-socket authority (router/process/control_auth.py) and what happens when a router
+task dies anyway (router/process/frontend.py): pure checks of every reject reason with stand-in frames,
 and a backend whose receive loop loses its socket."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import asyncio
 import zmq
 
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.control_auth import ControlAuth
-from pdserve.router.frontend import ClusterBackend
+from pdserve.router.process.control_auth import ControlAuth
+from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.router import Router
 from pdserve.workers import messages as m
 from pdserve.workers.control_keys import ControlKeys
@@ -66,7 +66,7 @@ def test_a_new_incarnation_revokes_the_old_key_and_a_role_change_advances_the_ep
     assert not auth.callback(auth.domain, old.client_public) and auth.callback(auth.domain, new.client_public)
     assert not auth.callback("another-router", new.client_public)  # a key is this router's only
     assert refused == ["unknown_key", "unknown_key"]
-    auth.advance("decode-0", 3)  # ChangeRole(role, 3) went out (router/role_control.py)
+    auth.advance("decode-0", 3)  # ChangeRole(role, 3) went out (router/process/role_control.py)
     assert accept(auth, new, b"decode-0", register("decode-0", 2))[1] == "epoch"
     assert accept(auth, new, b"decode-0", register("decode-0", 3))[1] == ""
     auth.revoke("decode-0")

@@ -1,4 +1,4 @@
-"""The decode workers' token clocks the P/D decision reads (router/decode_clocks.py)."""
+"""The decode workers' token clocks the P/D decision reads (router/pricing/decode_clocks.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.ledger.margin import DecodeBudget
-from pdserve.router.decode_clocks import ItlWindows, decode_budgets
+from pdserve.router.pricing.decode_clocks import ItlWindows, decode_budgets
 
 
 def test_p90_of_the_last_window_of_gaps_per_worker():

@@ -16,17 +16,17 @@ from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router import kernels
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.cost import CostModel
-from pdserve.router.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, fetch_gain, plan_fetch
-from pdserve.router.kv_index import KvDelta
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.kv.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, fetch_gain, plan_fetch
+from pdserve.router.kv.kv_index import KvDelta
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
-from pdserve.router.snapshot import prefill_coefficients
+from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.router.synthetic import chain
-from pdserve.router.tp_pricing import TpPricing
+from pdserve.router.pricing.tp_pricing import TpPricing
 
 # measured at TP 1: prefill 10 ms + 1 ms a token; 1 MB of K/V a token (16 MB a block); 2 GB/s on a
-# host; 40 ms per fetch beyond the link (router/kv_rates.py's measured overhead)
+# host; 40 ms per fetch beyond the link (router/pricing/kv_rates.py's measured overhead)
 BASE = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02, decode_step_s_per_seq=1e-3,
                  same_host_bytes_per_s=2e9, cross_host_bytes_per_s=1e8, transfer_overhead_s=0.0,
                  kv_bytes_per_token=1_000_000, block_size_tokens=16, fetch_overhead_s=0.04, fitted=True)

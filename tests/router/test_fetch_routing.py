@@ -1,4 +1,4 @@
-"""The prefix policy with K/V sharing (router/policies.py `_prefix_with_fetch`, router/fetch_plan.py):
+"""The prefix policy with K/V sharing (router/policy/policies.py `_prefix_with_fetch`, router/kv/fetch_plan.py):
 a candidate's cost is its queue + the fetch of the prefix it lacks + the prefill of the rest;
 hand-worked cases, and random colocated clusters against a plain per-worker reference built on
 the scalar `plan_fetch`."""
@@ -10,11 +10,11 @@ import random
 import pytest
 from router_fixtures import colocated
 
-from pdserve.router.cost import CostModel
-from pdserve.router.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, leading_run, plan_fetch
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.kv.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, leading_run, plan_fetch
 from pdserve.router.messages import RouteRequest
-from pdserve.router.policies import Choice, PolicyContext, prefix_aware
-from pdserve.router.snapshot import prefill_coefficients
+from pdserve.router.policy.policies import Choice, PolicyContext, prefix_aware
+from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.router.synthetic import chain
 
 # 1 ms per prompt token, 1 MB of K/V per token, 2 GB/s on a host, 100 MB/s across, no overheads

@@ -1,4 +1,4 @@
-"""Block events applied off the routing path (router/kv_inbox.py, frontend_upkeep.apply_kv_slice):
+"""Block events applied off the routing path (router/kv/kv_inbox.py, frontend_upkeep.apply_kv_slice):
 queued and drained in slices, the index and the snapshot's prefix index equal those of a router
 that applied every report on arrival (gaps, resyncs, retired epochs and the bound included); the
 serving process's applier takes one slice per event-loop turn, behind what is ready to run."""
@@ -9,9 +9,9 @@ import asyncio
 import random
 
 from pdserve.engine.kv_events import BlockEventKind, KvTier
-from pdserve.router import frontend_upkeep as upkeep
-from pdserve.router.kv_inbox import SLICE_REPORTS, KvInbox
-from pdserve.router.kv_index import KvDelta, KvOutcome
+from pdserve.router.process import frontend_upkeep as upkeep
+from pdserve.router.kv.kv_inbox import SLICE_REPORTS, KvInbox
+from pdserve.router.kv.kv_index import KvDelta, KvOutcome
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 from pdserve.router.synthetic import ABI, MODEL, EventFlow, engine_report, random_router
 from pdserve.workers import messages as m

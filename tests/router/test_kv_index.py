@@ -1,4 +1,4 @@
-"""The cluster K/V index (router/kv_index.py): deltas, gaps and resyncs, retirement, the LRU bound,
+"""The cluster K/V index (router/kv/kv_index.py): deltas, gaps and resyncs, retirement, the LRU bound,
 the memory report; and the router feeding its snapshot's prefix sets from it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.engine.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.kv_index import (
+from pdserve.router.kv.kv_index import (
     BYTES_PER_ENTRY,
     BYTES_PER_WORKER,
     HeldChange,
@@ -167,7 +167,7 @@ def test_a_retired_epoch_s_report_changes_nothing():
 
 
 def test_metrics_export_the_index_at_scrape_time():
-    from pdserve.router.metrics import RuntimeMetrics
+    from pdserve.router.process.metrics import RuntimeMetrics
 
     index = KvIndex(max_entries=2)
     synced(index, "w", 1, 1, 2, 3)  # one eviction

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.kv_index import KvDelta, KvIndex, KvOutcome
+from pdserve.router.kv.kv_index import KvDelta, KvIndex, KvOutcome
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
-from pdserve.router.snapshot import SnapshotBuilder
+from pdserve.router.state.snapshot import SnapshotBuilder
 from tests.router.router_fixtures import ABI, MODEL
 
 WORKERS = ("a", "b", "c")

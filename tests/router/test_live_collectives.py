@@ -1,4 +1,4 @@
-"""A served TP worker's collectives priced from its rank 0's own steps (router/live_collectives.py):
+"""A served TP worker's collectives priced from its rank 0's own steps (router/pricing/live_collectives.py):
 the fold's exact numbers, a worker whose steps show slower collectives priced higher in both
 phases exactly as the one formula (TpScaling.price) says, TP 1 workers untouched, bad windows
 ignored and counted, the report's wire form (engine/tp_tally.py, workers/messages.Load)."""
@@ -13,14 +13,14 @@ import pytest
 
 from pdserve.engine.tp_tally import CollectiveReport, CollectiveTally, PhaseCollectives
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.frontend import ClusterBackend
-from pdserve.router.cost import CostModel
-from pdserve.router.live_collectives import WITHDRAWN, LiveCollectives, PhaseFit
-from pdserve.router.live_pricing import LivePricing
+from pdserve.router.process.frontend import ClusterBackend
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.live_collectives import WITHDRAWN, LiveCollectives, PhaseFit
+from pdserve.router.policy.live_pricing import LivePricing
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
-from pdserve.router.metrics import RuntimeMetrics
+from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.router.router import Router
-from pdserve.router.tp_pricing import TpPricing
+from pdserve.router.pricing.tp_pricing import TpPricing
 from pdserve.workers import messages as m
 # measured at TP 1: prefill 10 ms + 1 ms/token, decode 20 ms + 1 ms/seq; 4 layers: K = 8 all_reduces a step of
 # B = 1000-byte rows; the profile's TP 2: 1 ms a call, 1 ns/byte, 2 ms sync (the pricing test's fixtures)
@@ -192,7 +192,7 @@ def test_the_router_prices_the_reporting_workers_slots_and_leaves_the_others():
 
 
 class NotedCosts:
-    """The builders' side of `note_cost` (router/snapshot.py), recorded."""
+    """The builders' side of `note_cost` (router/state/snapshot.py), recorded."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, CostModel | None]] = []
@@ -228,7 +228,7 @@ def _gauges(metrics: RuntimeMetrics, worker_id: str) -> dict[tuple[str, str], fl
 
 
 def test_the_gauges_show_only_live_phases_and_go_with_a_retired_or_new_epoch():
-    """The router process's backend (router/frontend.py) fed Register and Heartbeat messages."""
+    """The router process's backend (router/process/frontend.py) fed Register and Heartbeat messages."""
     dead: list[str] = []
     backend = ClusterBackend(_router(join=False), "test", None, 4096, "tcp://127.0.0.1:*", is_dead=lambda: [dead.pop()] if dead else [])
 

@@ -1,4 +1,4 @@
-"""Splitwise's mixed pool in the router (router/mixed_pool.py): where a mixed worker is offered,
+"""Splitwise's mixed pool in the router (router/splitwise/mixed_pool.py): where a mixed worker is offered,
 with exact choices. The cluster: p0 (prefill) and d0 (decode) busy, m0 (mixed) idle, so the
 least-loaded policy (jsq) takes m0 wherever it is offered; the rule alone decides where that is."""
 
@@ -8,9 +8,9 @@ import pytest
 
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.mixed_pool import MixedOffer, PressureLatch, membership
+from pdserve.router.splitwise.mixed_pool import MixedOffer, PressureLatch, membership
 from pdserve.router.router import Router
-from pdserve.router.splitwise import PoolController, PoolSignals, Thresholds
+from pdserve.router.splitwise.splitwise import PoolController, PoolSignals, Thresholds
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.roles import RoleSwitch, sides
 
@@ -19,7 +19,7 @@ BUSY = {"p0": WorkerLoad(5000, 0, 100), "d0": WorkerLoad(0, 8, 100), "m0": Worke
 
 
 def router(loads: dict[str, WorkerLoad] = BUSY, pd: str = "always") -> Router:
-    from pdserve.router.pd_decision import PdPolicy
+    from pdserve.router.policy.pd_decision import PdPolicy
 
     r = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", pd=PdPolicy(pd)))
     for wid, load in loads.items():
@@ -166,7 +166,7 @@ def test_cluster_shape_with_a_mixed_pool_launches_its_roles():
 
 @pytest.mark.parametrize("policy", ["prefix", "slo", "round_robin"])
 def test_every_policy_routes_over_twin_slots_and_prefix_sets_follow_both(policy):
-    from pdserve.router.pd_decision import PdPolicy
+    from pdserve.router.policy.pd_decision import PdPolicy
 
     r = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy=policy, pd=PdPolicy("always"), ttft_slo_s=1e9,
                             tpot_slo_s=1e9))

@@ -13,9 +13,9 @@ from pdserve.cli import build_parser
 from pdserve.commands.serve import serve_config
 from pdserve.model.default import resolve_model
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.pd_decision import PdPolicy, slo_line
+from pdserve.router.policy.pd_decision import PdPolicy, slo_line
 from pdserve.router.router import Router
 
 # round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token
@@ -150,8 +150,8 @@ def test_a_prefix_p_fetches_counts_as_cached_at_p_in_the_decision():
     fetch (the choice's `PrefixTerms.hit_blocks`), not the whole prompt."""
     from pdserve.engine.kv_events import BlockEventKind as K
     from pdserve.engine.kv_events import KvTier as T
-    from pdserve.router.kv_index import KvDelta
-    from pdserve.router.pd_decision import decide_pd, facts_for
+    from pdserve.router.kv.kv_index import KvDelta
+    from pdserve.router.policy.pd_decision import decide_pd, facts_for
 
     cost = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02,
                      decode_step_s_per_seq=1e-3, same_host_bytes_per_s=2e9, cross_host_bytes_per_s=1e8,

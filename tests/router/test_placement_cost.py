@@ -1,7 +1,7 @@
-"""K/V placement terms of the one cost model (router/cost.py `fetch_s`, `promote_s`), their live
-measurement (router/kv_rates.py), the K/V index's host-tier sets (router/kv_index.py) and the
-prefix policy pricing a host-tier hit at its promotion time (router/policies.py `_prefix_priced`,
-router/prefix_terms.py): hand-worked exact costs, and random clusters against a per-worker
+"""K/V placement terms of the one cost model (router/pricing/cost.py `fetch_s`, `promote_s`), their live
+measurement (router/pricing/kv_rates.py), the K/V index's host-tier sets (router/kv/kv_index.py) and the
+prefix policy pricing a host-tier hit at its promotion time (router/policy/policies.py `_prefix_priced`,
+router/kv/prefix_terms.py): hand-worked exact costs, and random clusters against a per-worker
 reference built on the scalar `plan_fetch`."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from router_fixtures import ABI, MODEL, colocated
 from pdserve.engine.kv_events import BlockEventKind as K
 from pdserve.engine.kv_events import KvTier as T
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.cost import CostModel
-from pdserve.router.fetch_plan import FETCH, RECOMPUTE, leading_run, plan_fetch
-from pdserve.router.kv_index import KvDelta, KvIndex
-from pdserve.router.kv_rates import KvRates
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.kv.fetch_plan import FETCH, RECOMPUTE, leading_run, plan_fetch
+from pdserve.router.kv.kv_index import KvDelta, KvIndex
+from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.policies import PolicyContext, prefix_aware
-from pdserve.router.prefix_terms import PrefixTerms, host_blocks
+from pdserve.router.policy.policies import PolicyContext, prefix_aware
+from pdserve.router.kv.prefix_terms import PrefixTerms, host_blocks
 from pdserve.router.router import Router
 from pdserve.router.synthetic import EventFlow, chain, random_router
 

@@ -20,7 +20,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.default import resolve_model
 from pdserve.predictor.manifest import PredictorError
-from pdserve.router.reserve_mode import load_policy
+from pdserve.router.tetri.reserve_mode import load_policy
 from tests.helpers.predictors import TRACE, tiny_fit
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, wait_baseline
 

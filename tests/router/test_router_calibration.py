@@ -1,4 +1,4 @@
-"""The router's cost model source (router/calibration.py): fitted on this machine at start when the
+"""The router's cost model source (router/pricing/calibration.py): fitted on this machine at start when the
 per-request margin decides, read from a `pdserve profile` file, or the placeholders on request."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.model.default import resolve_model
-from pdserve.router.calibration import cost_profile, profile_points
+from pdserve.router.pricing.calibration import cost_profile, profile_points
 from pdserve.workers.tp_rank import TpShape
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)

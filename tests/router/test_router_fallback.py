@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.router.fallback import DecodeStartAction as A
-from pdserve.router.fallback import DecodeStartSituation as S
-from pdserve.router.fallback import decide_decode_start
+from pdserve.router.process.fallback import DecodeStartAction as A
+from pdserve.router.process.fallback import DecodeStartSituation as S
+from pdserve.router.process.fallback import decide_decode_start
 
 
 def test_visible_kv_is_enqueued():

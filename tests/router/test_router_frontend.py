@@ -1,4 +1,4 @@
-"""The router process's backend (router/frontend.py) driven with typed worker messages, no worker
+"""The router process's backend (router/process/frontend.py) driven with typed worker messages, no worker
 processes: a worker lost while a request is still in admission.
 
 A request is in admission from its route until a worker owns it (the decode reservation is
@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.contract import FinishEvent, GenerationRequest, TokenEvent
-from pdserve.router.frontend import ClusterBackend
+from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.router import Router
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers import messages as m

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from pdserve.router.pd_decision import PdPolicy
+from pdserve.router.policy.pd_decision import PdPolicy
 from pdserve.workers import messages as m
 from tests.router.test_router_frontend import PROMPT, Harness, collect, finish
 

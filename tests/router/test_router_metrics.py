@@ -1,4 +1,4 @@
-"""The router's /metrics tell the truth (router/metrics.py), driven with typed worker messages and
+"""The router's /metrics tell the truth (router/process/metrics.py), driven with typed worker messages and
 no worker processes: every name the ledger's runtime-release check requires is exposed, bytes
 are the workers' reported bytes (not the router's plan), resends, live workers and SLO
 attainment are updated, and the trace line keeps first-token and K/V-published times apart."""
@@ -11,8 +11,8 @@ import re
 
 from pdserve.ledger.checks import load_fixture, run_check
 from pdserve.ledger.checks.runtime_release import REQUIRED_METRICS, exposed_metric_names, with_exposed_metrics
-from pdserve.router.inflight import RequestTraceWriter
-from pdserve.router.metrics import RuntimeMetrics
+from pdserve.router.process.inflight import RequestTraceWriter
+from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.workers import messages as m
 from tests.router.test_router_frontend import PROMPT, Harness, collect, finish
 

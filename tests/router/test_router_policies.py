@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from router_fixtures import colocated, pd
 
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RejectReason, RouteRequest
-from pdserve.router.policies import (
+from pdserve.router.policy.policies import (
     Choice,
     PolicyContext,
     Refusal,

@@ -1,5 +1,5 @@
 """Every transfer failure reaches the router and takes the spec's decode-start chain
-(router/recovery.py over router/fallback.py), driven with typed worker messages, no processes.
+(router/process/recovery.py over router/process/fallback.py), driven with typed worker messages, no processes.
 
 Faults are the messages a worker sends when they happen: the source could not open its link or
 the destination refused it (TransferDone, side "source" or "destination", not published), a
@@ -175,7 +175,7 @@ def test_reroute_to_the_decode_worker_whose_cache_sees_the_prompt():
         load = m.Load(0, 3, 3, 1000, 0, 0, 1000)  # busier than the third: only the cache draws it
         resync = KvReport(len(hashes), tuple(BlockEvent(BlockEventKind.STORED, x) for x in hashes), resync=True)
         h.backend.report_load(m.Heartbeat(holder, 1, load, resync))  # its whole prefix cache, as after a ResyncKv
-        await asyncio.sleep(0)  # the K/V index applier's turn (router/kv_inbox.py: events apply off the message path)
+        await asyncio.sleep(0)  # the K/V index applier's turn (router/kv/kv_inbox.py: events apply off the message path)
         await h.kill(d)
         target, _ = await resumed(h, task, {holder})
         assert line(h)["fallback"] == "reroute" and line(h)["fallback_cause"] == f"worker_lost:{d}"

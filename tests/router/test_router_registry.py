@@ -13,7 +13,7 @@ from pdserve.router.errors import (
     UnknownWorkerError,
 )
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
-from pdserve.router.registry import ClusterIdentity, Registry, WorkerState, transition
+from pdserve.router.state.registry import ClusterIdentity, Registry, WorkerState, transition
 
 IDENTITY = ClusterIdentity("m", "abi", frozenset({Role.PREFILL, Role.DECODE}))
 LOAD = WorkerLoad(0, 0, 100)

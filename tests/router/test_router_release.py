@@ -1,4 +1,4 @@
-"""The release controller's states when a role change fails (router/release.py): a failed
+"""The release controller's states when a role change fails (router/process/release.py): a failed
 disable leaves the release PINNED (requests already run whole), a failed rollback stays
 ROLLING_BACK and runs again from the top, illegal moves and concurrent operations are refused."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pdserve.router import release, role_control
+from pdserve.router.process import release, role_control
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.router import Router
 

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import IllegalTransitionError, LeakError, UnknownRequestError
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.reservations import HoldRequest, InFlight, ReservationLedger
+from pdserve.router.state.reservations import HoldRequest, InFlight, ReservationLedger
 from pdserve.router.router import Router
 
 FREE = {"p0": 10, "d0": 10}

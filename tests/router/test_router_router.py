@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.errors import StaleEpochError, UnknownRequestError
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pdserve.router.config import Mode
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RoutePlan
-from pdserve.router.snapshot import Derived, SnapshotBuilder
+from pdserve.router.state.snapshot import Derived, SnapshotBuilder
 from pdserve.router.synthetic import random_load, random_router
 
 

@@ -1,11 +1,11 @@
-"""Splitwise's pool controller (router/splitwise.py): hysteresis, cooldown, a worker left in each
+"""Splitwise's pool controller (router/splitwise/splitwise.py): hysteresis, cooldown, a worker left in each
 pool, the least loaded worker moved."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.splitwise import Move, PoolController, PoolSignals, Thresholds
+from pdserve.router.splitwise.splitwise import Move, PoolController, PoolSignals, Thresholds
 
 T = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=3, cooldown_s=10.0)
 PROMPT_PRESSED = PoolSignals({"p0": 3.0, "p1": 2.5}, {"d0": 0.2, "d1": 0.1, "d2": 0.3})

@@ -1,6 +1,6 @@
 """KV-Runahead partitions of chains whose workers run different TP sizes (issue 23): each stage's
-chunks are priced at its own worker's size (router/runahead_plan.py `search_partition` with one
-ChunkCost per stage; router/runahead.py `chunk_pricing`, the router's TpPricing formula), the
+chunks are priced at its own worker's size (router/runahead/runahead_plan.py `search_partition` with one
+ChunkCost per stage; router/runahead/runahead.py `chunk_pricing`, the router's TpPricing formula), the
 searched partition equals a brute-force reference on a plain per-chunk, per-layer simulation, a
 faster stage takes more of the prompt, and the cache keeps one key and one file per tuple of stage
 sizes. Costs are binary fractions, so every finish is exact."""
@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
-from pdserve.router.cost import CostModel
-from pdserve.router.runahead import Runahead, chunk_pricing
-from pdserve.router.runahead_plan import (
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.runahead.runahead import Runahead, chunk_pricing
+from pdserve.router.runahead.runahead_plan import (
     ChainCaches,
     ChunkCost,
     LinkCost,
@@ -27,7 +27,7 @@ from pdserve.router.runahead_plan import (
     chain_finish_s,
     search_partition,
 )
-from pdserve.router.tp_pricing import TpPricing
+from pdserve.router.pricing.tp_pricing import TpPricing
 
 TP1 = ChunkCost(0.0, 1.0, 0.125)  # 1 s a row + 1/8 s a causal pair
 TP2 = ChunkCost(0.0, 0.5, 0.0625)  # the same worker at half the time

@@ -13,10 +13,10 @@ from pdserve.predictor.features import FeatureSpec
 from pdserve.predictor.manifest import LengthPredictor, Manifest, Prediction
 from pdserve.predictor.softmax import SoftmaxModel
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.decode_choice import HeavyLight, p2c_slot
+from pdserve.router.tetri.decode_choice import HeavyLight, p2c_slot
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.reservations import HoldRequest, ReservationLedger
-from pdserve.router.reserve_mode import ReservePolicy, outcome_bytes
+from pdserve.router.state.reservations import HoldRequest, ReservationLedger
+from pdserve.router.tetri.reserve_mode import ReservePolicy, outcome_bytes
 from pdserve.router.router import Router
 from pdserve.workers.hold_watch import HoldWatch, hold_params
 from pdserve.engine.sequence import SamplingParams

@@ -1,5 +1,5 @@
 """The router prices each role's steps at its TP size with one formula (latency/tp_scaling.py,
-router/tp_pricing.py): exact numbers for the formula, the cost model it scales, and the wiring in
+router/pricing/tp_pricing.py): exact numbers for the formula, the cost model it scales, and the wiring in
 `router_for` (a `--prefill-tp 2 --decode-tp 1` deployment with a profile measured at TP 1)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pdserve.latency.tp_scaling import (DEFAULT_COLLECTIVES, PhaseShares, StepPr
                                         model_scaling, ring_costs)
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
-from pdserve.router.cost import CostModel
-from pdserve.router.snapshot import prefill_coefficients
-from pdserve.router.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.state.snapshot import prefill_coefficients
+from pdserve.router.pricing.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
 from pdserve.workers.tp_rank import TpShape
 
 COSTS2 = CollectiveCosts(tp=2, pinned=True, allreduce_s=1.0e-3, allreduce_s_per_byte=1.0e-9, step_sync_s=2.0e-3)

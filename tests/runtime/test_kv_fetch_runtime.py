@@ -17,7 +17,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KvTier
 from pdserve.engine.sequence import SamplingParams
-from pdserve.router.cost import CostModel
+from pdserve.router.pricing.cost import CostModel
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
 

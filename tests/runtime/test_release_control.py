@@ -127,7 +127,7 @@ def test_disable_and_enable_switch_a_running_cluster_without_losing_a_token(expe
 
 
 async def _rollback_scenario():
-    from pdserve.router.release import unpublished
+    from pdserve.router.process.release import unpublished
 
     async with cluster(config()) as (backend, _):
         app = create_app(backend, admin_token=TOKEN)
@@ -214,7 +214,7 @@ def test_a_prefill_worker_retired_during_the_rollback_comes_back_colocated():
     import os
     import signal
 
-    from pdserve.router.release import ReleaseController
+    from pdserve.router.process.release import ReleaseController
     from pdserve.workers.supervisor import RestartPolicy
 
     async def main():

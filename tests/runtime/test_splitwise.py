@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.engine.sequence import SamplingParams
-from pdserve.router.splitwise import Thresholds
+from pdserve.router.splitwise.splitwise import Thresholds
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)

@@ -19,8 +19,8 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.router.mixed_pool import MixedOffer
-from pdserve.router.splitwise import Thresholds
+from pdserve.router.splitwise.mixed_pool import MixedOffer
+from pdserve.router.splitwise.splitwise import Thresholds
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)

@@ -86,7 +86,7 @@ def test_tp_workers_serve_the_tokens_of_tp1(reference_engine, mode, tp, workers)
 
 async def _priced_from_own_collectives(backend, workers: dict[str, int]) -> None:
     """Each TP 2 worker's heartbeats carried its rank 0's collective seconds: after its 15+ decode
-    steps the router prices it from them (router/live_collectives.py), /workers and the gauge show
+    steps the router prices it from them (router/pricing/live_collectives.py), /workers and the gauge show
     them; a TP 1 worker has none."""
     live = backend.router.live
     for wid, ranks in workers.items():

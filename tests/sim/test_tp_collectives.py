@@ -9,7 +9,7 @@ import json
 from pdserve.latency.tp_collectives import PREFILL_ROWS, CollectiveCosts, LayerShape, costs_from_timings, profile_section
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
-from pdserve.router.tp_pricing import scaling_for
+from pdserve.router.pricing.tp_pricing import scaling_for
 
 
 def test_profile_section_measures_tp2_and_the_router_reads_it():

@@ -28,7 +28,7 @@ from pdserve.handoff.transports.base import ChunkPayload
 from pdserve.handoff.transports.channels import SocketChannel
 from pdserve.handoff.transports.copy import ShmReceiverLink
 from pdserve.handoff.transports.pull import ShmPullReceiverLink, ShmPullSenderLink
-from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.workers.handoff_io import HandoffListener, HandoffSender, prompt_digest
 from pdserve.workers.messages import TransferPlan
 from tests.handoff.world import ABI, IDENTITY, make_world, open_transfer, published_bytes_equal, reserve_request

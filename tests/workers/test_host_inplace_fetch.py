@@ -25,7 +25,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.handoff.capability import Verifier
 from pdserve.handoff.trace import TraceSink
-from pdserve.router.capabilities import CapabilityIssuer
+from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.workers import messages as m
 from pdserve.workers.fetch import FetchSide
 from pdserve.workers.fetch_holder import DEVICE, HOST
@@ -112,7 +112,7 @@ def put_in_host(holder: HostNode, history, tenant="default") -> None:
 
 
 def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None, transport="shm") -> tuple:
-    """What the router does (router/fetch_runner.py): reserve and pin, then serve a plan naming
+    """What the router does (router/kv/fetch_runner.py): reserve and pin, then serve a plan naming
     the pinned (segment, slot) pairs, its capability binding them (or `bind`, a wrong set)."""
     n = len(ids) // BS
     prefix = tuple(ids[: n * BS])

@@ -7,7 +7,7 @@ import random
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.router.kv_index import KvDelta, KvIndex, KvOutcome, hash_key
+from pdserve.router.kv.kv_index import KvDelta, KvIndex, KvOutcome, hash_key
 from pdserve.workers import messages as m
 from pdserve.workers.worker import Worker, WorkerConfig
 

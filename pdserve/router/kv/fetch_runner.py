@@ -1,0 +1,262 @@
+"""The router process's side of a cross-worker prefix fetch (issue 19, part 2), and its metrics.
+
+Contract: `prepare(live, dest)` runs before the request's first message to the worker that will
+prefill it (Generate, or Prefill on a prefill worker). It plans with `fetch_plan.plan_fetch` over
+the cluster K/V index (the tenant-rooted keys of the prompt, each worker's held set), writes the
+decision and its terms on the trace line, and when the fetch pays:
+    FetchReserve -> destination answers FetchReserved (its blocks, what it already had), and at
+    the same time FetchPin -> holder answers FetchPinned (the (segment, slot) of each prefix
+    block, pinned where it is: device pool or host tier, read in place)
+    FetchServe(plan, capability) -> holder, the plan and its capability naming exactly the pinned
+    (segment, slot) pairs of the blocks moved; the holder's link lands, validates and publishes at
+    the destination, which inserts the blocks into its prefix cache -> FetchDone (both sides)
+and returns once the destination's FetchDone came, the fetch failed, the holder left the
+registry (died, or re-registered under another epoch) or the deadline passed; in the last three
+cases both are told FetchAbort (unpublished blocks and the holder's pins return) and the request simply
+recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
+for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
+Rates (router/pricing/kv_rates.py): each holder's FetchDone measures the fetch link, each landed fetch's
+wall time the per-fetch overhead, the workers' loads their host tiers' copy rate; `prepare` and
+every FetchDone hand the router the cost model with them (`Router.kv_cost`, the prefix policy's
+fetch and host-tier terms), and the fetch plan uses the same one.
+Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`,
+`pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
+fetch brought, "remote", and the rest, "local"; "host" is the tokens the workers' host tiers
+promoted back, summed from their loads: a promoted block served to a request's prefill is also
+one of its "local" tokens; "host_peer" the tokens of host-tier blocks peers' fetches read in
+place, also "remote" tokens at their destinations) and `pdserve_kv_tier_blocks{worker,tier,state}`
+(device: used, cached, free; host: used, free, pinned; from the workers' last loads at scrape time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.router.kv.fetch_plan import FETCH, FetchTerms, plan_fetch
+from pdserve.router.pricing.kv_rates import KvRates
+from pdserve.workers import messages as m
+
+FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RESERVE_TIMEOUT_S = 5.0
+MIN_DEADLINE_S = 2.0  # a fetch gets at least this long (plus 10x its prediction) before it is abandoned
+POLL_S = 0.02
+
+
+@dataclass
+class _Fetch:
+    fetch_id: str
+    dest: str
+    holder: str
+    reserved: asyncio.Future
+    pinned: asyncio.Future  # the holder's FetchPinned
+    landed: asyncio.Future  # the destination's FetchDone
+    source_failed: bool = False
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class TierBlocks:
+    """`pdserve_kv_tier_blocks{worker,tier,state}` from the workers' last reported loads."""
+
+    def __init__(self, loads):
+        self.loads = loads
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_kv_tier_blocks", "K/V blocks per worker, tier and state",
+                                   labels=["worker", "tier", "state"])
+        for wid, load in sorted(self.loads().items()):
+            used = load.num_blocks - load.free_blocks
+            family.add_metric([wid, "device", "used"], used)
+            family.add_metric([wid, "device", "cached"], load.cached_blocks)
+            family.add_metric([wid, "device", "free"], load.free_blocks - load.cached_blocks)
+            if load.host_capacity:
+                family.add_metric([wid, "host", "used"], load.host_blocks)
+                family.add_metric([wid, "host", "free"], load.host_capacity - load.host_blocks)
+                family.add_metric([wid, "host", "pinned"], load.host_pinned)
+        yield family
+
+
+class HitTokens:
+    """`pdserve_prefix_hit_tokens_total{where}`: local and remote from finished requests, host
+    from the workers' host-tier promotions, host_peer from the host-tier blocks peers' fetches
+    read in place (both from the workers' loads; host_peer tokens are also "remote" ones at the
+    destination)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
+                                     "the K/V came from", labels=["where"])
+        r = self.runner
+        loads, bs = r.backend.loads.values(), r.backend._block_size
+        host = sum(load.host_hits for load in loads) * bs
+        peer = sum(load.host_inplace_reads for load in loads) * bs
+        for where, tokens in (("local", r.local_tokens), ("remote", r.remote_tokens), ("host", host), ("host_peer", peer)):
+            family.add_metric([where], tokens)
+        yield family
+
+
+class FetchRunner:
+    def __init__(self, backend, enabled: bool = True):
+        self.backend, self.enabled = backend, enabled
+        self.pending: dict[str, _Fetch] = {}
+        self.rates = KvRates()  # measured fetch link, per-fetch overhead, host tier copy rate
+        self._ids = itertools.count(1)
+        r = backend.metrics.registry
+        self.fetch_bytes = Counter("pdserve_kv_fetch_bytes", "K/V bytes of published prefix fetches", registry=r)
+        self.fetch_seconds = Histogram("pdserve_kv_fetch_seconds", "Prefix fetch wall time (router: plan to landed)",
+                                       buckets=FETCH_BUCKETS_S, registry=r)
+        self.fetches = Counter("pdserve_kv_fetches", "Prefix fetches by result", ["result"], registry=r)
+        self.local_tokens = self.remote_tokens = 0  # cached prompt tokens of finished requests, by source
+        r.register(HitTokens(self))
+        r.register(TierBlocks(lambda: backend.loads))
+
+    # ---- planning -------------------------------------------------------------------------
+    def cost(self):
+        """The cost model with the measured placement rates, handed to the router's policy too."""
+        b = self.backend
+        loads = [load for load in b.loads.values() if load.host_capacity]
+        self.rates.observe_host_copies(sum(l.host_copy_bytes for l in loads), sum(l.host_copy_s for l in loads))
+        b.router.kv_cost = cost = self.rates.cost(b.router.config.cost)
+        return cost
+
+    def terms(self, live, dest: str) -> FetchTerms:
+        b = self.backend
+        self.cost()  # refresh the measured placement rates (and the policy's copy)
+        req, cost = live.req, self.rates.cost(b.router.worker_cost(dest))  # the prefill saved is dest's, at its TP size
+        keys = b._block_hashes(req.prompt_ids, req.params.tenant)
+        held = {wid: b.router.kv_held(wid) for wid in b.registered}
+        host = b.registered[dest].host_id
+        usable = (len(req.prompt_ids) - 1) // cost.block_size_tokens
+        return plan_fetch(dest, keys, held, usable, cost, lambda w: b.registered[w].host_id == host)
+
+    async def prepare(self, live, dest: str) -> None:
+        if not self.enabled or dest not in self.backend.registered:
+            return
+        terms = self.terms(live, dest)
+        live.note(**terms.trace_fields())
+        if terms.decision != FETCH:
+            return
+        t0 = time.monotonic()
+        landed = await self._run(live, dest, terms)
+        seconds = time.monotonic() - t0
+        live.note(fetch_landed_blocks=landed, fetch_s=round(seconds, 6))
+        self.fetches.labels("landed" if landed else "failed").inc()
+        if landed:
+            self.fetch_seconds.observe(seconds)
+            b = self.backend
+            hosts = {b.registered[w].host_id for w in (dest, terms.holder) if w in b.registered}
+            same_host = len(hosts) == 1
+            base, nbytes = b.router.config.cost, landed * b._block_size * b._bytes_per_token()
+            overhead = self.rates.observe_fetch(base, nbytes, seconds, same_host)
+            live.note(fetch_overhead_sample_s=None if overhead is None else round(overhead, 6))
+            self.cost()
+
+    async def _run(self, live, dest: str, terms: FetchTerms) -> int:
+        """Blocks landed at `dest` (0: the fetch failed and the request recomputes)."""
+        b, loop = self.backend, asyncio.get_running_loop()
+        bs = b._block_size
+        fetch_id = f"{live.engine_id}/fetch{next(self._ids)}"
+        job = _Fetch(fetch_id, dest, terms.holder, loop.create_future(), loop.create_future(), loop.create_future())
+        self.pending[fetch_id] = job
+        holder = b.registered[terms.holder]
+        prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
+        try:
+            await b._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+            await b._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
+            reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
+            pinned = await self._wait(job.pinned, job, RESERVE_TIMEOUT_S)
+            failure = _refused(reserved) or _refused(pinned)
+            plan = None if failure else self._plan(live, job, reserved, pinned)
+            if plan is None:  # refused, late, or a side left the registry meanwhile
+                live.note(fetch_failure=failure or "holder_lost")
+                await self._abort(job)
+                return 0
+            await b._send(terms.holder, m.FetchServe(prefix, plan))
+            done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
+            if isinstance(done, m.FetchDone) and done.published:
+                return done.blocks
+            live.note(fetch_failure=done if isinstance(done, str) else done.reason or "aborted")
+            await self._abort(job)
+            return 0
+        finally:
+            self.pending.pop(fetch_id, None)
+
+    async def _abort(self, job: _Fetch) -> None:
+        """Both sides return what they hold for the fetch (a worker holding nothing ignores it)."""
+        for wid in (job.dest, job.holder):
+            if wid in self.backend.registered:
+                await self.backend._send(wid, m.FetchAbort(job.fetch_id))
+
+    def _plan(self, live, job: _Fetch, reserved: m.FetchReserved, pinned: m.FetchPinned) -> m.TransferPlan | None:
+        b = self.backend
+        dest, holder = b.registered.get(job.dest), b.registered.get(job.holder)
+        if dest is None or holder is None or dest.fetch_address is None:
+            return None
+        same_host = dest.host_id == holder.host_id and dest.shm_name is not None and b.transport != "tcp"
+        plan = m.TransferPlan(job.fetch_id, 1, m.FIRST_ATTEMPT, live.req.tenant, job.dest, dest.epoch,
+                              reserved.reservation_id, reserved.dest_blocks, reserved.num_visible_blocks,
+                              "shm" if same_host else "tcp", tuple(dest.fetch_address), dest.shm_name, dest.num_blocks,
+                              src_slots=tuple(pinned.src_slots[reserved.num_visible_blocks:]))
+        segments = tuple(name for name in (holder.shm_name, holder.host_shm_name) if name)
+        return b.capabilities.issue(plan, job.holder, holder.epoch, dest.abi_hash, same_host and holder.shm_name is not None,
+                                    dest.bytes_per_token * dest.block_size, segments)
+
+    async def _wait(self, future: asyncio.Future, job: _Fetch, timeout_s: float):
+        """The future's result; else why not: "holder_lost" once the holder (or the destination)
+        left the registry under the epoch the fetch started with, "source_failed" when the holder
+        reported its side failed, "timeout" at the deadline."""
+        b = self.backend
+        epochs = {w: b.registered[w].epoch for w in (job.dest, job.holder) if w in b.registered}
+        deadline = time.monotonic() + timeout_s
+        while not future.done():
+            if any(w not in b.registered or b.registered[w].epoch != e for w, e in epochs.items()) or len(epochs) < 2:
+                return "holder_lost"
+            if job.source_failed:
+                return "source_failed"
+            if time.monotonic() > deadline:
+                return "timeout"
+            await asyncio.sleep(POLL_S)
+        return future.result()
+
+    # ---- worker messages ------------------------------------------------------------------
+    def on_message(self, msg) -> None:
+        job = self.pending.get(msg.fetch_id)
+        if isinstance(msg, m.FetchDone) and msg.side == "source":
+            self._on_source_done(msg, job)
+            return
+        if job is None:
+            return
+        future = job.reserved if isinstance(msg, m.FetchReserved) else job.pinned if isinstance(msg, m.FetchPinned) \
+            else job.landed
+        if not future.done():
+            future.set_result(msg)
+
+    def _on_source_done(self, msg: m.FetchDone, job: _Fetch | None) -> None:
+        if msg.published:
+            self.fetch_bytes.inc(msg.bytes)
+            self.rates.observe_link(msg.bytes, msg.transfer_s)
+            self.cost()
+        elif job is not None:
+            job.source_failed = True  # the destination is told to abort by the waiting fetch
+
+    def on_finished(self, live) -> None:
+        """Split a finished request's cached prompt tokens by where the K/V came from."""
+        cached = live.trace.get("cached_tokens", 0)
+        remote = min(cached, live.trace.get("fetch_landed_blocks", 0) * self.backend._block_size)
+        self.remote_tokens += remote
+        self.local_tokens += cached - remote
+
+
+def _refused(answer) -> str | None:
+    """Why a FetchReserved / FetchPinned answer stops the fetch ("timeout", "holder_lost", its
+    reason), or None when it was granted."""
+    if isinstance(answer, str):
+        return answer
+    return None if answer.ok else answer.reason or "refused"

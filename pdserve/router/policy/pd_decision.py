@@ -1,0 +1,311 @@
+"""Per-request P/D decision: disaggregate, or prefill on the chosen decode worker (issue 20).
+
+Contract: pure functions over the router's snapshot and the policy's chosen pair; nothing here
+holds blocks or does I/O. `decide_pd(facts, policy, cost, ttft_slo_s, tpot_slo_s)` is the one decision (facts may be None
+where the policy reads none: "never", and "always" without a prompt floor):
+
+    mode "never"                   prefill locally on the decode worker
+    uncached < min_prompt_tokens   prefill locally: a prompt with fewer uncached tokens at D (its
+                                   prefix cache subtracted, as llm-d's decider counts) never
+                                   disaggregates (applies first, in "always" and "margin" mode alike)
+    mode "always"                  disaggregate (the demo and the handoff tests pin it)
+    mode "margin"                  the spec's net margin, decided by the ledger's `should_enable_pd`
+                                   (one formula, shared with the planner and the release check)
+
+The four terms, in seconds per request, from the router's cost model (`CostModel`, fitted on this
+machine at start or by `pdserve profile`: router/pricing/calibration.py) and the live load reports:
+
+    interference saved  a local prefill of u_D tokens (its uncached prompt at D) runs in chunks of
+                        the step budget left beside the B decodes at D; each mixed step
+                        takes decode_step_s(B) + prefill_chunk_s(chunk, context so far): a later
+                        chunk of a long prompt attends to more keys. Counted against the SLOs (the
+                        ledger's `slo_interference_s`): B x the stall (the steps' prefill part)
+                        beyond each decode's TPOT slack (TPOT target - decode_step_s(B)) x its
+                        tokens, shared by the 1 + lambda x lifetime prefills landing during its
+                        life), plus the local TTFT (D's queued prompt work + the steps) beyond the TTFT
+                        target. Each decode's slack is its own (`PdFacts.budgets`: its tokens so
+                        far, the time they took and its max_tokens left; a decode not yet started
+                        takes this request's expected output), and its harm is at least the
+                        inter-token gaps the steps open beyond the TPOT target, each gap the
+                        batch's p90 ITL (`itl_p90_s`) plus the step's prefill part (the ledger's
+                        `gap_late_s`). D's step for its running decodes takes each to look like this
+                        request (`decode_step_at`: its prompt and half its output as context);
+                        lambda is the router's recent arrival rate. B counts every sequence
+                        that will share D's batch with the local prefill: the larger of D's
+                        reported decoding batch (plus grants not yet applied) and the router's
+                        live routes to D, which also holds the requests still prefilling at P or
+                        queued at D (D reports only the sequences already decoding, so a decision
+                        from the report alone sees an idle D while P prepares its next decodes).
+                        Less what the handoff does not save: a handed-off request whose K/V lands
+                        at D (after P's queue, its prefill and the exposed transfer) before D's
+                        queued prompt work drains decodes beside that work; its own stall beyond
+                        its slack counts against disaggregating (a local prefill waits behind it).
+                        The slack reads D's measured TPOT (its live requests' mean so far, from
+                        their token times) where that exceeds the profile's step: a profile fitted
+                        at start on a quieter machine otherwise promises slack D no longer has
+    exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
+                        the layer-wise stream hides behind P's prefill (handoff/streaming.py's
+                        visible-time recurrence over `stream_layers` equal layers)
+    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the part of the
+                        wait a local prefill has at D, queue_s(D's pending prompt tokens), that the
+                        handed-off request escapes: what drains before its K/V lands at D
+    failure penalty     the observed transfer-failure rate x the recompute cost (the whole prompt's
+                        chunked prefill)
+
+Targets (`decision_slos`): the request's own, else `--slo-ttft-ms` / `--slo-tpot-ms`, else
+derived from the profile: `SLO_SCALE` x the prompt's idle prefill and x an idle decode step
+(the ledger's `profile_slo_s`).
+
+Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + its chunked prefill of u_P +
+exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
+mixed steps); TPOT passes when D's next decode step decode_step_s(B + 1) is within the TPOT
+target or no longer than the local route's longest mixed step. A gate vetoes disaggregation only
+where it would miss a target the local prefill meets: both routes decode at D.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
+from pdserve.ledger.margin import (
+    DecodeBudget,
+    MarginTerms,
+    SLO_SCALE,
+    net_margin_s,
+    profile_slo_s,
+    should_enable_pd,
+    slo_interference_s,
+)
+from pdserve.router.policy import demand
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.messages import RouteRequest
+
+MODES = ("always", "never", "margin")
+DISAGGREGATE = "disaggregate"
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class PdPolicy:
+    """`--pd-decision`, `--pd-min-prompt-tokens` (uncached tokens at D), `--pd-safety-margin-ms`
+    and the SLO targets the margin reads (`--slo-ttft-ms`, `--slo-tpot-ms`; None: derived from
+    the profile per request, `decision_slos`); `stream_layers` and `layerwise_min_tokens`
+    describe the handoff's layer-wise stream (one layer: a serialized transfer)."""
+
+    mode: str = "always"
+    min_prompt_tokens: int = 0
+    safety_margin_s: float = 0.0
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    stream_layers: int = 1
+    layerwise_min_tokens: int = 256
+    chunk_tokens: int = 512  # the decode worker's per-step token budget (its max_num_batched_tokens)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--pd-decision must be one of {MODES}, got {self.mode!r}")
+        if self.min_prompt_tokens < 0 or self.stream_layers < 1:
+            raise ValueError("--pd-min-prompt-tokens must be >= 0 and stream_layers >= 1")
+        if not self.safety_margin_s >= 0:
+            raise ValueError(f"--pd-safety-margin-ms must be >= 0, got {self.safety_margin_s * 1e3}")
+
+    @property
+    def slo_source(self) -> str:
+        """Where the margin's targets come from: "flags" (the user's) or "profile" (derived)."""
+        return "flags" if self.ttft_slo_s is not None and self.tpot_slo_s is not None else "profile"
+
+    def slo_view(self) -> dict:
+        """The margin's targets as `/workers` shows them on decode workers (None: derived per request)."""
+        return {"source": self.slo_source, "ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s,
+                "profile_scale": SLO_SCALE, "safety_margin_s": self.safety_margin_s}
+
+
+@dataclass(frozen=True)
+class PdFacts:
+    """What one request's decision reads, for the policy's chosen (P, D) pair."""
+
+    prompt_tokens: int
+    local_compute_tokens: int  # u_D: prompt tokens D would compute (its prefix cache subtracted)
+    remote_compute_tokens: int  # u_P: prompt tokens P would compute
+    transfer_bytes: int  # K/V bytes the handoff would move to D
+    same_host: bool
+    decode_batch: int  # decodes running at D that a local prefill would delay
+    prefill_pending_tokens: int  # prompt tokens already queued at P
+    failure_rate: float  # observed transfer failures / transfers ended
+    decode_pending_tokens: int = 0  # prompt tokens already queued at D (its local prefills)
+    arrival_rate_rps: float = 0.0  # the router's recent request arrival rate
+    decode_tokens: int = 1  # tokens a running decode makes (this request's expected output: the estimate)
+    decode_routed: int = 0  # live routes to D (router ledger): decoding, prefilling at P, or queued at D
+    measured_tpot_s: float = 0.0  # mean TPOT of D's live requests so far (0: none measured)
+    budgets: tuple[DecodeBudget, ...] = ()  # D's running decodes' own budgets (the frontend's token clocks)
+    itl_p90_s: float = 0.0  # p90 inter-token gap of D's recent tokens (0: none measured)
+
+    @property
+    def delayed_batch(self) -> int:
+        """B: the decodes a local prefill here would delay (module contract)."""
+        return max(self.decode_batch, self.decode_routed)
+
+
+@dataclass(frozen=True)
+class PdDecision:
+    disaggregate: bool
+    reason: str  # the mode that decided, "min_prompt_tokens", "margin" or "gate"
+    terms: MarginTerms | None = None  # only when the margin was computed
+    net_margin_s: float | None = None
+    ttft_gate: bool | None = None
+    tpot_gate: bool | None = None
+    delayed_batch: int | None = None  # the B the margin read (PdFacts.delayed_batch)
+    measured_tpot_s: float | None = None  # D's measured TPOT the slack read (PdFacts.measured_tpot_s)
+    ttft_slo_s: float | None = None  # the targets the margin read (decision_slos)
+    tpot_slo_s: float | None = None
+
+    @property
+    def label(self) -> str:
+        return DISAGGREGATE if self.disaggregate else LOCAL
+
+    def trace_fields(self) -> dict:
+        """The request trace line's fields for this decision (router/process/inflight.py)."""
+        fields = {"pd_decision": self.label, "pd_reason": self.reason}
+        if self.terms is not None:
+            fields.update(pd_interference_saved_s=self.terms.interference_saved_s,
+                          pd_transfer_exposed_s=self.terms.transfer_exposed_s, pd_route_delta_s=self.terms.route_delta_s,
+                          pd_failure_penalty_s=self.terms.failure_penalty_s, pd_net_margin_s=self.net_margin_s,
+                          pd_ttft_gate=self.ttft_gate, pd_tpot_gate=self.tpot_gate, pd_delayed_batch=self.delayed_batch,
+                          pd_measured_tpot_s=self.measured_tpot_s, pd_ttft_slo_s=self.ttft_slo_s,
+                          pd_tpot_slo_s=self.tpot_slo_s)
+        return fields
+
+
+PINNED = {"always": PdDecision(True, "always"), "never": PdDecision(False, "never")}  # shared: the hot path
+
+
+def facts_for(request: RouteRequest, prefill_hit_blocks: int, decode_hit_blocks: int, same_host: bool,
+              decode_batch: int, prefill_pending_tokens: int, failure_rate: float, cost: CostModel,
+              decode_pending_tokens: int = 0, arrival_rate_rps: float = 0.0, decode_routed: int = 0,
+              measured_tpot_s: float = 0.0, budgets: tuple[DecodeBudget, ...] = (), itl_p90_s: float = 0.0) -> PdFacts:
+    """The facts for one chosen pair, with demand.py's token arithmetic (the plan's own)."""
+    bs = cost.block_size_tokens
+    local_hit = demand.usable_prefill_hit(request, decode_hit_blocks, bs)
+    return PdFacts(
+        prompt_tokens=request.prompt_tokens,
+        local_compute_tokens=int(demand.compute_tokens(request, local_hit, bs)),
+        remote_compute_tokens=int(demand.compute_tokens(request, prefill_hit_blocks, bs)),
+        transfer_bytes=int(demand.transfer_tokens(request, decode_hit_blocks, bs)) * cost.kv_bytes_per_token,
+        same_host=same_host, decode_batch=decode_batch, prefill_pending_tokens=prefill_pending_tokens,
+        failure_rate=failure_rate, decode_pending_tokens=decode_pending_tokens, arrival_rate_rps=arrival_rate_rps,
+        decode_tokens=max(1, request.expected_output_tokens), decode_routed=decode_routed,
+        measured_tpot_s=measured_tpot_s, budgets=budgets, itl_p90_s=itl_p90_s,
+    )
+
+
+def running_step_s(facts: PdFacts, cost: CostModel) -> float:
+    """D's decode step for its B sequences (`delayed_batch`), each taken to look like this request
+    (its prompt and half its output as context): the profile's own form, not the reference context."""
+    batch = facts.delayed_batch
+    if not batch:
+        return 0.0
+    return cost.decode_step_at(batch, facts.prompt_tokens + facts.decode_tokens / 2)
+
+
+def local_steps_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> list[float]:
+    """The mixed steps a local prefill of u_D tokens takes at D, each step also carrying the B
+    decode rows: the engine's scheduler cuts a prompt on the chunk grid and runs a step's first
+    chunk whole even past the budget the decode rows leave (engine/scheduler.py), so a lone local
+    prefill takes as many steps beside B decodes as beside none (the simulator's mixed instance,
+    sim/colocated.py, steps it the same way)."""
+    todo = facts.local_compute_tokens
+    decode_s = running_step_s(facts, cost)
+    chunks = cost.at_decode_worker().chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens)
+    return [decode_s + chunk_s for chunk_s in chunks]
+
+
+def remote_prefill_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """P's prefill of its u_P uncached tokens, in chunks of the step budget after its cached prefix."""
+    todo = facts.remote_compute_tokens
+    return sum(cost.chunked_prefill_s(todo, facts.prompt_tokens - todo, policy.chunk_tokens)) or float(cost.prefill_s(0))
+
+
+def local_wait_s(facts: PdFacts, cost: CostModel) -> float:
+    """Prompt work already queued at D that a local prefill waits behind (at D's TP size)."""
+    return float(cost.at_decode_worker().queue_s(facts.decode_pending_tokens))
+
+
+def remote_ttft_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """When a handed-off request's K/V is at D: P's queue, its prefill there, the exposed transfer."""
+    return float(cost.queue_s(facts.prefill_pending_tokens)) + remote_prefill_s(facts, policy, cost) + exposed_s(facts, policy, cost)
+
+
+def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float,
+                 steps: list[float] | None = None) -> MarginTerms:
+    """The four terms; `steps`: the local route's mixed steps when the caller has them already."""
+    steps = local_steps_s(facts, policy, cost) if steps is None else steps
+    wait_s, landed_s = local_wait_s(facts, cost), remote_ttft_s(facts, policy, cost)
+    return MarginTerms(
+        interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
+                                                facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens,
+                                                own_stall_s=max(0.0, wait_s - landed_s),
+                                                measured_tpot_s=facts.measured_tpot_s, budgets=facts.budgets,
+                                                itl_p90_s=facts.itl_p90_s),
+        transfer_exposed_s=exposed_s(facts, policy, cost),
+        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
+        failure_penalty_s=facts.failure_rate * sum(cost.chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)),
+    )
+
+
+def exposed_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
+    """Transfer time not hidden behind P's prefill. A layer-wise stream sends layer l once its
+    prefill is done (ready at (l+1)/L of the prefill) and moves 1/L of the bytes per layer."""
+    transfer = float(cost.transfer_s(facts.transfer_bytes, int(facts.same_host)))
+    prefill = remote_prefill_s(facts, policy, cost)
+    layers = policy.stream_layers if facts.remote_compute_tokens >= policy.layerwise_min_tokens else 1
+    ready = [prefill * (i + 1) / layers for i in range(layers)]
+    visible = layerwise_visible_times(ready, [transfer / layers] * layers)
+    return exposed_transfer_s(visible[-1], prefill)
+
+
+def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float) -> PdDecision:
+    """Disaggregate this request, or prefill it locally on the decode worker (module contract)."""
+    if policy.mode == "never":
+        return PINNED["never"]
+    if facts is not None and facts.local_compute_tokens < policy.min_prompt_tokens:
+        return PdDecision(False, "min_prompt_tokens")
+    if policy.mode == "always":
+        return PINNED["always"]
+    steps = local_steps_s(facts, policy, cost)  # once: the terms and the gates read the same steps
+    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps)
+    remote_tpot_s = float(cost.decode_step_s(facts.delayed_batch + 1))
+    # each gate: the disaggregated route meets the target, or does no worse than the local route
+    ttft_gate = remote_ttft_s(facts, policy, cost) <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
+    tpot_gate = remote_tpot_s <= max(tpot_slo_s, max(steps, default=0.0))
+    enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
+    margin_ok = net_margin_s(terms) > policy.safety_margin_s
+    reason = "margin" if enable or not margin_ok else "gate"
+    return PdDecision(enable, reason, terms, net_margin_s(terms), ttft_gate, tpot_gate, facts.delayed_batch,
+                      facts.measured_tpot_s, ttft_slo_s, tpot_slo_s)
+
+
+def slo_line(policy: PdPolicy, cost: CostModel) -> str:
+    """The startup line that says which targets the margin decides with."""
+    ttft = f"{SLO_SCALE:g}x the prompt's idle prefill (profile)"
+    if policy.ttft_slo_s is not None:
+        ttft = f"{policy.ttft_slo_s * 1e3:g} ms"
+    tpot = f"{policy.tpot_slo_s * 1e3:g} ms" if policy.tpot_slo_s is not None else (
+        f"{SLO_SCALE:g}x an idle decode step (profile; {profile_slo_s(float(cost.decode_step_at(1, 1024))) * 1e3:.1f} ms "
+        "at 1,024 tokens)")
+    return (f"P/D decision {policy.mode}: TTFT target {ttft}, TPOT target {tpot}, safety margin "
+            f"{policy.safety_margin_s * 1e3:g} ms (--slo-ttft-ms / --slo-tpot-ms / --pd-safety-margin-ms)")
+
+
+def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost: CostModel) -> tuple[float, float]:
+    """(TTFT, TPOT) targets the margin reads: the request's own, else the user's flags, else
+    derived from the profile (the ledger's `profile_slo_s`): of the whole prompt's prefill on an
+    idle worker, and of one decode step at batch 1 at this request's context."""
+    ttft_s = request.ttft_slo_s if request.ttft_slo_s is not None else policy.ttft_slo_s
+    tpot_s = request.tpot_slo_s if request.tpot_slo_s is not None else policy.tpot_slo_s
+    if ttft_s is None:
+        ttft_s = profile_slo_s(sum(cost.at_decode_worker().chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)))
+    if tpot_s is None:
+        tpot_s = profile_slo_s(float(cost.decode_step_at(1, facts.prompt_tokens + facts.decode_tokens / 2)))
+    return ttft_s, tpot_s

@@ -1,0 +1,77 @@
+"""Where the router's cost model comes from: a `pdserve profile` file, or a fit made at start.
+
+Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile dict that
+`CostModel.from_profile` reads, or None for the cost model's placeholder numbers:
+
+    source "auto"   time the served engine on this machine now (the router process, before the
+                    workers start, with the workers' thread count and numerics flags, at the
+                    prefill role's TP size `tp`) at points sized by the serving chunk, and fit
+                    (latency/engine_profile.py) — seconds on the embedded models; what the
+                    per-request P/D margin decides with by default. When the deployment runs
+                    any worker at TP > 1 (`collective_sizes`, and `tp`), gloo's all_reduce and
+                    the step broadcast are timed at each such size too (latency/tp_collectives.py,
+                    as `pdserve profile --tp N` does) and recorded as the profile's
+                    `collectives`; other TP sizes are priced from it by router/pricing/tp_pricing.py
+    source FILE     a `pdserve profile` JSON measured earlier (the same fit)
+    source "none"   the placeholders (only for tests that pin the decision's inputs)
+
+The fit is the planner's own (`profiled.fit_profile`): one copy of the latency formula.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from pdserve.engine.config import EngineConfig
+
+AUTO, NONE = "auto", "none"
+
+
+def profile_points(chunk_tokens: int, max_model_len: int) -> dict:
+    """Prefill points up to the serving chunk, decode points at small and medium batches."""
+    top = max(16, min(chunk_tokens, max_model_len - 16))
+    prompts = sorted({max(16, top // 8), max(16, top // 2), top})
+    contexts = sorted({min(64, top), min(256, top)})
+    return {"prompt_lens": tuple(prompts), "batches": (1, 8), "contexts": tuple(contexts), "repeats": 2}
+
+
+def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int,
+                 tp: int = 1, collective_sizes: tuple[int, ...] = ()) -> dict | None:
+    if source is None or source == NONE:
+        return None
+    if source != AUTO:
+        return json.loads(Path(source).read_text())
+    return fit_now(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+
+
+def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
+            collective_sizes: tuple[int, ...] = ()) -> dict:
+    """The engine's steps timed at TP `tp`, and the collectives at every size > 1 of `tp` and
+    `collective_sizes` (the deployment's workers' sizes)."""
+    import torch
+
+    from pdserve.latency.engine_profile import ProfilePlan, run_profile
+    from pdserve.latency.tp_collectives import profile_section
+
+    before = torch.get_num_threads()
+    t0 = time.monotonic()
+    plan = ProfilePlan(model=str(model_dir), threads=threads, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
+                       batch_invariant=engine.batch_invariant, chunk_tokens=engine.max_num_batched_tokens,
+                       kv_cache_mb=max(1, engine.kv_cache_bytes >> 20) if engine.kv_cache_bytes else 256, tp=tp,
+                       **profile_points(engine.max_num_batched_tokens, max_model_len))
+    try:
+        fitted = run_profile(plan).to_dict()
+    finally:
+        torch.set_num_threads(before)
+    sizes = tuple(sorted({n for n in (tp, *collective_sizes) if n > 1}))
+    if sizes:  # spawned ranks: this process's threads and affinity stay as they are
+        fitted["collectives"] = profile_section(str(model_dir), engine.dtype, engine.compute_dtype, sizes)
+    print(f"pdserve: fitted the router's cost model on this machine in {time.monotonic() - t0:.1f}s "
+          f"(prefill {fitted['prefill_coef']}, decode {fitted['decode_coef']}"
+          + "".join(f"; TP {c['tp']} all_reduce {c['allreduce_s'] * 1e3:.2f} ms, step broadcast "
+                    f"{c['step_sync_s'] * 1e3:.2f} ms" for c in fitted.get("collectives", ())) + ")",
+          file=sys.stderr, flush=True)
+    return fitted

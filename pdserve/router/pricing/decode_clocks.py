@@ -1,0 +1,51 @@
+"""The decode workers' token clocks as the P/D decision reads them (issue 36, part 2).
+
+Contract: `ItlWindows` keeps, per decode worker, the last `WINDOW` inter-token gaps its requests
+had (the frontend observes each token item's gap from the request's previous item, sequence 0
+only, from its second decode token on: the first gap holds the handoff or the local prefill);
+`p90_s(worker)` is the batch's p90 inter-token latency (0 with no gap yet). `decode_budgets`
+gives each live request decoding at a worker its own `DecodeBudget` (tokens so far, the time
+since its first token, max_tokens left). Both reach the router once per heartbeat
+(`Router.note_decode_clocks`); nothing here decides.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from pdserve.ledger.margin import DecodeBudget
+
+WINDOW = 256  # gaps kept per decode worker
+
+
+class ItlWindows:
+    def __init__(self, window: int = WINDOW):
+        self._gaps: dict[str, deque[float]] = {}
+        self._window = window
+
+    def observe(self, worker_id: str, gap_s: float) -> None:
+        gaps = self._gaps.get(worker_id)
+        if gaps is None:
+            gaps = self._gaps[worker_id] = deque(maxlen=self._window)
+        gaps.append(gap_s)
+
+    def p90_s(self, worker_id: str) -> float:
+        gaps = self._gaps.get(worker_id)
+        return float(np.percentile(np.fromiter(gaps, float), 90)) if gaps else 0.0
+
+    def forget(self, worker_id: str) -> None:
+        self._gaps.pop(worker_id, None)
+
+
+def decode_budgets(live_requests: Iterable, worker_id: str, now_s: float) -> tuple[DecodeBudget, ...]:
+    """The budgets of the live requests decoding at `worker_id` (router/process/inflight.py's `InFlight`)."""
+    out = []
+    for live in live_requests:
+        if live.decode_id != worker_id or live.done or live.first_token_s is None:
+            continue
+        done = len(live.output_ids)
+        out.append(DecodeBudget(done, now_s - live.first_token_s, max(0, live.req.params.max_tokens - done)))
+    return tuple(out)

@@ -1,0 +1,408 @@
+"""The router process's serving backend: the control plane wired to worker processes over zmq.
+
+Contract: implements the API's `Backend`. One asyncio task receives every worker message and
+applies it, only from keys this router issued and only as the worker its key names
+(control_auth.py): anything else is dropped and counted, never the end of the task, and a router
+task that ends before `close` makes `healthy()` false. `submit` drives one request through its
+life cycle (messages.py):
+    route (early rejection -> Rejection, no prefill work spent)
+    disaggregated: ReserveKv at D (reservation before prefill) -> Prefill at P with the plan
+        (both sent by frontend_start.py) -> first token from P (TTFT) -> StartDecode at D
+        -> tokens from D -> finish
+    colocated, or a local prefill (the router's P/D decision, router/policy/pd_decision.py):
+        Generate at W (the decode worker) -> tokens -> finish
+Failures: a dead or retired worker, or a transfer that cannot publish, takes the decode-start
+fallback chain (router/process/recovery.py: wait, reroute, recompute with the same seed, or an explicit
+`kv_not_visible` error); nothing hangs and nothing is cut off silently. A worker lost while a
+request is still in admission (no worker owns it yet) sends it back through admission
+(`RouteLost`) instead; a request with no complete route only because a dead worker is being
+started again waits in admission (`admission_waits`). Messages from a retired epoch or from a worker
+that no longer owns a request are dropped. Every hold the router took is released exactly
+once (complete or abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve.router.process.admission_retry import ADMISSION_POLL_S, AdmissionRetry, admission_waits
+from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
+from pdserve.engine.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
+from pdserve.engine.errors import InvalidRequest
+from pdserve.router.process import frontend_events as ev
+from pdserve.router.process import frontend_upkeep as upkeep
+from pdserve.router.process.capabilities import CapabilityIssuer
+from pdserve.router.process.control_acks import ControlAcks
+from pdserve.router.pricing.decode_clocks import ItlWindows
+from pdserve.router.process.control_auth import HANDSHAKE_EVENTS, ControlAuth
+from pdserve.router.process.inflight import InFlight, RequestTraceWriter
+from pdserve.router.kv.kv_inbox import KvInbox
+from pdserve.router.kv.kv_index import hash_key
+from pdserve.router.errors import UnknownRequestError
+from pdserve.router.kv.fetch_runner import FetchRunner
+from pdserve.router.process.frontend_start import start
+from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
+from pdserve.router.process.metrics import RuntimeMetrics
+from pdserve.router.router import Router
+from pdserve.router.tetri.tetri_runtime import TetriRuntime
+from pdserve.workers import messages as m
+
+log = logging.getLogger("pdserve.router")
+
+
+class ClusterBackend:
+    def __init__(self, router: Router, model_name: str, tokenizer, max_model_len: int, bind: str, vocab_size: int = 0,
+                 trace_path: str | None = None, is_dead: Callable[[], list[str]] = lambda: [], transport: str = "auto",
+                 admission_wait_s: float = 30.0, lease_renew_s: float = 10.0, restarts: bool = False,
+                 kv_sharing: bool = True):
+        self.router, self.model_name, self._tokenizer = router, model_name, tokenizer
+        self.lease_renew_s = lease_renew_s  # well inside the workers' lease (ServeConfig.lease_s / 3)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.metrics = RuntimeMetrics(lambda: router.counters().route_total, lambda: [w.role for w in self.registered.values()],
+                                      lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s),
+                                      lambda: router.counters().pd_decisions, router.kv_index_stats)
+        self.trace = RequestTraceWriter(trace_path)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.control_auth = ControlAuth(lambda reason: self.metrics.control_rejects.labels(reason).inc())  # control_auth.py
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.control_auth.secure(self.sock)
+        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)  # refused handshakes, counted
+        self.sock.bind(bind)
+        self.failed: str | None = None  # a router task that ended before close: /health says unhealthy
+        self._closing = False
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.is_dead = is_dead
+        self.transport = transport
+        self.admission_wait_s = admission_wait_s
+        self.restarts = restarts  # the launcher starts dead workers again (workers/supervisor.py)
+        self.away: set[str] = set()  # workers lost and not registered again yet
+        self.registered: dict[str, m.Register] = {}
+        self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
+        self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's
+        self.on_key_rotated: Callable[[str, int], None] = lambda key, epoch: None  # the launcher's
+        # supervision (api/server.py's launcher): a registration counts as healthy, a hung worker is ended,
+        # FAILED workers (past the crash-loop limit) stay in /workers; a request moves at most max_reroutes times
+        self.on_worker_registered: Callable[[str, int], None] = lambda wid, epoch: None
+        self.on_worker_hung: Callable[[str, int], None] = lambda wid, epoch: None
+        self.failed_workers: Callable[[], list[str]] = lambda: []
+        self.max_reroutes = 2
+        self.last_register: dict[str, m.Register] = {}  # each worker's latest registration (a FAILED one's row)
+        self.loads: dict[str, m.Load] = {}
+        self.live: dict[str, InFlight] = {}
+        self.engine_ids: dict[str, str] = {}  # engine request id of a retried attempt -> request id
+        self._grant_seq: dict[str, int] = {}
+        self._prefix_identity: str | None = None  # the workers' cache identity: the chain roots' base
+        self._block_size = 16
+        self._tasks: list[asyncio.Task] = []
+        self._gen = itertools.count(1)
+        self.runahead = None  # KV-Runahead chains (router/runahead/runahead.py), set by the server with --prefill-runahead
+        # signs every transfer under the current route epoch; workers hold its public key (launch config)
+        self.capabilities = CapabilityIssuer(route_epoch=lambda: router.route_epoch)
+        self.tetri = TetriRuntime(self)  # --reserve static|dynamic, predictions (tetri_runtime.py); serve sets its policy
+        self.fetches = FetchRunner(self, kv_sharing)  # cross-worker prefix fetch before a prefill (fetch_runner.py)
+        self.acks = ControlAcks()  # acknowledgements the rollback waits for (control_acks.py)
+        self.kv_inbox = KvInbox()  # heartbeats' block events, applied off the routing path (frontend_upkeep.apply_kv_slice)
+        self.itl = ItlWindows()  # decode workers' recent inter-token gaps: the P/D decision's p90 ITL (decode_clocks.py)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.control_auth.start(self.ctx)
+        self._tasks = [loop.create_task(self._receive_loop(), name="receive"), loop.create_task(self._watchdog(), name="watchdog"),
+                       loop.create_task(self._monitor_loop(), name="control-monitor")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A router task must live as long as the backend: one that ends before `close` (an error,
+        or cancelled by anything else) marks it unhealthy."""
+        if self._closing:
+            return
+        error = None if task.cancelled() else task.exception()
+        self.failed = f"{task.get_name()}: {'cancelled' if task.cancelled() else repr(error)}"
+        self.metrics.loop_failures.labels(task.get_name()).inc()
+        log.error("router task ended: %s", self.failed, exc_info=error)
+
+    async def wait_for_workers(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        # ready = registered and reported load once (the registry makes a worker routable then)
+        while len(self.registered) < count or any(wid not in self.loads for wid in self.registered):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.registered)} of {count} workers registered in {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        self._closing = True
+        for wid in list(self.registered):
+            await self._send(wid, m.Shutdown())
+        for task in self._tasks:
+            task.cancel()
+        self.control_auth.stop()
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+        self._monitor.close()
+        self.sock.close()
+        self.trace.close()
+
+    def lookup(self, engine_id: str) -> InFlight | None:
+        """The in-flight request a worker message names, if that attempt is still the current one."""
+        live = self.live.get(self.engine_ids.get(engine_id, engine_id))
+        return live if live is not None and live.engine_id == engine_id else None
+
+    def alias(self, live: InFlight, engine_id: str) -> str:
+        self.engine_ids[engine_id] = live.req.request_id
+        return engine_id
+
+    def release(self, request_id: str, completed: bool) -> None:
+        """Release the router's holds for a request once; a route already released (its worker
+        was retired and the holds orphaned) is not an error here."""
+        try:
+            (self.router.complete if completed else self.router.abort)(request_id)
+        except UnknownRequestError:
+            pass
+
+    # ---- Backend protocol -----------------------------------------------------------------
+    def tokenizer(self):
+        return self._tokenizer
+
+    def healthy(self) -> bool:
+        if self.failed is not None:
+            return False
+        roles = {w.role for w in self.registered.values()}
+        return bool(roles & {"colocated", "mixed"}) or {"prefill", "decode"} <= roles
+
+    def workers(self) -> list[WorkerView]:
+        failed = [upkeep.failed_view(self, wid) for wid in self.failed_workers() if wid not in self.registered]
+        return [self._view(w) for w in self.registered.values()] + failed
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+    async def abort(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is None or live.done:
+            return
+        self.engine_ids.pop(live.engine_id, None)
+        live.done = True
+        for wid in {live.prefill_id, live.decode_id, *live.owners} - {""}:
+            await self._send(wid, m.Abort(live.engine_id, "client_disconnect"))
+        self.release(request_id, completed=False)
+        self.metrics.requests.labels("aborted").inc()
+        self.trace.write(live.record("abort"))
+
+    async def submit(self, req: GenerationRequest) -> AsyncIterator:
+        """Async generator of events; a Rejection raised before the first event means not admitted."""
+        self._validate(req)
+        seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        live = InFlight(req, seed, asyncio.Queue())
+        self.live[req.request_id] = live
+        try:
+            await self._admit(live)
+        except BaseException:
+            self.live.pop(req.request_id, None)
+            live.done = True
+            self._abandon(live)
+            raise
+        try:
+            while True:
+                event = await live.queue.get()
+                yield event
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return
+        finally:
+            if not live.done:
+                await self.abort(req.request_id)
+
+    def _abandon(self, live: InFlight) -> None:
+        """Admission ended early (rejected, cancelled): a worker that already got a ReserveKv or
+        Prefill for it must return what it holds. Scheduled as tasks: this runs while cancelling."""
+        loop = asyncio.get_running_loop()
+        for wid in {live.prefill_id, live.decode_id} - {""}:
+            loop.create_task(self._send(wid, m.Abort(live.engine_id, "abandoned")))
+
+    def _validate(self, req: GenerationRequest) -> None:
+        """The checks a worker would make, made before any route or hold is taken."""
+        req.params.validate()
+        if not req.prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(req.prompt_ids)} tokens; the context holds {self.max_model_len}")
+        if self.vocab_size and any(t < 0 or t >= self.vocab_size for t in req.prompt_ids):
+            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})")
+
+    # ---- routing --------------------------------------------------------------------------
+    async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
+        """Route now, or wait in the admission queue while capacity is only momentarily short (or
+        a dead worker is being started again: `admission_waits`); reject early (before any
+        prefill work) when the wait runs out or no route can exist."""
+        req = live.req
+        hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
+        if self.tetri.mode == "dynamic" and self.loads and not self._could_ever_fit(req):  # its hold could never grow to it
+            self._reject(RouteRejection(req.request_id, self.router.config.policy, RejectReason.NO_DECODE_CAPACITY,
+                                        self.router.config.retry_after_s, "max_tokens could never fit a decode worker"))
+        while True:
+            heavy = self.tetri.hold(req).heavy
+            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes,
+                                                    heavy=heavy))
+            if not isinstance(result, RouteRejection):
+                break
+            waits = admission_waits(result.reason.value, self.restarts, self.away)
+            fits = result.reason.value == "no_route" or self._could_ever_fit(req)  # no_route: pools are away
+            if not waits or time.monotonic() > deadline or not fits:
+                self._reject(result)
+            await asyncio.sleep(ADMISSION_POLL_S)
+        live.note(admission_wait_s=time.monotonic() - live.arrival_s)
+        live.policy, live.prefill_id, live.decode_id = result.policy, result.prefill_id, result.decode_id
+        live.note(prefix_hit_blocks=result.prefill_hit_blocks, decode_hit_blocks=result.decode_hit_blocks,
+                  prefix_hit_bytes=result.prefill_hit_blocks * self._block_size * self._bytes_per_token(),
+                  transfer_bytes_planned=result.transfer_bytes, predicted_ttft_s=result.predicted_ttft_s,
+                  predicted_tpot_s=result.predicted_tpot_s)
+        if result.pd is not None:
+            live.note(**result.pd.trace_fields())
+        if result.prefix_terms is not None:  # the prefix policy's queue/host/fetch/prefill terms
+            live.note(**result.prefix_terms.trace_fields())
+        self.tetri.note_route(live)
+        return result
+
+    async def _admit(self, live: InFlight) -> None:
+        """Route and start; a decode worker that turns the reservation down for capacity (its
+        report was stale), or a route that lost a worker before the request started, sends the
+        request back to the admission queue until the deadline."""
+        deadline = time.monotonic() + self.admission_wait_s
+        while True:
+            plan = await self._route(live, deadline)
+            try:
+                await start(self, live, plan)  # frontend_start.py
+                return
+            except AdmissionRetry as retry:
+                self.release(live.req.request_id, completed=False)
+                if time.monotonic() > deadline:
+                    self.metrics.early_rejections.labels(retry.reason).inc()
+                    raise Rejection(f"decode reservation refused: {retry.reason}", 503, 1.0, retry.reason) from None
+                await asyncio.sleep(retry.wait_s)
+            except BaseException:
+                self.release(live.req.request_id, completed=False)
+                raise
+
+    def output_demand(self, req: GenerationRequest) -> int:
+        """Output tokens to hold room for: n x (max_tokens, or the predicted bound under --reserve
+        dynamic: tetri_runtime.py), and the partial block each fork copies."""
+        return self.tetri.output_demand(req, self._block_size)
+
+    def _could_ever_fit(self, req: GenerationRequest) -> bool:
+        """False when even an empty decode worker could not hold the request at its worst case
+        (max_tokens, under --reserve dynamic too: its hold may grow that far): waiting is pointless."""
+        n, most = req.params.n, req.params.max_tokens
+        need = -(-(min(len(req.prompt_ids) + most, self.max_model_len) + (n - 1) * (most + self._block_size))
+                 // self._block_size)
+        pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated", "mixed")]
+        return bool(pools) and need <= max(pools)
+
+    def _reject(self, result: RouteRejection) -> None:
+        self.metrics.early_rejections.labels(result.reason.value).inc()
+        self.trace.write({"request_id": result.request_id, "rejected": result.reason.value, "detail": result.detail})
+        raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), 503,
+                        result.retry_after_s, result.reason.value)
+
+    def _block_hashes(self, prompt_ids: tuple[int, ...], tenant: str = DEFAULT_TENANT) -> tuple[int, ...]:
+        if self._prefix_identity is None:
+            return ()
+        root = root_hash(self._prefix_identity, tenant)  # the tenant's own chain, as its workers hash it
+        return tuple(map(hash_key, prompt_block_hashes(root, prompt_ids, self._block_size)))  # kv_index.py's keys
+
+    def _bytes_per_token(self) -> int:
+        return next(iter(self.registered.values())).bytes_per_token if self.registered else 0
+
+    # ---- worker messages ------------------------------------------------------------------
+    async def _send(self, worker_id: str, msg) -> bool:
+        try:
+            await self.sock.send_multipart([worker_id.encode(), m.encode(msg)])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    async def _receive_loop(self) -> None:
+        """Every message from the control socket: one that fails authentication, decoding or its
+        handler is dropped and counted, never the end of this loop (control_auth.py)."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            msg, reason = self.control_auth.accept(frames)
+            if msg is None:
+                self.metrics.control_rejects.labels(reason).inc()
+                continue
+            try:
+                await self._on_message(msg)
+            except Exception:  # noqa: BLE001 - a message its handler cannot apply must not stop the router
+                self.metrics.control_rejects.labels("invalid").inc()
+                log.exception("router: dropped %s from %s", type(msg).__name__, msg.worker_id)
+
+    async def _monitor_loop(self) -> None:
+        """Handshakes the socket refused: no CURVE, not ZMTP, or a key this router did not issue."""
+        while True:
+            parse_monitor_message(await self._monitor.recv_multipart())
+            self.metrics.control_rejects.labels("handshake").inc()
+
+    def _current(self, msg) -> bool:
+        reg = self.registered.get(msg.worker_id)
+        return reg is not None and reg.epoch == msg.epoch
+
+    async def _on_message(self, msg) -> None:
+        if isinstance(msg, m.Register):
+            self._on_register(msg)
+            return
+        if not self._current(msg):
+            self.metrics.stale_messages.inc()
+            return  # a retired epoch or an unknown worker: late message, rejected
+        await ev.dispatch(self, msg)
+
+    def _on_register(self, reg: m.Register) -> None:
+        old = self.registered.get(reg.worker_id)
+        retirement = self.router.register(WorkerInfo(reg.worker_id, reg.host_id, Role(reg.role), reg.epoch, reg.num_blocks,
+                                                     reg.model_hash, reg.abi_hash, reg.tp))
+        self.registered[reg.worker_id] = self.last_register[reg.worker_id] = reg
+        self.on_worker_registered(reg.worker_id, reg.epoch)
+        if self.router.route_epoch > 1:  # a rollback retired older route epochs: this incarnation refuses them too
+            asyncio.get_running_loop().create_task(self._send(reg.worker_id, m.RouteEpoch(self.router.route_epoch)))
+        if self.capabilities.key_epoch > 1:  # started before a rotation it was not asked about: the current key
+            key = m.CapabilityKey(self.capabilities.public_key_hex, self.capabilities.key_epoch)
+            asyncio.get_running_loop().create_task(self._send(reg.worker_id, key))  # ignored if it has it already
+        self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
+        self.itl.forget(reg.worker_id)
+        upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
+        self.origin_roles.setdefault(reg.worker_id, reg.role)
+        self.away.discard(reg.worker_id)
+        self._block_size = reg.block_size
+        self._prefix_identity = reg.prefix_identity or None
+        if old is not None and retirement is not None:
+            asyncio.get_running_loop().create_task(ev.on_worker_lost(self, reg.worker_id, retirement.orphaned_request_ids))
+
+    # ---- upkeep (frontend_upkeep.py) -------------------------------------------------------
+    async def _watchdog(self) -> None:
+        await upkeep.watchdog(self)
+
+    async def revoke_capabilities(self, ack_timeout_s: float = 5.0) -> dict:
+        return await upkeep.revoke_capabilities(self, ack_timeout_s)
+
+    async def renew_leases(self) -> None:
+        await upkeep.renew_leases(self)
+
+    async def reap_lost_workers(self) -> None:
+        await upkeep.reap_lost_workers(self)
+
+    def _view(self, reg: m.Register) -> WorkerView:
+        return upkeep.worker_view(self, reg)
+
+    def report_load(self, hb: m.Heartbeat) -> None:
+        upkeep.report_load(self, hb)

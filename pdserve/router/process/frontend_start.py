@@ -1,0 +1,94 @@
+"""How the router process starts an admitted request on its workers (split out of frontend.py;
+each function takes the `ClusterBackend`).
+
+Contract: `start` runs the plan of one route attempt. A local route (colocated, or the P/D
+decision's local prefill) is one Generate at the decode worker. A disaggregated route reserves at
+D first (ReserveKv; the answer within `RESERVE_TIMEOUT_S`), then sends P its Prefill with the
+transfer plan the capability issuer signed for that reservation (or a KV-Runahead chain takes
+it). A worker of the route lost meanwhile raises `RouteLost` (the admission routes again), a
+capacity refusal at D raises `CapacityShort` (it waits in admission), any other refusal
+rejects the request; a reservation abandoned after it was sent is aborted at D so its blocks
+come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.engine.errors import InvalidRequest
+from pdserve.router.process.admission_retry import CapacityShort, RouteLost
+from pdserve.router.process.inflight import InFlight
+from pdserve.router.messages import RoutePlan
+from pdserve.workers import messages as m
+
+RESERVE_TIMEOUT_S = 10.0
+
+
+async def start(backend, live: InFlight, plan: RoutePlan) -> None:
+    """Fetch a prefix the prefill worker lacks (if the plan says so), then Generate at the one
+    worker of a local route, or reserve at D and send P the signed transfer plan."""
+    req = live.req
+    await backend.fetches.prepare(live, plan.prefill_id)  # the prefill worker gets a prefix it lacks
+    if not route_alive(backend, plan):
+        raise RouteLost("worker_lost")
+    if not live.disaggregated:
+        live.owners = {plan.decode_id}
+        await backend._send(plan.decode_id, m.Generate(req.request_id, req.prompt_ids, req.params, live.seed,
+                                                       grant_seq=plan.decode_hold.grant_seq))
+        return
+    if not backend.router.handoff_enabled:  # rolled back: the router routes whole requests only
+        raise RouteLost("handoff_disabled")
+    live.generation = next(backend._gen)
+    live.transfer_id = f"{req.request_id}/g{live.generation}"
+    reserved = await _reserve(backend, live, plan)
+    dest, src = backend.registered[plan.decode_id], backend.registered[plan.prefill_id]
+    same_host = dest.host_id == src.host_id and dest.shm_name is not None and backend.transport != "tcp"
+    transfer = m.TransferPlan(
+        live.transfer_id, live.generation, m.FIRST_ATTEMPT, req.tenant, plan.decode_id, dest.epoch, reserved.reservation_id,
+        reserved.dest_blocks, reserved.num_visible_blocks, "shm" if same_host else "tcp",
+        tuple(dest.handoff_address), dest.shm_name, dest.num_blocks,
+    )
+    transfer = backend.capabilities.issue(transfer, plan.prefill_id, src.epoch, dest.abi_hash,
+                                          same_host and src.shm_name is not None, dest.bytes_per_token * dest.block_size)
+    live.start_transfer(plan.prefill_id, plan.decode_id)
+    backend.metrics.kv_transfer_attempts.inc()
+    grant = plan.prefill_hold.grant_seq if plan.prefill_hold else 0
+    if backend.runahead is not None and await backend.runahead.start(backend, live, plan, transfer, grant):
+        return  # a KV-Runahead chain prefills it (router/runahead/runahead.py)
+    await backend._send(plan.prefill_id, m.Prefill(req.request_id, req.prompt_ids, req.params, live.seed, transfer, grant))
+
+
+async def _reserve(backend, live: InFlight, plan: RoutePlan) -> m.Reserved:
+    """ReserveKv at D and its answer; a refusal or a lost route raises (admission_retry.py)."""
+    req, src = live.req, backend.registered[plan.prefill_id]
+    live.reserved = asyncio.get_running_loop().create_future()
+    t0 = time.monotonic()
+    await backend._send(plan.decode_id, m.ReserveKv(req.request_id, live.transfer_id, live.generation, req.prompt_ids,
+                                                    req.params, plan.prefill_id, src.epoch, m.FIRST_ATTEMPT, req.tenant,
+                                                    plan.decode_hold.grant_seq, reserve_tokens=backend.tetri.reserve_tokens(req)))
+    try:
+        reserved = await asyncio.wait_for(live.reserved, RESERVE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        reserved = None
+    live.note(reserve_wait_s=time.monotonic() - t0)
+    if not route_alive(backend, plan):  # woken by the worker-loss path, or lost while the answer waited
+        await backend._send(plan.decode_id, m.Abort(req.request_id, "route_lost"))  # a live D returns its blocks
+        raise RouteLost("worker_lost")
+    if reserved is None or not reserved.ok:
+        await backend._send(plan.decode_id, m.Abort(req.request_id, "reservation_abandoned"))  # a late grant is returned
+        reason = "no_decode_capacity" if reserved is None else (reserved.reason or "no_decode_capacity")
+        if reason in ("no_kv_capacity", "no_decode_capacity"):
+            raise CapacityShort(reason)
+        backend.metrics.early_rejections.labels(reason).inc()
+        raise InvalidRequest(f"decode worker refused the request: {reason}")
+    return reserved
+
+
+def route_alive(backend, plan: RoutePlan) -> bool:
+    """Each worker the plan holds blocks on is still registered in the epoch of its hold."""
+    for hold in (plan.prefill_hold, plan.decode_hold):
+        reg = None if hold is None else backend.registered.get(hold.worker_id)
+        if hold is not None and (reg is None or reg.epoch != hold.role_epoch):
+            return False
+    return True

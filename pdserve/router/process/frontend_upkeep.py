@@ -1,0 +1,211 @@
+"""The router process's upkeep of its workers: the watchdog, lease renewals, key revocation,
+load reports and `/workers` rows (split out of frontend.py; each function takes the
+`ClusterBackend`).
+
+Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers whose process
+is gone or whose heartbeats stopped (their requests move on through frontend_events; a hung one
+is handed to the launcher to be ended and so restarted, `on_worker_hung`), and every
+`lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
+router's capability key, hands the new public key to every worker and waits for each one's
+acknowledgement (a silent worker is retired: router/process/control_acks.py). `report_load` applies one
+heartbeat's load, hands a TP worker's collective seconds to the router's live price of them
+(router/pricing/live_collectives.py; gauges and the /workers row show it, a phase's gauges only while it
+is priced live: a retired or new epoch's go, `forget_live_collectives`) and queues its block events
+for the cluster K/V index (router/kv/kv_inbox.py); `apply_kv_slice` is the applier's turn: one
+slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
+included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
+one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on);
+`forget_worker` drops a retired incarnation's last load and per-worker gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.engine.tp_tally import PHASES
+from pdserve.router.process import control_acks
+from pdserve.router.process import frontend_events as ev
+from pdserve.router.contract import WorkerView
+from pdserve.router.pricing.decode_clocks import decode_budgets
+from pdserve.router.kv.kv_inbox import SLICE_REPORTS
+from pdserve.router.kv.kv_index import KvDelta
+from pdserve.router.process.leases import renewals
+from pdserve.router.messages import WorkerLoad
+from pdserve.workers import messages as m
+
+
+async def watchdog(backend) -> None:
+    next_renewal = time.monotonic() + backend.lease_renew_s
+    while True:
+        await asyncio.sleep(0.1)
+        await backend.reap_lost_workers()
+        if time.monotonic() >= next_renewal:
+            next_renewal = time.monotonic() + backend.lease_renew_s
+            await backend.renew_leases()
+
+
+async def revoke_capabilities(backend, ack_timeout_s: float = 5.0) -> dict:
+    """A new capability key: every worker verifies with it from now on (outstanding
+    capabilities of the old key fail), and restarted workers get it. Returns the key epoch and
+    {worker: when it installed the key} (its wall clock); a worker that did not is retired."""
+    public_key_hex, key_epoch = backend.capabilities.rotate()
+    backend.on_key_rotated(public_key_hex, key_epoch)  # a worker restarted from here on starts with it
+    key = m.CapabilityKey(public_key_hex, key_epoch)
+    acks = await control_acks.broadcast(backend, lambda wid: key, "capability_key", str(key_epoch), ack_timeout_s)
+    return {"key_epoch": key_epoch, "installed_at_s": acks}
+
+
+async def renew_leases(backend) -> None:
+    """Extend the K/V leases of every live request on the workers its route uses."""
+    for wid, request_ids in renewals(backend.live.values()).items():
+        if wid in backend.registered:
+            await backend._send(wid, m.RenewLeases(request_ids))
+    if backend.runahead is not None:
+        await backend.runahead.renew_leases(backend)  # the inner stages of live chains
+
+
+async def reap_lost_workers(backend) -> None:
+    """One watchdog pass: retire each worker whose process is gone or whose heartbeats
+    stopped, then move its requests on (frontend_events.on_worker_lost)."""
+    for wid in backend.is_dead():
+        reg = backend.registered.pop(wid, None)
+        backend.away.add(wid)
+        if reg is not None:
+            retirement = backend.router.deregister(wid, reg.epoch)
+            forget_worker(backend, wid)
+            await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+    for retirement in backend.router.expire():
+        wid = retirement.worker.worker_id
+        backend.registered.pop(wid, None)
+        backend.away.add(wid)
+        forget_worker(backend, wid)
+        backend.metrics.hung_workers.inc()
+        backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
+        await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
+    for wid in backend.failed_workers():
+        backend.away.discard(wid)  # not coming back: admission does not wait for it
+        backend.metrics.workers_failed.labels(wid).set(1)
+
+
+def failed_view(backend, worker_id: str) -> WorkerView:
+    """The /workers row of a worker past the crash-loop limit: its last registration, state "failed"."""
+    reg = backend.last_register.get(worker_id)
+    if reg is None:  # it never registered (crashed while loading)
+        return WorkerView(worker_id, "unknown", "", 0, 0, "failed")
+    return WorkerView(worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, "failed", {}, reg.cpu, reg.tp)
+
+
+def worker_view(backend, reg: m.Register) -> WorkerView:
+    load = backend.loads.get(reg.worker_id)
+    load_dict = {} if load is None else {
+        "pending_prompt_tokens": load.pending_prompt_tokens, "active_decode": load.active_decode,
+        "num_running": load.num_running, "free_blocks": load.free_blocks, "reserved_blocks": load.reserved_blocks,
+        "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
+        "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
+        "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
+    }
+    if load is not None and reg.role in ("decode", "mixed"):
+        load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
+    if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
+        heavy, light = backend.router.heavy_light(reg.worker_id)
+        load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)
+    if load is not None:  # the K/V tiers (engine/host_tier.py): blocks by state
+        load_dict["kv_tiers"] = {"device": {"used": load.num_blocks - load.free_blocks, "cached": load.cached_blocks},
+                                 "host": {"used": load.host_blocks, "capacity": load.host_capacity,
+                                          "hits": load.host_hits, "evictions": load.host_evictions,
+                                          "pinned": load.host_pinned, "inplace_reads": load.host_inplace_reads}}
+    live = backend.router.live
+    if load is not None and live is not None and reg.tp > 1:  # its collectives as priced from its own steps
+        load_dict["collectives"] = live.view(reg.worker_id)
+    state = backend.router.worker_state(reg.worker_id)
+    return WorkerView(reg.worker_id, reg.role, reg.host_id, reg.pid, reg.epoch, state.value if state else "unknown",
+                      load_dict, reg.cpu, reg.tp)
+
+
+def report_load(backend, hb: m.Heartbeat) -> None:
+    backend.loads[hb.worker_id] = hb.load
+    load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
+                      hb.load.applied_grant_seq)
+    backend.router.report_load(hb.worker_id, hb.epoch, load)
+    backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
+    budgets = decode_budgets(backend.live.values(), hb.worker_id, time.monotonic())
+    backend.router.note_decode_clocks(hb.worker_id, budgets, backend.itl.p90_s(hb.worker_id))
+    if hb.load.collectives is not None:  # a TP worker's collective seconds (router/pricing/live_collectives.py)
+        backend.router.report_collectives(hb.worker_id, hb.epoch, hb.load.collectives)
+        export_live_collectives(backend, hb.worker_id)
+    if hb.kv is not None:
+        queue_kv(backend, hb.worker_id, hb.epoch, KvDelta.from_report(hb.kv))
+    backend.metrics.queue_depth.labels(hb.worker_id).set(hb.load.pending_prompt_tokens)
+    backend.metrics.active_decode.labels(hb.worker_id).set(hb.load.active_decode)
+    backend.metrics.free_blocks.labels(hb.worker_id).set(hb.load.free_blocks)
+    preempted = backend.metrics.preemptions
+    preempted.labels(hb.worker_id, "prompt_priority").set(hb.load.num_priority_preemptions)
+    preempted.labels(hb.worker_id, "memory").set(hb.load.num_preemptions - hb.load.num_priority_preemptions)
+
+
+def export_live_collectives(backend, worker_id: str) -> None:
+    """The worker's live collective terms and the ignored windows' counts as gauges; a phase not
+    priced live (yet, or any more) has none."""
+    live = backend.router.live
+    if live is None:
+        return
+    view = live.view(worker_id)
+    for phase in PHASES:
+        row = view.get(phase)
+        if row is None or not row["live"]:
+            _drop_phase(backend, worker_id, phase)
+            continue
+        backend.metrics.tp_collectives.labels(worker_id, phase, "step").set(row["step_ms"] / 1e3)
+        backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
+    for reason, count in live.num_ignored.items():
+        backend.metrics.tp_reports_ignored.labels(reason).set(count)
+
+
+def forget_worker(backend, worker_id: str) -> None:
+    """The worker's incarnation was retired: its last load report and per-worker gauges go with it
+    (a dead or FAILED worker shows no batch, queue or blocks; the next incarnation reports anew)."""
+    backend.loads.pop(worker_id, None)
+    metrics = backend.metrics
+    for gauge in (metrics.queue_depth, metrics.active_decode, metrics.free_blocks):
+        gauge.remove(worker_id)  # absent labels: nothing to do
+    for cause in ("prompt_priority", "memory"):
+        metrics.preemptions.remove(worker_id, cause)
+    forget_live_collectives(backend, worker_id)
+
+
+def forget_live_collectives(backend, worker_id: str) -> None:
+    """The worker's epoch ended (or a new one registered): its live collective gauges go with it."""
+    for phase in PHASES:
+        _drop_phase(backend, worker_id, phase)
+
+
+def _drop_phase(backend, worker_id: str, phase: str) -> None:
+    for term in ("step", "row"):
+        backend.metrics.tp_collectives.remove(worker_id, phase, term)  # absent labels: nothing to do
+
+
+def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:
+    """Queue a heartbeat's block events; an applier turn is pending exactly while the queue is
+    not empty, so the first report into an empty queue schedules one."""
+    backend.kv_inbox.put(worker_id, epoch, delta)
+    if len(backend.kv_inbox) == 1:
+        asyncio.get_running_loop().call_soon(apply_kv_slice, backend)
+
+
+def apply_kv_slice(backend) -> None:
+    """One applier turn (router/kv/kv_inbox.py): a slice of the queued reports into the index, then
+    another turn behind everything ready to run while reports remain."""
+    loop = asyncio.get_running_loop()
+    for worker_id in backend.kv_inbox.drain(backend.router, SLICE_REPORTS):
+        loop.create_task(backend._send(worker_id, m.ResyncKv()))
+    if len(backend.kv_inbox):
+        loop.call_soon(apply_kv_slice, backend)
+
+
+def measured_tpot_s(backend, worker_id: str) -> float:
+    """Mean TPOT of the worker's live requests so far (role_control's measure), 0 with none."""
+    from pdserve.router.process.role_control import measured_tpot_share  # role control imports the frontend's peers
+
+    share = measured_tpot_share(backend, [worker_id], time.monotonic())[worker_id]
+    return share * backend.router.config.tpot_slo_s

@@ -1,0 +1,181 @@
+"""The decode-start fallback as the router process runs it: facts in, one decision, actions out.
+
+Contract: `decide(backend, live, cause, lost)` is the one place the runtime decides how a
+disaggregated request's decode starts, or how a request whose route broke continues, and it
+decides with `fallback.decide_decode_start` (the pure function the tests check) over these facts:
+
+    kv_visible          the K/V is PUBLISHED at the request's decode worker, that worker lives,
+                        and the first token (which StartDecode carries) is known
+    kv_expected_in_s    while the transfer still runs: the cost model's time for its planned
+                        bytes; None once it failed or a worker of the route was lost
+    ttft_budget_left_s  the router's TTFT target minus the time since the prefill ended (its
+                        first token; before it, since the transfer started: InFlight.wait_clock_s):
+                        a request that queued in admission or at its prefill worker past its TTFT
+                        target still waits for a K/V whose prefill work is already spent, instead
+                        of recomputing it or failing `kv_not_visible`
+    visible_at          other live decode workers whose prefix cache holds every full prompt
+                        block, with headroom for the hold (router.takeover_holds)
+    can_recompute       some live decode worker has headroom for the hold
+
+Actions: ENQUEUE sends StartDecode (the decode worker admits only a PUBLISHED handle). WAIT does
+the same and arms a timer that decides again when the budget is spent, unless the K/V was
+published by then. REROUTE / RECOMPUTE tell the old owners to abort (the decode worker returns
+its reservation, the source cancels its transfer), move the router's holds to the new worker
+(the old ones released once, the new one taken; `Router.retake`) and resume there with
+Generate after the tokens already streamed (same seed, so the continuation is identical).
+FAIL ends the request with an explicit `kv_not_visible` error. A request already moved
+`backend.max_reroutes` times (`--max-reroutes`; reroutes and retries together) is not moved
+again: it FAILs with `max_reroutes`, so a request that takes down every worker it lands on (a
+poison request) costs at most that many more workers. Every decision but a first-try
+ENQUEUE or WAIT (the normal path) is counted in `pdserve_fallback_total` by outcome and written
+on the request's trace line (`fallback`, `fallback_cause`); `decode_start` records the whole
+path, e.g. "wait>recompute".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.router.contract import ErrorEvent
+from pdserve.router.process.fallback import DecodeStartAction, DecodeStartDecision, DecodeStartSituation, decide_decode_start
+from pdserve.router.process.inflight import InFlight
+from pdserve.router.messages import RouteRequest
+from pdserve.router.state.reservations import HoldRequest
+from pdserve.workers import messages as m
+
+MAX_REROUTES = "max_reroutes"
+
+
+def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSituation, dict[str, HoldRequest]]:
+    """The facts `decide_decode_start` reads, and the hold each candidate worker would take."""
+    router = backend.router
+    route_broken = live.kv_failed or (lost is not None and lost in (live.prefill_id, live.decode_id))
+    decode_lives = live.decode_id in backend.registered and live.decode_id != lost
+    visible = live.published and decode_lives and live.first_token_s is not None and live.disaggregated
+    expected = None if route_broken or live.published else _planned_transfer_s(backend, live)
+    budget = router.config.ttft_slo_s - (time.monotonic() - live.wait_clock_s())
+    exclude = frozenset({lost} if lost else set()) | frozenset(w for w in live.owners if w not in backend.registered)
+    seen, fresh = router.takeover_holds(_route_request(backend, live), exclude)
+    holds = {h.worker_id: h for h in (*fresh, *seen)}
+    return DecodeStartSituation(visible, budget, expected, tuple(h.worker_id for h in seen), bool(fresh)), holds
+
+
+async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -> DecodeStartDecision | None:
+    """Decide and act; see the module contract. None: the rollback's drain is cancelling this
+    attempt (source first, then destination: router/process/release.py) and moves the request itself."""
+    if live.draining:
+        return None
+    facts, holds = situation(backend, live, lost)
+    decision = _capped(backend, live, decide_decode_start(facts))
+    _record(backend, live, decision, cause)
+    action = decision.action
+    if action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
+        if lost is not None:
+            live.owners.discard(lost)
+        if not live.started_decode and live.first_token_s is not None:
+            live.started_decode = True
+            await backend._send(live.decode_id, m.StartDecode(live.engine_id, live.output_ids[0], live.seed, live.forks))
+        if action is DecodeStartAction.WAIT:
+            _arm_wait(backend, live, decision.wait_s)
+        return decision
+    if action is DecodeStartAction.FAIL and decision.reason == MAX_REROUTES:
+        backend.metrics.reroute_limits.inc()
+        await fail(backend, live, f"the request's route broke after {moves(live)} reroutes (--max-reroutes "
+                                  f"{backend.max_reroutes}); last cause: {cause}", MAX_REROUTES)
+        return decision
+    if action is DecodeStartAction.FAIL:
+        await fail(backend, live, "no live decode worker can continue this request", decision.reason)
+        return decision
+    target = decision.reroute_to or _first_recompute(facts, holds)
+    await _move(backend, live, holds[target], lost)
+    return decision
+
+
+def moves(live: InFlight) -> int:
+    """How many times the request was moved to another worker (reroutes and retries)."""
+    return int(live.trace.get("reroutes", 0)) + int(live.trace.get("retries", 0))
+
+
+def _capped(backend, live: InFlight, decision: DecodeStartDecision) -> DecodeStartDecision:
+    """A move past the request's reroute budget becomes a FAIL naming it."""
+    if decision.action in (DecodeStartAction.REROUTE, DecodeStartAction.RECOMPUTE) and moves(live) >= backend.max_reroutes:
+        return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
+    return decision
+
+
+def _first_recompute(facts: DecodeStartSituation, holds: dict[str, HoldRequest]) -> str:
+    return next(wid for wid in holds if wid not in facts.visible_at)
+
+
+async def _move(backend, live: InFlight, hold: HoldRequest, lost: str | None) -> None:
+    """Abort the old attempt everywhere, move the holds, resume on `hold.worker_id`."""
+    rid = live.req.request_id
+    for wid in live.owners - {lost}:
+        await backend._send(wid, m.Abort(live.engine_id, "rerouted"))
+    grant = backend.router.retake(rid, hold)
+    if grant is None:  # cannot happen in one event-loop turn: the candidate's headroom was just read
+        await fail(backend, live, "the fallback worker could not hold the request", "kv_not_visible")
+        return
+    live.bump("reroutes" if lost else "retries")
+    live.generation += 1
+    live.owners = {hold.worker_id}
+    live.prefill_id = live.decode_id = hold.worker_id
+    live.published = live.kv_failed = live.started_decode = False
+    # a fresh engine id: tokens still in flight from the abandoned attempt can never be mistaken
+    live.engine_id = backend.alias(live, f"{rid}#g{live.generation}")
+    await backend._send(hold.worker_id, m.Generate(live.engine_id, live.req.prompt_ids, live.req.params, live.seed,
+                                                   resume_output_ids=tuple(live.output_ids), grant_seq=grant.grant_seq))
+
+
+def _record(backend, live: InFlight, decision: DecodeStartDecision, cause: str) -> None:
+    outcome = decision.action.value
+    path = live.trace.get("decode_start")
+    live.note(decode_start=outcome if path is None else f"{path}>{outcome}")
+    if path is None and decision.action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
+        return  # the normal path (decode starts as soon as the K/V is published): not a fallback
+    backend.metrics.fallbacks.labels(outcome).inc()
+    live.note(fallback=outcome, fallback_cause=cause)
+    if decision.reason:
+        live.note(fallback_reason=decision.reason)
+
+
+def _arm_wait(backend, live: InFlight, wait_s: float) -> None:
+    """Decide again once the budget is spent, if this attempt is still unpublished by then."""
+    loop = asyncio.get_running_loop()
+    attempt = live.engine_id
+
+    def expire() -> None:
+        if not live.done and live.engine_id == attempt and not live.published:
+            loop.create_task(decide(backend, live, "wait_expired"))
+
+    loop.call_later(max(0.0, wait_s), expire)
+
+
+def _planned_transfer_s(backend, live: InFlight) -> float:
+    """The cost model's time for the planned bytes: the router sees no transfer progress."""
+    src, dest = backend.registered.get(live.prefill_id), backend.registered.get(live.decode_id)
+    same_host = int(src is not None and dest is not None and src.host_id == dest.host_id)
+    planned = int(live.trace.get("transfer_bytes_planned", 0))
+    return float(backend.router.config.cost.transfer_s(planned, same_host))
+
+
+def _route_request(backend, live: InFlight) -> RouteRequest:
+    req = live.req
+    return RouteRequest(req.request_id, len(req.prompt_ids), backend.output_demand(req), backend._block_hashes(req.prompt_ids, req.params.tenant))
+
+
+async def fail(backend, live: InFlight, message: str, code: str) -> None:
+    """End the request with an explicit error event; every owner is told to abort, the router's
+    holds are released once."""
+    live.done = True
+    backend.live.pop(live.req.request_id, None)
+    backend.engine_ids.pop(live.engine_id, None)
+    for wid in live.owners:
+        await backend._send(wid, m.Abort(live.engine_id, code))
+    backend.release(live.req.request_id, completed=False)
+    backend.metrics.requests.labels("failed").inc()
+    rec = live.record("error")
+    rec["error"] = code
+    backend.trace.write(rec)
+    live.queue.put_nowait(ErrorEvent(message, code))

@@ -1,0 +1,187 @@
+"""Worker role changes driven from the router process, and live disable/enable of disaggregation.
+
+Contract: `change_role(backend, worker_id, role)` is the one mechanism every role change uses
+(live disable, the rollback drill, Splitwise lending and role changes):
+
+    1. the registry marks the worker DRAINING: no policy is offered it any more;
+    2. the requests whose route uses it finish (or, after `drain_timeout_s`, are left to the
+       worker, which aborts them when the switch begins: the router recovers each through the
+       decode-start fallback chain once the new epoch registers and the old one is retired);
+    3. `ChangeRole(role, epoch + 1)` goes to the worker, which switches once no handoff thread
+       touches its blocks and registers again under the new epoch (workers/roles.py);
+    4. the change counts in `pdserve_role_changes_total{from_role,to_role}` and the launcher
+       learns the new role and epoch (a later restart brings the worker back in it).
+
+`set_disaggregation(backend, enabled)`: disabled, new requests run whole on the decode workers at
+once, and every prefill worker changes role to colocated (so all workers serve); enabled, those
+workers change back to prefill and the router routes disaggregated again. A worker the
+supervisor is starting again (it comes back in its launch role) is waited for, up to the drain
+timeout, and changed too. Every change returns a
+`RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
+
+`run_pool_controller(backend, controller)`: `pdserve serve --mode splitwise` runs Splitwise's pool
+controller (splitwise.py) over the live load reports and carries out its moves with `change_role`;
+after every observation it hands the router the controller's latched offer, the pools the mixed
+workers serve (router/splitwise/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.router.state.registry import WorkerState
+from pdserve.router.splitwise.splitwise import PoolController, PoolSignals
+from pdserve.workers import messages as m
+
+POLL_S = 0.02
+log = logging.getLogger("pdserve.router")
+
+
+class RoleChangeFailed(RuntimeError):
+    """A role change that did not complete (the worker never registered in its new role)."""
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    worker_id: str
+    from_role: str
+    to_role: str
+    from_epoch: int
+    to_epoch: int
+    drain_s: float  # time until the worker's routes ended (or the drain timed out)
+    left_to_abort: int  # requests still on the worker when the drain timed out
+    total_s: float  # until the worker was LIVE in its new role
+
+
+def holders(backend, worker_id: str) -> list[str]:
+    """Requests whose route still uses the worker."""
+    return [rid for rid, live in backend.live.items()
+            if not live.done and worker_id in {live.prefill_id, live.decode_id, *live.owners}]
+
+
+async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float = 30.0,
+                      register_timeout_s: float = 30.0) -> RoleChange:
+    """Drain `worker_id` and switch it to `role` under its next epoch (module contract)."""
+    reg = backend.registered.get(worker_id)
+    if reg is None:
+        raise RoleChangeFailed(f"{worker_id} is not registered")
+    if reg.role == role:
+        return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, 0.0)
+    t0 = time.monotonic()
+    backend.router.drain(worker_id, reg.epoch)
+    while holders(backend, worker_id) and time.monotonic() - t0 < drain_timeout_s:
+        await asyncio.sleep(POLL_S)
+    drain_s, left = time.monotonic() - t0, len(holders(backend, worker_id))
+    epoch = reg.epoch + 1
+    backend.control_auth.advance(worker_id, epoch)  # its key may register under the new epoch
+    await backend._send(worker_id, m.ChangeRole(role, epoch))
+    await _until_live(backend, worker_id, role, epoch, register_timeout_s)
+    backend.metrics.role_changes.labels(reg.role, role).inc()
+    backend.on_role_changed(worker_id, role, epoch)
+    return RoleChange(worker_id, reg.role, role, reg.epoch, epoch, drain_s, left, time.monotonic() - t0)
+
+
+async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reg = backend.registered.get(worker_id)
+        if reg is not None and reg.epoch >= epoch and backend.router.worker_state(worker_id) is WorkerState.LIVE:
+            if reg.role != role:  # it died meanwhile and its supervisor started it again in its old role
+                raise RoleChangeFailed(f"{worker_id} came back as {reg.role} under epoch {reg.epoch}, not as {role}")
+            return
+        if time.monotonic() > deadline:
+            raise RoleChangeFailed(f"{worker_id} did not register under epoch {epoch} within {timeout_s:.0f}s")
+        await asyncio.sleep(POLL_S)
+
+
+async def _back(backend, worker_id: str, timeout_s: float) -> bool:
+    """Whether the worker is registered, waiting for one the supervisor is starting again (lost,
+    restarts on): it comes back in its launch role, so skipping it would leave it there."""
+    deadline = time.monotonic() + timeout_s
+    while worker_id not in backend.registered and backend.restarts and worker_id in backend.away:
+        if time.monotonic() > deadline:
+            raise RoleChangeFailed(f"{worker_id} is restarting and did not register within {timeout_s:.0f}s")
+        await asyncio.sleep(POLL_S)
+    return worker_id in backend.registered
+
+
+def origin_prefill_workers(backend) -> list[str]:
+    """Workers launched as prefill workers (the ones live disable turns colocated)."""
+    return sorted(wid for wid, role in backend.origin_roles.items() if role == "prefill")
+
+
+async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30.0) -> list[RoleChange]:
+    """Live disable / enable (module contract); returns the role changes it made, in order."""
+    router = backend.router
+    changes = []
+    if not enabled:
+        router.set_disaggregation(False)  # new requests run whole on decode workers from now on
+        for wid in origin_prefill_workers(backend):
+            if await _back(backend, wid, drain_timeout_s):
+                changes.append(await change_role(backend, wid, "colocated", drain_timeout_s))
+        return changes
+    for wid in origin_prefill_workers(backend):
+        if await _back(backend, wid, drain_timeout_s):
+            changes.append(await change_role(backend, wid, "prefill", drain_timeout_s))
+    router.set_disaggregation(True)
+    return changes
+
+
+MIN_TPOT_TOKENS = 4  # a request's TPOT counts once it has this many tokens
+
+
+def pool_signals(backend) -> PoolSignals | None:
+    """The controller's observation from the latest load reports; None while any worker is not
+    LIVE (a role change or a restart is under way: its pool is in flux). A decode worker's
+    queued local prefills are prompt work (`local_prompt_s`); its TPOT share is measured, the
+    mean TPOT its live requests see so far over the TPOT objective."""
+    prompt, local, kv = {}, {}, {}
+    for wid, reg in backend.registered.items():
+        load = backend.loads.get(wid)
+        if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
+            return None
+        if reg.role == "prefill":
+            prompt[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
+        elif reg.role == "decode":
+            kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
+            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at D's TP size
+        elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
+            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))
+    return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
+
+
+def measured_tpot_share(backend, decode_workers, now_s: float) -> dict[str, float]:
+    """Per decode worker: the mean TPOT of its live requests (at least MIN_TPOT_TOKENS tokens,
+    counting the wait since the last one) over the TPOT objective; 0 with none."""
+    seen: dict[str, list[float]] = {wid: [] for wid in decode_workers}
+    for live in backend.live.values():
+        n = len(live.output_ids)
+        if live.decode_id in seen and live.first_token_s is not None and n >= MIN_TPOT_TOKENS:
+            seen[live.decode_id].append((max(now_s, live.last_token_s) - live.first_token_s) / (n - 1))
+    objective = backend.router.config.tpot_slo_s
+    return {wid: (sum(t) / len(t)) / objective if t else 0.0 for wid, t in seen.items()}
+
+
+async def run_pool_controller(backend, controller: PoolController, period_s: float = 0.5,
+                              drain_timeout_s: float = 30.0) -> None:
+    """Observe the pools every `period_s` and carry out the controller's moves (splitwise.py)."""
+    while True:
+        await asyncio.sleep(period_s)
+        signals = pool_signals(backend)
+        move = None if signals is None else controller.observe(signals, time.monotonic())
+        backend.router.set_mixed_offer(controller.offer)  # the pools mixed workers serve (mixed_pool.py)
+        if move is None:
+            continue
+        backend.metrics.pool_moves.labels(move.kind).inc()
+        if move.kind == "change":  # a loan became the worker's role: nothing moves
+            log.warning("splitwise: %s stays %s (%s)", move.worker_id, move.to_role, move.reason)
+            continue
+        try:
+            change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
+            log.warning("splitwise: %s %s %s -> %s under epoch %d (%s; drained in %.2fs)", move.kind, change.worker_id,
+                        change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
+        except RoleChangeFailed as exc:
+            log.error("splitwise: move of %s failed: %s", move.worker_id, exc)
