@@ -28,26 +28,25 @@ from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
-from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.config import load_config
+from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.default import resolve_model
 from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
-from pdserve.router.pricing.calibration import AUTO, NONE, cost_profile
-from pdserve.router.process.role_control import run_pool_controller
-from pdserve.router.splitwise.splitwise import PoolController, Thresholds
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
-from pdserve.router.process.frontend import ClusterBackend
-from pdserve.router.policy.pd_decision import PdPolicy, slo_line
-from pdserve.router.policy.pd_served import served_pd
-from pdserve.router.tetri.reserve_mode import load_policy
-from pdserve.router.tetri.tetri_runtime import TetriRuntime
+from pdserve.router.policy.pd_decision import PdPolicy, served_pd, slo_line
+from pdserve.router.pricing.calibration import AUTO, NONE, cost_profile
 from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
+from pdserve.router.process.frontend import ClusterBackend
+from pdserve.router.process.role_control import run_pool_controller
 from pdserve.router.router import Router
 from pdserve.router.runahead.runahead import make_runahead
+from pdserve.router.splitwise.splitwise import PoolController, Thresholds
+from pdserve.router.tetri.reserve_mode import load_policy
+from pdserve.router.tetri.tetri_runtime import TetriRuntime
 from pdserve.workers.launch import LaunchConfig, LocalCluster
-from pdserve.workers.tp_rank import TpShape
 from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
+from pdserve.workers.tp_rank import TpShape
 
 log = logging.getLogger(__name__)
 

@@ -225,8 +225,8 @@ def _handoff_once(rig: _Rig, kind: str, schedule: str, producer=None, check: boo
     from pdserve.handoff.credits import ByteCredits
     from pdserve.handoff.destination import ReserveRequest
     from pdserve.handoff.driver import DriveConfig, drive_source
-    from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
     from pdserve.handoff.gate import LayerGate
+    from pdserve.handoff.manifest import IdentityFence, PromptSpan, build_manifest
     from pdserve.handoff.source import SourceTransfer
     from pdserve.handoff.states import TxnState
     from pdserve.handoff.trace import NullSink

@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.kv.kv_index import DEFAULT_MAX_ENTRIES
 from pdserve.router.messages import Role
 from pdserve.router.policy.pd_decision import PdPolicy
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import TpPricing
 
 

@@ -38,34 +38,34 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from pdserve.engine.tp_tally import CollectiveReport
+from pdserve.ledger.margin import DecodeBudget
 from pdserve.router import kernels
 from pdserve.router.answers import Retirement, RouterCounters
-from pdserve.router.arrival_rate import ArrivalRate
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
-from pdserve.router.tetri.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
-from pdserve.router.fastnew import new_frozen
+from pdserve.router.errors import UnknownWorkerError
 from pdserve.router.kv.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
-from pdserve.router.policy.live_pricing import LivePricing
 from pdserve.router.messages import (
     BlockHold,
-    Role,
     RejectReason,
+    Role,
     RoutePlan,
     RouteRejection,
     RouteRequest,
     WorkerInfo,
     WorkerLoad,
+    new_frozen,
 )
-from pdserve.ledger.margin import DecodeBudget
+from pdserve.router.policy.live_pricing import LivePricing
 from pdserve.router.policy.pd_decision import PdDecision, decide_pd, decision_slos, facts_for
 from pdserve.router.policy.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext, Refusal
-from pdserve.router.errors import UnknownWorkerError
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.decode_clocks import ArrivalRate
 from pdserve.router.splitwise.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.state.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.state.reservations import HoldRequest, ReservationLedger
 from pdserve.router.state.snapshot import Snapshot, SnapshotBuilder
+from pdserve.router.tetri.decode_choice import CHOICES, HeavyLight, Sampler, p2c_choice
 
 ROUTED = "routed"
 _MAX_RETRY_AFTER_S = PolicyContext(CostModel()).max_retry_after_s  # the policies' default

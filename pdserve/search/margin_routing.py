@@ -4,7 +4,7 @@ Contract: `MarginRouter` is a `sim.margin_routed.Decide`. For each simulated arr
 facts the router builds (`router.pd_decision.facts_for` over the arrival's `ArrivalView`; the
 arrival rate from the router's `ArrivalRate`, read before the arrival is counted, as
 `Router.route` reads it), calls `decide_pd` with the cost model and policy `pdserve serve
---pd-decision MODE --pd-profile FILE` builds (`router.pd_served.served_pd`: the same profile, K/V
+--pd-decision MODE --pd-profile FILE` builds (`router.policy.pd_decision.served_pd`: the same profile, K/V
 geometry and step budget), and records each (view, facts, decision). Nothing of the decision is
 computed here. What the simulation does not model reads as nothing: no transfer failures, no
 measured TPOT beyond the profile, one host unless told otherwise; a prefix hit counts at both
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.latency.geometry import ModelSpec
-from pdserve.router.arrival_rate import ArrivalRate
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RouteRequest
-from pdserve.router.policy.pd_decision import PdDecision, PdFacts, PdPolicy, decide_pd, facts_for
-from pdserve.router.policy.pd_served import served_pd
+from pdserve.router.policy.pd_decision import PdDecision, PdFacts, PdPolicy, decide_pd, facts_for, served_pd
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.decode_clocks import ArrivalRate
 from pdserve.sim.margin_routed import ArrivalView
 
 DTYPES = {4: "float32", 2: "bfloat16"}  # K/V bytes per scalar -> the served dtype of that width

@@ -9,8 +9,20 @@ import random
 import msgspec
 import pytest
 
-from pdserve.handoff.capability import (EQUALITY_FIELDS, PULL, PUSH, Claims, Expectation, ReplayCache, Verifier,
-                                        new_nonce, new_signing_key, peek, public_key_bytes, sign)
+from pdserve.handoff.capability import (
+    EQUALITY_FIELDS,
+    PULL,
+    PUSH,
+    Claims,
+    Expectation,
+    ReplayCache,
+    Verifier,
+    new_nonce,
+    new_signing_key,
+    peek,
+    public_key_bytes,
+    sign,
+)
 from pdserve.handoff.errors import CAPABILITY_DENIALS, HandoffError, RejectReason
 from pdserve.ledger.release import authorization_error
 from pdserve.router.process.capabilities import CapabilityIssuer

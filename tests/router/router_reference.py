@@ -7,9 +7,9 @@ the matrix prefix index.
 
 from __future__ import annotations
 
+from pdserve.router.kv.prefix_index import leading_hit_blocks
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.policy.policies import Choice, PolicyContext, Refusal
-from pdserve.router.kv.prefix_index import leading_hit_blocks
 from pdserve.router.state.snapshot import Snapshot
 
 

@@ -16,14 +16,14 @@ from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router import kernels
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.kv.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, fetch_gain, plan_fetch
 from pdserve.router.kv.kv_index import KvDelta
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.tp_pricing import TpPricing
 from pdserve.router.router import Router
 from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.router.synthetic import chain
-from pdserve.router.pricing.tp_pricing import TpPricing
 
 # measured at TP 1: prefill 10 ms + 1 ms a token; 1 MB of K/V a token (16 MB a block); 2 GB/s on a
 # host; 40 ms per fetch beyond the link (router/pricing/kv_rates.py's measured overhead)

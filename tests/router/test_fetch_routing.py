@@ -10,10 +10,10 @@ import random
 import pytest
 from router_fixtures import colocated
 
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.kv.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, leading_run, plan_fetch
 from pdserve.router.messages import RouteRequest
 from pdserve.router.policy.policies import Choice, PolicyContext, prefix_aware
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.router.synthetic import chain
 

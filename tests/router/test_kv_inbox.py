@@ -9,10 +9,10 @@ import asyncio
 import random
 
 from pdserve.engine.kv_events import BlockEventKind, KvTier
-from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.router.kv.kv_inbox import SLICE_REPORTS, KvInbox
 from pdserve.router.kv.kv_index import KvDelta, KvOutcome
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.router.synthetic import ABI, MODEL, EventFlow, engine_report, random_router
 from pdserve.workers import messages as m
 

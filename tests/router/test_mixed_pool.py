@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.splitwise.mixed_pool import MixedOffer, PressureLatch, membership
 from pdserve.router.router import Router
+from pdserve.router.splitwise.mixed_pool import MixedOffer, PressureLatch, membership
 from pdserve.router.splitwise.splitwise import PoolController, PoolSignals, Thresholds
 from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.roles import RoleSwitch, sides

@@ -13,9 +13,9 @@ from pdserve.cli import build_parser
 from pdserve.commands.serve import serve_config
 from pdserve.model.default import resolve_model
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.policy.pd_decision import PdPolicy, slo_line
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.router import Router
 
 # round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token

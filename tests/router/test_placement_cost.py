@@ -16,13 +16,13 @@ from router_fixtures import ABI, MODEL, colocated
 from pdserve.engine.kv_events import BlockEventKind as K
 from pdserve.engine.kv_events import KvTier as T
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.kv.fetch_plan import FETCH, RECOMPUTE, leading_run, plan_fetch
 from pdserve.router.kv.kv_index import KvDelta, KvIndex
-from pdserve.router.pricing.kv_rates import KvRates
+from pdserve.router.kv.prefix_terms import PrefixTerms, host_blocks
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.policy.policies import PolicyContext, prefix_aware
-from pdserve.router.kv.prefix_terms import PrefixTerms, host_blocks
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.router.router import Router
 from pdserve.router.synthetic import EventFlow, chain, random_router
 

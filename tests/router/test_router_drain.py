@@ -10,8 +10,8 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import IllegalTransitionError
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.policy.pd_decision import PdPolicy
-from pdserve.router.state.registry import WorkerState, transition
 from pdserve.router.router import Router
+from pdserve.router.state.registry import WorkerState, transition
 
 LOAD = WorkerLoad(0, 0, 1000)
 

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from router_fixtures import entry
 from router_reference import reference_cost_aware
 
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, RouteRequest
 from pdserve.router.policy.plan import predicted_clocks
 from pdserve.router.policy.policies import Choice, PolicyContext, prefix_aware, slo_aware
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.state.snapshot import make_snapshot
 from pdserve.router.synthetic import chain
 

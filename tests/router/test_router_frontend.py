@@ -15,11 +15,11 @@ import asyncio
 
 import pytest
 
+from pdserve.engine.sequence import SamplingParams
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.contract import FinishEvent, GenerationRequest, TokenEvent
 from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.router import Router
-from pdserve.engine.sequence import SamplingParams
 from pdserve.workers import messages as m
 from tests.router.router_fixtures import ABI, MODEL
 

@@ -8,7 +8,6 @@ import random
 import pytest
 
 from pdserve.router import kernels
-
 from pdserve.router.policy import policies
 from pdserve.router.policy.policies import Choice, PolicyContext, prefix_aware
 from pdserve.router.synthetic import random_router

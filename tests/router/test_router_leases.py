@@ -6,8 +6,8 @@ import asyncio
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router.contract import GenerationRequest
+from pdserve.router.process.frontend_upkeep import renewals
 from pdserve.router.process.inflight import InFlight
-from pdserve.router.process.leases import renewals
 
 
 def _live(rid: str, prefill: str = "", decode: str = "", done: bool = False, engine_id: str = "") -> InFlight:

@@ -4,7 +4,7 @@ One CPU-like profile of the embedded `small` model times both sides: `pdserve pl
 --latency-model FILE --gpus 2` (1P1D against 2 colocated replicas) and the router that `pdserve
 serve --pd-decision margin --pd-profile FILE` builds (api/server.py `router_for`: the cost model
 made affine at the 512-token serving chunk, the layer-wise stream's 12 layers; both sides build
-it with router/policy/pd_served.py `served_pd`). The SLOs follow the goodput study
+it with router/policy/pd_decision.py `served_pd`). The SLOs follow the goodput study
 (scripts/goodput_study.sh): TTFT = 5 x the isolated TTFT of the workload's median prompt, TPOT =
 2 x the isolated decode step at that prompt, both from the profile.
 
@@ -53,9 +53,9 @@ from pdserve.commands.plan import plan_inputs
 from pdserve.engine.config import EngineConfig
 from pdserve.latency.load import latency_from_dict
 from pdserve.latency.profiled import ProfiledLatency
+from pdserve.ledger.margin import gap_late_s, tpot_slack_s
 from pdserve.model.default import resolve_model
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.ledger.margin import gap_late_s, tpot_slack_s
 from pdserve.router.policy.pd_decision import PdDecision, PdFacts, decide_pd, local_steps_s
 from pdserve.router.router import Router
 from pdserve.search.margin_routing import RoutedDecision, served_pricing

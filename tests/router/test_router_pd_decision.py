@@ -18,9 +18,17 @@ from pdserve.ledger.margin import (
     tpot_slack_s,
 )
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.policy.pd_decision import PdFacts, PdPolicy, decide_pd, exposed_s, facts_for, local_steps_s, margin_terms
+from pdserve.router.policy.pd_decision import (
+    PdFacts,
+    PdPolicy,
+    decide_pd,
+    exposed_s,
+    facts_for,
+    local_steps_s,
+    margin_terms,
+)
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.router import Router
 
 # round numbers: prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from router_fixtures import colocated, pd
 
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.policy.policies import (
     Choice,
@@ -16,6 +15,7 @@ from pdserve.router.policy.policies import (
     round_robin,
     slo_aware,
 )
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.synthetic import chain
 
 # Round numbers: 1 ms per prompt token, 10 ms + 1 ms/seq per decode step, 1 MB of K/V per token,

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_reference import reference_cost_aware
 
+from pdserve.router.kv.prefix_index import PrefixIndex, leading_hit_blocks
 from pdserve.router.policy.plan import predicted_clocks
 from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext
-from pdserve.router.kv.prefix_index import PrefixIndex, leading_hit_blocks
 from pdserve.router.synthetic import chain, random_load, random_router
 
 pytestmark = pytest.mark.usefixtures("kernel_path")  # each test: compiled kernels, then numpy

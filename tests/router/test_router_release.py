@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from pdserve.router.process import release, role_control
 from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.process import release, role_control
 from pdserve.router.router import Router
 
 

@@ -10,8 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import IllegalTransitionError, LeakError, UnknownRequestError
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.state.reservations import HoldRequest, InFlight, ReservationLedger
 from pdserve.router.router import Router
+from pdserve.router.state.reservations import HoldRequest, InFlight, ReservationLedger
 
 FREE = {"p0": 10, "d0": 10}
 

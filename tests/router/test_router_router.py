@@ -8,9 +8,9 @@ import pytest
 
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.errors import StaleEpochError, UnknownRequestError
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.router import Router
 
 

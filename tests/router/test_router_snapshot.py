@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pdserve.router.config import Mode
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import RoutePlan
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.state.snapshot import Derived, SnapshotBuilder
 from pdserve.router.synthetic import random_load, random_router
 

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.tp_pricing import TpPricing
 from pdserve.router.runahead.runahead import Runahead, chunk_pricing
 from pdserve.router.runahead.runahead_plan import (
     ChainCaches,
@@ -27,7 +28,6 @@ from pdserve.router.runahead.runahead_plan import (
     chain_finish_s,
     search_partition,
 )
-from pdserve.router.pricing.tp_pricing import TpPricing
 
 TP1 = ChunkCost(0.0, 1.0, 0.125)  # 1 s a row + 1/8 s a causal pair
 TP2 = ChunkCost(0.0, 0.5, 0.0625)  # the same worker at half the time

@@ -3,23 +3,22 @@ power-of-two decode choice against a plain reference, and the router composing p
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine.sequence import SamplingParams
 from pdserve.predictor.features import FeatureSpec
 from pdserve.predictor.manifest import LengthPredictor, Manifest, Prediction
 from pdserve.predictor.softmax import SoftmaxModel
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.tetri.decode_choice import HeavyLight, p2c_slot
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.state.reservations import HoldRequest, ReservationLedger
-from pdserve.router.tetri.reserve_mode import ReservePolicy, outcome_bytes
 from pdserve.router.router import Router
+from pdserve.router.state.reservations import HoldRequest, ReservationLedger
+from pdserve.router.tetri.decode_choice import HeavyLight, p2c_slot
+from pdserve.router.tetri.reserve_mode import ReservePolicy, outcome_bytes
 from pdserve.workers.hold_watch import HoldWatch, hold_params
-from pdserve.engine.sequence import SamplingParams
 
 BUCKETS = (0, 32, 64, 128, 1 << 20)
 

@@ -12,13 +12,20 @@ from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_abi import KvAbi
 from pdserve.latency.tp_collectives import CollectiveCosts
-from pdserve.latency.tp_scaling import (DEFAULT_COLLECTIVES, PhaseShares, StepPrice, TpScaling, lm_head_share,
-                                        model_scaling, ring_costs)
+from pdserve.latency.tp_scaling import (
+    DEFAULT_COLLECTIVES,
+    PhaseShares,
+    StepPrice,
+    TpScaling,
+    lm_head_share,
+    model_scaling,
+    ring_costs,
+)
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.router.pricing.cost import CostModel
-from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.router.pricing.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
+from pdserve.router.state.snapshot import prefill_coefficients
 from pdserve.workers.tp_rank import TpShape
 
 COSTS2 = CollectiveCosts(tp=2, pinned=True, allreduce_s=1.0e-3, allreduce_s_per_byte=1.0e-9, step_sync_s=2.0e-3)

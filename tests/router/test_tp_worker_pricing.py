@@ -11,12 +11,12 @@ from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router import kernels
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
-from pdserve.router.splitwise.mixed_pool import MixedOffer
 from pdserve.router.policy.pd_decision import PdPolicy, decide_pd, facts_for, local_wait_s
-from pdserve.router.router import Router
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import TpPricing
+from pdserve.router.router import Router
+from pdserve.router.splitwise.mixed_pool import MixedOffer
 
 # prefill 10 ms + 1 ms/token, decode step 20 ms + 1 ms/seq, 1 MB/s links, 100 B/token (measured at TP 1, 1 thread)
 BASE = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, decode_step_base_s=0.02, decode_step_s_per_seq=1e-3,

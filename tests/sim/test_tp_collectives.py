@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import json
 
-from pdserve.latency.tp_collectives import PREFILL_ROWS, CollectiveCosts, LayerShape, costs_from_timings, profile_section
+from pdserve.latency.tp_collectives import (
+    PREFILL_ROWS,
+    CollectiveCosts,
+    LayerShape,
+    costs_from_timings,
+    profile_section,
+)
 from pdserve.model.config import load_config
 from pdserve.model.default import resolve_model
 from pdserve.router.pricing.tp_pricing import scaling_for

@@ -4,8 +4,7 @@
     choice.py        what a policy reads besides the snapshot, and what it answers
     demand.py        tokens and blocks a request needs at P and D given each worker's prefix hits
     pair_search.py   the hard gates and the fastest admitted pair every cost-aware policy shares
-    pd_decision.py   disaggregate, or prefill on the chosen decode worker
-    pd_served.py     the cost model and P/D policy `pdserve serve` decides with
+    pd_decision.py   disaggregate, or prefill on the chosen decode worker; the policy `serve` builds
     live_pricing.py  a route's pair priced by its workers' own live collectives
     plan.py          Choice -> block holds + RoutePlan with predicted TTFT/TPOT
 """

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.router.pricing.cost import CostModel
-from pdserve.router.fastnew import new_frozen
-from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.kv.prefix_terms import HostHeld, PrefixTerms
+from pdserve.router.messages import RejectReason, RouteRequest, new_frozen
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.state.snapshot import Snapshot
 
 

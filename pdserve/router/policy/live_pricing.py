@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.engine.tp_tally import CollectiveReport
+from pdserve.router.messages import Role, WorkerInfo
 from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.live_collectives import WITHDRAWN, LiveCollectives
-from pdserve.router.messages import Role, WorkerInfo
-from pdserve.router.state.snapshot import Snapshot
 from pdserve.router.pricing.tp_pricing import TpPricing, worker_cost
+from pdserve.router.state.snapshot import Snapshot
 
 
 class CostNotes(Protocol):

@@ -17,12 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pdserve.router.policy import demand
-
 from pdserve.router import kernels
+from pdserve.router.messages import RejectReason, RouteRequest
+from pdserve.router.policy import demand
 from pdserve.router.policy.choice import Hits, PolicyContext, Refusal
 from pdserve.router.pricing.cost import CostModel, prefill_line
-from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.state.snapshot import Derived, Pool, Snapshot
 
 _count = np.count_nonzero  # on small bool masks: several times cheaper than ndarray.any() / .all()

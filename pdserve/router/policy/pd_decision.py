@@ -68,19 +68,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.kv_abi import KvAbi
 from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
 from pdserve.ledger.margin import (
+    SLO_SCALE,
     DecodeBudget,
     MarginTerms,
-    SLO_SCALE,
     net_margin_s,
     profile_slo_s,
     should_enable_pd,
     slo_interference_s,
 )
+from pdserve.router.messages import RouteRequest
 from pdserve.router.policy import demand
 from pdserve.router.pricing.cost import CostModel
-from pdserve.router.messages import RouteRequest
 
 MODES = ("always", "never", "margin")
 DISAGGREGATE = "disaggregate"
@@ -309,3 +310,21 @@ def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost:
     if tpot_s is None:
         tpot_s = profile_slo_s(float(cost.decode_step_at(1, facts.prompt_tokens + facts.decode_tokens / 2)))
     return ttft_s, tpot_s
+
+
+# ---- the decision as `pdserve serve` builds it ------------------------------------------------
+# `served_pd` is the one construction of the margin decision's inputs before TP pricing:
+# api/server.py `router_for` calls it (then prices each worker's TP size, router/pricing/tp_pricing.py)
+# and the planner calls it for its margin-routed simulation (search/margin_routing.py; one-GPU shapes,
+# where that pricing is the identity), so both decide with the same terms: a profile's fit made
+# affine at the serving chunk (`CostModel.from_profile`), the placeholders without one, the
+# layer-wise stream over the model's layers, chunks of the engine's step budget.
+def served_pd(abi: KvAbi, profile: dict | None, chunk_tokens: int, mode: str, min_prompt_tokens: int = 0,
+              layerwise_min_tokens: int = 256, safety_margin_s: float = 0.0, ttft_slo_s: float | None = None,
+              tpot_slo_s: float | None = None) -> tuple[CostModel, PdPolicy]:
+    """(cost model, policy) for a worker pool of `abi` whose steps `profile` times (None: placeholders);
+    SLO targets None: derived from that cost model per request (pd_decision.decision_slos)."""
+    cost = CostModel.from_abi(abi) if profile is None else CostModel.from_profile(abi, profile, chunk_tokens)
+    policy = PdPolicy(mode, min_prompt_tokens, safety_margin_s, ttft_slo_s, tpot_slo_s, stream_layers=abi.num_layers,
+                      layerwise_min_tokens=layerwise_min_tokens, chunk_tokens=chunk_tokens)
+    return cost, policy

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdserve.router.messages import BlockHold, RoutePlan, RouteRequest, new_frozen
 from pdserve.router.policy import demand
-from pdserve.router.pricing.cost import CostModel
-from pdserve.router.fastnew import new_frozen
-from pdserve.router.messages import BlockHold, RoutePlan, RouteRequest
 from pdserve.router.policy.policies import Choice
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.state.reservations import HoldRequest
 from pdserve.router.state.snapshot import Snapshot
 

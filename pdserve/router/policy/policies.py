@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.router.policy import demand
-
 from pdserve.router import kernels
-from pdserve.router.policy.choice import Choice, Hits, Policy, PolicyContext, Refusal, hit_at, new_choice
-from pdserve.router.pricing.cost import prefill_line
 from pdserve.router.kv.fetch_plan import fetch_credit
+from pdserve.router.kv.prefix_terms import PrefixTerms, host_blocks
 from pdserve.router.messages import RouteRequest
+from pdserve.router.policy import demand
+from pdserve.router.policy.choice import Choice, Hits, Policy, PolicyContext, Refusal, hit_at, new_choice
 from pdserve.router.policy.pair_search import (
     admits_all,
     capacity_gates,
@@ -56,7 +55,7 @@ from pdserve.router.policy.pair_search import (
     ttft_gate,
     zero_hits,
 )
-from pdserve.router.kv.prefix_terms import PrefixTerms, host_blocks
+from pdserve.router.pricing.cost import prefill_line
 from pdserve.router.state.snapshot import Snapshot
 
 __all__ = ["POLICIES", "Choice", "PolicyContext", "Refusal", "capacity_gates", "prefix_hits"]  # the router's names

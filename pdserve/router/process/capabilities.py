@@ -21,8 +21,16 @@ from typing import Callable
 
 import msgspec
 
-from pdserve.handoff.capability import (DEFAULT_TTL_S, PULL, PUSH, Claims, new_nonce, new_signing_key,
-                                        public_key_bytes, sign)
+from pdserve.handoff.capability import (
+    DEFAULT_TTL_S,
+    PULL,
+    PUSH,
+    Claims,
+    new_nonce,
+    new_signing_key,
+    public_key_bytes,
+    sign,
+)
 from pdserve.workers.messages import TransferPlan
 
 

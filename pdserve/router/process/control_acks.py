@@ -18,7 +18,6 @@ import logging
 from collections.abc import Callable
 
 from pdserve.router.process import frontend_events as ev
-from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.workers import messages as m
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ async def retire(backend, worker_id: str, reason: str) -> None:
     log.warning("retiring %s (epoch %d): %s", worker_id, reg.epoch, reason)
     backend.away.add(worker_id)
     retirement = backend.router.deregister(worker_id, reg.epoch)
-    upkeep.forget_worker(backend, worker_id)
+    ev.forget_worker(backend, worker_id)
     backend.metrics.hung_workers.inc()
     backend.on_worker_hung(worker_id, reg.epoch)  # ended, then restarted under its next epoch
     await ev.on_worker_lost(backend, worker_id, retirement.orphaned_request_ids)

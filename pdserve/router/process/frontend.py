@@ -34,23 +34,22 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.router.process.admission_retry import ADMISSION_POLL_S, AdmissionRetry, admission_waits
-from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
 from pdserve.engine.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
+from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
+from pdserve.router.errors import UnknownRequestError
+from pdserve.router.kv.fetch_runner import FetchRunner
+from pdserve.router.kv.kv_inbox import KvInbox
+from pdserve.router.kv.kv_index import hash_key
+from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
+from pdserve.router.pricing.decode_clocks import ItlWindows
 from pdserve.router.process import frontend_events as ev
 from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.router.process.control_acks import ControlAcks
-from pdserve.router.pricing.decode_clocks import ItlWindows
 from pdserve.router.process.control_auth import HANDSHAKE_EVENTS, ControlAuth
+from pdserve.router.process.frontend_start import ADMISSION_POLL_S, AdmissionRetry, admission_waits, start
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
-from pdserve.router.kv.kv_inbox import KvInbox
-from pdserve.router.kv.kv_index import hash_key
-from pdserve.router.errors import UnknownRequestError
-from pdserve.router.kv.fetch_runner import FetchRunner
-from pdserve.router.process.frontend_start import start
-from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
 from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.router.router import Router
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
@@ -380,7 +379,7 @@ class ClusterBackend:
             asyncio.get_running_loop().create_task(self._send(reg.worker_id, key))  # ignored if it has it already
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         self.itl.forget(reg.worker_id)
-        upkeep.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
+        ev.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
         self.origin_roles.setdefault(reg.worker_id, reg.role)
         self.away.discard(reg.worker_id)
         self._block_size = reg.block_size

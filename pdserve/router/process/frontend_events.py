@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 
+from pdserve.engine.tp_tally import PHASES
 from pdserve.handoff.errors import CAPABILITY_DENIALS
-from pdserve.router.process import recovery
 from pdserve.router.contract import FinishEvent, TokenEvent
 from pdserve.router.errors import UnknownRequestError
+from pdserve.router.process import recovery
 from pdserve.router.process.inflight import InFlight
 from pdserve.workers import messages as m
 
@@ -169,3 +170,26 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:
     await recovery.fail(backend, live, message, code)
+
+
+def forget_worker(backend, worker_id: str) -> None:
+    """The worker's incarnation was retired: its last load report and per-worker gauges go with it
+    (a dead or FAILED worker shows no batch, queue or blocks; the next incarnation reports anew)."""
+    backend.loads.pop(worker_id, None)
+    metrics = backend.metrics
+    for gauge in (metrics.queue_depth, metrics.active_decode, metrics.free_blocks):
+        gauge.remove(worker_id)  # absent labels: nothing to do
+    for cause in ("prompt_priority", "memory"):
+        metrics.preemptions.remove(worker_id, cause)
+    forget_live_collectives(backend, worker_id)
+
+
+def forget_live_collectives(backend, worker_id: str) -> None:
+    """The worker's epoch ended (or a new one registered): its live collective gauges go with it."""
+    for phase in PHASES:
+        drop_phase(backend, worker_id, phase)
+
+
+def drop_phase(backend, worker_id: str, phase: str) -> None:
+    for term in ("step", "row"):
+        backend.metrics.tp_collectives.remove(worker_id, phase, term)  # absent labels: nothing to do

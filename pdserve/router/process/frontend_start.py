@@ -17,9 +17,8 @@ import asyncio
 import time
 
 from pdserve.engine.errors import InvalidRequest
-from pdserve.router.process.admission_retry import CapacityShort, RouteLost
-from pdserve.router.process.inflight import InFlight
 from pdserve.router.messages import RoutePlan
+from pdserve.router.process.inflight import InFlight
 from pdserve.workers import messages as m
 
 RESERVE_TIMEOUT_S = 10.0
@@ -60,7 +59,7 @@ async def start(backend, live: InFlight, plan: RoutePlan) -> None:
 
 
 async def _reserve(backend, live: InFlight, plan: RoutePlan) -> m.Reserved:
-    """ReserveKv at D and its answer; a refusal or a lost route raises (admission_retry.py)."""
+    """ReserveKv at D and its answer; a refusal or a lost route raises (AdmissionRetry below)."""
     req, src = live.req, backend.registered[plan.prefill_id]
     live.reserved = asyncio.get_running_loop().create_future()
     t0 = time.monotonic()
@@ -92,3 +91,39 @@ def route_alive(backend, plan: RoutePlan) -> bool:
         if hold is not None and (reg is None or reg.epoch != hold.role_epoch):
             return False
     return True
+
+
+# ---- when a request in admission routes again instead of being refused -------------------------
+# The rejections worth waiting out, and the signals a route that cannot start raises
+# (frontend.py's admission loop catches them, releases the route's holds and routes the request
+# again until its deadline).
+ADMISSION_POLL_S = 0.02
+WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that completions will free
+
+
+def admission_waits(reason: str, restarts: bool, away: set[str]) -> bool:
+    """A rejection worth waiting out in admission: capacity that completions will free, or no
+    complete route only because a worker is dead and the supervisor is starting it again."""
+    return reason in WAITABLE or (reason == "no_route" and restarts and bool(away))
+
+
+class AdmissionRetry(Exception):
+    """The route being admitted cannot start; the admission routes the request again after
+    `wait_s` (until its deadline). Its holds are released by the admission, not by the raiser."""
+
+    wait_s = ADMISSION_POLL_S
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CapacityShort(AdmissionRetry):
+    """A worker had less K/V room than its last report said: wait for completions to free some."""
+
+
+class RouteLost(AdmissionRetry):
+    """A worker on the route was lost (or re-registered) before the request started there: no
+    worker owns the request yet, so it is routed again over the live workers at once."""
+
+    wait_s = 0.0

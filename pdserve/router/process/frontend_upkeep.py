@@ -15,23 +15,24 @@ for the cluster K/V index (router/kv/kv_inbox.py); `apply_kv_slice` is the appli
 slice of the queue, scheduled behind whatever is ready to run on the event loop (routes
 included) and again while reports remain (a gap sends the worker `ResyncKv`); `worker_view` is
 one row of GET /workers (`failed_view` the row of a worker the supervisor gave up on);
-`forget_worker` drops a retired incarnation's last load and per-worker gauges.
+`frontend_events.forget_worker` drops a retired incarnation's last load and per-worker gauges.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 from pdserve.engine.tp_tally import PHASES
-from pdserve.router.process import control_acks
-from pdserve.router.process import frontend_events as ev
 from pdserve.router.contract import WorkerView
-from pdserve.router.pricing.decode_clocks import decode_budgets
 from pdserve.router.kv.kv_inbox import SLICE_REPORTS
 from pdserve.router.kv.kv_index import KvDelta
-from pdserve.router.process.leases import renewals
 from pdserve.router.messages import WorkerLoad
+from pdserve.router.pricing.decode_clocks import decode_budgets
+from pdserve.router.process import control_acks
+from pdserve.router.process import frontend_events as ev
+from pdserve.router.process.inflight import InFlight
 from pdserve.workers import messages as m
 
 
@@ -73,13 +74,13 @@ async def reap_lost_workers(backend) -> None:
         backend.away.add(wid)
         if reg is not None:
             retirement = backend.router.deregister(wid, reg.epoch)
-            forget_worker(backend, wid)
+            ev.forget_worker(backend, wid)
             await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
     for retirement in backend.router.expire():
         wid = retirement.worker.worker_id
         backend.registered.pop(wid, None)
         backend.away.add(wid)
-        forget_worker(backend, wid)
+        ev.forget_worker(backend, wid)
         backend.metrics.hung_workers.inc()
         backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
@@ -154,35 +155,12 @@ def export_live_collectives(backend, worker_id: str) -> None:
     for phase in PHASES:
         row = view.get(phase)
         if row is None or not row["live"]:
-            _drop_phase(backend, worker_id, phase)
+            ev.drop_phase(backend, worker_id, phase)
             continue
         backend.metrics.tp_collectives.labels(worker_id, phase, "step").set(row["step_ms"] / 1e3)
         backend.metrics.tp_collectives.labels(worker_id, phase, "row").set(row["row_ms"] / 1e3)
     for reason, count in live.num_ignored.items():
         backend.metrics.tp_reports_ignored.labels(reason).set(count)
-
-
-def forget_worker(backend, worker_id: str) -> None:
-    """The worker's incarnation was retired: its last load report and per-worker gauges go with it
-    (a dead or FAILED worker shows no batch, queue or blocks; the next incarnation reports anew)."""
-    backend.loads.pop(worker_id, None)
-    metrics = backend.metrics
-    for gauge in (metrics.queue_depth, metrics.active_decode, metrics.free_blocks):
-        gauge.remove(worker_id)  # absent labels: nothing to do
-    for cause in ("prompt_priority", "memory"):
-        metrics.preemptions.remove(worker_id, cause)
-    forget_live_collectives(backend, worker_id)
-
-
-def forget_live_collectives(backend, worker_id: str) -> None:
-    """The worker's epoch ended (or a new one registered): its live collective gauges go with it."""
-    for phase in PHASES:
-        _drop_phase(backend, worker_id, phase)
-
-
-def _drop_phase(backend, worker_id: str, phase: str) -> None:
-    for term in ("step", "row"):
-        backend.metrics.tp_collectives.remove(worker_id, phase, term)  # absent labels: nothing to do
 
 
 def queue_kv(backend, worker_id: str, epoch: int, delta: KvDelta) -> None:
@@ -209,3 +187,18 @@ def measured_tpot_s(backend, worker_id: str) -> float:
 
     share = measured_tpot_share(backend, [worker_id], time.monotonic())[worker_id]
     return share * backend.router.config.tpot_slo_s
+
+
+# ---- which leases the router renews ------------------------------------------------------------
+# `renewals(live)` (pure) maps a worker id to the request ids (the ids that worker knows the current
+# attempt by) whose K/V leases it should extend; finished requests and requests not yet placed are
+# left out. One `RenewLeases` per worker every `lease_s / 3`, so a request whose router is alive
+# never loses its reservation or source pin (handoff/leases.py).
+def renewals(live: Iterable[InFlight]) -> dict[str, tuple[str, ...]]:
+    by_worker: dict[str, list[str]] = {}
+    for req in live:
+        if req.done:
+            continue
+        for worker_id in {req.prefill_id, req.decode_id} - {""}:
+            by_worker.setdefault(worker_id, []).append(req.engine_id)
+    return {wid: tuple(sorted(ids)) for wid, ids in sorted(by_worker.items())}

@@ -38,9 +38,14 @@ import asyncio
 import time
 
 from pdserve.router.contract import ErrorEvent
-from pdserve.router.process.fallback import DecodeStartAction, DecodeStartDecision, DecodeStartSituation, decide_decode_start
-from pdserve.router.process.inflight import InFlight
 from pdserve.router.messages import RouteRequest
+from pdserve.router.process.fallback import (
+    DecodeStartAction,
+    DecodeStartDecision,
+    DecodeStartSituation,
+    decide_decode_start,
+)
+from pdserve.router.process.inflight import InFlight
 from pdserve.router.state.reservations import HoldRequest
 from pdserve.workers import messages as m
 

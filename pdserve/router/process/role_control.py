@@ -32,8 +32,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.router.state.registry import WorkerState
 from pdserve.router.splitwise.splitwise import PoolController, PoolSignals
+from pdserve.router.state.registry import WorkerState
 from pdserve.workers import messages as m
 
 POLL_S = 0.02

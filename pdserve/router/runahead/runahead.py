@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import Counter
 
 from pdserve.engine.sequence import SamplingParams
+from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp
 from pdserve.router.process import recovery
 from pdserve.router.runahead.runahead_plan import ChainCaches, ChunkCost
-from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp
 from pdserve.workers import messages as m
 
 FAILED = "runahead_failed"

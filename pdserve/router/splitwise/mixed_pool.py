@@ -34,13 +34,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from pdserve.router.pricing.cost import CostModel
 from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.policy.pd_decision import PdDecision
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.tp_pricing import TpPricing
 from pdserve.router.state.registry import Registry
 from pdserve.router.state.reservations import InFlight
 from pdserve.router.state.snapshot import Snapshot, SnapshotBuilder
-from pdserve.router.pricing.tp_pricing import TpPricing
 
 WHOLE_ON_MIXED = PdDecision(False, "mixed_whole")  # both phases on one mixed worker: it runs the request whole
 

@@ -26,9 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from pdserve.router.fastnew import new_frozen
 from pdserve.router.errors import IllegalTransitionError, LeakError, UnknownRequestError
-from pdserve.router.messages import BlockHold
+from pdserve.router.messages import BlockHold, new_frozen
 
 
 class RouteState(str, enum.Enum):

@@ -30,13 +30,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.router.pricing.cost import CostModel
-from pdserve.router.state.host_groups import HostGroups
-from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.kv.prefix_index import PrefixIndex
+from pdserve.router.messages import Role, WorkerLoad
+from pdserve.router.pricing.cost import CostModel
+from pdserve.router.pricing.tp_pricing import TpPricing
+from pdserve.router.state.host_groups import HostGroups
 from pdserve.router.state.registry import Registry, WorkerEntry
 from pdserve.router.state.reservations import InFlight
-from pdserve.router.pricing.tp_pricing import TpPricing
 
 
 @dataclass(frozen=True)

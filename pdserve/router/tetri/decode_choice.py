@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.ledger.tetri import DecodeWorker, heavy_light_ratio_after, power_of_two_choice
+from pdserve.router.messages import RouteRequest
 from pdserve.router.policy import demand
 from pdserve.router.policy.choice import Choice
-from pdserve.router.messages import RouteRequest
 from pdserve.router.policy.policies import prefix_hits
 from pdserve.router.state.snapshot import Snapshot
 
