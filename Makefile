@@ -17,7 +17,7 @@ demo: setup
 	$(PDSERVE) demo
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: setup
 	$(PDSERVE) bench-engine --model small

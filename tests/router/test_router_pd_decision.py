@@ -262,7 +262,7 @@ def test_routes_headed_to_d_count_in_the_batch_a_local_prefill_delays():
 
 
 def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
-    """The study's failure (README, P/D decision figure): three long prompts were handed off while
+    """A failure the P/D decision study showed (scripts/pd_decision_study.sh): three long prompts were handed off while
     D was busy; D's old decodes finished and it reported an idle batch, the three still prefilling
     at P or in transfer. A fourth long prompt kept local then stalled all three decodes."""
     router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", policy="jsq", cost=COST,
