@@ -359,6 +359,14 @@ ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | Re
 ToRouter = (Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchPinned
             | FetchDone | ControlAck)
 
+# The largest worker -> router message. The router's control socket refuses longer ones
+# (ZMQ_MAXMSGSIZE, router/process/control_auth.py) even from a peer still in its CURVE handshake,
+# which could otherwise make the router buffer any size it declares (1 GiB grew it by 1 GiB).
+# Room for a prefix-cache resync of ~1.5M blocks (~40 B an event) or the prompt logprobs of
+# ~190k positions at k = 20 (~340 B a position); a worker keeps every message under it
+# (`split_tokens`, workers/heartbeat.py).
+MAX_TO_ROUTER_BYTES = 64 << 20
+
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _to_router = msgspec.msgpack.Decoder(ToRouter)
@@ -374,3 +382,19 @@ def decode_to_worker(data: bytes) -> ToWorker:
 
 def decode_to_router(data: bytes) -> ToRouter:
     return _to_router.decode(data)
+
+
+def split_tokens(msg: Tokens, limit: int = MAX_TO_ROUTER_BYTES) -> tuple[list[bytes], list[TokenItem]]:
+    """`msg` encoded whole, or one message per item when the whole is over `limit`: the encoded
+    messages, in order, and the items that are over `limit` even alone (their requests fail)."""
+    whole = encode(msg)
+    if len(whole) <= limit:
+        return [whole], []
+    sent, over = [], []
+    for item in msg.items:
+        one = encode(Tokens(msg.worker_id, msg.epoch, (item,)))
+        if len(one) <= limit:
+            sent.append(one)
+        else:
+            over.append(item)
+    return sent, over

@@ -359,7 +359,13 @@ class Worker:
                         *holds(o.request_id))
             for o in outputs
         )
-        self.send(m.Tokens(self.id, self.epoch, items))
+        encoded, too_large = m.split_tokens(m.Tokens(self.id, self.epoch, items))  # the router's bound
+        for body in encoded:
+            self.sock.send(body)
+        for item in too_large:
+            self.send(m.WorkerError(self.id, self.epoch, item.request_id,
+                                    f"its output is over the control plane's {m.MAX_TO_ROUTER_BYTES} B message bound",
+                                    "message_too_large"))
 
     def close(self) -> None:
         if self.decode:
