@@ -364,7 +364,7 @@ ToRouter = (Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerErro
 # which could otherwise make the router buffer any size it declares (1 GiB grew it by 1 GiB).
 # Room for a prefix-cache resync of ~1.5M blocks (~40 B an event) or the prompt logprobs of
 # ~190k positions at k = 20 (~340 B a position); a worker keeps every message under it
-# (`split_tokens`, workers/heartbeat.py).
+# (`bounded`, workers/heartbeat.py).
 MAX_TO_ROUTER_BYTES = 64 << 20
 
 _encoder = msgspec.msgpack.Encoder()
@@ -384,17 +384,14 @@ def decode_to_router(data: bytes) -> ToRouter:
     return _to_router.decode(data)
 
 
-def split_tokens(msg: Tokens, limit: int = MAX_TO_ROUTER_BYTES) -> tuple[list[bytes], list[TokenItem]]:
-    """`msg` encoded whole, or one message per item when the whole is over `limit`: the encoded
-    messages, in order, and the items that are over `limit` even alone (their requests fail)."""
+def bounded(msg: ToRouter, limit: int = MAX_TO_ROUTER_BYTES) -> list[bytes]:
+    """`msg` encoded, within `limit`: one body, or for a Tokens batch over it one per item, and
+    for an item over it alone a `message_too_large` WorkerError that fails its request instead
+    (only Tokens can outgrow the bound: prompt logprobs)."""
     whole = encode(msg)
-    if len(whole) <= limit:
-        return [whole], []
-    sent, over = [], []
-    for item in msg.items:
-        one = encode(Tokens(msg.worker_id, msg.epoch, (item,)))
-        if len(one) <= limit:
-            sent.append(one)
-        else:
-            over.append(item)
-    return sent, over
+    if len(whole) <= limit or not isinstance(msg, Tokens):
+        return [whole]
+    bodies = [encode(Tokens(msg.worker_id, msg.epoch, (item,))) for item in msg.items]
+    return [body if len(body) <= limit else encode(WorkerError(
+        msg.worker_id, msg.epoch, item.request_id, f"its output is over the control plane's {limit} B message bound",
+        "message_too_large")) for item, body in zip(msg.items, bodies)]

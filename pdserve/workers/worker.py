@@ -121,7 +121,8 @@ class Worker:
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
-        self.sock.send(m.encode(msg))
+        for body in m.bounded(msg):  # one body, unless a Tokens batch is over the router's bound
+            self.sock.send(body)
 
     def register(self) -> None:
         with self.lock:
@@ -359,13 +360,7 @@ class Worker:
                         *holds(o.request_id))
             for o in outputs
         )
-        encoded, too_large = m.split_tokens(m.Tokens(self.id, self.epoch, items))  # the router's bound
-        for body in encoded:
-            self.sock.send(body)
-        for item in too_large:
-            self.send(m.WorkerError(self.id, self.epoch, item.request_id,
-                                    f"its output is over the control plane's {m.MAX_TO_ROUTER_BYTES} B message bound",
-                                    "message_too_large"))
+        self.send(m.Tokens(self.id, self.epoch, items))
 
     def close(self) -> None:
         if self.decode:
