@@ -287,8 +287,12 @@ class HandoffListener:
                 link = TcpReceiverLink(conn, self.endpoint.raw, self.limits)
             else:
                 return  # not a handoff peer (the server closes the connection)
-            # the link's first frame names its transfer and lands nothing; a silent peer frees its slot soon
-            first = link.recv(self.limits.io_timeout_s or self.give_up_s, _land_nothing)
+            # the link's first frame names its transfer and lands nothing; it must arrive whole within
+            # one I/O timeout, so a silent or trickling (slow-loris) peer frees its slot and memory soon
+            wait_s = self.limits.io_timeout_s or self.give_up_s
+            link.channel.expect_within(wait_s)
+            first = link.recv(wait_s, _land_nothing)
+            link.channel.expect_within(None)
         except (OSError, LinkClosed):
             return
         if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers:

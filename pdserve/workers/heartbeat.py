@@ -35,12 +35,22 @@ def heartbeat_loop(worker) -> None:
     sock.connect(worker.config.router_address)
     parent = os.getppid()
     while worker.running:
-        sock.send(m.encode(heartbeat(worker)))
+        sock.send(_bounded(heartbeat(worker)))
         time.sleep(worker.config.heartbeat_s)
         if worker.config.exit_with_parent and os.getppid() != parent:
             log.warning("worker %s: router process is gone, exiting", worker.id)
             worker.running = False
     sock.close()
+
+
+def _bounded(beat: m.Heartbeat) -> bytes:
+    """The beat encoded; over the router's message bound, without its block events (the router's
+    K/V index then misses them: routing loses prefix credit, nothing else)."""
+    body = m.encode(beat)
+    if len(body) <= m.MAX_TO_ROUTER_BYTES:
+        return body
+    log.warning("worker %s: %d B of block events are over the control plane's bound; not sent", beat.worker_id, len(body))
+    return m.encode(m.Heartbeat(beat.worker_id, beat.epoch, beat.load))
 
 
 def heartbeat(worker) -> m.Heartbeat:

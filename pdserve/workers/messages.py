@@ -359,6 +359,14 @@ ToWorker = (Generate | Prefill | ReserveKv | StartDecode | Abort | Shutdown | Re
 ToRouter = (Register | Heartbeat | Tokens | Reserved | TransferDone | WorkerError | FetchReserved | FetchPinned
             | FetchDone | ControlAck)
 
+# The largest worker -> router message. The router's control socket refuses longer ones
+# (ZMQ_MAXMSGSIZE, router/process/control_auth.py) even from a peer still in its CURVE handshake,
+# which could otherwise make the router buffer any size it declares (1 GiB grew it by 1 GiB).
+# Room for a prefix-cache resync of ~1.5M blocks (~40 B an event) or the prompt logprobs of
+# ~190k positions at k = 20 (~340 B a position); a worker keeps every message under it
+# (`bounded`, workers/heartbeat.py).
+MAX_TO_ROUTER_BYTES = 64 << 20
+
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _to_router = msgspec.msgpack.Decoder(ToRouter)
@@ -374,3 +382,16 @@ def decode_to_worker(data: bytes) -> ToWorker:
 
 def decode_to_router(data: bytes) -> ToRouter:
     return _to_router.decode(data)
+
+
+def bounded(msg: ToRouter, limit: int = MAX_TO_ROUTER_BYTES) -> list[bytes]:
+    """`msg` encoded, within `limit`: one body, or for a Tokens batch over it one per item, and
+    for an item over it alone a `message_too_large` WorkerError that fails its request instead
+    (only Tokens can outgrow the bound: prompt logprobs)."""
+    whole = encode(msg)
+    if len(whole) <= limit or not isinstance(msg, Tokens):
+        return [whole]
+    bodies = [encode(Tokens(msg.worker_id, msg.epoch, (item,))) for item in msg.items]
+    return [body if len(body) <= limit else encode(WorkerError(
+        msg.worker_id, msg.epoch, item.request_id, f"its output is over the control plane's {limit} B message bound",
+        "message_too_large")) for item, body in zip(msg.items, bodies)]

@@ -121,7 +121,8 @@ class Worker:
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
-        self.sock.send(m.encode(msg))
+        for body in m.bounded(msg):  # one body, unless a Tokens batch is over the router's bound
+            self.sock.send(body)
 
     def register(self) -> None:
         with self.lock:

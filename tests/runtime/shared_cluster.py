@@ -11,7 +11,9 @@ it); a test that faults a worker or needs counters from zero starts its own clus
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine
 
 from pdserve.api.server import ServeConfig, cluster
@@ -30,8 +32,20 @@ class SharedCluster:
             raise
 
     def run(self, coro: Coroutine, timeout_s: float = 600.0):
-        """Run `coro` on the cluster's loop; its result, or its exception re-raised here."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        """Run `coro` on the cluster's loop; its result, or its exception re-raised here. A loop
+        that stopped meanwhile (a SystemExit in one of its tasks ends `run_forever`: uvicorn exits
+        so when its port was taken) raises at once instead of waiting out `timeout_s`."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(min(0.5, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if not self.thread.is_alive():
+                    future.cancel()
+                    raise RuntimeError("the shared cluster's event loop stopped (a task raised SystemExit?)") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def close(self) -> None:
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 
 import httpx
@@ -17,7 +18,6 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api.app import create_app
-from pdserve.ports import free_local_port
 from pdserve.workers import messages as m
 from tests.runtime.conftest import config, prompt, wait_baseline
 from tests.runtime.shared_cluster import SharedCluster
@@ -46,9 +46,15 @@ async def _serve_apps(cluster) -> tuple[int, int]:
             create_app(cluster.backend, api_keys={KEY: "tenant-a"}, **_limit())]
     cluster.servers = []
     for app in apps:
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_local_port(), log_level="warning"))
-        cluster.servers.append((server, asyncio.get_running_loop().create_task(server.serve())))
+        # bound here, not a port picked and bound later by uvicorn: another process may take a
+        # picked port first, and uvicorn then exits (SystemExit) and stops the cluster's loop
+        sock = socket.create_server(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, port=sock.getsockname()[1], log_level="warning"))
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        cluster.servers.append((server, task))
         while not server.started:
+            if task.done():
+                raise RuntimeError(f"the app did not start: {task.exception()!r}")
             await asyncio.sleep(0.02)
     return tuple(s.config.port for s, _ in cluster.servers)
 
@@ -134,6 +140,33 @@ def test_unauthenticated_peers_on_the_router_socket_never_register_and_the_serve
         ctx.destroy(linger=0)
     assert_still_serving(served, port)
     assert grown["handshake"] >= 2  # the raw bytes, and every attempt of the zmq client
+
+
+def _stream_frame(port: int, declared: int, chunk: bytes) -> int:
+    """A peer that speaks ZMTP 3.0 with the CURVE mechanism (as anyone may) and, instead of its
+    HELLO, streams a command frame declaring `declared` bytes; how many the router took before it
+    closed the connection."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as peer:
+        peer.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + bytes(32))
+        peer.recv(64)  # the router's greeting
+        try:
+            peer.sendall(b"\x06" + struct.pack(">Q", declared))  # command frame, 8-byte length
+            while sent < declared:
+                peer.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset or broken pipe: the router cut it off
+            pass
+    return sent
+
+
+def test_a_peer_streaming_a_huge_frame_before_its_handshake_is_cut_off_at_the_bound(served):
+    """libzmq reads a frame whole before the CURVE handshake looks at it: without a bound, a peer
+    with no key could make the router buffer any size it declares (1 GiB grew it by 1 GiB)."""
+    port = served.ports[0]
+    sent = _stream_frame(int(served.backend.address.rsplit(":", 1)[1]), 512 << 20, bytes(1 << 20))
+    assert sent < 128 << 20, f"the router took {sent >> 20} MiB of one unauthenticated frame"  # bound: 64 MiB
+    assert_still_serving(served, port)
 
 
 def test_wrong_and_revoked_keys_are_refused_and_a_key_holder_cannot_break_the_loop(served):

@@ -4,6 +4,9 @@ The peer is this test, on a real socket into the served decode worker's handoff 
   * a 6-byte message claiming a 256 MiB frame header: the connection is closed before the worker
     allocates it (the bound follows from the K/V ABI and the pool: handoff/limits.py), and the
     listener goes on serving real handoffs;
+  * as many slow-loris peers as the listener has connection slots, each trickling a header it
+    claimed: every one is closed within the first frame's deadline (one I/O timeout), so the
+    slots come back and a real handoff that waited in the accept queue behind them completes;
   * the prefill side of a request that stops in the middle of a chunk's payload (the router's
     Prefill is held back from the real prefill worker and its signed plan used here: what a
     SIGSTOP mid-payload looks like on the wire), then the client disconnects and a new request
@@ -30,6 +33,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.handoff.frames import ChunkFrame, ManifestFrame, encode_frame
 from pdserve.handoff.trace import TraceSink
 from pdserve.handoff.transports.channels import _LEN
+from pdserve.handoff.transports.server import MAX_CONNECTIONS
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffSender
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
@@ -87,6 +91,40 @@ def test_an_oversized_frame_header_closes_the_link_unallocated_and_the_listener_
             p, s = prompt(n, i), SamplingParams(max_tokens=6, ignore_eos=True)
             ids, event = await collect(backend, f"after-{i}", p, s)
             assert isinstance(event, FinishEvent) and ids == list(reference.generate([list(p)], s)[0].output_ids)
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+
+    served.run(main(served.backend, served.launcher))
+
+
+def _trickle_until_closed(socks: list[socket.socket], every_s: float, within_s: float) -> int:
+    """Send each open socket one byte every `every_s` until the peer closed all (or `within_s`
+    passed); returns how many were still open."""
+    open_socks, deadline = list(socks), time.monotonic() + within_s
+    while open_socks and time.monotonic() < deadline:
+        for sock in list(open_socks):
+            try:
+                sock.send(b"\x00")
+            except OSError:  # reset or broken pipe: the listener closed it
+                open_socks.remove(sock)
+        time.sleep(every_s)
+    return len(open_socks)
+
+
+def test_slow_loris_peers_on_every_slot_are_cut_and_a_real_handoff_gets_through(served, reference):
+    async def main(backend, _launcher):
+        address = tuple(backend.registered["decode-0"].handoff_address)
+        peers = [socket.create_connection(address) for _ in range(MAX_CONNECTIONS)]
+        for peer in peers:
+            peer.sendall(b"T" + struct.pack("<I", 4096))  # a header it never finishes
+        trickler = asyncio.create_task(asyncio.to_thread(_trickle_until_closed, peers, 0.5, 25.0))
+        p, s = prompt(40, 5), SamplingParams(max_tokens=6, ignore_eos=True)
+        ids, event = await collect(backend, "behind-the-loris", p, s)  # its link waits for a slot
+        still_open = await trickler
+        for peer in peers:
+            peer.close()
+        assert still_open == 0, f"{still_open} of {MAX_CONNECTIONS} trickling peers kept their slot for 25 s"
+        assert isinstance(event, FinishEvent) and ids == list(reference.generate([list(p)], s)[0].output_ids)
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
 

@@ -238,3 +238,34 @@ def test_a_prefill_worker_retired_during_the_rollback_comes_back_colocated():
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_a_worker_stopped_shorter_than_the_heartbeat_timeout_acknowledges_the_rollback_and_stays():
+    """The control-ack wait is the heartbeat timeout (--heartbeat-timeout-s, 10 s here): a worker
+    frozen for 6.5 s (as in a long engine step: control messages wait for it) at ADVANCE_ROUTE_EPOCH
+    is not hung by the heartbeat rule, so the rollback must not retire it either. With a fixed 5 s
+    ack wait it was retired (ended) although its heartbeats would have kept it."""
+    import os
+    import signal
+
+    from pdserve.router.process.release import ReleaseController
+
+    async def main():
+        async with cluster(config(heartbeat_timeout_s=10.0)) as (backend, launcher):
+            control = ReleaseController(backend)
+            stopped = launcher.pid("prefill-0")
+            os.kill(stopped, signal.SIGSTOP)
+            resume = asyncio.get_running_loop().call_later(6.5, os.kill, stopped, signal.SIGCONT)
+            try:
+                rolled = await control.rollback()
+            finally:
+                resume.cancel()
+                os.kill(stopped, signal.SIGCONT)
+            steps = {s["name"]: s["detail"] for s in rolled["steps"]}
+            assert sorted(steps["ADVANCE_ROUTE_EPOCH"]["installed_at_s"]) == ["decode-0", "prefill-0"]
+            assert rolled["state"] == "ROLLED_BACK" and launcher.pid("prefill-0") == stopped
+            assert roles(backend) == {"prefill-0": ("colocated", 2, "live"), "decode-0": ("decode", 1, "live")}
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())

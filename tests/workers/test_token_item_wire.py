@@ -23,3 +23,17 @@ def test_unused_fields_are_not_sent_and_used_ones_round_trip():
     assert m.decode_to_router(plain).items[0].logprobs == () and len(rich) > len(plain)
     start = m.StartDecode("r", 5, 7, forks=((0, 5), (2, 9)))
     assert m.decode_to_worker(m.encode(start)) == start
+
+
+def test_a_tokens_batch_over_the_bound_goes_item_by_item_and_an_item_over_it_alone_fails_its_request():
+    lp = TokenLogprobs(1234, -1.5, tuple(range(20)), tuple(-0.5 for _ in range(20)))
+    small = [m.TokenItem(f"r{i}", (i,), "x", False, None, 10, 0) for i in range(3)]
+    big = m.TokenItem("big", (1,), "y", True, "length", 4000, 0, prompt_logprobs=(lp,) * 4000)
+    whole = m.Tokens("decode-0", 1, (small[0], big, small[1], small[2]))
+    assert m.bounded(whole) == [m.encode(whole)]  # under the bound: one message, as before
+    limit = len(m.encode(m.Tokens("decode-0", 1, (big,)))) - 1  # the big item alone is over it
+    bodies = m.bounded(whole, limit)
+    decoded = [m.decode_to_router(b) for b in bodies]
+    assert [d.items[0].request_id if isinstance(d, m.Tokens) else (d.request_id, d.code) for d in decoded] == \
+        ["r0", ("big", "message_too_large"), "r1", "r2"]
+    assert all(len(b) <= limit for b in bodies)

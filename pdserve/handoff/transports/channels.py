@@ -5,7 +5,10 @@ msgpack header and then any payload views in one scatter-gather `sendmsg` (no co
 and reads payloads with `recv_into` straight into caller-provided views (the destination pool).
 A closed peer raises `LinkClosed`, and so do a header longer than the channel's
 `LinkLimits.max_header_bytes` (refused before anything is allocated) and a read or write that
-stalls longer than its `io_timeout_s` (handoff/limits.py).
+stalls longer than its `io_timeout_s` (handoff/limits.py). A header is read in steps of
+`_HEADER_STEP_BYTES`, so a peer that declares a large one and stalls holds only what it sent, and
+`expect_within(s)` bounds every read until cleared by one total deadline: a listener gives an
+unadmitted peer that long for its first frame, however it trickles the bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import select
 import socket
 import struct
 import threading
+import time
 
 import msgspec
 import numpy as np
@@ -25,6 +29,7 @@ from pdserve.handoff.transports.base import LinkClosed
 
 _LEN = struct.Struct("<I")
 _SCRATCH_BYTES = 1 << 20
+_HEADER_STEP_BYTES = 64 << 10  # a header's buffer grows by this much per read step
 
 
 class QueueChannel:
@@ -65,7 +70,15 @@ class SocketChannel:
         sock.settimeout(limits.io_timeout_s)  # a stalled peer ends the link (LinkClosed), never blocks it for good
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._scratch: bytearray | None = None  # drains refused payloads; made on first use
+        self._deadline: float | None = None  # monotonic time every read must be done by (expect_within)
+
+    def expect_within(self, seconds: float | None) -> None:
+        """Until called again with None, every read ends the link unless it is done `seconds` from
+        now in total (a per-call socket timeout alone lets a peer trickle a byte per timeout)."""
+        self._deadline = None if seconds is None else time.monotonic() + seconds
+        if seconds is None:
+            self.sock.settimeout(self.limits.io_timeout_s)
 
     def send_frame(self, frame: Frame, views: list[np.ndarray] = ()) -> int:
         """Send header (+ payload views); returns header bytes on the wire."""
@@ -87,6 +100,8 @@ class SocketChannel:
             raise LinkClosed(str(err)) from err
 
     def recv_frame(self, timeout_s: float) -> Frame | None:
+        if self._deadline is not None:
+            timeout_s = max(0.0, min(timeout_s, self._deadline - time.monotonic()))
         ready, _, _ = select.select([self.sock], [], [], timeout_s)
         if not ready:
             return None
@@ -95,8 +110,11 @@ class SocketChannel:
         nbytes = _LEN.unpack(size)[0]
         if nbytes > self.limits.max_header_bytes:  # refused before a byte of it is allocated
             raise LinkClosed(f"frame header of {nbytes} B over the link's bound of {self.limits.max_header_bytes} B")
-        header = bytearray(nbytes)
-        self._recv_exact(memoryview(header))
+        header = bytearray()
+        while len(header) < nbytes:  # grows with what arrives: a declared size alone allocates nothing
+            part = bytearray(min(nbytes - len(header), _HEADER_STEP_BYTES))
+            self._recv_exact(memoryview(part))
+            header += part
         try:
             return decode_frame(header)
         except msgspec.DecodeError as err:  # a malformed frame ends the link like a dead peer
@@ -113,6 +131,8 @@ class SocketChannel:
 
     def discard(self, nbytes: int) -> None:
         self.check_payload(nbytes)
+        if self._scratch is None:
+            self._scratch = bytearray(_SCRATCH_BYTES)
         view = memoryview(self._scratch)
         while nbytes > 0:
             step = min(nbytes, len(view))
@@ -121,6 +141,11 @@ class SocketChannel:
 
     def _recv_exact(self, view: memoryview) -> None:
         while len(view):
+            if self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkClosed("peer too slow: its frame did not arrive in time")
+                self.sock.settimeout(min(left, self.limits.io_timeout_s or left))
             try:
                 n = self.sock.recv_into(view)
             except (ConnectionResetError, OSError) as err:

@@ -43,6 +43,14 @@ class ControlAcks:
         self._waiting.pop(key, None)
 
 
+def ack_timeout_s(backend) -> float:
+    """How long a worker has to acknowledge a control message: its heartbeat timeout
+    (`--heartbeat-timeout-s`). A worker handles control messages between engine steps, so an ack
+    waits for the step under way; a worker whose heartbeats still arrive is not hung, and a long
+    step must not get it retired (ended and restarted) where the heartbeat rule would keep it."""
+    return backend.router.config.heartbeat_timeout_s
+
+
 async def ask(backend, worker_id: str, msg, kind: str, subject: str, timeout_s: float) -> float | None:
     """Send `msg` to one worker and wait for its acknowledgement; a silent worker is retired, and
     one no longer registered (retired, dead) is not asked."""

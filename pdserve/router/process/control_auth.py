@@ -3,7 +3,8 @@
 Contract: `ControlAuth` owns the router's CURVE server key pair and issues one client key pair
 per worker incarnation (`issue(worker_id, epoch)`, called by the launcher at every start and
 restart; the worker's previous key is revoked). `secure(sock)` makes the ROUTER socket a CURVE
-server whose ZAP domain is this router's own: the process's ZAP handler (pyzmq's
+server whose ZAP domain is this router's own and whose frames are bounded (`MAX_TO_ROUTER_BYTES`:
+libzmq buffers a frame whole before the CURVE handshake even looks at it): the process's ZAP handler (pyzmq's
 ThreadAuthenticator, one per process, started on first use) admits a connection only with a key
 this router issued and has not revoked; with ZAP_ENFORCE_DOMAIN, nothing is admitted before the
 handler runs. `accept(frames)` checks one received message and returns it, or the reason it is
@@ -93,6 +94,7 @@ class ControlAuth:
         sock.curve_publickey = self.server_public
         sock.zap_domain = self.domain.encode()
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.maxmsgsize = m.MAX_TO_ROUTER_BYTES  # a longer frame ends its connection (handshake or not)
 
     def start(self, context: zmq.Context) -> None:
         _handler(context).configure_curve_callback(self.domain, self)

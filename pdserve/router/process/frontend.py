@@ -391,7 +391,7 @@ class ClusterBackend:
     async def _watchdog(self) -> None:
         await upkeep.watchdog(self)
 
-    async def revoke_capabilities(self, ack_timeout_s: float = 5.0) -> dict:
+    async def revoke_capabilities(self, ack_timeout_s: float | None = None) -> dict:
         return await upkeep.revoke_capabilities(self, ack_timeout_s)
 
     async def renew_leases(self) -> None:

@@ -46,14 +46,15 @@ async def watchdog(backend) -> None:
             await backend.renew_leases()
 
 
-async def revoke_capabilities(backend, ack_timeout_s: float = 5.0) -> dict:
+async def revoke_capabilities(backend, ack_timeout_s: float | None = None) -> dict:
     """A new capability key: every worker verifies with it from now on (outstanding
     capabilities of the old key fail), and restarted workers get it. Returns the key epoch and
     {worker: when it installed the key} (its wall clock); a worker that did not is retired."""
     public_key_hex, key_epoch = backend.capabilities.rotate()
     backend.on_key_rotated(public_key_hex, key_epoch)  # a worker restarted from here on starts with it
     key = m.CapabilityKey(public_key_hex, key_epoch)
-    acks = await control_acks.broadcast(backend, lambda wid: key, "capability_key", str(key_epoch), ack_timeout_s)
+    wait_s = control_acks.ack_timeout_s(backend) if ack_timeout_s is None else ack_timeout_s
+    acks = await control_acks.broadcast(backend, lambda wid: key, "capability_key", str(key_epoch), wait_s)
     return {"key_epoch": key_epoch, "installed_at_s": acks}
 
 

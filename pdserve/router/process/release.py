@@ -32,7 +32,8 @@ each step with its wall-clock timestamp and what it did:
     ROLLBACK_COMPLETE
 
 Each step that tells workers something waits for every live worker's acknowledgement
-(router/process/control_acks.py, `ack_timeout_s`); a worker that does not answer is retired (ended and
+(router/process/control_acks.py, `ack_timeout_s`: the heartbeat timeout unless given); a worker that
+does not answer is retired (ended and
 restarted under a new epoch, as a hung worker is), and the step's detail gives each worker's own
 time of the action: ADVANCE_ROUTE_EPOCH sends the new route epoch (capabilities bind it and the
 memory owner refuses an older one, handoff/capability.py), REVOKE_CAPABILITIES the new key, and
@@ -85,10 +86,13 @@ class ReleaseController:
     history: list[tuple[str, float]] = field(default_factory=list)
     drain_timeout_s: float = 30.0  # role changes and the reclaim wait this long
     drain_window_s: float = 30.0  # unpublished transfers may publish this long before they are aborted
-    ack_timeout_s: float = 5.0  # a worker that does not acknowledge a control message this long is retired
+    ack_timeout_s: float | None = None  # a worker that does not acknowledge a control message this long is
+    # retired; None: the heartbeat timeout (control_acks.ack_timeout_s)
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
+        if self.ack_timeout_s is None:
+            self.ack_timeout_s = control_acks.ack_timeout_s(self.backend)
         if not self.backend.router.disaggregation:
             self.state = "PINNED"
         self.history.append((self.state, time.time()))
