@@ -127,6 +127,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
 
 def report_load(backend, hb: m.Heartbeat) -> None:
     backend.loads[hb.worker_id] = hb.load
+    backend.hits.on_load(hb.worker_id, hb.epoch, hb.load, backend._block_size)  # the router's own hit counters
     load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
