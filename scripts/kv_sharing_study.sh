@@ -73,7 +73,7 @@ for arm in ("sharing", "no_sharing"):
         for turn, row in report["turns"].items():
             per_turn.setdefault(int(turn), []).append((row["ttft_p50_s"], row["ttft_p90_s"]))
         text = open(f"{out}/{arm}.{run}.metrics").read()
-        for where in ("local", "remote", "host"):
+        for where in ("local_device", "local_host", "remote_device", "remote_host"):
             hits.setdefault(where, []).append(metric(text, f'pdserve_prefix_hit_tokens_total{{where="{where}"}}'))
         fetched.append(metric(text, "pdserve_kv_fetch_bytes_total"))
         lines = [json.loads(l) for l in open(f"{out}/{arm}.{run}.trace/requests.jsonl")]
@@ -85,7 +85,7 @@ for arm in ("sharing", "no_sharing"):
                     "per_turn_median_ttft_p50_p90_s": {t: [statistics.median(v[0] for v in rows),
                                                            statistics.median(v[1] for v in rows)]
                                                        for t, rows in sorted(per_turn.items())},
-                    "hit_tokens_per_run": hits, "remote_hit_tokens_per_run": hits["remote"],
+                    "hit_tokens_per_run": hits, "remote_hit_tokens_per_run": [d + h for d, h in zip(hits["remote_device"], hits["remote_host"])],
                     "fetch_bytes_per_run": fetched, "recomputed_prompt_tokens_per_run": recomputed,
                     "load_1min_before_per_run": loads,
                     "prompt_tokens_range": [min(l.get("prompt_tokens", 0) for l in lines),

@@ -22,6 +22,14 @@ the cost of that work in the thread, with the routing router's state untouched);
 the applier's turn. One report per route is 512 routes/s against 128 workers heartbeating every
 0.25 s; the reports are made before the timed loop (they are the workers' work, not the router's).
 Target: route p99 with events <= 1.2 x without (`p99/quiet`).
+
+Membership changes (`--membership`, on by default): at 64 prefill x 64 decode workers, each
+holding 4,096 distinct blocks in the cluster K/V index (its bound, 128 x 4,096 entries), a decode
+worker restarts (deregistered, registered under its next epoch, its resync applied) and another
+moves to the prefill role (drained, registered as prefill under its next epoch, resync applied),
+with a route after each step (the snapshot's rebuild for the new membership). Each step is one
+synchronous call on the router's event loop; the figure is the longest (`stall_ms`).
+Target: no step above 50 ms.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ SIZES = ((8, 8), (64, 64))
 TARGET_P99_US = 200.0
 TARGET_EVENTS_RATIO = 1.2
 EVENTS_SIZE = (64, 64)
+MEMBERSHIP_SIZE, MEMBERSHIP_BLOCKS = (64, 64), 4096
+TARGET_STALL_MS = 50.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--runs", type=int, default=5, help="repeat the whole measurement; rows report medians")
     parser.add_argument("--kv-events", type=int, default=64,
                         help="block events per worker report for the route-with-events comparison at 64x64 (0: skip)")
+    parser.add_argument("--no-membership", dest="membership", action="store_false",
+                        help="skip the restart / role-move stall measurement at 128 workers x 4,096 blocks")
     parser.set_defaults(func=run)
 
 
@@ -58,15 +70,93 @@ def run(args: argparse.Namespace) -> int:
     runs = [[row for size in SIZES for row in bench_size(*size, args.decisions, args.seed)] for _ in range(args.runs)]
     rows = [_median_row(same) for same in zip(*runs)]
     events = bench_events(args) if args.kv_events > 0 else []
+    membership = bench_membership(args.seed) if args.membership else None
     if args.json:
         report = {"target_p99_us": TARGET_P99_US, "runs": args.runs, "compiled_kernels": kernels.enabled, "results": rows,
                   "kv_events": {"events_per_report": args.kv_events, "target_ratio": TARGET_EVENTS_RATIO, "results": events}}
+        if membership is not None:
+            report["membership"] = membership
         print(json.dumps(report, indent=2))
         return 0
     _print_table(args.runs, kernels.enabled, rows)
     if events:
         _print_events(args.kv_events, events)
+    if membership is not None:
+        _print_membership(membership)
     return 0
+
+
+def _print_membership(result: dict) -> None:
+    print(f"\nmembership change at {result['workers']} workers x {result['blocks_per_worker']} blocks "
+          f"(index memory {result['kv_index_memory_bytes'] / 2**20:.1f} MiB): longest step (ms)")
+    for kind in ("restart", "role_move"):
+        steps = " ".join(f"{name}={ms:.1f}" for name, ms in result[kind].items())
+        print(f"{kind:>10} {steps}")
+    print(f"{'stall_ms':>10} {result['stall_ms']:.1f} (target <= {TARGET_STALL_MS:.0f})")
+
+
+def bench_membership(seed: int) -> dict:
+    """Each step of a restart and a role move, timed as one call on the router (ms)."""
+    from pdserve.router.config import Mode, RouterConfig
+    from pdserve.router.kv.kv_index import KvDelta
+    from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+    from pdserve.router.router import Router
+    from pdserve.router.synthetic import ABI, MODEL, Workload
+
+    num_prefill, num_decode = MEMBERSHIP_SIZE
+    router = Router(RouterConfig(Mode.DISAGGREGATED, MODEL, ABI, policy="prefix", ttft_slo_s=5.0, tpot_slo_s=0.05))
+    rng, workload = random.Random(seed), Workload.make(seed)
+    infos = [WorkerInfo(f"{role.value[0]}{i:03d}", f"host{i % 8}", role, 1, 20_000, MODEL, ABI)
+             for i, role in enumerate([Role.PREFILL] * num_prefill + [Role.DECODE] * num_decode)]
+
+    def resync(info: WorkerInfo) -> KvDelta:
+        keys = (rng.getrandbits(63) for _ in range(MEMBERSHIP_BLOCKS))
+        return KvDelta(MEMBERSHIP_BLOCKS, tuple((0, key, 0) for key in keys), resync=True)
+
+    def join(info: WorkerInfo) -> None:  # registered, then LIVE with its first load report
+        router.register(info)
+        router.report_load(info.worker_id, info.role_epoch, WorkerLoad(rng.randint(0, 20_000), rng.randint(0, 64), 10_000))
+
+    for info in infos:
+        join(info)
+        router.report_kv(info.worker_id, 1, resync(info))
+    requests = iter(workload.request(rng, f"r{i}") for i in range(100))
+
+    def route() -> None:
+        result = router.route(next(requests))
+        if hasattr(result, "decode_hold"):
+            router.complete(result.request_id)
+
+    route()
+    steps: dict[str, dict[str, float]] = {"restart": {}, "role_move": {}}
+    timed = _step_timer(steps)
+    restart, moved = infos[num_prefill], infos[num_prefill + 1]
+    again = WorkerInfo(restart.worker_id, restart.host_id, restart.role, 2, restart.kv_capacity_blocks, MODEL, ABI)
+    timed("restart", "retire", lambda: router.deregister(restart.worker_id, 1))
+    timed("restart", "route_after_retire", route)
+    timed("restart", "register", lambda: join(again))
+    timed("restart", "route_after_register", route)
+    timed("restart", "resync", lambda: router.report_kv(again.worker_id, 2, resync(again)))
+    timed("restart", "route_after_resync", route)
+    prefill = WorkerInfo(moved.worker_id, moved.host_id, Role.PREFILL, 2, moved.kv_capacity_blocks, MODEL, ABI)
+    timed("role_move", "drain", lambda: router.drain(moved.worker_id, 1))
+    timed("role_move", "route_after_drain", route)
+    timed("role_move", "register", lambda: join(prefill))
+    timed("role_move", "route_after_register", route)
+    timed("role_move", "resync", lambda: router.report_kv(prefill.worker_id, 2, resync(prefill)))
+    timed("role_move", "route_after_resync", route)
+    router.assert_no_leaks()
+    stall = max(ms for kind in steps.values() for ms in kind.values())
+    return {"workers": len(infos), "blocks_per_worker": MEMBERSHIP_BLOCKS, "target_stall_ms": TARGET_STALL_MS,
+            "kv_index_memory_bytes": router.kv_index_stats().memory_bytes, **steps, "stall_ms": stall}
+
+
+def _step_timer(steps: dict[str, dict[str, float]]):
+    def timed(kind: str, name: str, call) -> None:
+        start = time.perf_counter()
+        call()
+        steps[kind][name] = (time.perf_counter() - start) * 1000.0
+    return timed
 
 
 def _print_table(runs: int, compiled: bool, rows: list[dict]) -> None:

@@ -114,7 +114,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-s", type=float, default=30.0,
                    help="K/V reserved or pinned for a request is reclaimed when the router stops renewing it this long")
     p.add_argument("--kv-index-max-entries", type=int, default=524_288, metavar="N",
-                   help="bound of the router's cluster K/V index (block, worker) entries; least recently stored "
+                   help="bound of the router's cluster K/V index (block, worker) entries; least recently used "
                         "entries go past it (~280 bytes each)")
     p.add_argument("--no-kv-sharing", action="store_true",
                    help="no cross-worker prefix fetch and no routing credit for a prefix another worker holds "
@@ -122,6 +122,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-mb", type=int, default=0, metavar="MB",
                    help="per worker, a host-memory tier for evicted prefix blocks (promoted back on a hit; "
                         "engine/host_tier.py); 0: none")
+    p.add_argument("--max-tenant-roots", type=int, default=EngineConfig.max_tenant_roots, metavar="N",
+                   help="per worker, tenants (an API key's or a cache_salt's) whose prefix-cache chain root is "
+                        "kept, least recently used first out (an evicted one is computed again)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="KEY -> TENANT file (JSON object or 'KEY TENANT' lines): generation needs "
                         "'Authorization: Bearer KEY', and K/V is reused only within the key's tenant")
@@ -184,6 +187,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
+        max_tenant_roots=getattr(args, "max_tenant_roots", EngineConfig.max_tenant_roots),
     )
     if engine.device != "cpu" and args.mode != "colocated":
         raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "

@@ -24,6 +24,9 @@ Contract:
   two pools share a block hash only if their K/V bytes mean the same. Each request's tenant
   (`SamplingParams.tenant`: an API key's tenant or a `cache_salt`) picks its own root
   (`root_for`), so K/V is never reused across tenants; the default tenant keeps the plain root.
+  Computed roots are kept in an LRU of at most `max_tenant_roots` tenants (the default tenant
+  always): a client sending a new `cache_salt` per request grows nothing past it, and a root
+  evicted from it is simply computed again (it is a pure function of the identity and tenant).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
 from pdserve.engine.kv_events import BlockEventKind, BlockEventLog, KvReport, KvTier
 
 DEFAULT_TENANT = "default"
+DEFAULT_MAX_TENANT_ROOTS = 1024  # tenants whose chain root a worker keeps (an LRU; serve --max-tenant-roots)
 
 
 def root_hash(identity: str, tenant: str = DEFAULT_TENANT) -> bytes:
@@ -64,12 +68,16 @@ def prompt_block_hashes(identity: bytes, tokens: list[int] | tuple[int, ...], bl
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, identity: str, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, identity: str, enable_prefix_cache: bool = True,
+                 max_tenant_roots: int = DEFAULT_MAX_TENANT_ROOTS):
+        if max_tenant_roots < 1:
+            raise ValueError(f"max_tenant_roots must be at least 1, got {max_tenant_roots}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.identity = root_hash(identity)
         self._identity_name = identity
-        self._roots: dict[str, bytes] = {DEFAULT_TENANT: self.identity}  # tenant -> chain root
+        self._roots: OrderedDict[str, bytes] = OrderedDict()  # tenant -> chain root, least recently used first
+        self.max_tenant_roots = max_tenant_roots
         self.enable_prefix_cache = enable_prefix_cache
         self.refcount = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
@@ -155,10 +163,22 @@ class BlockManager:
     # ---- prefix cache ---------------------------------------------------------------------
     def root_for(self, tenant: str = DEFAULT_TENANT) -> bytes:
         """The chain root of `tenant`'s blocks: tenants never share a block hash, so never a hit."""
-        root = self._roots.get(tenant)
+        if tenant == DEFAULT_TENANT:
+            return self.identity
+        roots = self._roots
+        root = roots.get(tenant)
         if root is None:
-            root = self._roots[tenant] = root_hash(self._identity_name, tenant)
+            root = roots[tenant] = root_hash(self._identity_name, tenant)
+            if len(roots) > self.max_tenant_roots:
+                roots.popitem(last=False)
+        else:
+            roots.move_to_end(tenant)
         return root
+
+    @property
+    def num_tenant_roots(self) -> int:
+        """Tenants whose chain root is kept (at most `max_tenant_roots`; the default's is apart)."""
+        return len(self._roots)
 
     def hashes_for(self, tokens: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> list[bytes]:
         return prompt_block_hashes(self.root_for(tenant), tokens, self.block_size)

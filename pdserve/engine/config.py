@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    max_tenant_roots: int = 1024  # tenants (cache_salt or API key) whose chain root is kept, an LRU (block_manager.py)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     kv_shm_name: str | None = None  # put the K/V pool in this POSIX shared-memory segment
     host_kv_bytes: int = 0  # host-memory tier for evicted prefix blocks (host_tier.py); 0 = none

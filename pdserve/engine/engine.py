@@ -104,7 +104,8 @@ class Engine(HandoffSide):
             abi_hash=self.abi.abi_hash,
             position_policy=f"rope:{mc.rope_theta}",
         )
-        self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache,
+                                   config.max_tenant_roots)
         if config.host_kv_bytes >= self.abi.bytes_per_block:  # evicted prefix blocks go to host memory
             self.blocks.host = HostTier(self.pool, config.host_kv_bytes // self.abi.bytes_per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

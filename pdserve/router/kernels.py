@@ -8,8 +8,10 @@ prefix index keep their numpy path; the tests run both against the plain double-
 Contracts (the floating-point operations are the reference's, in the reference's order, with no
 fastmath, so results agree bit for bit with `plan.predicted_clocks`):
 
-    leading_counts(rows, held)   per slot, how many of `rows` (matrix rows of a request's leading
+    leading_counts(rows, held, cols)
+                                 per slot, how many of `rows` (matrix rows of a request's leading
                                  block hashes, in order) the slot holds before its first miss
+                                 (slot i reads column cols[i] of `held`)
     fastest_pair(...)            the admitted (P, D) with the smallest
                                      per_p[P] = queue_p[P] + (overhead[P] + (prompt - p_hit[P] * B) * rate[P])
                                      x[P, D]  = transfer(bytes[D], path(P, D)) + admission[D]
@@ -20,7 +22,7 @@ fastmath, so results agree bit for bit with `plan.predicted_clocks`):
                                  the lower prefill slot, then the lower decode slot; colocated
                                  pools pair (w, w) with ttft = per_p[w] + admission[w]. Returns
                                  (-1, -1, inf) when no pair is admitted.
-    prefix_pair(rows, held, split, p_cap, d_cap, ...)
+    prefix_pair(rows, held, cols, split, p_cap, d_cap, ...)
                                  the prefix-aware decision in one call: leading_counts over every
                                  slot (prefill slots before `split`, decode slots from it; a
                                  colocated pool is all prefill), capped at p_cap / d_cap (demand.py's
@@ -49,8 +51,8 @@ enabled = AVAILABLE  # read on every call: tests turn it off to check the numpy 
 TRANSFER_OVERHEAD, SAME_HOST_BW, CROSS_HOST_BW = range(3)
 
 
-def _leading_counts(rows, held):  # rows: [R] int64, held: [rows, slots] bool -> [slots] int64
-    num_slots = held.shape[1]
+def _leading_counts(rows, held, cols):  # rows: [R] int64, held: [rows, columns] bool, cols: [S] int64 -> [S] int64
+    num_slots = len(cols)
     counts = np.full(num_slots, len(rows), dtype=np.int64)
     alive = np.arange(num_slots)  # the first `num_alive` entries: slots holding every row so far
     num_alive = num_slots
@@ -59,7 +61,7 @@ def _leading_counts(rows, held):  # rows: [R] int64, held: [rows, slots] bool ->
         kept = 0
         for i in range(num_alive):
             slot = alive[i]
-            if held_row[slot]:
+            if held_row[cols[slot]]:
                 alive[kept] = slot
                 kept += 1
             else:
@@ -107,9 +109,9 @@ def _fastest_pair(queue_p, p_coef, p_hit, p_ok, admission_d, d_hit, d_ok, same_h
     return best_p, best_d, best
 
 
-def _prefix_pair(rows, held, split, p_cap, d_cap, queue_p, p_coef, p_ok, admission_d, d_ok, same_host, colocated,
+def _prefix_pair(rows, held, cols, split, p_cap, d_cap, queue_p, p_coef, p_ok, admission_d, d_ok, same_host, colocated,
                  prompt, block, bpt, coeff):
-    counts = leading_counts(rows, held)  # [P + D], or [W] for a colocated pool (split = W)
+    counts = leading_counts(rows, held, cols)  # [P + D], or [W] for a colocated pool (split = W)
     p_hit = np.minimum(counts[:split], p_cap)  # [P]
     d_hit = p_hit if colocated else np.minimum(counts[split:], d_cap)  # [D]
     p, d, ttft = fastest_pair(queue_p, p_coef, p_hit, p_ok, admission_d, d_hit, d_ok, same_host, colocated, prompt,
@@ -141,7 +143,7 @@ def warm_up() -> None:
         return
     _warm = True
     held = np.zeros((3, 2), dtype=bool)
-    leading_counts(np.array([1, 2], dtype=np.int64), held)
+    leading_counts(np.array([1, 2], dtype=np.int64), held, np.arange(2, dtype=np.int64))
     coeff = np.ones(3)
     p_coef = _readonly(np.ones((2, 2)))
     floats, ints, mask = _readonly(np.zeros(2)), np.zeros(2, dtype=np.int64), np.ones(2, dtype=bool)
@@ -152,7 +154,7 @@ def warm_up() -> None:
     rows, everyone = np.array([1], dtype=np.int64), _readonly(mask.copy())
     for colocated in (False, True):
         for d_ok in (everyone, mask):  # the shared all-admitted mask, or one the TPOT gate narrowed
-            prefix_pair(rows, np.zeros((3, 4), dtype=bool), 2, 1, 1, floats, p_coef, everyone, floats, d_ok, same_host,
+            prefix_pair(rows, np.zeros((3, 4), dtype=bool), np.arange(4, dtype=np.int64), 2, 1, 1, floats, p_coef, everyone, floats, d_ok, same_host,
                         colocated, 17, 16, 8, coeff)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from pdserve.engine.tp_tally import CollectiveReport
 from pdserve.ledger.margin import DecodeBudget
@@ -44,6 +45,7 @@ from pdserve.router.answers import Retirement, RouterCounters
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import UnknownWorkerError
 from pdserve.router.kv.kv_index import HeldChange, KvApplied, KvDelta, KvIndex, KvIndexStats, KvOutcome, Location
+from pdserve.router.kv.prefix_index import WorkerPrefixes
 from pdserve.router.messages import (
     BlockHold,
     RejectReason,
@@ -82,14 +84,16 @@ class Router:
         identity = ClusterIdentity(config.model_identity, config.kv_abi_hash, config.mode.roles)
         self._registry = Registry(identity, config.heartbeat_timeout_s, clock)
         self._ledger = ReservationLedger()
-        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost, pricing=config.pricing)
         self._kv = KvIndex(config.kv_index_max_entries)  # who holds which prefix block (kv_index.py)
+        self._prefixes = WorkerPrefixes()  # the K/V index's held sets as one matrix, every builder's (prefix_index.py)
+        self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost, pricing=config.pricing,
+                                          prefixes=self._prefixes)
         self.kv_cost = config.cost  # the prefix policy's fetch and host-copy terms, measured (kv_rates.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
         self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE, Role.MIXED),
-                                      pricing=config.pricing)
-        self._mixed = MixedPools(config.cost, config.pricing)  # Splitwise's mixed workers, offered as the pools' pressure says
+                                      pricing=config.pricing, prefixes=self._prefixes)
+        self._mixed = MixedPools(config.cost, config.pricing, self._prefixes)  # Splitwise's mixed workers, offered as the pools' pressure says
         self.mixed_offer = MixedOffer()  # set by the pool controller (role_control.py; mixed_pool.py's rule)
         self.disaggregation = config.mode is Mode.DISAGGREGATED
         self.handoff_enabled = self.disaggregation  # off after a rollback: no transfer plan is issued
@@ -142,7 +146,9 @@ class Router:
         return applied.outcome
 
     def kv_index_stats(self) -> KvIndexStats:
-        return self._kv.stats()
+        """The K/V index's figures, its memory with the prefix matrix built from it."""
+        stats = self._kv.stats()
+        return replace(stats, memory_bytes=stats.memory_bytes + self._prefixes.memory_bytes())
 
     def kv_held(self, worker_id: str) -> set[int] | frozenset[int]:
         """The block keys the cluster K/V index places on a worker (a live view)."""
@@ -157,6 +163,7 @@ class Router:
         active = self._builder()
         (self._whole if active is self._snapshots else self._snapshots).invalidate()
         for change in changes:
+            self._prefixes.patch(change.worker_id, change.added, change.removed)
             held = self._kv.held(change.worker_id)
             self._registry.set_prefixes(change.worker_id, held)
             active.note_prefix(change.worker_id, held, change.added, change.removed)
@@ -191,6 +198,10 @@ class Router:
             self._route_total[(name, result.reason.value)] += 1
             return RouteRejection(request.request_id, name, result.reason, result.retry_after_s, result.detail)
         self._route_total[(name, ROUTED)] += 1
+        if request.block_hashes:  # the blocks it reuses were used now (the index's LRU is by use)
+            self._kv.touch(result.prefill_id, request.block_hashes)
+            if result.decode_id != result.prefill_id:
+                self._kv.touch(result.decode_id, request.block_hashes)
         return result
 
     def kv_published(self, request_id: str) -> None:
@@ -379,7 +390,8 @@ class Router:
         return decide_pd(facts, cfg.pd, cost, *decision_slos(request, facts, cfg.pd, cost))
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
-        self._kv.retire(retired.worker_id, retired.role_epoch)  # its blocks vanish with its epoch
+        for change in self._kv.retire(retired.worker_id, retired.role_epoch):  # its blocks vanish with its epoch
+            self._prefixes.patch(change.worker_id, change.added, change.removed)
         self._prices.retire(retired.worker_id)  # a new epoch is priced from the profile until its own steps show
         orphaned = tuple(self._ledger.drop_worker(retired.worker_id))
         for request_id in orphaned:

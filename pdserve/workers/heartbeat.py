@@ -76,6 +76,7 @@ def heartbeat(worker) -> m.Heartbeat:
             num_preemptions=eng.scheduler.num_preemptions,
             num_priority_preemptions=eng.scheduler.num_priority_preemptions,
             cached_blocks=len(eng.blocks.evictable),
+            tenant_roots=eng.blocks.num_tenant_roots,
             collectives=collective_report(eng),
             **host_tier_load(eng.blocks.host),
         )

@@ -149,3 +149,8 @@ def test_bench_router_command_smoke(capsys):
         assert row["cluster"] == "64x64" and len(row["p99_ratio_per_run"]) == 3
         assert row["p99_ratio"] == row["events_p99_us"] / row["quiet_p99_us"]
         assert all(row[f"{arm}_p99_us"] >= row[f"{arm}_p50_us"] > 0 for arm in ("quiet", "events", "control", "kv_apply"))
+    # a restart and a role move at 128 workers x 4,096 blocks (issue 36): each step timed
+    membership = report["membership"]
+    assert (membership["workers"], membership["blocks_per_worker"], membership["target_stall_ms"]) == (128, 4096, 50.0)
+    steps = [ms for kind in ("restart", "role_move") for ms in membership[kind].values()]
+    assert len(steps) == 12 and membership["stall_ms"] == max(steps) > 0

@@ -19,13 +19,9 @@ Rates (router/pricing/kv_rates.py): each holder's FetchDone measures the fetch l
 wall time the per-fetch overhead, the workers' loads their host tiers' copy rate; `prepare` and
 every FetchDone hand the router the cost model with them (`Router.kv_cost`, the prefix policy's
 fetch and host-tier terms), and the fetch plan uses the same one.
-Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`,
-`pdserve_prefix_hit_tokens_total{where}` (a finished request's cached tokens split into those its
-fetch brought, "remote", and the rest, "local"; "host" is the tokens the workers' host tiers
-promoted back, summed from their loads: a promoted block served to a request's prefill is also
-one of its "local" tokens; "host_peer" the tokens of host-tier blocks peers' fetches read in
-place, also "remote" tokens at their destinations) and `pdserve_kv_tier_blocks{worker,tier,state}`
-(device: used, cached, free; host: used, free, pinned; from the workers' last loads at scrape time).
+Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`
+(the prefix-hit tokens a fetch brought are counted with the request's
+cached tokens by router/process/serving_metrics.py, from the trace's `fetch_landed_blocks`).
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.router.kv.fetch_plan import FETCH, FetchTerms, plan_fetch
 from pdserve.router.pricing.kv_rates import KvRates
@@ -60,48 +55,6 @@ class _Fetch:
     started_s: float = field(default_factory=time.monotonic)
 
 
-class TierBlocks:
-    """`pdserve_kv_tier_blocks{worker,tier,state}` from the workers' last reported loads."""
-
-    def __init__(self, loads):
-        self.loads = loads
-
-    def collect(self):
-        family = GaugeMetricFamily("pdserve_kv_tier_blocks", "K/V blocks per worker, tier and state",
-                                   labels=["worker", "tier", "state"])
-        for wid, load in sorted(self.loads().items()):
-            used = load.num_blocks - load.free_blocks
-            family.add_metric([wid, "device", "used"], used)
-            family.add_metric([wid, "device", "cached"], load.cached_blocks)
-            family.add_metric([wid, "device", "free"], load.free_blocks - load.cached_blocks)
-            if load.host_capacity:
-                family.add_metric([wid, "host", "used"], load.host_blocks)
-                family.add_metric([wid, "host", "free"], load.host_capacity - load.host_blocks)
-                family.add_metric([wid, "host", "pinned"], load.host_pinned)
-        yield family
-
-
-class HitTokens:
-    """`pdserve_prefix_hit_tokens_total{where}`: local and remote from finished requests, host
-    from the workers' host-tier promotions, host_peer from the host-tier blocks peers' fetches
-    read in place (both from the workers' loads; host_peer tokens are also "remote" ones at the
-    destination)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def collect(self):
-        family = CounterMetricFamily("pdserve_prefix_hit_tokens", "Prompt tokens served from cached K/V, by where "
-                                     "the K/V came from", labels=["where"])
-        r = self.runner
-        loads, bs = r.backend.loads.values(), r.backend._block_size
-        host = sum(load.host_hits for load in loads) * bs
-        peer = sum(load.host_inplace_reads for load in loads) * bs
-        for where, tokens in (("local", r.local_tokens), ("remote", r.remote_tokens), ("host", host), ("host_peer", peer)):
-            family.add_metric([where], tokens)
-        yield family
-
-
 class FetchRunner:
     def __init__(self, backend, enabled: bool = True):
         self.backend, self.enabled = backend, enabled
@@ -113,9 +66,6 @@ class FetchRunner:
         self.fetch_seconds = Histogram("pdserve_kv_fetch_seconds", "Prefix fetch wall time (router: plan to landed)",
                                        buckets=FETCH_BUCKETS_S, registry=r)
         self.fetches = Counter("pdserve_kv_fetches", "Prefix fetches by result", ["result"], registry=r)
-        self.local_tokens = self.remote_tokens = 0  # cached prompt tokens of finished requests, by source
-        r.register(HitTokens(self))
-        r.register(TierBlocks(lambda: backend.loads))
 
     # ---- planning -------------------------------------------------------------------------
     def cost(self):
@@ -245,13 +195,6 @@ class FetchRunner:
             self.cost()
         elif job is not None:
             job.source_failed = True  # the destination is told to abort by the waiting fetch
-
-    def on_finished(self, live) -> None:
-        """Split a finished request's cached prompt tokens by where the K/V came from."""
-        cached = live.trace.get("cached_tokens", 0)
-        remote = min(cached, live.trace.get("fetch_landed_blocks", 0) * self.backend._block_size)
-        self.remote_tokens += remote
-        self.local_tokens += cached - remote
 
 
 def _refused(answer) -> str | None:

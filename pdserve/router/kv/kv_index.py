@@ -12,10 +12,15 @@ Contract:
 - An entry is one (block hash, worker) pair with its tier, under the worker's current epoch.
   `retire(worker, epoch)` drops every entry of that epoch (and older): a dead or re-registered
   worker's blocks vanish with it; a report under a newer epoch does the same first.
-- At most `max_entries` entries after every call: past the bound the least recently stored
+- At most `max_entries` entries after every call: past the bound the least recently used
   entries (any worker's) are evicted, counted in `num_evictions`; a later REMOVED for one is a
-  no-op. Recency is a stamp per entry (an index-wide clock, advanced by each STORED), kept in
-  each worker's insertion-ordered dict, so the oldest entries are a merge of the workers' heads.
+  no-op. Recency is a stamp per entry (an index-wide clock), kept in each worker's
+  insertion-ordered dict, so the oldest entries are a merge of the workers' heads. An entry is
+  used when it is STORED, DEMOTED or PROMOTED (its block moved tier: the worker touched it) and
+  when a route reads it: `touch(worker, keys)` records that a request routed to the worker reuses
+  the leading run of `keys` it holds. Touches are queued (the routing path only appends) and
+  stamped before the next report is applied, leaf first so the run's root is the most recent:
+  the first blocks of a shared system prompt stay while conversations on it are routed.
 - `held(worker)` is the live set of block hashes the worker holds (a dict's keys view), mutated
   in place by later calls (the same object for a worker epoch's whole life): the snapshot's
   per-slot prefix sets are these views, patched by the `HeldChange`s every call returns (net
@@ -42,6 +47,7 @@ DEFAULT_MAX_ENTRIES = 1 << 19  # 128 workers x 4,096 blocks
 BYTES_PER_ENTRY = 108  # estimate (see the contract); checked against tracemalloc in tests
 BYTES_PER_WORKER = 1024
 RESYNC_RETRY_REPORTS = 8
+MAX_PENDING_TOUCHES = 1024  # queued route touches stamped at once past this many (else at the next report)
 
 Event = tuple[int, int, int]  # (BlockEventKind, hash key, KvTier), plain ints
 _STORED, _REMOVED = int(BlockEventKind.STORED), int(BlockEventKind.REMOVED)
@@ -164,9 +170,17 @@ class KvIndex:
         self.num_evictions = 0
         self.num_resyncs_requested = 0
         self.num_resyncs_applied = 0
+        self._touches: list[tuple[str, tuple[int, ...] | list[int]]] = []  # routes' reads, not stamped yet
 
     # ---- reports ------------------------------------------------------------------------
+    def touch(self, worker_id: str, keys: tuple[int, ...] | list[int]) -> None:
+        """A request routed to the worker reuses the leading run of `keys` it holds (queued)."""
+        self._touches.append((worker_id, keys))
+        if len(self._touches) >= MAX_PENDING_TOUCHES:
+            self._stamp_touches()
+
     def apply(self, worker_id: str, epoch: int, delta: KvDelta) -> KvApplied:
+        self._stamp_touches()
         changes = _Changes()
         state = self._state(worker_id, epoch, changes)
         if state is None:
@@ -186,6 +200,7 @@ class KvIndex:
 
     def replace(self, worker_id: str, epoch: int, hashes: Iterable[int]) -> tuple[HeldChange, ...]:
         """An in-process full set (tests, synthetic clusters): like a resync, numbers untouched."""
+        self._stamp_touches()
         changes = _Changes()
         state = self._state(worker_id, epoch, changes)
         if state is not None:
@@ -252,6 +267,27 @@ class KvIndex:
             state = self._workers[worker_id] = _WorkerKv(epoch)
         return state
 
+    def _stamp_touches(self) -> None:
+        """Stamp the queued route reads: per touch, the leading run of its keys the worker holds,
+        leaf first (the root ends most recent)."""
+        touches, self._touches = self._touches, []
+        clock = self._clock
+        for worker_id, keys in touches:
+            state = self._workers.get(worker_id)
+            if state is None:
+                continue
+            stamps = state.stamps
+            run = 0
+            for key in keys:
+                if key not in stamps:
+                    break
+                run += 1
+            for key in reversed(keys[:run]):
+                del stamps[key]
+                stamps[key] = clock
+                clock += 1
+        self._clock = clock
+
     def _ask(self, state: _WorkerKv) -> KvOutcome:
         state.applied_seq = None  # nothing applies until the resync
         state.waiting += 1
@@ -270,7 +306,7 @@ class KvIndex:
     def _events(self, worker_id: str, state: _WorkerKv, events, changes: _Changes) -> None:
         """Apply events in order (one loop, inlined, over plain ints: this is the per-heartbeat
         cost), then the bound. A STORED takes the next clock stamp and moves to the end of the
-        worker's dict; DEMOTED / PROMOTED change the tier only (no stamp, as before)."""
+        worker's dict; DEMOTED / PROMOTED change the tier and take the next stamp too."""
         stamps, host, clock, before = state.stamps, state.host, self._clock, len(state.stamps)
         added, removed = changes.sets(worker_id)
         for kind, key, tier in events:
@@ -294,7 +330,10 @@ class KvIndex:
                         added.discard(key)
                     else:
                         removed.add(key)
-            elif key in stamps:  # DEMOTED / PROMOTED: the block moved tier
+            elif key in stamps:  # DEMOTED / PROMOTED: the block moved tier (used: newest stamp)
+                del stamps[key]
+                stamps[key] = clock
+                clock += 1
                 if tier == _HOST:
                     host.add(key)
                 else:

@@ -15,7 +15,12 @@ two held sets is touched) and `patch_slot` applies a change given as additions a
 (the cluster K/V index's block events, router/kv/kv_index.py); rows nobody holds any more are
 recycled. A patch writes single bytes: the matrix is a numpy view over a `bytearray`, patched by
 index in plain Python (no array is built per patch), with a holder count per row to know when a
-row falls free. Memory: one byte per (held hash, slot), plus the counts.
+row falls free. Memory: one byte per (held hash, slot), plus the counts (`memory_bytes`).
+
+The router keeps one matrix for all its pools (`WorkerPrefixes`): a column per worker id, kept
+across the worker's epochs, role moves and absences, so a membership change moves no matrix byte;
+a pool reads it through a `SlotView`, its slots' columns (`cols`), the kernels indexing through
+them. A restart costs only its held-set change (the old epoch's removals, the new one's stores).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ _SENTINEL = 0  # the row no slot holds
 
 
 class PrefixIndex:
-    __slots__ = ("rows", "held", "num_slots", "_free", "_bytes", "_holders")
+    __slots__ = ("rows", "held", "num_slots", "_free", "_bytes", "_holders", "_identity")
 
     def __init__(self, num_slots: int, capacity: int = 64):
         self.rows: dict[int, int] = {}  # block hash -> row of `held` (never the sentinel)
@@ -40,6 +45,7 @@ class PrefixIndex:
         self._holders = [0] * (capacity + 1)  # per row: how many slots hold it
         self.num_slots = num_slots
         self._free = list(range(capacity, 0, -1))  # unused rows, popped from the end (lowest first)
+        self._identity = np.arange(num_slots, dtype=np.int64)  # column of each slot when read directly
 
     @classmethod
     def build(cls, held_sets: Sequence[Iterable[int]]) -> PrefixIndex:
@@ -78,6 +84,22 @@ class PrefixIndex:
             if not flat[row * width + slot]:
                 flat[row * width + slot] = 1
                 holders[row] += 1
+
+    def widen(self, num_slots: int) -> None:
+        """Room for `num_slots` columns (the new ones empty): one copy of the matrix."""
+        if num_slots <= self.num_slots:
+            return
+        rows, old = len(self._holders), self.num_slots
+        grown = bytearray(rows * num_slots)
+        held = np.frombuffer(grown, dtype=bool).reshape(rows, num_slots)  # [rows, slots]
+        held[:, :old] = self.held
+        self._bytes, self.held, self.num_slots = grown, held, num_slots
+        self._identity = np.arange(num_slots, dtype=np.int64)
+
+    def memory_bytes(self) -> int:
+        """The matrix, its holder counts and the hash -> row map (CPython sizes: a list slot and a
+        dict entry with its int key and row)."""
+        return len(self._bytes) + 8 * len(self._holders) + _BYTES_PER_ROW_KEY * len(self.rows)
 
     def _new_row(self, block_hash: int) -> int:
         if not self._free:
@@ -122,7 +144,7 @@ class PrefixIndex:
             rows = self.leading_rows(block_hashes)
             return self.hits_for_rows(rows) if rows else None
         rows = self.probe(block_hashes)
-        return None if rows is None else kernels.leading_counts(rows, self.held)
+        return None if rows is None else kernels.leading_counts(rows, self.held, self._identity)
 
     def probe(self, block_hashes: Sequence[int]) -> np.ndarray | None:
         """The rows the compiled kernels read for a non-empty request (the sentinel where nobody
@@ -134,6 +156,83 @@ class PrefixIndex:
         """Per slot, how many leading blocks of `block_hashes` it holds. Shape [num_slots], int64."""
         hits = self.lookup(block_hashes) if block_hashes else None
         return np.zeros(self.num_slots, dtype=np.int64) if hits is None else hits
+
+
+_BYTES_PER_ROW_KEY = 100  # a dict entry (~40 with its share of the table) and its int key and row (~60)
+
+
+class SlotView:
+    """A pool's slots over a shared matrix: slot i reads column `cols[i]`. The snapshot's
+    `prefix`; the same lookups as `PrefixIndex`, per slot."""
+
+    __slots__ = ("index", "cols", "num_slots")
+
+    def __init__(self, index: PrefixIndex, cols: np.ndarray):
+        self.index, self.cols, self.num_slots = index, cols, len(cols)  # cols: [slots] int64
+
+    @property
+    def held(self) -> np.ndarray:
+        return self.index.held  # [rows, columns]: index it through `cols`
+
+    @property
+    def owners(self) -> dict[int, int]:
+        """Block hash -> bitmask over this view's slots (held by at least one of them)."""
+        index, cols = self.index, self.cols.tolist()
+        owners = {}
+        for block_hash, row in index.rows.items():
+            bits = index.held[row].tolist()
+            mask = sum(1 << slot for slot, col in enumerate(cols) if bits[col])
+            if mask:
+                owners[block_hash] = mask
+        return owners
+
+    def probe(self, block_hashes: Sequence[int]) -> np.ndarray | None:
+        return self.index.probe(block_hashes)
+
+    def lookup(self, block_hashes: Sequence[int]) -> np.ndarray | None:
+        """Per slot, how many leading blocks it holds ([slots], int64); None when nobody holds the
+        first block (or no slot of this view holds any of the request's blocks: all zero)."""
+        if not block_hashes:
+            return None
+        if kernels.enabled:
+            rows = self.index.probe(block_hashes)
+            return None if rows is None else kernels.leading_counts(rows, self.index.held, self.cols)
+        rows = self.index.leading_rows(block_hashes)
+        if not rows:
+            return None
+        rows.append(_SENTINEL)
+        window = self.index.held.take(rows, axis=0).take(self.cols, axis=1)  # [len(rows), slots]
+        return np.ascontiguousarray(window.T).argmin(axis=1).astype(np.int64, copy=False)
+
+    def leading_hits(self, block_hashes: Sequence[int]) -> np.ndarray:
+        hits = self.lookup(block_hashes)
+        return np.zeros(self.num_slots, dtype=np.int64) if hits is None else hits
+
+
+class WorkerPrefixes:
+    """The router's one prefix matrix: a column per worker id, patched once per held-set change
+    (router/kv/kv_index.py's `HeldChange`s), read by every pool through a `SlotView`."""
+
+    def __init__(self, capacity: int = 16):
+        self.index = PrefixIndex(capacity)
+        self.columns: dict[str, int] = {}
+
+    def column(self, worker_id: str) -> int:
+        col = self.columns.get(worker_id)
+        if col is None:
+            col = self.columns[worker_id] = len(self.columns)
+            if col >= self.index.num_slots:
+                self.index.widen(2 * self.index.num_slots)
+        return col
+
+    def patch(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> None:
+        self.index.patch_slot(self.column(worker_id), added, removed)
+
+    def view(self, worker_ids: Sequence[str]) -> SlotView:
+        return SlotView(self.index, np.array([self.column(w) for w in worker_ids], dtype=np.int64))
+
+    def memory_bytes(self) -> int:
+        return self.index.memory_bytes()
 
 
 _PROBE_CHUNK = 128  # hashes probed per C-level pass; a long prompt stops after the chunk that misses

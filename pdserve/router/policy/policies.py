@@ -142,7 +142,7 @@ def _prefix_fused(
         return d_ok
     cost, bs, prompt = ctx.cost, ctx.cost.block_size_tokens, request.prompt_tokens
     p, d, ttft_s, p_hit, d_hit = kernels.prefix_pair(
-        rows, snapshot.prefix.held, len(snapshot.prefill), (prompt - 1) // bs, prompt // bs, terms.queue_p,
+        rows, snapshot.prefix.held, snapshot.prefix.cols, len(snapshot.prefill), (prompt - 1) // bs, prompt // bs, terms.queue_p,
         terms.prefill_coef, gates[0],
         terms.admission_d, d_ok, snapshot.same_host, snapshot.colocated, prompt, bs, cost.kv_bytes_per_token,
         cost.kernel_coefficients,

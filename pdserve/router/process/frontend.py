@@ -51,6 +51,7 @@ from pdserve.router.process.control_auth import HANDSHAKE_EVENTS, ControlAuth
 from pdserve.router.process.frontend_start import ADMISSION_POLL_S, AdmissionRetry, admission_waits, start
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
+from pdserve.router.process.serving_metrics import register_serving_metrics
 from pdserve.router.router import Router
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
 from pdserve.workers import messages as m
@@ -71,6 +72,9 @@ class ClusterBackend:
                                       lambda: self.trace.clock_samples(), (router.config.ttft_slo_s, router.config.tpot_slo_s),
                                       lambda: router.counters().pd_decisions, router.kv_index_stats)
         self.trace = RequestTraceWriter(trace_path)
+        # prefix hits kept by the router, tier gauges, request clocks, and vLLM's names for them (serving_metrics.py)
+        self.hits, self.clocks = register_serving_metrics(self.metrics.registry, model_name, lambda: self.loads,
+                                                          lambda: self.live.values())
         self.ctx = zmq.asyncio.Context.instance()
         self.control_auth = ControlAuth(lambda reason: self.metrics.control_rejects.labels(reason).inc())  # control_auth.py
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -56,6 +56,9 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
     if live.first_token_s is None:
         live.first_token_s = now
         backend.metrics.ttft.observe(now - live.arrival_s)
+        backend.clocks.first_token(now - live.arrival_s)
+    elif item.index == 0 and item.token_ids and live.last_token_s is not None:
+        backend.clocks.tokens(now - live.last_token_s, len(item.token_ids))  # the gaps the client sees
     if item.index == 0 and item.token_ids and worker_id == live.decode_id and len(live.output_ids) >= 2:
         backend.itl.observe(worker_id, (now - live.last_token_s) / len(item.token_ids))  # the batch's gaps (decode_clocks.py)
     live.last_token_s = now
@@ -162,10 +165,13 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
     if live.first_token_s is not None and n > 1:
         backend.metrics.tpot.observe((live.last_token_s - live.first_token_s) / (n - 1))
     backend.metrics.requests.labels("completed").inc()
-    backend.fetches.on_finished(live)
     backend.trace.write(live.record(reason))
     prompt = len(live.req.prompt_ids)
-    live.queue.put_nowait(FinishEvent(reason, prompt, n, cached_tokens=min(prompt, live.trace.get("cached_tokens", 0))))
+    cached = min(prompt, live.trace.get("cached_tokens", 0))
+    backend.hits.on_finished(live.prefill_id or live.decode_id, live.trace.get("fetch_holder"), prompt, cached,
+                             live.trace.get("fetch_landed_blocks", 0) * backend._block_size)
+    backend.clocks.finished(time.monotonic() - live.arrival_s)
+    live.queue.put_nowait(FinishEvent(reason, prompt, n, cached_tokens=cached))
 
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:
@@ -182,6 +188,7 @@ def forget_worker(backend, worker_id: str) -> None:
     for cause in ("prompt_priority", "memory"):
         metrics.preemptions.remove(worker_id, cause)
     forget_live_collectives(backend, worker_id)
+    backend.hits.forget(worker_id)  # finished requests' tokens waiting on its report settle as device tokens
 
 
 def forget_live_collectives(backend, worker_id: str) -> None:

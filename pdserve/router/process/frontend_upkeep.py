@@ -106,6 +106,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "num_blocks": load.num_blocks, "integrity_ok": load.integrity_ok, "leases_expired": load.leases_expired,
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
+        "tenant_roots": load.tenant_roots,  # at most the engine's --max-tenant-roots (block_manager.py)
     }
     if load is not None and reg.role in ("decode", "mixed"):
         load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
@@ -127,6 +128,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
 
 def report_load(backend, hb: m.Heartbeat) -> None:
     backend.loads[hb.worker_id] = hb.load
+    backend.hits.on_load(hb.worker_id, hb.epoch, hb.load, backend._block_size)  # the router's own hit counters
     load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
+from pdserve.router.kv.prefix_index import WorkerPrefixes
 from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.policy.pd_decision import PdDecision
 from pdserve.router.pricing.cost import CostModel
@@ -96,6 +97,7 @@ class MixedPools:
 
     cost: CostModel | None = None
     pricing: TpPricing | None = None  # each slot at its worker's TP size (snapshot.py)
+    prefixes: WorkerPrefixes | None = None  # the router's shared prefix matrix (prefix_index.py)
     builders: dict[tuple[bool, bool], SnapshotBuilder] = field(default_factory=dict)
     live_costs: dict[str, CostModel] = field(default_factory=dict)  # note_cost's, for builders made later
     _known: tuple[int, bool] = (-1, False)  # (membership generation, any LIVE mixed worker)
@@ -119,7 +121,7 @@ class MixedPools:
     def builder(self, key: tuple[bool, bool]) -> SnapshotBuilder:
         if key not in self.builders:
             self.builders[key] = SnapshotBuilder(colocated=False, cost=self.cost, mixed_in=key,
-                                                 pricing=self.pricing)
+                                                 pricing=self.pricing, prefixes=self.prefixes)
             for worker_id, cost in self.live_costs.items():
                 self.builders[key].note_cost(worker_id, cost)
         return self.builders[key]

@@ -10,8 +10,12 @@ patches both in place (a copy per load report would cost as much as the decision
 not keep a snapshot across router calls. `SnapshotBuilder` rebuilds everything only when
 membership changes; a load report or a changed in-flight total patches one slot, and `build`
 applies the pending patches (reported load + in-flight holds) before it hands the view out.
-A slot's prefix set is the cluster K/V index's live set for that worker (router/kv/kv_index.py);
-`note_prefix` patches the prefix index with each change the K/V index reports.
+A slot's prefix set is the cluster K/V index's live set for that worker (router/kv/kv_index.py).
+The prefix matrix is the router's one `WorkerPrefixes` (a column per worker, patched by the router
+with each change the K/V index reports), shared by its builders: a membership change only maps
+the new slots to their workers' columns (`SlotView`), so it moves no matrix byte. A builder made
+without one (tests, tools) owns its own, filled from the entries at each rebuild and patched by
+`note_prefix`.
 A builder made with `mixed_in` also puts LIVE `mixed` workers into the prefill and/or the decode
 pool (router/splitwise/mixed_pool.py); a worker in both has two slots, its twin in the decode pool, which
 every load report, in-flight charge and prefix change patches alike.
@@ -30,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.router.kv.prefix_index import PrefixIndex
+from pdserve.router.kv.prefix_index import SlotView, WorkerPrefixes
 from pdserve.router.messages import Role, WorkerLoad
 from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import TpPricing
@@ -102,7 +106,7 @@ class Snapshot:
     decode: Pool
     same_host: np.ndarray  # [P, D] bool: the pair shares a host
     hosts: HostGroups
-    prefix: PrefixIndex  # slots: prefill 0..P-1 then decode P..P+D-1 (colocated: the one pool)
+    prefix: SlotView  # slots: prefill 0..P-1 then decode P..P+D-1 (colocated: the one pool)
     colocated: bool  # colocated mode: prefill and decode are the same pool, routes are (w, w)
     derived_cache: list = field(default_factory=list, compare=False, repr=False)  # [(cost, Derived)]
 
@@ -160,12 +164,16 @@ class SnapshotBuilder:
     read-only copies and reused as is while nothing changed."""
 
     def __init__(self, colocated: bool, cost: CostModel | None = None, roles: tuple[Role, ...] | None = None,
-                 mixed_in: tuple[bool, bool] = (False, False), pricing: TpPricing | None = None):
+                 mixed_in: tuple[bool, bool] = (False, False), pricing: TpPricing | None = None,
+                 prefixes: WorkerPrefixes | None = None):
         """`roles`: the worker roles this builder routes over (default: the mode's own). A
         colocated builder puts every such worker in its one pool: a disaggregated cluster whose
         disaggregation is switched off routes whole requests over its decode and colocated workers.
         `mixed_in`: (prefill pool, decode pool) that also take the LIVE mixed workers.
-        `pricing`: each slot's terms at its worker's TP size (needs `cost`: the model policies ask for)."""
+        `pricing`: each slot's terms at its worker's TP size (needs `cost`: the model policies ask for).
+        `prefixes`: the router's shared prefix matrix, patched by its owner (None: one of its own)."""
+        self._own_prefixes = prefixes is None
+        self._prefixes = prefixes
         self._colocated = colocated
         self._cost = cost
         self._pricing = pricing if cost is not None else None
@@ -227,12 +235,11 @@ class SnapshotBuilder:
         if slot is None:
             return
         slots = (slot, self._twin_of[worker_id]) if worker_id in self._twin_of else (slot,)
+        if self._own_prefixes:
+            self._prefixes.patch(worker_id, added, removed)
         if held is self._held[slot]:
-            for s in slots:
-                self._prefix.patch_slot(s, added, removed)
             return
-        for s in slots:
-            self._prefix.replace_slot(s, frozenset(self._held[s]), frozenset(held))  # a new set object
+        for s in slots:  # a new set object: the members carry it
             self._held[s] = held
         self._members = None
         self._snapshot = None
@@ -278,7 +285,11 @@ class SnapshotBuilder:
         self._dirty = set(range(len(entries)))
         self._snapshot: Snapshot | None = None
         self._held = [e.prefix_hashes for e in entries]
-        self._prefix = PrefixIndex.build(self._held)
+        if self._own_prefixes:  # a standalone builder: its matrix from the entries' sets
+            self._prefixes = WorkerPrefixes()
+            for e in entries:
+                self._prefixes.patch(e.info.worker_id, e.prefix_hashes, ())
+        self._prefix = self._prefixes.view(self._worker_of)
         hosts = [e.info.host_id for e in entries]
         p_hosts, d_hosts = hosts[:num_prefill], (hosts[:num_prefill] if self._colocated else hosts[num_prefill:])
         same = np.array([[p == d for d in d_hosts] for p in p_hosts], dtype=bool)
