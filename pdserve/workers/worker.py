@@ -179,7 +179,9 @@ class Worker:
                 self.leases.grant(msg.request_id, time.monotonic())
                 (self.runahead if msg.chain_start else self.decode).on_reserve(msg)
             elif isinstance(msg, m.RenewLeases):
-                self.leases.renew(msg.request_ids, time.monotonic())
+                with self.lock:  # the fetch leases are the fetch thread's too (fetch.py)
+                    self.leases.renew(msg.request_ids, time.monotonic())
+                    self.fetch.leases.renew(msg.request_ids, time.monotonic())
             elif isinstance(msg, m.StartDecode):
                 self.decode.on_start(msg)
             elif isinstance(msg, m.Abort):
