@@ -1,7 +1,8 @@
 """Cross-worker prefix fetch at scale, through the served runtime (tiny model, 2-replica
 colocated, round robin: after the first conversation on colocated-0, every other request lands on
 colocated-1, which lacks the history): concurrent requests for one prefix to one destination make
-exactly one fetch, the others wait on it (router/kv/fetch_runner.py); a fetch held up longer than
+exactly one fetch, the others wait on it (router/kv/fetch_runner.py), and its messages go to the
+workers' fetch sockets (workers/fetch_control.py); a fetch held up longer than
 the workers' lease lands because the router renews fetch leases as it renews request leases."""
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def test_concurrent_requests_for_one_prefix_make_one_fetch_and_tokens_match():
     assert len(planned) == 3  # the three requests round robin sends to colocated-1
     assert [kind for _, kind in sent].count("FetchReserve") == 1  # one fetch for all three
     assert [kind for _, kind in sent].count("FetchPin") == 1
+    fetch_ids = {wid for wid, kind in sent if kind.startswith("Fetch")}  # off the engine-step thread (fetch_control.py)
+    assert fetch_ids == {"colocated-0#fetch", "colocated-1#fetch"}
     assert _metric(text, 'pdserve_kv_fetches_total{result="landed"}') == 1
     assert _metric(text, "pdserve_kv_fetch_waits_total") == 2
     assert sum(1 for rid in planned if lines[rid].get("fetch_joined")) == 2

@@ -50,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdserve.router.kv.fetch_plan import FETCH, FetchTerms, plan_fetch
 from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.workers import messages as m
+from pdserve.workers.fetch_control import FETCH_SUFFIX
 
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RESERVE_TIMEOUT_S = 5.0
@@ -204,8 +205,8 @@ class FetchRunner:
         holder = b.registered[terms.holder]
         prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
         try:
-            await b._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
-            await b._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
+            await self._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+            await self._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
             reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
             pinned = await self._wait(job.pinned, job, RESERVE_TIMEOUT_S)
             failure = _refused(reserved) or _refused(pinned)
@@ -214,7 +215,7 @@ class FetchRunner:
                 live.note(fetch_failure=failure or "holder_lost")
                 await self._abort(job)
                 return 0
-            await b._send(terms.holder, m.FetchServe(prefix, plan))
+            await self._send(terms.holder, m.FetchServe(prefix, plan))
             done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
             if isinstance(done, m.FetchDone) and done.published:
                 return done.blocks
@@ -228,7 +229,13 @@ class FetchRunner:
         """Both sides return what they hold for the fetch (a worker holding nothing ignores it)."""
         for wid in (job.dest, job.holder):
             if wid in self.backend.registered:
-                await self.backend._send(wid, m.FetchAbort(job.fetch_id))
+                await self._send(wid, m.FetchAbort(job.fetch_id))
+
+    async def _send(self, worker_id: str, msg) -> None:
+        """To the worker's fetch socket (handled off its engine-step thread: workers/fetch_control.py),
+        else, while that socket is not connected, to its main socket."""
+        if not await self.backend._send(worker_id + FETCH_SUFFIX, msg):
+            await self.backend._send(worker_id, msg)
 
     def _plan(self, live, job: _Fetch, reserved: m.FetchReserved, pinned: m.FetchPinned) -> m.TransferPlan | None:
         b = self.backend
