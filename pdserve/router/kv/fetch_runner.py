@@ -137,7 +137,7 @@ class FetchRunner:
         b = self.backend
         loads = [load for load in b.loads.values() if load.host_capacity]
         self.rates.observe_host_copies(sum(l.host_copy_bytes for l in loads), sum(l.host_copy_s for l in loads))
-        b.router.kv_cost = cost = self.rates.cost(b.router.config.cost)
+        b.router.kv_cost = cost = self.rates.cost(b.router.link_cost(b.router.config.cost))
         return cost
 
     def terms(self, live, dest: str, keys: tuple[int, ...]) -> FetchTerms:
@@ -189,7 +189,7 @@ class FetchRunner:
             b = self.backend
             hosts = {b.registered[w].host_id for w in (dest, terms.holder) if w in b.registered}
             same_host = len(hosts) == 1
-            base, nbytes = b.router.config.cost, landed * b._block_size * b._bytes_per_token()
+            base, nbytes = b.router.link_cost(b.router.config.cost), landed * b._block_size * b._bytes_per_token()
             overhead = self.rates.observe_fetch(base, nbytes, seconds, same_host)
             live.note(fetch_overhead_sample_s=None if overhead is None else round(overhead, 6))
             self.cost()
