@@ -45,9 +45,10 @@ def test_fallbacks_clamp_the_overhead_and_take_each_path_s_rate_beyond_it():
 
 def test_rates_apply_after_the_first_sample_and_keep_the_step_terms():
     rates = LinkRates(PRIOR)
-    base = CostModel(prefill_s_per_token=3e-4)
+    base = CostModel(prefill_s_per_token=3e-4, fitted=True)
     assert rates.apply(base) is base  # the prior stands
     rates.observe(1 << 20, 0.002, True)
+    assert rates.apply(PRIOR) is PRIOR  # placeholders stay whole: a measured link is weighed only against measured steps
     rates.observe(0, 1.0, True)  # nothing moved: no sample
     priced = rates.apply(base)
     assert priced is rates.apply(base)  # one object until the price changes

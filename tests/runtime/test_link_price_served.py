@@ -1,11 +1,13 @@
-"""The handoff link's price in the served runtime (1P1D, every request handed off): before any
-transfer the router prices the link at the documented prior; after some, every cost model it
-routes and decides with carries the least-squares fit of exactly the transfers the prefill
-worker reported (router/pricing/link_rates.py), recomputed here from those reports."""
+"""The handoff link's price in the served runtime (1P1D, every request handed off, a profile
+file: a measured link prices only a fitted model): before any transfer the router prices the
+link at the documented prior; after some, every cost model it routes and decides with carries
+the least-squares fit of exactly the transfers the prefill worker reported
+(router/pricing/link_rates.py), recomputed here from those reports."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -31,9 +33,12 @@ def reference_fit(samples: list[tuple[int, float]], prior: CostModel) -> tuple[f
     return 1.0 / max((t - a).sum() / x.sum(), 1e-12), a
 
 
-def test_the_router_prices_the_link_at_the_fit_of_the_reported_transfers():
+def test_the_router_prices_the_link_at_the_fit_of_the_reported_transfers(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"prefill_coef": [0.005, 0.001, 0.0], "decode_coef": [0.01, 0.001, 0.0]}))
+
     async def main():
-        async with cluster(config()) as (backend, _):
+        async with cluster(config(pd_profile=str(profile))) as (backend, _):
             reports, original = [], backend._on_message
 
             async def recording(msg):  # test wrapper: every message as the router receives it
@@ -52,7 +57,7 @@ def test_the_router_prices_the_link_at_the_fit_of_the_reported_transfers():
             return before, after, reports, backend.router.config.cost, backend.router.link.price
 
     before, after, reports, prior, price = asyncio.run(main())
-    assert (before.same_host_bytes_per_s, before.transfer_overhead_s) == (20e9, 1e-3)  # the documented prior
+    assert before.fitted and (before.same_host_bytes_per_s, before.transfer_overhead_s) == (20e9, 1e-3)  # the prior
     assert len(reports) == len(LENGTHS) and all(r.serialized and r.dest_worker == "decode-0" for r in reports)
     assert len({r.logical_bytes for r in reports}) == len(LENGTHS)
     bandwidth, overhead = reference_fit([(r.logical_bytes, r.transfer_s) for r in reports], prior)

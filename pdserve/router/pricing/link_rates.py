@@ -18,7 +18,11 @@ prefill -> decode transfers; nothing else in the cost model changes.
   samples keeps the prior, and the cross-host rate is never above the same-host one (the
   policies' per-host decomposition relies on it).
 - `apply(cost)`: `cost` with the measured link (`CostModel.with_link`), the same object until the
-  price changes, so callers may compare by identity; `cost` itself before the first sample.
+  price changes, so callers may compare by identity; `cost` itself before the first sample, and
+  for a model that is not `fitted`: as kv_rates.py's placement rates, a measured link is weighed
+  only against this machine's own prefill terms, never against the placeholders (this CPU's link
+  overhead of a few ms against a GPU's placeholder prefill would call every 1P1D fetch of a short
+  history too slow; `--pd-profile none` keeps placeholders against placeholders).
 The router applies it to every model it routes, decides and plans with (router.py).
 """
 
@@ -83,7 +87,7 @@ class LinkRates:
 
     def apply(self, cost: CostModel) -> CostModel:
         price = self.price
-        if price is None:
+        if price is None or not cost.fitted:
             return cost
         hit = self._cached.get(id(cost))
         if hit is not None and hit[0] is cost:
