@@ -87,7 +87,8 @@ class ServeConfig:
     pd_min_prompt_tokens: int = 0  # prompts with fewer uncached tokens at D prefill there, before the margin
     pd_safety_margin_s: float = 0.0  # the margin must exceed this to hand off
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
-    # decides), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/pricing/calibration.py)
+    # decides or the mode is colocated: its fetch decisions weigh measured link rates against the prefill they
+    # save), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/pricing/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
@@ -150,8 +151,8 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     source = config.pd_profile
-    if source == AUTO and (config.mode == "colocated" or config.pd_decision != "margin"):
-        source = NONE  # only the margin needs this machine's numbers badly enough to time it at start
+    if source == AUTO and config.mode != "colocated" and config.pd_decision != "margin":
+        source = NONE  # the margin and colocated serving's fetch decisions need this machine's numbers; pinned P/D does not
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/pricing/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)

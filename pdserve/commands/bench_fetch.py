@@ -114,11 +114,11 @@ def _fetch_once(holder: _Node, dest: _Node, tokens: list[int], n: int) -> float:
     dest.fresh()
     fid = f"f{uuid.uuid4().hex[:8]}"
     t0 = time.perf_counter()
-    dest.fetch.on_reserve(m.FetchReserve(fid, tuple(tokens), "default", holder.id, holder.epoch))
+    dest.fetch.receive(m.FetchReserve(fid, tuple(tokens), "default", holder.id, holder.epoch))
     r = dest.sent.pop()
     plan = m.TransferPlan(fid, 1, m.FIRST_ATTEMPT, "default", dest.id, dest.epoch, r.reservation_id, r.dest_blocks,
                           r.num_visible_blocks, "shm", dest.fetch.address, dest.pool.shm_name, dest.pool.num_blocks)
-    holder.fetch.on_serve(m.FetchServe(tuple(tokens), plan))
+    holder.fetch.receive(m.FetchServe(tuple(tokens), plan))
     landed = dest.wait_done("destination")
     seconds = time.perf_counter() - t0
     holder.wait_done("source")

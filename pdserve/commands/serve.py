@@ -92,8 +92,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-safety-margin-ms", type=float, default=0.0, metavar="MS",
                    help="margin mode: hand off only when the net margin exceeds this (default 0)")
     p.add_argument("--pd-profile", default="auto", metavar="auto|FILE.json|none",
-                   help="the router's cost model (what the margin decides with): auto (default) times the served "
-                        "engine on this machine at start and fits it; FILE a `pdserve profile` fit; none: placeholders")
+                   help="the router's cost model (what the margin and colocated fetch decisions weigh): auto (default) "
+                        "times the served engine on this machine at start and fits it (margin or colocated; pinned "
+                        "P/D decisions skip it); FILE a `pdserve profile` fit; none: placeholders")
     p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
                    help="TTFT target: drives the P/D margin decision and the slo/prefix policies' admission; "
                         "default: derived per request from the measured profile (5x the prompt's idle prefill; "

@@ -15,6 +15,9 @@ answers; nothing here does I/O or sleeps. One call per event:
     kv_published(request_id)                          K/V visible at D: release P's staging hold
     transfer_ended(failed)                            a handoff's outcome (the P/D decision's
                                                       observed failure rate)
+    observe_transfer(bytes, seconds, same_host)       a published handoff's size and time: the
+                                                      link price every model the router routes,
+                                                      decides and plans with carries (link_rates.py)
     takeover_holds(request, exclude) / retake(...)    decode-start fallback: candidates, and the
                                                       old route's holds swapped for the new one
     complete(request_id) / abort(request_id)          release every hold of the route
@@ -63,6 +66,7 @@ from pdserve.router.policy.plan import hold_requests, local_hold, local_route_pl
 from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.decode_clocks import ArrivalRate
+from pdserve.router.pricing.link_rates import LinkRates
 from pdserve.router.splitwise.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.state.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
 from pdserve.router.state.reservations import HoldRequest, ReservationLedger
@@ -89,6 +93,7 @@ class Router:
         self._snapshots = SnapshotBuilder(colocated=config.mode is Mode.COLOCATED, cost=config.cost, pricing=config.pricing,
                                           prefixes=self._prefixes)
         self.kv_cost = config.cost  # the prefix policy's fetch and host-copy terms, measured (kv_rates.py)
+        self.link = LinkRates(config.cost)  # the handoff link measured from published transfers (link_rates.py)
         # a disaggregated cluster with disaggregation switched off routes whole requests over its
         # decode and colocated workers (set_disaggregation; the role change mechanism: workers/roles.py)
         self._whole = SnapshotBuilder(colocated=True, cost=config.cost, roles=(Role.COLOCATED, Role.DECODE, Role.MIXED),
@@ -321,19 +326,28 @@ class Router:
         turn = self._turns[policy]
         self._turns[policy] = turn + 1
         return new_frozen(
-            PolicyContext, cost=cfg.cost, ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s, turn=turn,
+            PolicyContext, cost=self.link.apply(cfg.cost), ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s, turn=turn,
             retry_after_s=cfg.retry_after_s, max_retry_after_s=_MAX_RETRY_AFTER_S, kv_sharing=cfg.kv_sharing,
             kv_cost=self.kv_cost, host_held=self._kv.host_held if self._kv.host_workers else None,
         )
 
     def worker_cost(self, worker_id: str) -> CostModel:
-        """One worker's own steps at its registered TP size, live where it has them (live_pricing.py)."""
-        return self._prices.worker_cost(self._registry.entry(worker_id).info)
+        """One worker's own steps at its registered TP size, live where it has them (live_pricing.py),
+        with the measured link."""
+        return self.link.apply(self._prices.worker_cost(self._registry.entry(worker_id).info))
+
+    def link_cost(self, cost: CostModel) -> CostModel:
+        """`cost` with the handoff link as measured (itself before the first published transfer)."""
+        return self.link.apply(cost)
+
+    def observe_transfer(self, nbytes: int, seconds: float, same_host: bool) -> None:
+        """A published serialized handoff as its source reported it: the link's next price."""
+        self.link.observe(nbytes, seconds, same_host)
 
     def pair_cost(self, snapshot: Snapshot, prefill_slot: int, decode_slot: int) -> CostModel:
         """A chosen pair's cost model at its workers' TP sizes, each with its live collectives where
-        it has them (`config.cost` without pricing; live_pricing.py)."""
-        return self._prices.pair_cost(snapshot, prefill_slot, decode_slot)
+        it has them (`config.cost` without pricing; live_pricing.py), with the measured link."""
+        return self.link.apply(self._prices.pair_cost(snapshot, prefill_slot, decode_slot))
 
     def _admit(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, policy: str) -> RoutePlan | Refusal:
         """Take the holds the choice needs; the ledger re-checks headroom so nothing oversubscribes.

@@ -18,6 +18,11 @@ Holder (router -> FetchPin, then FetchServe(plan)): workers/fetch_holder.py pins
     lease, serves the plan's (segment, slot) pairs and drops the pins when the sender ends.
 Every call that touches the block manager runs under the worker lock; `tables()` lists the
 blocks a fetch pins so the engine's integrity check counts them (Engine.external_tables).
+The router's fetch messages reach `handle` on the fetch control thread (workers/fetch_control.py,
+its own socket), so reserve, pin, serve and abort wait only for the worker lock, which the engine
+releases during each forward, never for the engine step itself; `handle` returns the reply and
+the caller sends it on its own socket (the main loop handles the same messages when the router
+reaches the worker only through its main socket).
 """
 
 from __future__ import annotations
@@ -140,11 +145,24 @@ class FetchSide:
     def address(self) -> tuple[str, int]:
         return self.listener.address
 
+    def handle(self, msg: m.FetchReserve | m.FetchPin | m.FetchServe | m.FetchAbort) -> m.ToRouter | None:
+        """One router fetch message; the reply to send (None: nothing to say now)."""
+        if isinstance(msg, m.FetchReserve):
+            with self.worker.lock:
+                return self._reserve(msg)
+        if isinstance(msg, m.FetchPin):
+            return self.holder.pin(msg)
+        if isinstance(msg, m.FetchServe):
+            return self.holder.serve(msg)
+        return self.abort(msg.fetch_id)
+
+    def receive(self, msg: m.FetchReserve | m.FetchPin | m.FetchServe | m.FetchAbort) -> None:
+        """`handle` from the main loop: the reply goes out on the worker's main socket."""
+        reply = self.handle(msg)
+        if reply is not None:
+            self.worker.send(reply)
+
     # ---- destination ----------------------------------------------------------------------
-    def on_reserve(self, msg: m.FetchReserve) -> None:
-        with self.worker.lock:
-            reply = self._reserve(msg)
-        self.worker.send(reply)
 
     def _reserve(self, msg: m.FetchReserve) -> m.FetchReserved:
         me, bm, ids = self.worker, self.engine.blocks, msg.prompt_ids
@@ -171,10 +189,10 @@ class FetchSide:
         return m.FetchReserved(me.id, me.epoch, msg.fetch_id, True, None, tuple(pinned.blocks), len(visible),
                                reservation.reservation_id)
 
-    def _landed(self, fetch_id: str, state: TxnState) -> None:
+    def _landed(self, fetch_id: str, state: TxnState) -> m.FetchDone | None:
         txn = self.endpoint.transfers.get(fetch_id)
         if txn is None:
-            return
+            return None
         inserted = 0
         with self.worker.lock:
             self.leases.drop(fetch_id)
@@ -182,12 +200,12 @@ class FetchSide:
                 inserted = self.blocks.insert(txn.reservation.reservation_id)
                 self.endpoint.retire(fetch_id)  # the pins drop; the blocks stay cached
         reason = None if inserted else (txn.terminal_reason.value if txn.terminal_reason else "aborted")
-        self.worker.send(m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "destination", bool(inserted), reason,
-                                     blocks=inserted))
+        return m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "destination", bool(inserted), reason, blocks=inserted)
 
-    def abort(self, fetch_id: str, reason: RejectReason = RejectReason.CANCELLED) -> None:
+    def abort(self, fetch_id: str, reason: RejectReason = RejectReason.CANCELLED) -> m.FetchDone | None:
         """The router gave up on a fetch (FetchAbort) or its lease expired: an unpublished
-        reservation returns its blocks; a holder stops reading."""
+        reservation returns its blocks; a holder stops reading. The destination's FetchDone
+        when no link will report the abort."""
         with self.worker.lock:
             self.leases.drop(fetch_id)
             txn = self.endpoint.transfers.get(fetch_id)
@@ -195,21 +213,14 @@ class FetchSide:
                 self.endpoint.abort(fetch_id, reason)
             self.holder.abort(fetch_id)
         if txn is not None and txn.quiescent and txn.state is TxnState.ABORTED:
-            self._landed(fetch_id, TxnState.ABORTED)  # no link will report it
-
-    # ---- holder (fetch_holder.py) -------------------------------------------------------
-    def on_pin(self, msg: m.FetchPin) -> None:
-        self.worker.send(self.holder.pin(msg))
-
-    def on_serve(self, msg: m.FetchServe) -> None:
-        self.holder.serve(msg)
+            return self._landed(fetch_id, TxnState.ABORTED)  # no link will report it
+        return None
 
     # ---- worker loop ----------------------------------------------------------------------
     def on_event(self, kind: str, payload) -> None:
-        if kind == "fetch_dest":
-            self._landed(*payload)
-        else:
-            self.holder.served(*payload)
+        reply = self._landed(*payload) if kind == "fetch_dest" else self.holder.served(*payload)
+        if reply is not None:
+            self.worker.send(reply)
 
     def tick(self) -> None:
         """Expire the leases of fetches nobody finished (every 0.2 s)."""
@@ -219,7 +230,9 @@ class FetchSide:
         self._next_lease_check = now + 0.2
         for fetch_id in self.leases.expired(now):
             log.warning("worker %s: fetch %s lease expired, aborting it", self.worker.id, fetch_id)
-            self.abort(fetch_id, RejectReason.CANCELLED)
+            reply = self.abort(fetch_id, RejectReason.CANCELLED)
+            if reply is not None:
+                self.worker.send(reply)
 
     def tables(self) -> list[list[int]]:
         return self.blocks.tables() + self.holder.tables()

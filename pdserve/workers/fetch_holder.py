@@ -111,26 +111,26 @@ class FetchHolder:
             return m.FetchPinned(me.id, me.epoch, msg.fetch_id, False, pins)
         return m.FetchPinned(me.id, me.epoch, msg.fetch_id, True, None, pins.pairs)
 
-    def serve(self, msg: m.FetchServe) -> None:
+    def serve(self, msg: m.FetchServe) -> m.FetchDone | None:
+        """Start the sender; the source's failed FetchDone when it cannot start (else it comes at its end)."""
         plan, me = msg.plan, self.worker
         n = len(plan.dest_blocks)
         with me.lock:
             if plan.transfer_id in self.ended:  # its lease expired, or it was aborted or served already
-                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, "aborted"))
-                return
+                return m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, "aborted")
             pins = self.pinned.get(plan.transfer_id) or self._pin(plan.transfer_id, msg.prompt_ids, plan.tenant, n)
             reason = pins if isinstance(pins, str) else self._mismatch(pins, plan)
             if reason is not None:
                 if not isinstance(pins, str):
                     self._unpin(plan.transfer_id)
-                me.send(m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, reason))
-                return
+                return m.FetchDone(me.id, me.epoch, plan.transfer_id, "source", False, reason)
             addresses = [self.sources.address(seg, slot) for seg, slot in pins.pairs]
             self.serving.add(plan.transfer_id)
             self.sender.start(plan.transfer_id, msg.prompt_ids, addresses, plan, plan.tenant, "serialized")
         gate = self.sender.gate(plan.transfer_id)
         if gate is not None:
             gate.mark_all_ready()  # cached blocks are final: every layer may be read now
+        return None
 
     @staticmethod
     def _mismatch(pins: HolderPins, plan: m.TransferPlan) -> str | None:
@@ -152,7 +152,7 @@ class FetchHolder:
                 self.engine.blocks.host.unpin(slot)
         return pins
 
-    def served(self, fetch_id: str, src, transfer_s: float, physical: int) -> None:
+    def served(self, fetch_id: str, src, transfer_s: float, physical: int) -> m.FetchDone:
         published = src.state is TxnState.PUBLISHED
         with self.worker.lock:
             self.serving.discard(fetch_id)
@@ -160,9 +160,8 @@ class FetchHolder:
             if published and pins is not None and pins.host:
                 self.engine.blocks.host.num_inplace_reads += len(pins.host)
         reason = None if published else (src.terminal_reason.value if src.terminal_reason else "aborted")
-        self.worker.send(m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "source", published, reason,
-                                     bytes=src.manifest.total_bytes if published else 0, physical_bytes=physical,
-                                     transfer_s=transfer_s))
+        return m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "source", published, reason,
+                           bytes=src.manifest.total_bytes if published else 0, physical_bytes=physical, transfer_s=transfer_s)
 
     def abort(self, fetch_id: str) -> None:
         """Under the worker lock: a running sender stops (its pins drop when it ends); pins of a

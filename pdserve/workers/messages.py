@@ -294,6 +294,10 @@ class TransferDone(msgspec.Struct, frozen=True, tag=True):
     transfer_s: float = 0.0
     exposed_s: float = 0.0
     resends: int = 0  # chunk resends within the transfer (source side)
+    # source side: where it went and whether it started after the prefill (a serialized transfer's
+    # seconds are the link's alone: the router prices the link from them, router/pricing/link_rates.py)
+    dest_worker: str = ""
+    serialized: bool = False
 
 
 class FetchReserved(msgspec.Struct, frozen=True, tag=True):

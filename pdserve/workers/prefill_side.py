@@ -122,6 +122,7 @@ class PrefillSide:
             reason=None if published else (src.terminal_reason.value if src.terminal_reason else "aborted"),
             logical_bytes=manifest.total_bytes, physical_bytes=physical,
             transfer_s=transfer_s, exposed_s=max(0.0, done_at - end), resends=src.log.num_resends,
+            dest_worker=manifest.fence.destination_worker, serialized=manifest.schedule == "serialized",
         ))
 
     def holds(self, request_id: str) -> bool:

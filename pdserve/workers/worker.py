@@ -44,6 +44,7 @@ from pdserve.workers.control_keys import ControlKeys, secure
 from pdserve.workers.control_keys import from_env as control_keys_from_env
 from pdserve.workers.decode_side import DecodeSide
 from pdserve.workers.fetch import FetchSide
+from pdserve.workers.fetch_control import fetch_control_loop, fetch_socket
 from pdserve.workers.heartbeat import heartbeat, heartbeat_loop
 from pdserve.workers.kv_publisher import KvEventPublisher
 from pdserve.workers.local_prefill import LocalPrefills
@@ -112,6 +113,7 @@ class Worker:
         secure(self.sock, self.control_keys)
         self.sock.connect(config.router_address)
         self.running = True
+        self._fetch_thread: threading.Thread | None = None  # fetch messages off the step thread (fetch_control.py)
         self.applied_grant_seq = 0
         self._last_integrity = True  # the pool check's last verdict (heartbeat.integrity_ok)
         self.leases = LeaseTable(config.lease_s)
@@ -145,6 +147,10 @@ class Worker:
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> None:
+        fetch_sock = fetch_socket(self)  # connected before the router learns of this worker
+        self._fetch_thread = threading.Thread(target=fetch_control_loop, args=(self, fetch_sock), daemon=True,
+                                              name="fetch-control")
+        self._fetch_thread.start()
         self.register()
         threading.Thread(target=heartbeat_loop, args=(self,), daemon=True, name="heartbeat").start()
         poller = zmq.Poller()
@@ -180,7 +186,9 @@ class Worker:
                 self.leases.grant(msg.request_id, time.monotonic())
                 (self.runahead if msg.chain_start else self.decode).on_reserve(msg)
             elif isinstance(msg, m.RenewLeases):
-                self.leases.renew(msg.request_ids, time.monotonic())
+                with self.lock:  # the fetch leases are the fetch thread's too (fetch.py)
+                    self.leases.renew(msg.request_ids, time.monotonic())
+                    self.fetch.leases.renew(msg.request_ids, time.monotonic())
             elif isinstance(msg, m.StartDecode):
                 self.decode.on_start(msg)
             elif isinstance(msg, m.Abort):
@@ -196,14 +204,8 @@ class Worker:
             elif isinstance(msg, m.ResyncKv):
                 with self.lock:
                     self.kv_resync_wanted = True  # answered by the next heartbeat
-            elif isinstance(msg, m.FetchReserve):
-                self.fetch.on_reserve(msg)
-            elif isinstance(msg, m.FetchPin):
-                self.fetch.on_pin(msg)
-            elif isinstance(msg, m.FetchServe):
-                self.fetch.on_serve(msg)
-            elif isinstance(msg, m.FetchAbort):
-                self.fetch.abort(msg.fetch_id)
+            elif isinstance(msg, (m.FetchReserve, m.FetchPin, m.FetchServe, m.FetchAbort)):
+                self.fetch.receive(msg)  # the router reached this worker here, not on its fetch socket (fetch_control.py)
             elif isinstance(msg, m.Shutdown):
                 self.running = False
         except (EngineError, ValueError, KeyError) as exc:
@@ -363,6 +365,9 @@ class Worker:
         self.send(m.Tokens(self.id, self.epoch, items))
 
     def close(self) -> None:
+        if self._fetch_thread is not None:  # it ends within a poll once `running` is False
+            self.running = False
+            self._fetch_thread.join(timeout=1.0)
         if self.decode:
             self.decode.close()
         if self.runahead:

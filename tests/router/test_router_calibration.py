@@ -12,6 +12,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.model.default import resolve_model
 from pdserve.router.pricing.calibration import cost_profile, profile_points
+from pdserve.router.pricing.cost import CostModel
 from pdserve.workers.tp_rank import TpShape
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)
@@ -68,3 +69,12 @@ def test_only_the_margin_pays_for_a_fit_at_start():
 def test_the_serve_flag_bounds_the_router_s_kv_index():
     router = router_for(ServeConfig(engine=TINY, pd_decision="always", kv_index_max_entries=1000), resolve_model("tiny"))
     assert router.kv_index_stats().max_entries == 1000
+
+
+def test_colocated_serving_fits_its_cost_model_at_start():
+    """Colocated fetch decisions weigh measured link rates against the prefill they save, which
+    kv_rates.py only does on a fitted model: "auto" fits there too (pinned P/D decisions skip it)."""
+    model_dir = resolve_model("tiny")
+    colocated = router_for(ServeConfig(engine=TINY, mode="colocated", replicas=2), model_dir)
+    assert colocated.config.cost.fitted
+    assert colocated.config.cost.prefill_s_per_token != CostModel().prefill_s_per_token

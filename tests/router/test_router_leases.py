@@ -20,3 +20,10 @@ def test_renewals_cover_each_worker_of_each_live_route():
             _live("gone", "p0", "d0", done=True), _live("queued")]
     assert renewals(live) == {"c0": ("c",), "d0": ("a",), "d1": ("b#g2",), "p0": ("a", "b#g2")}
     assert renewals([]) == {}
+
+
+def test_renewals_cover_each_running_fetch_on_its_destination_and_holder():
+    live = [_live("a", "p0", "d0")]
+    fetches = [("p0", "a/fetch1"), ("d0", "a/fetch1"), ("c1", "x/fetch2"), ("c0", "x/fetch2")]
+    assert renewals(live, fetches) == {"c0": ("x/fetch2",), "c1": ("x/fetch2",), "d0": ("a", "a/fetch1"),
+                                       "p0": ("a", "a/fetch1")}

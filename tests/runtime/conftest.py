@@ -22,7 +22,11 @@ def config(**kw) -> ServeConfig:
     """A tiny-model deployment; dead workers stay dead unless a test asks for restarts
     (tests/runtime/test_supervision.py), so fault tests see the cluster they shrank. Every
     request takes the handoff (`pd_decision="always"`) unless a test asks for the per-request
-    decision (tests/runtime/test_pd_decision.py)."""
+    decision (tests/runtime/test_pd_decision.py). A colocated deployment prices with the
+    placeholders unless a test gives a profile (`pdserve serve` fits one at start: each test
+    would pay for it, and the fetch tests pin their decisions' inputs)."""
+    if kw.get("mode") == "colocated":
+        kw.setdefault("pd_profile", "none")
     kw.setdefault("engine", TINY)
     kw.setdefault("pd_decision", "always")
     kw.setdefault("restart", RestartPolicy(enabled=False))

@@ -54,7 +54,7 @@ class HostNode(Node):
         self.engine.external_tables = self.fetch.tables
         self.sources: list = []
         served = self.fetch.holder.served
-        self.fetch.holder.served = lambda fid, src, *rest: (self.sources.append(src), served(fid, src, *rest))
+        self.fetch.holder.served = lambda fid, src, *rest: (self.sources.append(src), served(fid, src, *rest))[1]
 
     @property
     def host(self):
@@ -116,8 +116,8 @@ def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None,
     the pinned (segment, slot) pairs, its capability binding them (or `bind`, a wrong set)."""
     n = len(ids) // BS
     prefix = tuple(ids[: n * BS])
-    dest.fetch.on_reserve(m.FetchReserve(fid, prefix, tenant, holder.id, holder.epoch))
-    holder.fetch.on_pin(m.FetchPin(fid, prefix, tenant, n))
+    dest.fetch.receive(m.FetchReserve(fid, prefix, tenant, holder.id, holder.epoch))
+    holder.fetch.receive(m.FetchPin(fid, prefix, tenant, n))
     reserved, pinned = dest.sent[-1], holder.sent[-1]
     assert reserved.ok and pinned.ok, (reserved, pinned)
     slots = tuple(pinned.src_slots[reserved.num_visible_blocks:])
@@ -131,7 +131,7 @@ def plan_fetch(issuer, holder, dest, ids, fid="f1", tenant="default", bind=None,
 
 
 def serve(holder, prefix, plan) -> None:
-    holder.fetch.on_serve(m.FetchServe(prefix, plan))
+    holder.fetch.receive(m.FetchServe(prefix, plan))
 
 
 def finish(holder, dest) -> tuple[m.FetchDone, m.FetchDone]:
@@ -277,7 +277,7 @@ def test_a_capability_for_other_slots_is_refused_at_the_holder(issuer, made):
     serve(holder, prefix, plan)
     holder.pump(lambda: holder.done("source"))
     assert holder.done("source")[-1].reason == "capability_source"
-    dest.fetch.abort("f1")  # what the router sends on the holder's failure
+    dest.fetch.receive(m.FetchAbort("f1"))  # what the router sends on the holder's failure
     dest.pump(lambda: dest.done("destination"))
     assert dest.done("destination")[-1].published is False
     baseline(holder, dest)

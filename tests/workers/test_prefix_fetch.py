@@ -77,14 +77,14 @@ def block_bytes(engine: Engine, block: int) -> torch.Tensor:
 
 def fetch(holder: Node, dest: Node, ids: list[int], tenant: str = "default", fid: str = "f1") -> m.FetchReserved:
     n = len(ids) // BS
-    dest.fetch.on_reserve(m.FetchReserve(fid, tuple(ids[: n * BS]), tenant, holder.id, holder.epoch))
+    dest.fetch.receive(m.FetchReserve(fid, tuple(ids[: n * BS]), tenant, holder.id, holder.epoch))
     reserved = dest.sent[-1]
     if not reserved.ok:
         return reserved
     plan = m.TransferPlan(fid, 1, m.FIRST_ATTEMPT, tenant, dest.id, dest.epoch, reserved.reservation_id,
                           reserved.dest_blocks, reserved.num_visible_blocks, "shm", dest.fetch.address,
                           dest.engine.pool.shm_name, dest.engine.pool.num_blocks)
-    holder.fetch.on_serve(m.FetchServe(tuple(ids[: n * BS]), plan))
+    holder.fetch.receive(m.FetchServe(tuple(ids[: n * BS]), plan))
     return reserved
 
 
@@ -154,7 +154,7 @@ def test_another_tenants_prefix_is_never_found_at_the_holder(nodes):
     assert reserved.ok
     holder.pump(lambda: holder.done("source"))
     assert (holder.done("source")[0].published, holder.done("source")[0].reason) == (False, "holder_miss")
-    dest.fetch.abort("f1")  # what the router sends on the holder's failure
+    dest.fetch.receive(m.FetchAbort("f1"))  # what the router sends on the holder's failure
     dest.pump(lambda: dest.done("destination"))
     assert dest.done("destination")[0].published is False
     assert dest.engine.blocks.match_prefix(dest.engine.blocks.hashes_for(history, "bob"), history) == 0
@@ -212,7 +212,7 @@ def test_pinning_never_eats_capacity_reserved_for_others(nodes):
     reserved = fetch(holder, dest, longer[:64] + prompt(80, 9), fid="f2")  # 4 own blocks; the holder lacks the rest
     holder.pump(lambda: holder.done("source"))
     assert holder.done("source")[0].reason == "holder_busy"  # pinning its 4 blocks would revive reserved room
-    dest.fetch.abort("f2")
+    dest.fetch.receive(m.FetchAbort("f2"))
     dest.pump(lambda: dest.done("destination"))
     holder.engine.blocks.release_reservation("growth")
     baseline(holder, dest)

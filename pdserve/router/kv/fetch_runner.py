@@ -15,6 +15,15 @@ registry (died, or re-registered under another epoch) or the deadline passed; in
 cases both are told FetchAbort (unpublished blocks and the holder's pins return) and the request simply
 recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
 for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
+One fetch per (prefix, destination) in flight: while a fetch moves blocks to a destination, a
+later request whose planned fetch ends on one of those blocks (the chain hash names its whole
+prefix and tenant) waits for that fetch instead of starting its own, then prefills over what it
+landed (`fetch_joined` on its trace line, `pdserve_kv_fetch_waits_total`).
+Leases: both sides hold a fetch under a lease (workers/fetch.py, fetch_holder.py); `lease_ids`
+names each running fetch on its destination and holder, and the router renews them with the
+live requests' leases (router/process/frontend_upkeep.py `renewals`), so a fetch that takes
+longer than one lease (a slow link, a busy holder) is bounded only by its own deadline here
+(`MIN_DEADLINE_S` + 10x its prediction).
 Rates (router/pricing/kv_rates.py): each holder's FetchDone measures the fetch link, each landed fetch's
 wall time the per-fetch overhead, the workers' loads their host tiers' copy rate; `prepare` and
 every FetchDone hand the router the cost model with them (`Router.kv_cost`, the prefix policy's
@@ -36,6 +45,7 @@ from prometheus_client import Counter, Histogram
 from pdserve.router.kv.fetch_plan import FETCH, FetchTerms, plan_fetch
 from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.workers import messages as m
+from pdserve.workers.fetch_control import FETCH_SUFFIX
 
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RESERVE_TIMEOUT_S = 5.0
@@ -59,6 +69,8 @@ class FetchRunner:
     def __init__(self, backend, enabled: bool = True):
         self.backend, self.enabled = backend, enabled
         self.pending: dict[str, _Fetch] = {}
+        # (destination, index key of a block a running fetch moves there) -> blocks that fetch landed
+        self._inflight: dict[tuple[str, int], asyncio.Future] = {}
         self.rates = KvRates()  # measured fetch link, per-fetch overhead, host tier copy rate
         self._ids = itertools.count(1)
         r = backend.metrics.registry
@@ -66,6 +78,8 @@ class FetchRunner:
         self.fetch_seconds = Histogram("pdserve_kv_fetch_seconds", "Prefix fetch wall time (router: plan to landed)",
                                        buckets=FETCH_BUCKETS_S, registry=r)
         self.fetches = Counter("pdserve_kv_fetches", "Prefix fetches by result", ["result"], registry=r)
+        self.waits = Counter("pdserve_kv_fetch_waits", "Requests that waited on a running fetch of their prefix to "
+                             "their prefill worker instead of starting their own", registry=r)
 
     # ---- planning -------------------------------------------------------------------------
     def cost(self):
@@ -73,14 +87,14 @@ class FetchRunner:
         b = self.backend
         loads = [load for load in b.loads.values() if load.host_capacity]
         self.rates.observe_host_copies(sum(l.host_copy_bytes for l in loads), sum(l.host_copy_s for l in loads))
-        b.router.kv_cost = cost = self.rates.cost(b.router.config.cost)
+        b.router.kv_cost = cost = self.rates.cost(b.router.link_cost(b.router.config.cost))
         return cost
 
-    def terms(self, live, dest: str) -> FetchTerms:
+    def terms(self, live, dest: str, keys: tuple[int, ...]) -> FetchTerms:
+        """The fetch decision for `live` at `dest`; `keys`: its prompt's index keys."""
         b = self.backend
         self.cost()  # refresh the measured placement rates (and the policy's copy)
         req, cost = live.req, self.rates.cost(b.router.worker_cost(dest))  # the prefill saved is dest's, at its TP size
-        keys = b._block_hashes(req.prompt_ids, req.params.tenant)
         held = {wid: b.router.kv_held(wid) for wid in b.registered}
         host = b.registered[dest].host_id
         usable = (len(req.prompt_ids) - 1) // cost.block_size_tokens
@@ -89,10 +103,32 @@ class FetchRunner:
     async def prepare(self, live, dest: str) -> None:
         if not self.enabled or dest not in self.backend.registered:
             return
-        terms = self.terms(live, dest)
+        keys = self.backend._block_hashes(live.req.prompt_ids, live.req.params.tenant)
+        terms = self.terms(live, dest, keys)
         live.note(**terms.trace_fields())
         if terms.decision != FETCH:
             return
+        running = self._inflight.get((dest, keys[terms.remote_blocks - 1]))
+        if running is not None:  # the fetch of this prefix to this worker is under way: wait for it
+            self.waits.inc()
+            landed = await asyncio.shield(running)  # one waiter cancelled must not cancel the others' future
+            live.note(fetch_joined=True, fetch_landed_blocks=min(landed, terms.fetch_blocks))
+            return
+        own = asyncio.get_running_loop().create_future()
+        moved = keys[terms.local_blocks:terms.remote_blocks]
+        for key in moved:
+            self._inflight.setdefault((dest, key), own)
+        landed = 0
+        try:
+            landed = await self._fetch(live, dest, terms)
+        finally:
+            for key in moved:
+                if self._inflight.get((dest, key)) is own:
+                    del self._inflight[(dest, key)]
+            own.set_result(landed)
+
+    async def _fetch(self, live, dest: str, terms: FetchTerms) -> int:
+        """Run one planned fetch, note and count it; the blocks it landed."""
         t0 = time.monotonic()
         landed = await self._run(live, dest, terms)
         seconds = time.monotonic() - t0
@@ -103,10 +139,11 @@ class FetchRunner:
             b = self.backend
             hosts = {b.registered[w].host_id for w in (dest, terms.holder) if w in b.registered}
             same_host = len(hosts) == 1
-            base, nbytes = b.router.config.cost, landed * b._block_size * b._bytes_per_token()
+            base, nbytes = b.router.link_cost(b.router.config.cost), landed * b._block_size * b._bytes_per_token()
             overhead = self.rates.observe_fetch(base, nbytes, seconds, same_host)
             live.note(fetch_overhead_sample_s=None if overhead is None else round(overhead, 6))
             self.cost()
+        return landed
 
     async def _run(self, live, dest: str, terms: FetchTerms) -> int:
         """Blocks landed at `dest` (0: the fetch failed and the request recomputes)."""
@@ -118,8 +155,8 @@ class FetchRunner:
         holder = b.registered[terms.holder]
         prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
         try:
-            await b._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
-            await b._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
+            await self._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+            await self._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
             reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
             pinned = await self._wait(job.pinned, job, RESERVE_TIMEOUT_S)
             failure = _refused(reserved) or _refused(pinned)
@@ -128,7 +165,7 @@ class FetchRunner:
                 live.note(fetch_failure=failure or "holder_lost")
                 await self._abort(job)
                 return 0
-            await b._send(terms.holder, m.FetchServe(prefix, plan))
+            await self._send(terms.holder, m.FetchServe(prefix, plan))
             done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
             if isinstance(done, m.FetchDone) and done.published:
                 return done.blocks
@@ -142,7 +179,13 @@ class FetchRunner:
         """Both sides return what they hold for the fetch (a worker holding nothing ignores it)."""
         for wid in (job.dest, job.holder):
             if wid in self.backend.registered:
-                await self.backend._send(wid, m.FetchAbort(job.fetch_id))
+                await self._send(wid, m.FetchAbort(job.fetch_id))
+
+    async def _send(self, worker_id: str, msg) -> None:
+        """To the worker's fetch socket (handled off its engine-step thread: workers/fetch_control.py),
+        else, while that socket is not connected, to its main socket."""
+        if not await self.backend._send(worker_id + FETCH_SUFFIX, msg):
+            await self.backend._send(worker_id, msg)
 
     def _plan(self, live, job: _Fetch, reserved: m.FetchReserved, pinned: m.FetchPinned) -> m.TransferPlan | None:
         b = self.backend
@@ -174,6 +217,10 @@ class FetchRunner:
                 return "timeout"
             await asyncio.sleep(POLL_S)
         return future.result()
+
+    def lease_ids(self) -> list[tuple[str, str]]:
+        """(worker, fetch id) of every running fetch's lease: its destination's and its holder's."""
+        return [(wid, job.fetch_id) for job in self.pending.values() for wid in (job.dest, job.holder)]
 
     # ---- worker messages ------------------------------------------------------------------
     def on_message(self, msg) -> None:

@@ -7,7 +7,9 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
                     workers start, with the workers' thread count and numerics flags, at the
                     prefill role's TP size `tp`) at points sized by the serving chunk, and fit
                     (latency/engine_profile.py) — seconds on the embedded models; what the
-                    per-request P/D margin decides with by default. When the deployment runs
+                    per-request P/D margin decides with by default, and colocated serving's
+                    fetch and host-tier decisions (router/pricing/kv_rates.py applies measured
+                    placement rates only to a fitted model). When the deployment runs
                     any worker at TP > 1 (`collective_sizes`, and `tp`), gloo's all_reduce and
                     the step broadcast are timed at each such size too (latency/tp_collectives.py,
                     as `pdserve profile --tp N` does) and recorded as the profile's

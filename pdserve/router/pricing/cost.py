@@ -12,9 +12,10 @@ Defaults describe a 7B-class fp16 model on one modern GPU and are placeholders u
     prefix fetch (issue 19): a transfer over the measured fetch link rate (none: the path rates)
         + a fixed per-fetch overhead (the router's round trips; 0 until measured)
     host tier -> device pool copy (a host-tier hit's promotion): 10 GB/s until measured
-The serving router replaces the fetch and host-copy terms with live measurements
-(router/pricing/kv_rates.py) when its prefill terms are measured too (`fitted`); everything else stays
-as configured.
+The transfer terms are the prior until the first measurement: the serving router prices the
+handoff link from the transfers its workers report (router/pricing/link_rates.py, `with_link`),
+and replaces the fetch and host-copy terms with live measurements (router/pricing/kv_rates.py)
+when its prefill terms are measured too (`fitted`); everything else stays as configured.
 
 Tensor parallelism (router/pricing/tp_pricing.py): one model prices a pair of workers, the prefill terms
 at the prefill worker's TP size and the decode terms at the decode worker's (`scaled`; the router
@@ -137,6 +138,20 @@ class CostModel:
                             decode_worker_prefill_fixed_s=0.0, decode_worker_prefill_s_per_token=0.0)
             object.__setattr__(self, "_at_decode_worker", found)  # derived, not a field: eq, hash and repr ignore it
         return found
+
+    def with_link(self, same_host_bytes_per_s: float, cross_host_bytes_per_s: float, overhead_s: float) -> CostModel:
+        """This model with the handoff link priced as measured (link_rates.py); its step terms are
+        this model's, so `steps_of` names the model they came from (a snapshot's load terms for it
+        serve this one too)."""
+        priced = replace(self, same_host_bytes_per_s=same_host_bytes_per_s, cross_host_bytes_per_s=cross_host_bytes_per_s,
+                         transfer_overhead_s=overhead_s)
+        object.__setattr__(priced, "_steps_of", self.steps_of)  # derived, not a field: eq, hash and repr ignore it
+        return priced
+
+    @property
+    def steps_of(self) -> CostModel:
+        """The model whose step terms this one carries: itself unless `with_link` made it."""
+        return self.__dict__.get("_steps_of", self)
 
     def queue_s(self, pending_prompt_tokens: Num) -> Num:
         """Time for a prefill worker to drain the prompt tokens already queued on it."""

@@ -12,7 +12,9 @@ dropped:
     frames      not exactly [routing id, body]
     unknown_key the connection's key is not (or no longer) issued
     decode      the body is not a worker -> router message
-    identity    the message names another worker than its key's, or its routing id does
+    identity    the message names another worker than its key's, or its routing id does (a
+                worker speaks from its main socket, its heartbeat socket `#hb` and its fetch
+                socket `#fetch`: workers/fetch_control.py)
     epoch       a Register under another epoch than the key's (a role change advances it: `advance`)
 Before any message: every handshake the socket refuses (no CURVE, not ZMTP, a refused key: the
 socket monitor, which cannot always tell these apart) counts as `handshake`, and each key the ZAP
@@ -32,6 +34,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from pdserve.workers import messages as m
 from pdserve.workers.control_keys import ControlKeys
+from pdserve.workers.fetch_control import FETCH_SUFFIX
 
 HEARTBEAT_SUFFIX = "#hb"  # a worker's heartbeat socket's routing id (workers/heartbeat.py)
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -119,7 +122,7 @@ class ControlAuth:
         except Exception:  # noqa: BLE001 - msgspec raises several kinds; any of them is a bad message
             return None, "decode"
         wid = binding.worker_id
-        if msg.worker_id != wid or ident.bytes.decode(errors="replace") not in (wid, wid + HEARTBEAT_SUFFIX):
+        if msg.worker_id != wid or ident.bytes.decode(errors="replace") not in (wid, wid + HEARTBEAT_SUFFIX, wid + FETCH_SUFFIX):
             return None, "identity"
         if isinstance(msg, m.Register) and msg.epoch != binding.epoch:
             return None, "epoch"

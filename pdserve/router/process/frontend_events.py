@@ -102,6 +102,7 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
             metrics.kv_transfer_bytes.inc(msg.logical_bytes)  # the manifest's bytes, now at D
             metrics.kv_transfer_seconds.observe(msg.transfer_s)
             metrics.kv_exposed_seconds.observe(msg.exposed_s)
+            _price_link(backend, msg)
         if current:
             live.note(kv_bytes=msg.logical_bytes, kv_physical_bytes=msg.physical_bytes, kv_resends=msg.resends,
                       kv_transfer_s=msg.transfer_s, kv_exposed_s=msg.exposed_s)
@@ -129,6 +130,13 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
     live.note(kv_failure=f"{msg.side}:{msg.reason or 'aborted'}")
     if live.first_token_s is not None:
         await recovery.decide(backend, live, f"transfer_failed:{msg.side}:{msg.reason or 'aborted'}")
+
+
+def _price_link(backend, msg: m.TransferDone) -> None:
+    """A published serialized transfer is a sample of the handoff link (router/pricing/link_rates.py)."""
+    src, dest = backend.registered.get(msg.worker_id), backend.registered.get(msg.dest_worker)
+    if msg.serialized and src is not None and dest is not None:
+        backend.router.observe_transfer(msg.logical_bytes, msg.transfer_s, src.host_id == dest.host_id)
 
 
 async def on_worker_lost(backend, worker_id: str, orphaned: tuple[str, ...]) -> None:

@@ -59,8 +59,9 @@ async def revoke_capabilities(backend, ack_timeout_s: float | None = None) -> di
 
 
 async def renew_leases(backend) -> None:
-    """Extend the K/V leases of every live request on the workers its route uses."""
-    for wid, request_ids in renewals(backend.live.values()).items():
+    """Extend the K/V leases of every live request on the workers its route uses, and of every
+    running prefix fetch on its destination and holder."""
+    for wid, request_ids in renewals(backend.live.values(), backend.fetches.lease_ids()).items():
         if wid in backend.registered:
             await backend._send(wid, m.RenewLeases(request_ids))
     if backend.runahead is not None:
@@ -195,13 +196,16 @@ def measured_tpot_s(backend, worker_id: str) -> float:
 # ---- which leases the router renews ------------------------------------------------------------
 # `renewals(live)` (pure) maps a worker id to the request ids (the ids that worker knows the current
 # attempt by) whose K/V leases it should extend; finished requests and requests not yet placed are
-# left out. One `RenewLeases` per worker every `lease_s / 3`, so a request whose router is alive
-# never loses its reservation or source pin (handoff/leases.py).
-def renewals(live: Iterable[InFlight]) -> dict[str, tuple[str, ...]]:
+# left out; `fetches` adds (worker, fetch id) pairs (a running fetch's destination and holder,
+# router/kv/fetch_runner.py). One `RenewLeases` per worker every `lease_s / 3`, so a request or
+# fetch whose router is alive never loses its reservation or source pin (handoff/leases.py).
+def renewals(live: Iterable[InFlight], fetches: Iterable[tuple[str, str]] = ()) -> dict[str, tuple[str, ...]]:
     by_worker: dict[str, list[str]] = {}
     for req in live:
         if req.done:
             continue
         for worker_id in {req.prefill_id, req.decode_id} - {""}:
             by_worker.setdefault(worker_id, []).append(req.engine_id)
+    for worker_id, fetch_id in fetches:
+        by_worker.setdefault(worker_id, []).append(fetch_id)
     return {wid: tuple(sorted(ids)) for wid, ids in sorted(by_worker.items())}

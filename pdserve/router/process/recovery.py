@@ -162,7 +162,7 @@ def _planned_transfer_s(backend, live: InFlight) -> float:
     src, dest = backend.registered.get(live.prefill_id), backend.registered.get(live.decode_id)
     same_host = int(src is not None and dest is not None and src.host_id == dest.host_id)
     planned = int(live.trace.get("transfer_bytes_planned", 0))
-    return float(backend.router.config.cost.transfer_s(planned, same_host))
+    return float(backend.router.link_cost(backend.router.config.cost).transfer_s(planned, same_host))
 
 
 def _route_request(backend, live: InFlight) -> RouteRequest:

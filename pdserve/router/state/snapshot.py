@@ -112,8 +112,9 @@ class Snapshot:
 
     def derived(self, cost: CostModel) -> Derived:
         """The load-only cost terms for `cost` (precomputed by the builder for the router's cost)."""
+        steps = cost.steps_of  # a model with a measured link carries its base's step terms (cost.py)
         for known, terms in self.derived_cache:
-            if known is cost:
+            if known is cost or known is steps:
                 return terms
         for known, terms in self.derived_cache:
             if known == cost:

@@ -1,0 +1,108 @@
+"""Cross-worker prefix fetch at scale, through the served runtime (tiny model, 2-replica
+colocated, round robin: after the first conversation on colocated-0, every other request lands on
+colocated-1, which lacks the history): concurrent requests for one prefix to one destination make
+exactly one fetch, the others wait on it (router/kv/fetch_runner.py), and its messages go to the
+workers' fetch sockets (workers/fetch_control.py); a fetch held up longer than
+the workers' lease lands because the router renews fetch leases as it renews request leases."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from pdserve.api.backend import FinishEvent
+from pdserve.api.server import cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import SamplingParams
+from pdserve.workers import messages as m
+from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+from tests.runtime.test_kv_index_runtime import until
+
+HISTORY = prompt(96, 11)  # six full blocks
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _recording(backend, delay_s: dict | None = None) -> list:
+    """Test wrapper on the router's sends: records (worker, message type); `delay_s` holds a
+    message type's sends back that long first (a slow fetch path)."""
+    sent, original = [], backend._send
+
+    async def send(worker_id, msg):
+        sent.append((worker_id, type(msg).__name__))
+        await asyncio.sleep((delay_s or {}).get(type(msg), 0.0))
+        return await original(worker_id, msg)
+
+    backend._send = send
+    return sent
+
+
+async def _history_on_w0(backend) -> list[int]:
+    first, event = await collect(backend, "t1", HISTORY, PARAMS)
+    assert isinstance(event, FinishEvent)
+    keys = backend._block_hashes(HISTORY)
+    await until(lambda: all(backend.router.kv_holders(k) for k in keys))
+    return first
+
+
+def test_concurrent_requests_for_one_prefix_make_one_fetch_and_tokens_match():
+    suffixes = [prompt(20, 100 + i) for i in range(6)]
+
+    async def main():
+        async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
+            first = await _history_on_w0(backend)
+            sent = _recording(backend)
+            prompts = [HISTORY + tuple(first) + s for s in suffixes]
+            results = await asyncio.gather(*(collect(backend, f"c{i}", p, PARAMS) for i, p in enumerate(prompts)))
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            return first, prompts, results, sent, lines, backend.metrics_text().decode()
+
+    first, prompts, results, sent, lines, text = asyncio.run(main())
+    planned = [rid for rid, line in lines.items() if rid.startswith("c") and line.get("fetch") == "fetch"]
+    assert len(planned) == 3  # the three requests round robin sends to colocated-1
+    assert [kind for _, kind in sent].count("FetchReserve") == 1  # one fetch for all three
+    assert [kind for _, kind in sent].count("FetchPin") == 1
+    fetch_ids = {wid for wid, kind in sent if kind.startswith("Fetch")}  # off the engine-step thread (fetch_control.py)
+    assert fetch_ids == {"colocated-0#fetch", "colocated-1#fetch"}
+    assert _metric(text, 'pdserve_kv_fetches_total{result="landed"}') == 1
+    assert _metric(text, "pdserve_kv_fetch_waits_total") == 2
+    assert sum(1 for rid in planned if lines[rid].get("fetch_joined")) == 2
+    for rid in planned:  # the waiters prefill over what the one fetch landed
+        assert lines[rid]["fetch_landed_blocks"] == 6 and lines[rid]["cached_tokens"] >= 96
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    for p, (tokens, event) in zip(prompts, results):
+        assert isinstance(event, FinishEvent)
+        assert tokens == list(alone.generate([list(p)], PARAMS)[0].output_ids)
+
+
+def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it():
+    """Leases of 0.6 s; the router holds the holder's FetchServe back for 2 s after both sides
+    took the fetch's lease (the destination's reservation, the holder's pins): renewed every
+    0.2 s, neither expires and the six blocks land; unrenewed, both sides drop the fetch."""
+    async def main():
+        cfg = config(mode="colocated", replicas=2, policy="round_robin", lease_s=0.6)
+        async with cluster(cfg) as (backend, _):
+            first = await _history_on_w0(backend)
+            sent = _recording(backend, {m.FetchServe: 2.0})
+            turn2 = HISTORY + tuple(first) + prompt(20, 12)
+            second, event = await collect(backend, "t2", turn2, PARAMS)
+            assert isinstance(event, FinishEvent)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            return turn2, second, sent, lines["t2"]
+
+    turn2, second, sent, t2 = asyncio.run(main())
+    assert (t2["fetch"], t2["fetch_landed_blocks"]) == ("fetch", 6) and "fetch_failure" not in t2
+    assert t2["cached_tokens"] >= 96 and t2["fetch_s"] > 2.0
+    renewed = {wid for wid, kind in sent if kind == "RenewLeases"}
+    assert renewed == {"colocated-0", "colocated-1"}  # holder and destination (no request lease in colocated)
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    assert second == list(alone.generate([list(turn2)], PARAMS)[0].output_ids)
