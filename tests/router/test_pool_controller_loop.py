@@ -95,3 +95,24 @@ def test_the_controller_keeps_observing_while_an_adoption_runs():
     assert [(wid, type(msg).__name__, msg.role, msg.epoch) for wid, msg in backend.sent] == [("d0", "ChangeRole", "prefill", 2)]
     assert backend.router.worker_state("d0") is WorkerState.DRAINING  # the one role-change mechanism, still waiting
     assert during >= 10  # observed all along (every 0.01 s for 0.5 s), not blocked on the move
+
+
+async def _lend_then_restart(backend: Backend, controller: PoolController) -> tuple[dict, dict]:
+    loop = asyncio.create_task(run_pool_controller(backend, controller, period_s=0.01))
+    while not controller.loans:
+        await asyncio.sleep(0.01)
+    lent = dict(controller.loans)
+    backend.registered["d0"].epoch = 2  # d0 restarts: its supervisor brings it back in its launch role
+    backend.router.register(WorkerInfo("d0", "h0", Role.DECODE, 2, 100, "m", "abi"))
+    backend.router.report_load("d0", 2, WorkerLoad(0, 0, 100))
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    loop.cancel()
+    return lent, dict(controller.loans)
+
+
+def test_a_loan_the_router_no_longer_holds_is_forgotten():
+    backend = Backend({"p0": 1_000_000, "d0": 0, "d1": 0})
+    marks = Thresholds(prompt_high_s=1e-6, prompt_low_s=0.0, kv_high=0.99, kv_low=0.9, hold=1, cooldown_s=3600.0)
+    lent, after = asyncio.run(_lend_then_restart(backend, PoolController(marks)))
+    assert set(lent) == {"d0"} and after == {} and backend.router.lent_to("d0") is None
