@@ -199,9 +199,9 @@ def apply_move(backend, move: Move, drain_timeout_s: float = 30.0) -> asyncio.Ta
     """Carry out one controller move: a lend or a return at once (the router's offer changes;
     nothing drains, the epoch stays), an adoption as a role-change task (returned)."""
     backend.metrics.pool_moves.labels(move.kind).inc()
-    reg = backend.registered.get(move.worker_id)
     if move.kind == "change":
         return asyncio.create_task(_adopt(backend, move, drain_timeout_s))
+    reg = backend.registered.get(move.worker_id)
     if reg is None:
         log.error("splitwise: %s of %s skipped: not registered", move.kind, move.worker_id)
         return None
@@ -221,7 +221,7 @@ async def _adopt(backend, move: Move, drain_timeout_s: float) -> None:
         change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
         log.warning("splitwise: %s adopted: %s -> %s under epoch %d (%s; drained in %.2fs)", change.worker_id,
                     change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
-    except RoleChangeFailed as exc:
+    except (RoleChangeFailed, RouterError) as exc:  # gone, or already draining for another change
         log.error("splitwise: adoption of %s failed: %s", move.worker_id, exc)
 
 
