@@ -236,7 +236,8 @@ class _Launcher:
         roles = tuple(role.value for role in cfg.shape().roles())
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
                               cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
-                              tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint))
+                              tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint),
+                              lendable=cfg.mode == "splitwise")
         if cfg.ray:
             from pdserve.workers.ray_launch import RayCluster
 

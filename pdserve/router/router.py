@@ -27,6 +27,9 @@ answers; nothing here does I/O or sleeps. One call per event:
     set_mixed_offer(offer)                            Splitwise's mixed workers: the pools they join
                                                       now (mixed_pool.py; a refused route retries
                                                       with them in both pools)
+    lend(worker, epoch, to) / lent_to(worker)         Splitwise's loan: a prefill or decode worker
+                                                      serves the other pool too, keeping its role,
+                                                      epoch and running work (None ends the loan)
 
 Every route decision is counted by (policy, result) in `RouterCounters`. In disaggregated mode
 each routed request also gets a P/D decision (pd_decision.py, over the same snapshot, before any
@@ -263,6 +266,18 @@ class Router:
         if self.config.decode_choice == "p2c" and isinstance(choice, Choice):
             choice = p2c_choice(snapshot, request, choice, self._heavy_light, self._p2c.picks(), self.config.cost.block_size_tokens)
         return self._admit(snapshot, request, choice, name) if isinstance(choice, Choice) else choice
+
+    def lend(self, worker_id: str, role_epoch: int, to: Role | None) -> None:
+        """Lend the worker to the `to` pool as well, or end its loan (None): no drain, no new
+        epoch (registry.py's `lend`); the next snapshot offers it where it now serves."""
+        self._registry.lend(worker_id, role_epoch, to)
+
+    def lent_to(self, worker_id: str) -> Role | None:
+        """The pool the worker's current epoch is lent to, None when it is not lent (or unknown)."""
+        try:
+            return self._registry.entry(worker_id).lent_to
+        except UnknownWorkerError:
+            return None
 
     def set_mixed_offer(self, offer: MixedOffer) -> None:
         """Which pools the mixed workers serve now (the pool controller's latched pressure)."""

@@ -41,6 +41,7 @@ class LaunchConfig:
     capability_key: str | None = None  # the router's public key (hex), given to every worker
     tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/tp_rank.py)
     kv_events: tuple[str | None, str | None] = (None, None)  # vLLM KV events: base endpoint, replay base
+    lendable: bool = False  # splitwise mode: every worker can be lent to the other pool (workers/roles.py)
 
 
 def offset_endpoint(base: str | None, index: int) -> str | None:
@@ -67,7 +68,7 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
             exit_with_parent=True, capability_key=launch.capability_key,
             kv_events_endpoint=offset_endpoint(launch.kv_events[0], len(configs)),
-            kv_events_replay_endpoint=offset_endpoint(launch.kv_events[1], len(configs)),
+            kv_events_replay_endpoint=offset_endpoint(launch.kv_events[1], len(configs)), lendable=launch.lendable,
         ))
     return configs
 

@@ -7,7 +7,8 @@ prefilled in aligned chunks of the engine's per-step token budget (`max_num_batc
 and each step takes the running decode rows first and gives prefill chunks only what the budget
 leaves: a local prefill never grows a step past the budget that sets the decode batch's TPOT (the
 guard), it only shares it. A prefill-only worker refuses `Generate`: it has no decode side to
-continue the request on. `LocalPrefills` remembers which requests came this way so each
+continue the request on (a lendable prefill worker has one: Splitwise may lend it to the token
+pool, workers/roles.py). `LocalPrefills` remembers which requests came this way so each
 heartbeat reports the worker's (a decode or mixed worker's) local-prefill load (requests still prefilling, their prompt
 tokens not yet computed) in `Load` and `/workers`.
 """
@@ -23,15 +24,16 @@ class LocalPrefills:
     """The local prefills of one decode worker; a colocated worker keeps none (every request it
     runs prefills locally: that is its ordinary path, not a P/D decision)."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, lendable: bool = False):
         self.role = role
+        self.accepts = role in ACCEPTING_ROLES or lendable  # it has a decode side (workers/roles.py)
         self.request_ids: set[str] = set()
 
     def accept(self, request_id: str) -> None:
         """Admit a `Generate` on this worker; raises ValueError on a prefill-only worker."""
-        if self.role not in ACCEPTING_ROLES:
+        if not self.accepts:
             raise ValueError(f"a {self.role} worker runs no whole requests (Generate {request_id})")
-        if self.role in ("decode", "mixed"):
+        if self.role != "colocated":
             self.request_ids.add(request_id)
 
     def load(self, engine: Engine) -> tuple[int, int]:

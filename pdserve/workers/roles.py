@@ -13,6 +13,12 @@ The epoch is the one the handoff's identity fence carries (DecodeEndpoint, Trans
 dest_epoch), so a transfer fenced under the old role is rejected, and the router's registry drops
 every later message of the old epoch. Illegal requests (an unknown role, an epoch that does not
 advance, a second switch while one drains) raise `RoleChangeError`.
+
+A Splitwise loan is not a role change. A `lendable` worker (`pdserve serve --mode splitwise`)
+builds both sides whatever its dedicated role, so the router can lend it to the other pool: it
+keeps its role and epoch, takes the borrowed phase as well (the mixed state), and goes back to
+its own phase when the loan ends, with nothing drained (router/state/registry.py's `lend`). Only
+a loan that becomes lasting (Splitwise's adoption) changes the role, through this switch.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ class RoleState(str, enum.Enum):
     DRAINING = "draining"
 
 
-def sides(role: str) -> tuple[bool, bool]:
-    """(has a prefill side, has a decode side) for a role: what the worker builds for it."""
+def sides(role: str, lendable: bool = False) -> tuple[bool, bool]:
+    """(has a prefill side, has a decode side) for a role: what the worker builds for it. A
+    lendable worker has both (it may be lent to the other pool; module contract)."""
     if role not in ROLES:
         raise RoleChangeError(f"unknown role {role!r}; expected one of {ROLES}")
+    if lendable:
+        return True, True
     return role in ("prefill", "colocated", "mixed"), role in ("decode", "colocated", "mixed")
 
 

@@ -12,6 +12,8 @@ requests; a lease nobody renewed for `lease_s` means the request's router is gon
 worker aborts the request and reclaims its blocks (counted in `Load.leases_expired`).
 The role is not fixed for life: `ChangeRole` drains the worker and switches it to another role
 under a new epoch, then it registers again (roles.py; the same process, engine and K/V pool).
+A Splitwise loan is not a role change: a `lendable` worker has both sides from the start and
+serves whatever phase the router sends it (roles.py).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class WorkerConfig:
     capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
     kv_events_endpoint: str | None = None  # publish vLLM-format KV events here (workers/kv_publisher.py)
     kv_events_replay_endpoint: str | None = None  # their replay socket
+    lendable: bool = False  # Splitwise: both sides whatever the role, so it can be lent without a role change (roles.py)
 
 
 def pin_threads(config: WorkerConfig) -> None:
@@ -239,11 +242,11 @@ class Worker:
 
     def _build_sides(self) -> None:
         """The sides the current role needs, under the current epoch (at start and after a switch)."""
-        has_prefill, has_decode = sides(self.role)
+        has_prefill, has_decode = sides(self.role, self.config.lendable)
         self.prefill = PrefillSide(self) if has_prefill else None
         self.decode = DecodeSide(self) if has_decode else None
         self.runahead = RunaheadSide(self) if has_prefill and not has_decode else None  # KV-Runahead stages
-        self.local_prefills = LocalPrefills(self.role)  # Generate on a decode worker (local_prefill.py)
+        self.local_prefills = LocalPrefills(self.role, self.config.lendable)  # Generate on a decode worker (local_prefill.py)
         self.fetch = FetchSide(self)  # cross-worker prefix fetch, both ends, in every role (fetch.py)
 
     def change_role(self, msg: m.ChangeRole) -> None:

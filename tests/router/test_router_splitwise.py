@@ -1,5 +1,5 @@
 """Splitwise's pool controller (router/splitwise/splitwise.py): hysteresis, cooldown, a worker left in each
-pool, the least loaded worker moved."""
+pool, the least loaded worker lent (the mixed state: it keeps its role), a loan returned or adopted."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def test_a_lasting_token_pressure_moves_the_idlest_prefill_worker():
 
 def test_a_calm_observation_resets_the_streak_and_a_move_starts_a_cooldown():
     c = PoolController(T)
-    for t, signals in enumerate([PROMPT_PRESSED, PROMPT_PRESSED, CALM, PROMPT_PRESSED, PROMPT_PRESSED]):
+    heavy = PoolSignals({"p0": 4.0, "p1": 3.5}, {"d0": 0.2, "d1": 0.1, "d2": 0.3})  # pressed even with d1 lent
+    for t, signals in enumerate([heavy, heavy, CALM, heavy, heavy]):
         assert c.observe(signals, float(t)) is None  # the calm one broke the streak
-    assert c.observe(PROMPT_PRESSED, 5.0) is not None
-    assert all(c.observe(PROMPT_PRESSED, 5.0 + dt) is None for dt in (1.0, 2.0, 3.0, 9.9))  # cooling down
-    assert c.observe(PROMPT_PRESSED, 15.1) is not None and len(c.moves) == 2
+    assert c.observe(heavy, 5.0) == Move("d1", "prefill", c.moves[0].reason)
+    assert all(c.observe(heavy, 5.0 + dt) is None for dt in (1.0, 2.0, 3.0, 9.9))  # cooling down
+    # 7.5 s over three prompt-pool workers (d1 lent there) is still 2.5 s each: the next idlest goes too
+    assert c.observe(heavy, 15.1) == Move("d0", "prefill", c.moves[1].reason) and len(c.moves) == 2
 
 
 def test_pressure_on_both_pools_moves_nothing_and_each_pool_keeps_a_worker():
@@ -51,12 +53,14 @@ def test_marks_must_be_ordered():
 
 
 def test_a_loan_goes_back_when_the_borrowing_pool_calms_and_a_lasting_one_is_adopted():
+    # the spec's loan: d1 stays a decode worker (its K/V in the token pool's signals) and takes
+    # prompt work as well (its queued prompts: local_prompt_s); only adoption changes its role
     marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=1.0,
                        adopt_after_s=30.0)
     c = PoolController(marks)
     assert [c.observe(PROMPT_PRESSED, t) for t in (0.0, 1.0)][1].kind == "lend"
     assert c.loans == {"d1": ("decode", 1.0)}
-    calm = PoolSignals({"p0": 0.1, "p1": 0.2, "d1": 0.0}, {"d0": 0.2, "d2": 0.3})
+    calm = PoolSignals({"p0": 0.1, "p1": 0.2}, {"d0": 0.2, "d1": 0.1, "d2": 0.3}, local_prompt_s={"d1": 0.3})
     assert c.observe(calm, 2.0) is None  # calm once: not yet
     back = c.observe(calm, 3.0)
     assert (back.worker_id, back.to_role, back.kind) == ("d1", "decode", "return") and c.loans == {}
@@ -64,10 +68,37 @@ def test_a_loan_goes_back_when_the_borrowing_pool_calms_and_a_lasting_one_is_ado
     c = PoolController(marks)
     c.observe(PROMPT_PRESSED, 0.0)
     assert c.observe(PROMPT_PRESSED, 1.0).kind == "lend"
-    still = PoolSignals({"p0": 3.0, "p1": 2.5, "d1": 2.8}, {"d0": 0.2, "d2": 0.3})
-    moves = [c.observe(still, float(t)) for t in range(2, 40)]
-    changes = [m for m in moves if m is not None and m.kind == "change"]
-    assert len(changes) == 1 and (changes[0].worker_id, changes[0].to_role) == ("d1", "prefill") and "d1" not in c.loans
+    # 5.7 s over three prompt-pool workers: 1.9 s each, never calm (0.5 s) nor pressed for a second loan
+    still = PoolSignals({"p0": 3.0, "p1": 2.5}, {"d0": 0.2, "d1": 0.1, "d2": 0.3}, local_prompt_s={"d1": 0.2})
+    moves = {t: c.observe(still, float(t)) for t in range(2, 32)}
+    assert [(t, m.worker_id, m.to_role, m.kind) for t, m in moves.items() if m is not None] == [(31, "d1", "prefill", "change")]
+    assert c.loans == {}  # lent at 1.0, adopted 30 s later: a role change, no longer a loan
+
+
+def test_a_lent_worker_counts_in_the_prompt_pool_it_serves_and_is_never_lent_twice():
+    c = PoolController(Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=1, cooldown_s=0.0))
+    assert c.observe(PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}), 0.0) == Move("d0", "prefill", c.moves[0].reason)
+    # 4.4 s queued over p0 and the lent d0 is 2.2 s each: still pressed, and d1 (not d0 again) goes
+    second = c.observe(PoolSignals({"p0": 3.0}, {"d0": 0.0, "d1": 0.2}, local_prompt_s={"d0": 1.4}), 1.0)
+    assert second == Move("d1", "prefill", second.reason) and "2.20s per worker" in second.reason
+    assert c.observe(PoolSignals({"p0": 9.0}, {"d0": 0.0, "d1": 0.0}), 2.0) is None  # every decode worker is lent
+
+
+def test_a_loan_waits_while_its_worker_is_away_and_adoption_keeps_a_worker_in_each_pool():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=1, cooldown_s=0.0,
+                       adopt_after_s=5.0)
+    c = PoolController(marks)
+    assert c.observe(PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}), 0.0).worker_id == "d0"
+    away = PoolSignals({"p0": 0.0}, {"d1": 0.2})  # d0 restarts: calm, but it is not LIVE to be returned
+    assert c.observe(away, 1.0) is None and "d0" in c.loans
+    c.forget("d0")  # it came back unlent (role_control drops a loan the router no longer holds)
+    assert c.loans == {}
+    # the only other decode worker is lent and its loan lasts: d1 may not leave the token pool for
+    # good while it is the last decode worker (d0 away), so the loan stays a loan
+    c = PoolController(marks)
+    c.observe(PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}), 0.0)
+    pressed = PoolSignals({"p0": 3.0}, {"d0": 0.1}, local_prompt_s={"d0": 2.0})
+    assert [c.observe(pressed, float(t)) for t in range(6, 9)] == [None] * 3 and "d0" in c.loans
 
 
 def test_decode_step_pressure_counts_as_token_pressure():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.workers.local_prefill import LocalPrefills
 from pdserve.workers.roles import RoleChangeError, RoleState, RoleSwitch, sides
 
 
@@ -35,3 +36,13 @@ def test_a_second_switch_while_one_drains_and_a_finish_without_one_are_refused()
 
 def test_each_role_builds_its_sides():
     assert [sides(r) for r in ("prefill", "decode", "colocated")] == [(True, False), (False, True), (True, True)]
+
+
+def test_a_lendable_worker_builds_both_sides_and_takes_whole_requests_in_its_own_role():
+    # Splitwise may lend it to the other pool without a role change (the spec's mixed state)
+    assert [sides(r, lendable=True) for r in ("prefill", "decode")] == [(True, True), (True, True)]
+    lent = LocalPrefills("prefill", lendable=True)
+    lent.accept("r")
+    assert lent.request_ids == {"r"}  # its local prefills count in its load like a decode worker's
+    with pytest.raises(ValueError):
+        LocalPrefills("prefill").accept("r")

@@ -111,6 +111,9 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
     }
     if load is not None and reg.role in ("decode", "mixed"):
         load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
+    lent = backend.router.lent_to(reg.worker_id)
+    if load is not None and lent is not None:  # Splitwise's loan: it serves that pool too (registry.py's lend)
+        load_dict["lent_to"] = lent.value
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
         load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)

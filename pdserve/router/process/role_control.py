@@ -1,7 +1,8 @@
 """Worker role changes driven from the router process, and live disable/enable of disaggregation.
 
 Contract: `change_role(backend, worker_id, role)` is the one mechanism every role change uses
-(live disable, the rollback drill, Splitwise lending and role changes):
+(live disable, the rollback drill, a Splitwise loan adopted as a role change; a loan itself is
+not a role change):
 
     1. the registry marks the worker DRAINING: no policy is offered it any more;
     2. the requests whose route uses it finish (or, after `drain_timeout_s`, are left to the
@@ -20,9 +21,12 @@ timeout, and changed too. Every change returns a
 `RoleChange` record; a change that cannot finish raises `RoleChangeFailed`.
 
 `run_pool_controller(backend, controller)`: `pdserve serve --mode splitwise` runs Splitwise's pool
-controller (splitwise.py) over the live load reports and carries out its moves with `change_role`;
-after every observation it hands the router the controller's latched offer, the pools the mixed
-workers serve (router/splitwise/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure.
+controller (splitwise.py) over the LIVE workers' load reports every period and never waits on a
+move (`apply_move`): a lend and a return are router calls (`Router.lend`: the worker keeps its
+role, epoch and running work; nothing drains), and only an adoption ("change") is a role change,
+run by `change_role` as a task while the controller keeps observing. After every observation it
+hands the router the controller's latched offer, the pools the mixed workers serve
+(router/splitwise/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.router.splitwise.splitwise import PoolController, PoolSignals
+from pdserve.router.errors import RouterError
+from pdserve.router.messages import Role
+from pdserve.router.splitwise.splitwise import Move, PoolController, PoolSignals
 from pdserve.router.state.registry import WorkerState
 from pdserve.workers import messages as m
 
@@ -133,23 +139,25 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
 MIN_TPOT_TOKENS = 4  # a request's TPOT counts once it has this many tokens
 
 
-def pool_signals(backend) -> PoolSignals | None:
-    """The controller's observation from the latest load reports; None while any worker is not
-    LIVE (a role change or a restart is under way: its pool is in flux). A decode worker's
-    queued local prefills are prompt work (`local_prompt_s`); its TPOT share is measured, the
-    mean TPOT its live requests see so far over the TPOT objective."""
+def pool_signals(backend) -> PoolSignals:
+    """The controller's observation from the latest load reports of the LIVE workers (one that
+    drains, restarts or has not reported yet is left out, the rest still observed). A decode
+    worker's queued prompts (local prefills, or prompt work while lent to the prompt pool) are
+    prompt work (`local_prompt_s`); its TPOT share is measured, the mean TPOT its live requests
+    see so far over the TPOT objective."""
     prompt, local, kv = {}, {}, {}
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
-            return None
+            continue
+        queued_s = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
         if reg.role == "prefill":
-            prompt[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
+            prompt[wid] = queued_s
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
-            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at D's TP size
+            local[wid] = queued_s
         elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
-            local[wid] = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))
+            local[wid] = queued_s
     return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
 
 
@@ -167,21 +175,62 @@ def measured_tpot_share(backend, decode_workers, now_s: float) -> dict[str, floa
 
 async def run_pool_controller(backend, controller: PoolController, period_s: float = 0.5,
                               drain_timeout_s: float = 30.0) -> None:
-    """Observe the pools every `period_s` and carry out the controller's moves (splitwise.py)."""
-    while True:
-        await asyncio.sleep(period_s)
-        signals = pool_signals(backend)
-        move = None if signals is None else controller.observe(signals, time.monotonic())
-        backend.router.set_mixed_offer(controller.offer)  # the pools mixed workers serve (mixed_pool.py)
-        if move is None:
-            continue
-        backend.metrics.pool_moves.labels(move.kind).inc()
-        if move.kind == "change":  # a loan became the worker's role: nothing moves
-            log.warning("splitwise: %s stays %s (%s)", move.worker_id, move.to_role, move.reason)
-            continue
-        try:
-            change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
-            log.warning("splitwise: %s %s %s -> %s under epoch %d (%s; drained in %.2fs)", move.kind, change.worker_id,
-                        change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
-        except RoleChangeFailed as exc:
-            log.error("splitwise: move of %s failed: %s", move.worker_id, exc)
+    """Observe the pools every `period_s` and carry out the controller's moves without waiting
+    on them (module contract)."""
+    changes: set[asyncio.Task] = set()  # adoptions under way: role changes run beside the loop
+    try:
+        while True:
+            await asyncio.sleep(period_s)
+            for wid in [w for w in controller.loans if _loan_lapsed(backend, w)]:
+                controller.forget(wid)
+            move = controller.observe(pool_signals(backend), time.monotonic())
+            backend.router.set_mixed_offer(controller.offer)  # the pools mixed workers serve (mixed_pool.py)
+            if move is not None:
+                task = apply_move(backend, move, drain_timeout_s)
+                if task is not None:
+                    changes.add(task)
+                    task.add_done_callback(changes.discard)
+    finally:
+        for task in changes:
+            task.cancel()
+
+
+def apply_move(backend, move: Move, drain_timeout_s: float = 30.0) -> asyncio.Task | None:
+    """Carry out one controller move: a lend or a return at once (the router's offer changes;
+    nothing drains, the epoch stays), an adoption as a role-change task (returned)."""
+    backend.metrics.pool_moves.labels(move.kind).inc()
+    if move.kind == "change":
+        return asyncio.create_task(_adopt(backend, move, drain_timeout_s))
+    reg = backend.registered.get(move.worker_id)
+    if reg is None:
+        log.error("splitwise: %s of %s skipped: not registered", move.kind, move.worker_id)
+        return None
+    try:
+        backend.router.lend(move.worker_id, reg.epoch, Role(move.to_role) if move.kind == "lend" else None)
+    except RouterError as exc:  # it left between the observation and the move (never while both run in one step)
+        log.error("splitwise: %s of %s failed: %s", move.kind, move.worker_id, exc)
+        return None
+    log.warning("splitwise: %s %s (%s, epoch %d) %s the %s pool (%s)", move.kind, move.worker_id, reg.role, reg.epoch,
+                "serves" if move.kind == "lend" else "leaves", move.to_role if move.kind == "lend" else _other(reg.role),
+                move.reason)
+    return None
+
+
+async def _adopt(backend, move: Move, drain_timeout_s: float) -> None:
+    try:
+        change = await change_role(backend, move.worker_id, move.to_role, drain_timeout_s)
+        log.warning("splitwise: %s adopted: %s -> %s under epoch %d (%s; drained in %.2fs)", change.worker_id,
+                    change.from_role, change.to_role, change.to_epoch, move.reason, change.drain_s)
+    except (RoleChangeFailed, RouterError) as exc:  # gone, or already draining for another change
+        log.error("splitwise: adoption of %s failed: %s", move.worker_id, exc)
+
+
+def _loan_lapsed(backend, worker_id: str) -> bool:
+    """The controller's loan that the router no longer holds: the worker registered again (a
+    restart brings it back unlent, in its launch role) and is LIVE."""
+    return (backend.router.worker_state(worker_id) is WorkerState.LIVE
+            and backend.router.lent_to(worker_id) is None)
+
+
+def _other(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"

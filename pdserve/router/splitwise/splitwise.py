@@ -1,32 +1,42 @@
-"""Splitwise's pool controller: move workers between the prompt and the token pool as load shifts.
+"""Splitwise's pool controller: lend workers between the prompt and the token pool as load shifts.
 
 Contract: `PoolController.observe(signals, now)` is pure (no I/O): it reads the two pools' queue
-signals and returns at most one `Move` (a worker and its new role), which the router process
-carries out with the one role-change mechanism (router/process/role_control.py: drain, new epoch,
-register again). The signals, per pool, from the workers' load reports:
+signals and returns at most one `Move`, which the router process carries out without waiting on
+it (router/process/role_control.py's `apply_move`). A move is one of three kinds, the spec's
+TOKEN(e) -> MIXED(origin=TOKEN) -> TOKEN, and the coarse repurposing beside it:
 
-    prompt pressure   seconds of prompt work queued per prefill worker: the cost model's
+    lend      the worker enters the mixed state: it keeps its role, its epoch and everything it
+              runs, and serves the other pool (`to_role`) as well (Router.lend; nothing drains)
+    return    the pool that borrowed it has been calm (under its low mark) for `hold`
+              observations: it stops taking the borrowed phase (`to_role` is its own role); what
+              it runs of that phase finishes there
+    change    a loan still needed after `adopt_after_s` is a lasting shift: the worker's role
+              becomes the borrowed one through the one role-change mechanism (drain, new epoch,
+              register again): the only move that drains
+
+The signals, per pool, from the LIVE workers' load reports (by their own role; a lent worker's
+borrowed work shows in the same reports):
+
+    prompt pressure   seconds of prompt work queued per prompt-pool worker: the cost model's
                       queue_s(pending prompt tokens) summed over the prompt pool and the decode
-                      workers' queued local prefills (prompt work too), per prefill worker
+                      workers' queued prompts (local prefills, and prompt work of a decode worker
+                      lent to the prompt pool), per prefill worker or decode worker lent there
     token pressure    the token pool's busiest worker: the larger of its K/V in use (1 - free
                       blocks / blocks) and its measured TPOT's share of the TPOT objective (the
                       mean TPOT its live requests see / TPOT target)
 
 Hysteresis: a pool counts as pressed only after `hold` consecutive observations over its high
-mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`
-(the moved worker drains and registers again meanwhile); the token pool keeps at least one
-worker, and so does the prompt pool unless `prompt_pool_may_empty` (the decode workers prefill
-locally: the router then runs whole requests on them, router.Router.snapshot), which lets the
-last prompt worker go to a decode-heavy phase, Splitwise's mixed pool on two machines.
-The worker moved is the other pool's least loaded. The controller only ever moves workers
-between `prefill` and `decode`; `mixed` workers stay mixed, and each observation also latches the
-two pressures (same marks, same `hold`) into `offer`, the pools the mixed workers serve now
-(router/splitwise/mixed_pool.py).
-
-A move is first a loan (`kind` "lend"): the worker keeps its origin role, and once the pool that
-borrowed it has been calm (under its low mark) for `hold` observations it goes back ("return").
-A loan still needed after `adopt_after_s` is a lasting shift: the worker's origin becomes its
-new role ("change"; nothing moves, the loan is simply no longer returned).
+mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`.
+The worker lent is the other pool's least loaded one not lent already. A worker is lent only out
+of a pool it may leave for good (a loan may be adopted): the token pool keeps at least one worker,
+and so does the prompt pool unless `prompt_pool_may_empty` (the decode workers prefill locally:
+the router then runs whole requests on them, router.Router.snapshot), which lets the last prompt
+worker go to a decode-heavy phase, Splitwise's mixed pool on two machines; adoption checks the
+same rule again. A loan whose worker is not LIVE (restarting, or draining) waits; one the router
+no longer holds (the worker registered again, unlent) is dropped with `forget`.
+The controller only ever lends `prefill` and `decode` workers; `mixed` workers stay mixed, and
+each observation also latches the two pressures (same marks, same `hold`) into `offer`, the
+pools the mixed workers serve now (router/splitwise/mixed_pool.py).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ class Move:
     worker_id: str
     to_role: str
     reason: str
-    kind: str = "lend"  # "lend" | "return" | "change" (a loan adopted: no worker moves)
+    kind: str = "lend"  # "lend" | "return" | "change" (a loan adopted: the one role change)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class PoolController:
 
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
         t = self.thresholds
-        prompt = _prompt_pressure(signals)
+        prompt = _prompt_pressure(signals, sum(1 for w in self._lent_as("prefill") if w in signals.kv_used))
         kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
         self.offer = self.latches.observe(prompt, kv)
         self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
@@ -96,25 +106,37 @@ class PoolController:
                             "decode": self.calm_streak.get("decode", 0) + 1 if kv < t.kv_low else 0}
         if now_s < self.quiet_until_s:
             return None
-        move = self._settle_loans(now_s) or self._lend(signals, prompt, kv)
+        move = self._settle_loans(signals, now_s) or self._lend(signals, prompt, kv)
         if move is not None:
-            if move.kind != "change":
-                self.prompt_streak = self.token_streak = 0
-                self.quiet_until_s = now_s + t.cooldown_s
+            self.prompt_streak = self.token_streak = 0
+            self.quiet_until_s = now_s + t.cooldown_s
             self._book(move, now_s)
             self.moves.append(move)
         return move
 
-    def _settle_loans(self, now_s: float) -> Move | None:
+    def forget(self, worker_id: str) -> None:
+        """The worker's loan ended outside the controller (it registered again, unlent)."""
+        self.loans.pop(worker_id, None)
+
+    def _lent_as(self, role: str) -> list[str]:
+        return [w for w, (origin, _) in self.loans.items() if origin != role]
+
+    def _settle_loans(self, signals: PoolSignals, now_s: float) -> Move | None:
         """The oldest loan that is over (its borrowing pool calm) or has become a lasting shift."""
         t = self.thresholds
         for worker, (origin, since) in sorted(self.loans.items(), key=lambda kv: kv[1][1]):
+            if worker not in _pool(signals, origin):
+                continue  # not LIVE now: settled once it is back
             borrowed_as = "decode" if origin == "prefill" else "prefill"
             if self.calm_streak.get(borrowed_as, 0) >= t.hold:
                 return Move(worker, origin, f"{borrowed_as} pool calm for {t.hold} observations", "return")
-            if now_s - since >= t.adopt_after_s:
+            if now_s - since >= t.adopt_after_s and self._may_leave(origin, signals):
                 return Move(worker, borrowed_as, f"lent for {now_s - since:.0f}s: a lasting shift", "change")
         return None
+
+    def _may_leave(self, origin: str, signals: PoolSignals) -> bool:
+        """Whether a worker may leave the `origin` pool for good (module contract)."""
+        return len(_pool(signals, origin)) > (0 if origin == "prefill" and self.prompt_pool_may_empty else 1)
 
     def _book(self, move: Move, now_s: float) -> None:
         if move.kind == "lend":
@@ -125,18 +147,30 @@ class PoolController:
 
     def _lend(self, signals: PoolSignals, prompt: float, kv: float) -> Move | None:
         t = self.thresholds
-        move = None
-        if self.prompt_streak >= t.hold and len(signals.kv_used) > 1:
-            worker = min(signals.kv_used, key=lambda w: (signals.kv_used[w], w))
-            move = Move(worker, "prefill", f"prompt queue {prompt:.2f}s per worker, K/V in use {kv:.0%}")
-        elif self.token_streak >= t.hold and len(signals.prompt_queue_s) > (0 if self.prompt_pool_may_empty else 1):
-            worker = min(signals.prompt_queue_s, key=lambda w: (signals.prompt_queue_s[w], w))
-            move = Move(worker, "decode", f"token pool at {kv:.0%} (K/V or TPOT), prompt queue {prompt:.2f}s per worker")
-        return move
+        if self.prompt_streak >= t.hold and self._may_leave("decode", signals):
+            worker = _least_loaded(signals.kv_used, self.loans)
+            reason = f"prompt queue {prompt:.2f}s per worker, K/V in use {kv:.0%}"
+            return None if worker is None else Move(worker, "prefill", reason)
+        if self.token_streak >= t.hold and self._may_leave("prefill", signals):
+            worker = _least_loaded(signals.prompt_queue_s, self.loans)
+            reason = f"token pool at {kv:.0%} (K/V or TPOT), prompt queue {prompt:.2f}s per worker"
+            return None if worker is None else Move(worker, "decode", reason)
+        return None
 
 
-def _prompt_pressure(signals: PoolSignals) -> float:
-    """Queued prompt seconds, the prompt pool's and the decode workers' local prefills, per
-    prefill worker (all of it on one when the prompt pool is empty)."""
+def _pool(signals: PoolSignals, role: str) -> dict[str, float]:
+    """The LIVE workers of one dedicated role in the signals."""
+    return signals.prompt_queue_s if role == "prefill" else signals.kv_used
+
+
+def _least_loaded(load: dict[str, float], lent: dict) -> str | None:
+    candidates = [w for w in load if w not in lent]
+    return min(candidates, key=lambda w: (load[w], w), default=None)
+
+
+def _prompt_pressure(signals: PoolSignals, num_lent_in: int = 0) -> float:
+    """Queued prompt seconds, the prompt pool's and the decode workers' (local prefills, or the
+    prompt work of one lent to the prompt pool), per prompt-pool worker (`num_lent_in`: decode
+    workers lent there); all of it on one when the prompt pool is empty."""
     queued = sum(signals.prompt_queue_s.values()) + sum(signals.local_prompt_s.values())
-    return queued / max(1, len(signals.prompt_queue_s))
+    return queued / max(1, len(signals.prompt_queue_s) + num_lent_in)

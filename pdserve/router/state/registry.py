@@ -8,6 +8,10 @@ Each worker is known under one role epoch at a time. Its life is a small state m
 
 Only LIVE workers are offered to policies (a worker without a load report has unknown load; a
 DRAINING one finishes what it holds and then takes a new role under a newer epoch).
+A LIVE prefill or decode worker may be lent to the other dedicated pool (`lend`, Splitwise's
+mixed state): it keeps its role and epoch and is offered in both pools until the loan ends
+(`lend(..., None)`); nothing drains either way. A loan belongs to its epoch: a worker that
+registers again (a restart, a role change) comes back unlent.
 A retired epoch stays retired: any later message carrying it, or an older one, raises
 `StaleEpochError`, so a late report from a dead incarnation can never resurrect it. Time comes
 from an injected clock so expiry is tested without sleeping.
@@ -62,6 +66,11 @@ class WorkerEntry:
     last_seen_s: float
     load: WorkerLoad | None = None
     prefix_hashes: Set[int] = frozenset()  # the K/V index's live set for this worker (set_prefixes)
+    lent_to: Role | None = None  # the other dedicated pool it serves as well while lent (lend)
+
+    def serves(self, role: Role) -> bool:
+        """Whether the worker takes `role`'s work: its own role, or the pool it is lent to."""
+        return self.info.role is role or self.lent_to is role
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ class Registry:
         """Record a load report; a report is also a heartbeat."""
         entry = self._current(worker_id, role_epoch)
         state = transition(entry.state, WorkerState.DRAINING if entry.state is WorkerState.DRAINING else WorkerState.LIVE)
-        self._entries[worker_id] = WorkerEntry(entry.info, state, self._clock(), load, entry.prefix_hashes)
+        self._entries[worker_id] = WorkerEntry(entry.info, state, self._clock(), load, entry.prefix_hashes, entry.lent_to)
         if entry.state is WorkerState.REGISTERED:
             self.membership_generation += 1
 
@@ -131,6 +140,19 @@ class Registry:
         self._entries[worker_id] = replace(entry, state=transition(entry.state, WorkerState.DRAINING))
         self.membership_generation += 1
 
+    def lend(self, worker_id: str, role_epoch: int, to: Role | None) -> None:
+        """Lend a LIVE prefill or decode worker to the other dedicated pool (`to`), or end its
+        loan (None): it keeps its role and epoch, and nothing it runs is drained (module contract)."""
+        entry = self._current(worker_id, role_epoch)
+        if to is not None:
+            other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(entry.info.role)
+            if entry.state is not WorkerState.LIVE or to is not other:
+                raise IllegalTransitionError(f"{worker_id} ({entry.info.role.value}, {entry.state.value}) "
+                                             f"cannot be lent to the {to.value} pool")
+        if entry.lent_to is not to:
+            self._entries[worker_id] = replace(entry, lent_to=to)
+            self.membership_generation += 1
+
     def deregister(self, worker_id: str, role_epoch: int) -> RetiredWorker:
         self._current(worker_id, role_epoch)
         return self._retire(worker_id, "deregistered")
@@ -142,9 +164,11 @@ class Registry:
         return [self._retire(worker_id, "heartbeat_timeout") for worker_id in late]
 
     def live(self, roles: Iterable[Role]) -> tuple[WorkerEntry, ...]:
-        """LIVE workers of the given roles, ordered by worker id (the policies' slot order)."""
+        """LIVE workers of the given roles or lent to one of them, ordered by worker id (the
+        policies' slot order)."""
         wanted = set(roles)
-        chosen = (e for e in self._entries.values() if e.state is WorkerState.LIVE and e.info.role in wanted)
+        chosen = (e for e in self._entries.values()
+                  if e.state is WorkerState.LIVE and (e.info.role in wanted or e.lent_to in wanted))
         return tuple(sorted(chosen, key=lambda e: e.info.worker_id))
 
     def entry(self, worker_id: str) -> WorkerEntry:

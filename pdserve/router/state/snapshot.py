@@ -18,7 +18,8 @@ without one (tests, tools) owns its own, filled from the entries at each rebuild
 `note_prefix`.
 A builder made with `mixed_in` also puts LIVE `mixed` workers into the prefill and/or the decode
 pool (router/splitwise/mixed_pool.py); a worker in both has two slots, its twin in the decode pool, which
-every load report, in-flight charge and prefix change patches alike.
+every load report, in-flight charge and prefix change patches alike. A worker Splitwise lent to
+the other pool (registry.py's `lend`) is in both pools the same way, whatever the builder.
 A builder given the router's `TpPricing` prices each slot's load-only terms (`Derived`) at its
 worker's own TP size (`WorkerInfo.tp`; router/pricing/tp_pricing.py), the prefill terms a cost-aware
 policy adds per request included (`Derived.prefill_coef`); without one, every slot at `cost`.
@@ -28,7 +29,7 @@ policy adds per request included (`Derived.prefill_coef`); without one, every sl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -191,12 +192,13 @@ class SnapshotBuilder:
             entries = registry.live(self._roles)
             if self._colocated:  # colocated workers, then decode workers (live disable's whole requests)
                 self.reset(sorted(entries, key=lambda e: (e.info.role is Role.DECODE, e.info.worker_id)), len(entries))
-            else:  # prefill pool, then decode pool; each: its own role's workers, then mixed ones (ties
-                # break toward the lower slot: a worker of the pool's own role), in worker id order
-                prefill = [e for e in entries if e.info.role in (Role.PREFILL, Role.COLOCATED)
+            else:  # prefill pool, then decode pool; each: its own role's workers, then mixed and lent
+                # ones (ties break toward the lower slot: a worker of the pool's own role), in worker id order
+                prefill = [e for e in entries if e.serves(Role.PREFILL) or e.info.role is Role.COLOCATED
                            or (self._mixed_in[0] and e.info.role is Role.MIXED)]
-                decode = [e for e in entries if e.info.role is Role.DECODE or (self._mixed_in[1] and e.info.role is Role.MIXED)]
-                self.reset(sorted(prefill, key=_mixed_last) + sorted(decode, key=_mixed_last), len(prefill))
+                decode = [e for e in entries if e.serves(Role.DECODE) or (self._mixed_in[1] and e.info.role is Role.MIXED)]
+                self.reset(sorted(prefill, key=_guests_last(Role.PREFILL)) + sorted(decode, key=_guests_last(Role.DECODE)),
+                           len(prefill))
             self._membership_gen = registry.membership_generation
         return self.current(in_flight)
 
@@ -381,8 +383,10 @@ class SnapshotBuilder:
         return self._members
 
 
-def _mixed_last(entry: WorkerEntry) -> tuple[bool, str]:
-    return entry.info.role is Role.MIXED, entry.info.worker_id
+def _guests_last(pool: Role) -> Callable[[WorkerEntry], tuple[bool, str]]:
+    """The sort key of one pool: the pool's own workers first, then mixed ones and workers lent
+    to it (registry.py's `lend`), each in worker id order."""
+    return lambda e: (e.info.role is Role.MIXED or e.lent_to is pool, e.info.worker_id)
 
 
 def _pool(members: Members, pending: np.ndarray, batch: np.ndarray, headroom: np.ndarray, least: int) -> Pool:
