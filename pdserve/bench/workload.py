@@ -6,7 +6,10 @@ stored at a mean of 1 request/s; `Workload.at_rate(rate)` rescales the time axis
 rate of a sweep replays the same request lengths in the same order. `content_salt` changes only
 the prompt content (not lengths, not arrivals): a sweep gives each rate point, and `bench compare`
 each round, its own salt, so a server's prefix cache cannot answer a later point from an earlier
-one (a trace's verbatim prompts are replayed as they are).
+one (a trace's verbatim prompts are replayed as they are). `build_workload(config, content=False)`
+gives the same requests (lengths, arrivals, conversations) with every generated segment's content
+left empty: the simulator reads lengths only, and drawing 200k prompts' ids cost more than
+simulating them.
 
 Multi-turn conversations: with `num_conversations = C > 0`, request j is turn j // C of
 conversation j % C. Its prompt is the shared prefix, then every earlier turn of that conversation
@@ -101,8 +104,8 @@ class Workload:
         return tuple(replace(r, arrival_s=float(t)) for r, t in zip(self.requests, times))
 
 
-def build_workload(config: WorkloadConfig) -> Workload:
-    """The seeded workload `config` describes."""
+def build_workload(config: WorkloadConfig, content: bool = True) -> Workload:
+    """The seeded workload `config` describes (without generated content when `content` is False)."""
     seeds = np.random.SeedSequence(config.seed).spawn(4)
     if config.content_salt:  # fresh content; lengths and arrivals keep their own streams
         seeds[3] = np.random.SeedSequence([config.seed, config.content_salt])
@@ -114,7 +117,7 @@ def build_workload(config: WorkloadConfig) -> Workload:
     out_lens = _output_lens(config, entries, out_rng, n)
     unit_times, native_rate = _arrivals(config, entries, arrival_rng, n)
     user_parts = _user_parts(config, entries, in_rng, content_rng, n)
-    requests = _assemble(config, user_parts, out_lens, unit_times, content_rng)
+    requests = _assemble(config, user_parts, out_lens, unit_times, content_rng if content else None)
     return Workload(requests=requests, native_rate=native_rate)
 
 
@@ -202,9 +205,12 @@ def _user_segment(rng, verbatim, num_tokens: int, style: PromptStyle, first: boo
 
 
 def _segment(rng, role: str, num_tokens: int, style: PromptStyle, first: bool) -> Segment:
-    """`num_tokens` of content; a conversation's first segment leaves room for implicit tokens."""
+    """`num_tokens` of content (none drawn when `rng` is None); a conversation's first segment
+    leaves room for implicit tokens."""
     body = max(1, num_tokens - style.implicit_tokens) if first else num_tokens
     counted = body + style.implicit_tokens if first else body
+    if rng is None:
+        return Segment(role, () if style.format == "ids" else "", counted)
     if style.format == "ids":
         return Segment(role, ids_for_tokens(rng, body, style), counted)
     return Segment(role, text_for_tokens(rng, body, style), counted)

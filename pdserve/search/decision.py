@@ -70,3 +70,21 @@ def decide(colo_per_gpu: float | None, disagg_per_gpu: float | None, disagg_feas
         return Verdict("disaggregate", "no_colocated_plan", None, delta)
     gain = disagg_per_gpu / colo_per_gpu - 1
     return Verdict("disaggregate" if gain > margin else "colocate", "goodput_per_gpu", gain, delta)
+
+
+TIE_BAND = 0.1  # a disagg/colocated ratio within 1 +- TIE_BAND is a tie: the terms named decide it
+
+
+def is_tie(goodput_gain: float | None, band: float = TIE_BAND) -> bool:
+    """Whether a disaggregated-vs-colocated gain is within the tie band."""
+    return goodput_gain is not None and abs(goodput_gain) <= band
+
+
+def tie_reading(ratio_a: float | None, ratio_b: float | None, band: float = TIE_BAND) -> str:
+    """Two planners' disagg/colocated ratios read together: "agree" (same side of 1), "tie" (they
+    straddle 1, both within `band` of it: neither verdict is confident), "disagree" or "n/a"."""
+    if ratio_a is None or ratio_b is None:
+        return "n/a"
+    if (ratio_a > 1) == (ratio_b > 1):
+        return "agree"
+    return "tie" if abs(ratio_a - 1) <= band and abs(ratio_b - 1) <= band else "disagree"

@@ -6,15 +6,18 @@ renders the same facts for a terminal, the deciding test on the line under the d
 the disaggregated plan's routing (`pd_decision`; under "margin" the share of its requests kept on
 their decode worker at its simulated goodput, `pd_local_share`); `plot_plan` draws joint
 attainment vs offered rate for the top candidates of each kind with the attainment target and
-each curve's goodput marked.
+each curve's goodput marked. A verdict whose disaggregated/colocated ratio lies within
+`decision.TIE_BAND` of 1 is reported as a tie (`tie_terms`: the terms that decide it, each with its
+figure), not as a confident verdict.
 """
 
 from __future__ import annotations
 
 import math
 
+from pdserve.search.decision import TIE_BAND, is_tie
 from pdserve.search.phase_search import Score
-from pdserve.search.planner import PlanResult
+from pdserve.search.planner import PlanResult, counted_gpus
 from pdserve.search.plans import ColocatedPlan, DisaggPlan
 
 
@@ -47,6 +50,34 @@ def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
     }
 
 
+def tie_terms(result: PlanResult) -> list[str] | None:
+    """The terms deciding a tie (None: not a tie): which disaggregated pool binds and what the other
+    leaves idle, the GPUs each plan leaves out of the budget, and the end-to-end check of each."""
+    verdict, colo, dis = result.verdict, result.colocated, result.disaggregated
+    if verdict is None or colo is None or dis is None or not is_tie(verdict.goodput_gain):
+        return None
+    pre, dec = dis.n_prefill * dis.prefill.goodput_rps, dis.n_decode * dis.decode.goodput_rps
+    binding, idle = ("prefill", 1 - pre / dec) if pre <= dec else ("decode", 1 - dec / pre)
+    e2e = lambda name, p: (f"{name} end to end {result.end_to_end[name].rate:.3g} rps vs planned {p.goodput_rps:.3g}"  # noqa: E731
+                           if name in result.end_to_end else f"{name} not re-simulated")
+    return [f"rate matching: the {binding} pool binds ({pre:.3g} rps prefill vs {dec:.3g} rps decode), "
+            f"{idle:.0%} of the other pool's capacity idle",
+            f"GPUs: colocated {colo.gpus}, disaggregated {dis.gpus} ({dis.prefill_gpus} P + {dis.decode_gpus} D) of "
+            f"{result.inputs.gpus}",
+            f"decode batch: {dis.decode.par} at {dis.decode.goodput_rps:.3g} rps per instance; colocated "
+            f"{colo.score.label} at {colo.score.goodput_rps:.3g} rps per instance",
+            e2e("colocated", colo), e2e("disaggregated", dis)]
+
+
+def _verdict_per_gpu(result: PlanResult) -> dict:
+    """Each plan's goodput per counted GPU (`planner.counted_gpus`), the figures the verdict compares."""
+    out = {}
+    for name, plan in (("colocated", result.colocated), ("disaggregated", result.disaggregated)):
+        if plan is not None:
+            out[name] = {"gpus_counted": counted_gpus(result.inputs, plan), "goodput_per_gpu": plan.goodput_rps / counted_gpus(result.inputs, plan)}
+    return out
+
+
 def _affinity(dis: dict) -> str:
     """"high", or "low" with its node segments when the phases' layers span more than one node."""
     segments = dis.get("node_segments")
@@ -63,12 +94,14 @@ def plan_summary(result: PlanResult) -> dict:
         "decision_reason": verdict.explain(inputs.margin) if verdict else None,
         "goodput_per_gpu_gain": verdict.goodput_gain if verdict else None,
         "net_margin_agrees": verdict.agrees if verdict else None,
+        "tie_band": TIE_BAND, "tie_terms": tie_terms(result),
         "model": inputs.model.name, "hardware": inputs.hardware.name, "gpus": inputs.gpus,
         "latency_model": inputs.latency_label,
         "colocated_scheduler": "mixed" if inputs.mixed_batches else "prefill-first",
         "decode_token_cap": inputs.decode_token_cap, "prefill_batch": inputs.prefill_max_batch,
         "max_context": inputs.model.max_context,
         "target_rate": inputs.target_rps, "decision_margin": inputs.margin, "goodput_definition": inputs.definition,
+        "verdict_per_gpu": _verdict_per_gpu(result),
         "colocated": colocated_summary(result.colocated, result.end_to_end.get("colocated")),
         "disaggregated": disagg_summary(result.disaggregated, result.end_to_end.get("disaggregated")),
         "alternatives": [disagg_summary(p, None) for p in result.alternatives if p is not result.disaggregated],
@@ -87,6 +120,9 @@ def plan_table(summary: dict) -> str:
              f"{summary.get('latency_model', 'roofline')} step times)"]
     if summary.get("decided_by"):
         lines.append(f"decided by {summary['decided_by']}: {summary['decision_reason']}")
+    if summary.get("tie_terms"):
+        lines.append(f"a TIE: disaggregated vs colocated within +-{summary['tie_band']:.0%}; the terms that decide it:")
+        lines.extend(f"  {term}" for term in summary["tie_terms"])
     colo, dis = summary["colocated"], summary["disaggregated"]
     lines.append(f"{'plan':<16}{'layout':<44}{'goodput rps':>12}{'per GPU':>10}{'sim rps':>10}")
     if colo:

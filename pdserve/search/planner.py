@@ -159,14 +159,21 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] = lambda _msg: None
                       time.perf_counter() - started, inputs, verdict, routed, share)
 
 
+def counted_gpus(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan) -> int:
+    """The GPUs a plan's goodput is divided by for the verdict: with a budget (no target rate) every
+    GPU of the budget, idle ones included (a P:D split that leaves 2 of 16 GPUs out still costs 16,
+    as aiconfigurator counts its cluster); with a target rate the plan's own."""
+    return plan_.gpus if inputs.target_rps else max(inputs.gpus, plan_.gpus)
+
+
 def _per_gpu(inputs: PlanInputs, plan_, end_to_end: dict[str, GoodputSearch], name: str) -> float | None:
-    """A plan's goodput per GPU for the verdict: its planned one, or end to end under margin routing."""
+    """A plan's goodput per counted GPU for the verdict: its planned one, or end to end under margin routing."""
     if plan_ is None:
         return None
     if inputs.pd_modelled == "always":
-        return plan_.goodput_per_gpu
+        return plan_.goodput_rps / counted_gpus(inputs, plan_)
     found = end_to_end.get(name)
-    return found.rate / plan_.gpus if found else 0.0
+    return found.rate / counted_gpus(inputs, plan_) if found else 0.0
 
 
 def _local_share(inputs: PlanInputs, disagg: DisaggPlan | None, end_to_end: dict[str, GoodputSearch]) -> float | None:

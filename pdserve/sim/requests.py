@@ -61,7 +61,7 @@ class SimRequests:
 def build_requests(config: WorkloadConfig, prefix_cache: bool = False, max_context: int | None = None) -> SimRequests:
     """Build the benchmark workload for `config` and view it as simulator columns; with
     `max_context`, conditioned on prompt + output <= max_context (module contract)."""
-    requests = SimRequests.from_workload(build_workload(config), prefix_cache, config.shared_prefix_len)
+    requests = SimRequests.from_workload(build_workload(config, content=False), prefix_cache, config.shared_prefix_len)
     if max_context is None or _fit(requests, max_context) == len(requests):
         return requests
     if config.trace_path is not None or config.num_conversations > 0:
@@ -79,7 +79,7 @@ def _within_context(config: WorkloadConfig, requests: SimRequests, max_context: 
     """`requests`' arrivals with the first len(requests) length pairs that fit, from larger draws."""
     n = len(requests)
     for factor in (2, 4, 16, 64):
-        more = SimRequests.from_workload(build_workload(dataclasses.replace(config, num_requests=factor * n)),
+        more = SimRequests.from_workload(build_workload(dataclasses.replace(config, num_requests=factor * n), content=False),
                                          prefix_cache, config.shared_prefix_len)
         keep = [i for i in range(len(more)) if more.prompt_tokens[i] + more.output_tokens[i] <= max_context][:n]
         if len(keep) == n:

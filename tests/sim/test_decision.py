@@ -55,8 +55,11 @@ def test_plan_report_holds_sign_and_decision_together(tmp_path, capsys, prefill_
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     dt = s["net_margin"]["delta_t_s"]
-    gain = s["disaggregated"]["goodput_per_gpu"] / s["colocated"]["goodput_per_gpu"] - 1
+    counted = s["verdict_per_gpu"]  # per GPU of the budget: 3, whatever each plan deploys
+    assert counted["colocated"]["gpus_counted"] == counted["disaggregated"]["gpus_counted"] == 3
+    gain = counted["disaggregated"]["goodput_per_gpu"] / counted["colocated"]["goodput_per_gpu"] - 1
     assert s["decided_by"] == "goodput_per_gpu" and s["goodput_per_gpu_gain"] == pytest.approx(gain)
+    assert (s["tie_terms"] is not None) == (abs(gain) <= s["tie_band"])
     assert (s["decision"] == "disaggregate") == (gain > s["decision_margin"])
     assert s["net_margin_agrees"] == ((dt > 0) == (s["decision"] == "disaggregate"))
     if not s["net_margin_agrees"]:

@@ -1,0 +1,255 @@
+"""pdserve's planner against aiconfigurator over a grid of cases (issue 40): per-GPU goodput and verdicts.
+
+    python scripts/aic_sweep.py [--jobs N] [--cases NAME,...] [--aic-cache FILE] \
+        [--csv docs/figures/aic_sweep.csv] [--plot docs/figures/aic_sweep.svg]
+
+Each case runs `aiconfigurator cli default` (its Python API, `cli_default`) and `pdserve plan
+--latency-model aic:SYSTEM --margin 0 --json` on the same model, GPUs, ISL/OSL and SLOs, and
+prints both systems' aggregated/colocated and disaggregated req/s per GPU (aiconfigurator: its
+best configuration's tokens/s per GPU of the cluster over OSL), the ratio of each pdserve figure to
+aiconfigurator's, each system's disagg/colocated ratio and verdict, and the tie rule's reading
+(`pdserve.search.decision.tie_reading`). aiconfigurator's answers depend on its database only, so
+`--aic-cache` keeps them in a JSON file and reruns only pdserve. The CSV has one row per case; the
+plot (matplotlib's SVG when it is installed, else an SVG written here) has one point per case
+and mode, pdserve against aiconfigurator, on log axes with the 1:1 and +-20% lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import logging
+import math
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.search.decision import TIE_BAND, tie_reading
+
+MODELS = {"L8": "meta-llama/Meta-Llama-3.1-8B", "Q8": "Qwen/Qwen3-8B", "Q32": "Qwen/Qwen3-32B",
+          "L70": "meta-llama/Meta-Llama-3.1-70B"}
+GPUS = {"L8": (8,), "Q8": (8,), "Q32": (8, 16), "L70": (16, 32)}
+SYSTEMS = ("h100_sxm", "h200_sxm")
+# (name, ISL, OSL, TTFT ms, TPOT ms): chat to long context, each with a tight and a loose SLO
+WORKLOADS = (("chat-tight", 500, 200, 300, 15), ("chat-loose", 500, 200, 1000, 40),
+             ("mid-tight", 2000, 500, 800, 20), ("mid-loose", 2000, 500, 2000, 40),
+             ("long-tight", 8000, 300, 2000, 30), ("long-loose", 8000, 300, 5000, 60))
+WITHIN = 0.2
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # a MODELS key
+    system: str
+    gpus: int
+    workload: str
+    isl: int
+    osl: int
+    ttft_ms: float
+    tpot_ms: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.system.split('_')[0]}-{self.gpus}g-{self.workload}"
+
+
+def grid() -> list[Case]:
+    """32 cases: each model x system takes four of the six workloads (rotating), each model its GPU counts in turn."""
+    out = []
+    for i, (model, system) in enumerate((m, s) for m in MODELS for s in SYSTEMS):
+        for k in range(4):
+            name, isl, osl, ttft, tpot = WORKLOADS[(i + k) % len(WORKLOADS)]
+            gpus = GPUS[model][k % len(GPUS[model])]
+            out.append(Case(model, system, gpus, name, isl, osl, ttft, tpot))
+    return out
+
+
+def run_aic(case: Case) -> dict:
+    """aiconfigurator's best agg and disagg req/s per GPU (None: no configuration meets the SLOs)."""
+    from aiconfigurator.cli.api import cli_default
+
+    logging.disable(logging.WARNING)
+    result = cli_default(MODELS[case.model], case.gpus, case.system, isl=case.isl, osl=case.osl,
+                         ttft=case.ttft_ms, tpot=case.tpot_ms)
+    out = {}
+    for mode in ("agg", "disagg"):
+        df = result.best_configs.get(mode)
+        top = None if df is None or len(df) == 0 else df.iloc[0]
+        out[mode] = None if top is None else float(top["tokens/s/gpu_cluster"]) / case.osl
+        out[f"{mode}_config"] = None if top is None else _aic_label(mode, top)
+    return out
+
+
+def _aic_label(mode: str, top) -> str:
+    if mode == "agg":
+        return f"tp{top['tp']}pp{top['pp']} bs{top['bs']}"
+    return (f"{top['(p)workers']}P tp{top['(p)tp']}pp{top['(p)pp']} + {top['(d)workers']}D "
+            f"tp{top['(d)tp']}pp{top['(d)pp']} bs{top['(d)bs']}")
+
+
+def run_pdserve(case: Case, extra: tuple[str, ...] = ()) -> dict:
+    """`pdserve plan --latency-model aic:SYSTEM --margin 0 --json`, in this process."""
+    from pdserve.cli import main
+
+    argv = ["plan", "--model", MODELS[case.model], "--latency-model", f"aic:{case.system}", "--gpus", str(case.gpus),
+            "--input-len", str(case.isl), "--output-len", str(case.osl), "--slo-ttft-ms", str(case.ttft_ms),
+            "--slo-tpot-ms", str(case.tpot_ms), "--margin", "0", "--json", "--quiet", *extra]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(argv)
+    summary = json.loads(out.getvalue().strip().splitlines()[-1])
+    colo, dis = summary.get("colocated") or {}, summary.get("disaggregated") or {}
+    counted = summary["verdict_per_gpu"]  # per GPU of the budget, as aiconfigurator's cluster figure
+    return {"colo": counted.get("colocated", {}).get("goodput_per_gpu"),
+            "disagg": counted.get("disaggregated", {}).get("goodput_per_gpu"),
+            "colo_config": _pd_label(colo, "colocated"), "disagg_config": _pd_label(dis, "disaggregated"),
+            "decision": summary["decision"], "tie": summary.get("tie_terms")}
+
+
+def _pd_label(plan: dict, kind: str) -> str | None:
+    if not plan:
+        return None
+    if kind == "colocated":
+        c = plan["config"]
+        return f"{c['replicas']}x tp{c['tp']}pp{c['pp']} c{c['chunk_tokens']}"
+    p, d = plan["prefill"], plan["decode"]
+    return f"{p['replicas']}P tp{p['tp']}pp{p['pp']} + {d['replicas']}D tp{d['tp']}pp{d['pp']}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def row(case: Case, aic: dict, pd: dict) -> dict:
+    """One CSV row: both systems' figures, pdserve/aic per mode, each system's disagg/colocated ratio."""
+    aic_ratio, pd_ratio = _ratio(aic["disagg"], aic["agg"]), _ratio(pd["disagg"], pd["colo"])
+    return {**asdict(case), "case": case.name,
+            "aic_agg": aic["agg"], "aic_disagg": aic["disagg"], "aic_ratio": aic_ratio,
+            "aic_verdict": None if aic_ratio is None else ("disagg" if aic_ratio > 1 else "agg"),
+            "pd_colo": pd["colo"], "pd_disagg": pd["disagg"], "pd_ratio": pd_ratio,
+            "pd_verdict": "disagg" if pd["decision"] == "disaggregate" else "agg",
+            "colo_vs_aic": _ratio(pd["colo"], aic["agg"]), "disagg_vs_aic": _ratio(pd["disagg"], aic["disagg"]),
+            "reading": tie_reading(aic_ratio, pd_ratio),
+            "aic_agg_config": aic["agg_config"], "aic_disagg_config": aic["disagg_config"],
+            "pd_colo_config": pd["colo_config"], "pd_disagg_config": pd["disagg_config"]}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The issue's figures: share within 20% and median signed error per mode; verdicts where aic's margin > 10%."""
+    out = {}
+    for mode in ("colo", "disagg"):
+        errs = [r[f"{mode}_vs_aic"] - 1 for r in rows if r[f"{mode}_vs_aic"] is not None]
+        out[mode] = {"cases": len(errs), "within_20pct": sum(abs(e) <= WITHIN for e in errs),
+                     "median_signed_error": statistics.median(errs) if errs else None}
+    clear = [r for r in rows if r["aic_ratio"] is not None and abs(r["aic_ratio"] - 1) > 0.1]
+    out["verdict_agree_where_aic_margin_over_10pct"] = (sum(r["aic_verdict"] == r["pd_verdict"] for r in clear), len(clear))
+    out["readings"] = {k: sum(r["reading"] == k for r in rows) for k in sorted({r["reading"] for r in rows})}
+    return out
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['case']:<28} aic agg {_fmt(r['aic_agg']):>6} dis {_fmt(r['aic_disagg']):>6} ({_fmt(r['aic_ratio'])}x "
+          f"{r['aic_verdict']}) | pdserve colo {_fmt(r['pd_colo']):>6} ({_fmt(r['colo_vs_aic'])}) dis "
+          f"{_fmt(r['pd_disagg']):>6} ({_fmt(r['disagg_vs_aic'])}) ({_fmt(r['pd_ratio'])}x {r['pd_verdict']}) "
+          f"| {r['reading']}", flush=True)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    """pdserve vs aiconfigurator req/s per GPU, one point per case and mode (log axes, 1:1 and +-20%)."""
+    points = [(r["aic_agg"], r["pd_colo"], "colocated") for r in rows if r["aic_agg"] and r["pd_colo"]]
+    points += [(r["aic_disagg"], r["pd_disagg"], "disaggregated") for r in rows if r["aic_disagg"] and r["pd_disagg"]]
+    if not points:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib
+    except ImportError:
+        path.write_text(_svg(points))
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lo = min(min(a, p) for a, p, _ in points) / 1.5
+    hi = max(max(a, p) for a, p, _ in points) * 1.5
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for kind, marker in (("colocated", "o"), ("disaggregated", "^")):
+        xs = [a for a, _, k in points if k == kind]
+        ax.scatter(xs, [p for _, p, k in points if k == kind], marker=marker, label=kind, alpha=0.8)
+    for factor, style in ((1, "-"), (1 + WITHIN, ":"), (1 - WITHIN, ":")):
+        ax.plot([lo, hi], [lo * factor, hi * factor], style, color="grey", linewidth=1)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="aiconfigurator req/s per GPU",
+           ylabel="pdserve (aic: latency model) req/s per GPU", title="per-GPU goodput, one point per case and mode")
+    ax.legend()
+    fig.savefig(path, format=path.suffix.lstrip(".") or "svg")
+    plt.close(fig)
+
+
+def _svg(points: list[tuple[float, float, str]], size: int = 480, pad: int = 50) -> str:
+    lo = math.log10(min(min(a, p) for a, p, _ in points) / 1.5)
+    hi = math.log10(max(max(a, p) for a, p, _ in points) * 1.5)
+    at = lambda v: pad + (math.log10(v) - lo) / (hi - lo) * (size - 2 * pad)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{size}" height="{size}">',
+             f'<line x1="{pad}" y1="{size - pad}" x2="{size - pad}" y2="{pad}" stroke="grey"/>']
+    for a, p, kind in points:
+        colour = "#1f77b4" if kind == "colocated" else "#ff7f0e"
+        parts.append(f'<circle cx="{at(a):.1f}" cy="{size - at(p):.1f}" r="4" fill="{colour}"/>')
+    parts.append(f'<text x="{pad}" y="{size - 10}">aiconfigurator req/s/GPU (x) vs pdserve (y), log axes</text></svg>')
+    return "\n".join(parts)
+
+
+def _both(case: Case, aic: dict | None, extra: tuple[str, ...]) -> tuple[Case, dict, dict]:
+    return case, aic if aic is not None else run_aic(case), run_pdserve(case, extra)
+
+
+def sweep(cases: list[Case], aic_cache: Path | None = None, jobs: int = 1, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Run every case (aiconfigurator from the cache when there), printing each row as it lands."""
+    cached = json.loads(aic_cache.read_text()) if aic_cache and aic_cache.exists() else {}
+    rows = []
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for case, aic, pd in pool.map(_both, cases, [cached.get(c.name) for c in cases], [extra] * len(cases)):
+            cached[case.name] = aic
+            rows.append(row(case, aic, pd))
+            print_row(rows[-1])
+            if aic_cache:
+                aic_cache.write_text(json.dumps(cached, indent=1, sort_keys=True))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", help="comma-separated case names (default: the whole grid)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--aic-cache", type=Path, default=Path("docs/figures/aic_sweep_aic.json"))
+    parser.add_argument("--csv", type=Path, default=Path("docs/figures/aic_sweep.csv"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/figures/aic_sweep.svg"))
+    args = parser.parse_args()
+    cases = grid()
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = [c for c in cases if c.name in wanted]
+    rows = sweep(cases, args.aic_cache, args.jobs)
+    write_csv(rows, args.csv)
+    write_plot(rows, args.plot)
+    print(json.dumps(summarize(rows), indent=1), f"tie band +-{TIE_BAND:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
