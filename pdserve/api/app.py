@@ -10,7 +10,9 @@ Routes:
     /admin/*                                          live disable, rollback, release state (admin.py;
                                                       only with --admin-token)
 
-Life cycle of a generation request: validate (protocol.py) -> id `cmpl-<hex>` / `chatcmpl-<hex>`
+Life cycle of a generation request: validate and tokenize (protocol.py; a body over
+`INLINE_PARSE_BYTES` off the event loop, in a thread: tokenizers release the GIL, and a long
+prompt's tokenization would otherwise stall every stream the loop serves) -> id `cmpl-<hex>` / `chatcmpl-<hex>`
 -> submit and wait for the first event (lifecycle.py; a `Rejection` here answers 429/503 with
 Retry-After) -> aggregate or stream (relay.py). A client that leaves at any point gets its
 request aborted in the backend. Every error is an OpenAI error object (errors.py).
@@ -18,6 +20,7 @@ request aborted in the backend. Every error is an OpenAI error object (errors.py
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -44,6 +47,7 @@ from pdserve.api.tenants import TenantResolver
 from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; nobody reads it, but logs do
+INLINE_PARSE_BYTES = 8192  # larger bodies are validated and tokenized in a thread (a hop costs more than a short prompt)
 
 
 def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
@@ -72,14 +76,16 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
 
     @app.post("/v1/completions", responses=errors(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        parsed = with_scripted_eos(parse_completion(body, served_model(backend, max_logprobs)), request.headers)
-        parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
+        parsed = await parse_off_loop(parse_completion, body, served_model(backend, max_logprobs), request)
+        parsed = tenants.apply(with_scripted_eos(parsed, request.headers), request.headers.get("authorization"),
+                               body.cache_salt)
         return await generate(backend, request, parsed, new_format(ResponseFormat, "cmpl", backend, parsed))
 
     @app.post("/v1/chat/completions", responses=errors(400, 401, 404, 429, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        parsed = with_scripted_eos(parse_chat(body, served_model(backend, max_logprobs)), request.headers)
-        parsed = tenants.apply(parsed, request.headers.get("authorization"), body.cache_salt)
+        parsed = await parse_off_loop(parse_chat, body, served_model(backend, max_logprobs), request)
+        parsed = tenants.apply(with_scripted_eos(parsed, request.headers), request.headers.get("authorization"),
+                               body.cache_salt)
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
 
     @app.post("/tokenize", responses=errors(400, 404))
@@ -110,6 +116,13 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
         return [dataclasses.asdict(w) for w in backend.workers()]
 
     return app
+
+
+async def parse_off_loop(parse, body, served: ServedModel, request: Request) -> ParsedRequest:
+    """`parse(body, served)`: inline for a short body, in a thread past `INLINE_PARSE_BYTES`."""
+    if int(request.headers.get("content-length") or 0) <= INLINE_PARSE_BYTES:
+        return parse(body, served)
+    return await asyncio.to_thread(parse, body, served)
 
 
 def served_model(backend: Backend, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> ServedModel:

@@ -59,7 +59,7 @@ async def sse_events(stream: RequestStream, first: GenerationEvent, fmt: Respons
         while isinstance(event, TokenEvent):
             piece = choices.take(event)
             if piece is not None:
-                yield sse(fmt.delta(piece.text, piece.token_ids, piece.index, piece.logprobs))
+                yield fmt.delta_event(piece.text, piece.token_ids, piece.index, piece.logprobs)
             if choices.closes(event):
                 yield sse(fmt.closing("", choices.choices[event.index].finish_reason, event.index))
             event = await _next_or_error(stream)

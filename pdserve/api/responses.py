@@ -6,7 +6,9 @@ carry `token_ids`) and turns output pieces into JSON-ready dicts. Streams are, i
 output text, one `closing()` chunk per choice with its finish_reason, and `usage_chunk()`
 (choices []) when the client asked for `stream_options.include_usage`. Every choice carries its
 `index` (n > 1) and `logprobs` (the object `logprobs_body` builds, or null).
-`sse()` frames one event as `data: <json>\\n\\n`.
+`sse()` frames one event as `data: <json>\\n\\n`. `delta_event()` is `sse(delta(...))` byte for byte:
+a text piece without logprobs is spliced into a per-choice template rendered once per request, so
+a streamed token costs one string encode instead of a chunk dict and a whole JSON document.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from dataclasses import dataclass, field
 from pdserve.api.logprob_format import TokenNames, chat_logprobs, completion_logprobs
 
 DONE_EVENT = b"data: [DONE]\n\n"
+_TEXT_HOLE = "\ue000pdserve-text\ue000"  # stands for the text while a template is rendered
+_IDS_HOLE = -987_654_321  # and for the token ids
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(',', ':'))
 
 
 def sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    return f"data: {_json(payload)}\n\n".encode()
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class ResponseFormat:
     return_token_ids: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    _templates: dict = field(default_factory=dict, compare=False, repr=False)  # choice index -> delta_event's pieces
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
@@ -83,6 +92,26 @@ class ResponseFormat:
 
     def delta(self, text: str, token_ids: tuple[int, ...] | list[int], index: int = 0, logprobs: dict | None = None) -> dict:
         return self._chunk(self._delta_choice(text), None, token_ids, index, logprobs)
+
+    def delta_event(self, text: str, token_ids: tuple[int, ...] | list[int], index: int = 0,
+                    logprobs: dict | None = None) -> bytes:
+        """`sse(self.delta(...))`, byte for byte; without logprobs and with text, from the choice's template."""
+        if logprobs is not None or not text:  # chat's empty delta is `{}`: another shape
+            return sse(self.delta(text, token_ids, index, logprobs))
+        head, middle, tail = self._template(index)
+        if middle is None:
+            return f"{head}{_json(text)}{tail}".encode()
+        return f"{head}{_json(text)}{middle}{_json(list(token_ids))}{tail}".encode()
+
+    def _template(self, index: int) -> tuple[str, str | None, str]:
+        """The SSE text of a delta chunk around its text (and token ids): (head, middle, tail)."""
+        parts = self._templates.get(index)
+        if parts is None:
+            rendered = f"data: {_json(self.delta(_TEXT_HOLE, (_IDS_HOLE,), index))}\n\n"
+            head, rest = rendered.split(_json(_TEXT_HOLE))
+            middle, tail = rest.split(_json([_IDS_HOLE])) if self.return_token_ids else (None, rest)
+            parts = self._templates[index] = (head, middle, tail)
+        return parts
 
     def closing(self, text: str, finish_reason: str, index: int = 0) -> dict:
         return self._chunk(self._delta_choice(text), finish_reason, None, index)

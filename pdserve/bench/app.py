@@ -34,6 +34,7 @@ class BenchConfig:
     cooldown_s: float = 0.0
     quiet: bool = False
     include_records: bool = False
+    max_concurrency: int | None = None  # at most this many requests in flight (runner.py); None: open loop
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class BenchOutcome:
 def measure_rate(config: BenchConfig, workload: Workload, rate: float | None, label: str = "") -> RateRun:
     """Replay `workload` at `rate` and summarise its measurement window."""
     requests = workload.at_rate(rate)
-    result_ = run_requests_sync(requests, config.endpoint, quiet=config.quiet, label=label or _rate_label(rate))
+    result_ = run_requests_sync(requests, config.endpoint, quiet=config.quiet, label=label or _rate_label(rate),
+                                max_concurrency=config.max_concurrency)
     window = select_window(result_.records, config.warmup_s, config.cooldown_s)
     summary = {**window_fields(window, len(requests)), **summarize(window.measured, config.slo)}
     summary["offered_rate"] = rate if rate is not None else workload.native_rate
@@ -111,6 +113,7 @@ def metadata(config: BenchConfig) -> dict:
         **slo_fields(config.slo),
         "warmup_s": config.warmup_s,
         "cooldown_s": config.cooldown_s,
+        "max_concurrency": config.max_concurrency,
         "definitions": DEFINITIONS,
     }
 

@@ -54,8 +54,15 @@ def bench_config(args: argparse.Namespace, endpoint: EndpointConfig) -> BenchCon
         slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment),
         rate=args.rate, sweep=search_plan(args) if args.sweep else None,
         warmup_s=args.warmup_s, cooldown_s=args.cooldown_s, quiet=args.quiet,
-        include_records=args.include_records,
+        include_records=args.include_records, max_concurrency=_max_concurrency(args),
     )
+
+
+def _max_concurrency(args: argparse.Namespace) -> int | None:
+    n = getattr(args, "max_concurrency", None)
+    if n is not None and n < 1:
+        raise SystemExit(f"pdserve bench: --max-concurrency must be >= 1, got {n}")
+    return n
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:

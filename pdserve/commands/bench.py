@@ -86,6 +86,9 @@ def _add_client_args(group) -> None:
 def _add_load_args(group) -> None:
     group.add_argument("--num-requests", type=int, default=0, help="requests per run (a trace: default all lines)")
     group.add_argument("--rate", type=float, help="offered rate, req/s ('inf' sends all at once)")
+    group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                       help="at most N requests in flight; a request due while N are waits for one to end "
+                            "(with --rate inf: a closed loop of N clients, as vllm bench serve --max-concurrency)")
     group.add_argument("--sweep", action="store_true", help="find goodput by a rate sweep plus bisection")
     group.add_argument("--sweep-rates", help="comma-separated ladder, e.g. 1,2,4,8 (default: geometric)")
     group.add_argument("--sweep-start", type=float, default=1.0, help="geometric ladder start (req/s)")

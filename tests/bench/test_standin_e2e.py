@@ -168,3 +168,18 @@ def test_cli_single_rate_sweep_and_compare(tmp_path):
     cmp = json.loads((tmp_path / "cmp.json").read_text())
     assert cmp["a"]["denominator"] == 16 and cmp["b"]["num_rounds"] == 2
     assert cmp["ratio_b_over_a"]["mean_ttft_ms"] > 1.0
+
+
+def test_max_concurrency_keeps_at_most_n_in_flight():
+    """A closed loop of 2 clients against a server that refuses a third request in flight: none is
+    refused, and each later request is sent only after an earlier one ended."""
+    server = StandinConfig(first_token_s=0.1, inter_token_s=0.01, max_concurrency=2)
+    workload = constant(6, output_len=fixed(3))
+    with StandinProcess(server) as s:
+        run = measure_rate(bench(s.url, workload, max_concurrency=2), build_workload(workload), rate=float("inf"))
+    assert run.summary["completed"] == 6 and run.summary["failure_reasons"] == {}
+    ends = sorted(r.start_s + r.e2e_s for r in run.records)
+    starts = sorted(r.start_s for r in run.records)
+    for k in range(2, 6):  # the k-th send waits for the (k - 1)-th end
+        assert starts[k] >= ends[k - 2]
+    assert all(r.ttft_s < 0.1 + OVERHEAD_MS / 1e3 for r in run.records)  # TTFT counts from the send, not the schedule
