@@ -10,10 +10,10 @@ on top of the edge. A module may import only from its own layer or those to its 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pdserve
+from tests.helpers.imports import pdserve_imports
 
 ROOT = Path(pdserve.__file__).resolve().parent
 ROUTER = ROOT / "router"
@@ -40,13 +40,7 @@ def _graph() -> dict[str, set[str]]:
     modules = {_name(p): p for p in ROUTER.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        found = pdserve_imports(path)
         graph[name] = {m for m in found if m in modules and m != name and not modules[m].name == "__init__.py"}
     return graph
 

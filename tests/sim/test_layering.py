@@ -6,10 +6,10 @@ closes a circle is still a circle.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pdserve
+from tests.helpers.imports import pdserve_imports
 
 ROOT = Path(pdserve.__file__).resolve().parent
 LAYERS = ("latency", "sim", "search", "validate")  # each may import only those to its left
@@ -21,20 +21,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.startswith("pdserve.")}
-
-
 def _graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for layer in LAYERS for p in (ROOT / layer).glob("*.py")}
-    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    return {name: {m for m in pdserve_imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
 def test_layers_import_only_downwards():
