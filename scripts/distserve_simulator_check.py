@@ -1,6 +1,6 @@
 """DistServe's own placement search (its simulator, fits and rules) on pdserve's workload lengths.
 
-The check behind docs/planner.md's "DistServe's own simulator on this workload": it writes the
+The check behind docs/planner_agreement.md's "DistServe's own simulator on this workload": it writes the
 DistServe case's request lengths (pdserve's seeded lognormal draws, conditioned on OPT's 2,048
 positions, as `pdserve plan` builds them) as DistServe's `sharegpt.ds`, then runs DistServe's
 low-affinity search (`get_distserve_configs`, `run_binary_search`: one prefill + one decode

@@ -78,7 +78,7 @@ class PlanInputs:
     mixed_batches: bool = True  # colocated scheduler: chunked prefill mixed with decode; False: prefill-first, unmixed
     pd_decision: str = "margin"  # the disaggregated plan's per-request routing (module contract)
     pd_chunk_tokens: int = 512  # the served engine's step budget, which the router's decision prices with
-    # DistServe's search rules, off by default (docs/planner.md, DistServe): a decode batch held to
+    # DistServe's search rules, off by default (docs/planner_agreement.md, DistServe): a decode batch held to
     # this many tokens of context per pipeline stage, and prompts a prefill instance runs per iteration
     decode_token_cap: int | None = None
     prefill_max_batch: int = 1
