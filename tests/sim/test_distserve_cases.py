@@ -41,11 +41,12 @@ CASES = {  # model: (GPUs, TTFT ms, TPOT ms), the paper's chatbot SLOs; the full
     "opt-66b": (16, 2500, 150, 1024),
     "opt-175b": (32, 4000, 200, 256),
 }
-# (verdict at margin 0, per-GPU gain of disaggregation, colocated (tp, pp), prefill (tp, pp), decode (tp, pp))
+# (verdict at margin 0, per-GPU gain of disaggregation counted over the whole GPU budget (search/decision.py,
+# verdict_per_gpu; idle GPUs included, as aiconfigurator counts), colocated (tp, pp), prefill (tp, pp), decode (tp, pp))
 EXPECTED = {
     "opt-13b": ("colocate", -0.177, (2, 1), (1, 1), (2, 1)),
-    "opt-66b": ("disaggregate", 0.130, (6, 1), (1, 2), (8, 1)),
-    "opt-175b": ("disaggregate", 0.374, (8, 1), (1, 12), (6, 3)),
+    "opt-66b": ("disaggregate", 0.318, (6, 1), (1, 2), (8, 1)),
+    "opt-175b": ("disaggregate", 0.288, (8, 1), (1, 12), (6, 3)),
 }
 
 
