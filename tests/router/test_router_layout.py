@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pdserve
-from tests.helpers.imports import pdserve_imports
+from tests.helpers.imports import assert_no_circles, pdserve_imports
 
 ROOT = Path(pdserve.__file__).resolve().parent
 ROUTER = ROOT / "router"
@@ -58,19 +58,9 @@ def test_router_layers_import_only_downwards():
 
 
 def test_no_import_circles_in_the_router():
-    graph, state = _graph(), {}
+    graph = _graph()
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            assert state.get(nxt) != 1, "import circle: " + " -> ".join(path + [node, nxt])
-            if nxt not in state:
-                visit(nxt, path + [node])
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+    assert_no_circles(graph)
     assert len(graph) >= 50
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pdserve
-from tests.helpers.imports import pdserve_imports
+from tests.helpers.imports import assert_no_circles, pdserve_imports
 
 ROOT = Path(pdserve.__file__).resolve().parent
 LAYERS = ("latency", "sim", "search", "validate")  # each may import only those to its left
@@ -35,20 +35,8 @@ def test_layers_import_only_downwards():
 
 def test_no_import_circles():
     graph = _graph()
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            assert state.get(nxt) != 1, "import circle: " + " -> ".join(path[path.index(nxt):] + [node, nxt]) \
-                if nxt in path else f"import circle: {node} -> {nxt}"
-            if nxt not in state:
-                visit(nxt, path + [node])
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+    assert_no_circles(graph)
     assert len(graph) >= 25  # the four packages are all seen
 
 
