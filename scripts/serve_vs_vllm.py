@@ -236,6 +236,7 @@ def measure(args, shape: str, out: Path) -> dict:
     for r in range(args.rounds):
         for server in arms[r % len(arms):] + arms[:r % len(arms)]:
             rounds.setdefault(server.name, []).append(measure_arm(args, server, out, f"r{r}"))
+            (out / f"partial.{shape}.json").write_text(json.dumps(rounds, indent=1))  # kept if the run is cut short
     return {name: median_of(results) for name, results in rounds.items()}
 
 
