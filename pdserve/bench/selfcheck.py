@@ -23,7 +23,7 @@ from pdserve.bench.lengths import fixed
 from pdserve.bench.runner import run_requests
 from pdserve.bench.standin import StandinConfig, StandinProcess
 from pdserve.bench.workload import WorkloadConfig, build_workload
-from pdserve.bench.loop import run as run_loop
+from pdserve.loop import run as run_loop
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from pdserve.bench.loop import run as run_loop
+from pdserve.loop import run as run_loop
 from pdserve.bench.stampedsock import StampedStream
 from pdserve.heap import frozen_heap
 

@@ -149,7 +149,7 @@ def run_closed_loop_command(args: argparse.Namespace) -> int:
 
     from pdserve.bench import cli_args as bench_args
     from pdserve.bench.closed_loop import ClosedLoopConfig, run_closed_loop, summarize_turns
-    from pdserve.bench.loop import run as run_loop
+    from pdserve.loop import run as run_loop
 
     if args.input_len is None or args.output_len is None or args.num_conversations < 1:
         raise SystemExit("pdserve bench --closed-loop: give --num-conversations, --input-len and --output-len")

@@ -295,10 +295,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import os
 
     from pdserve.api.server import serve
+    from pdserve.loop import run as run_loop
 
     try:
         args = with_config_file(args)
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     try:
-        asyncio.run(serve(config))
+        run_loop(serve(config))  # uvloop where installed (pdserve/loop.py)
     except KeyboardInterrupt:
         pass
     except TimeoutError as exc:

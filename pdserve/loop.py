@@ -1,8 +1,9 @@
-"""The event loop the benchmark client and the stand-in run on.
+"""The event loop pdserve's processes run on: the server (router, HTTP), the benchmark client, the stand-in.
 
 Contract: `run(coro)` runs `coro` to completion on a fresh loop: uvloop's (libuv-based) when it
-is installed, else asyncio's own. At hundreds of requests per second on two cores the client's
-per-event cost is its TTFT measurement error, so the cheaper loop is used where available.
+is installed, else asyncio's own. Every streamed token crosses the server's loop a few times (its
+worker message, its HTTP write) and every client event is a TTFT measurement, so the cheaper loop
+is used where available.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-try:  # a dependency on Linux and macOS; optional so the client still runs without it
+try:  # a dependency on Linux and macOS; optional so pdserve still runs without it
     import uvloop as _uvloop
 except ImportError:  # pragma: no cover - depends on the platform
     _uvloop = None
-
-LOOP_NAME = "uvloop" if _uvloop is not None else "asyncio"
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
