@@ -51,14 +51,18 @@ def test_live_metrics_pass_the_release_check_and_count_the_manifests_bytes(tmp_p
     prompts = [prompt(n, 60 + i) for i, n in enumerate((20, 300, 33))]
 
     async def main():
-        async with cluster(config(trace_dir=trace_dir)) as (backend, _):
+        async with cluster(config(trace_dir=trace_dir)) as (backend, launcher):
             results = await asyncio.gather(*(collect(backend, f"m{i}", p, params) for i, p in enumerate(prompts)))
             results.append(await collect(backend, "m3", prompts[1], params))  # again: D may hold its prefix now
             assert all(isinstance(event, FinishEvent) for _, event in results)
             await wait_baseline(backend)
-            return await settled_metrics(backend, len(results)), list(backend.trace.recent)
+            return await settled_metrics(backend, len(results)), list(backend.trace.recent), launcher.impl.procs
 
-    text, lines = asyncio.run(main())
+    text, lines, procs = asyncio.run(main())
+    # each worker closed before it exited (workers/main.py exits without finalization): status 0,
+    # its K/V segment unlinked, and its handoff trace complete (read below)
+    assert {wid: p.returncode for wid, p in procs.items()} == {"prefill-0": 0, "decode-0": 0}
+    assert [n for n in os.listdir("/dev/shm") if any(n.startswith(f"pdserve-{w}-{p.pid}") for w, p in procs.items())] == []
     logical, events = published_manifest_bytes(trace_dir)
     run_check("runtime-release", with_exposed_metrics(load_fixture("runtime-release"), text))
     assert logical > 0 and sample(text, "pdserve_kv_transfer_bytes_total") == logical
