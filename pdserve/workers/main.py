@@ -7,6 +7,8 @@ parent's main module.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 
@@ -25,6 +27,18 @@ def main(argv: list[str] | None = None) -> None:
     # with a typed Shutdown message instead, and a worker whose router is gone exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve_worker(msgspec.json.decode(args[0].encode(), type=WorkerConfig))
+    exit_closed()
+
+
+def exit_closed() -> None:
+    """Exit at once once the worker has closed (its sockets, whose LINGER is 0, its shared
+    segments, trace files and tensor-parallel followers): interpreter finalization would only
+    collect torch's modules again, which adds 0.5-1.5 s to every stop and every restart. A worker
+    that raised does not come here; it exits the ordinary way, with its traceback."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
