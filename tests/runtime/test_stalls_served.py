@@ -24,17 +24,13 @@ tests/runtime/test_handoff_faults_served.py and tests/workers/test_handoff_stall
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 
-from pdserve.api.app import create_app
 from pdserve.api.backend import FinishEvent
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -47,6 +43,7 @@ from tests.runtime.conftest import (
     prompt,
     wait_baseline,
 )
+from tests.runtime.served_http import open_stream, served_app
 from tests.runtime.shared_cluster import SharedCluster
 from tests.runtime.test_supervision import wait_epoch
 
@@ -198,26 +195,6 @@ def decode_idle(backend) -> bool:
     return (load.num_running, load.reserved_blocks, load.free_blocks, load.integrity_ok) == (0, 0, BLOCKS, True)
 
 
-async def serve_http(backend) -> tuple[uvicorn.Server, asyncio.Task, int]:
-    sock = socket.create_server(("127.0.0.1", 0))  # bound here: a port picked for uvicorn may be taken first
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning"))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    await until(lambda: server.started or task.done(), 30, "uvicorn started")
-    assert not task.done(), task
-    return server, task, sock.getsockname()[1]
-
-
-async def open_stream(port: int, ids, params: SamplingParams) -> asyncio.StreamWriter:
-    """A streamed completion over a plain connection; the writer, to hang up with."""
-    body = json.dumps({"model": "tiny", "prompt": list(ids), "max_tokens": params.max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True}).encode()
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
-    return writer
-
-
 def test_a_client_gone_mid_transfer_then_a_request_on_its_blocks_decodes_exactly(served, reference):
     """a's client closes its HTTP connection while a's K/V is part landed (its prefill worker
     stopped); b needs a's blocks at the decode worker and, once it has them, runs to its end
@@ -226,8 +203,7 @@ def test_a_client_gone_mid_transfer_then_a_request_on_its_blocks_decodes_exactly
     lands in blocks that are no longer a's."""
 
     async def main(backend, launcher):
-        server, serving, port = await serve_http(backend)
-        try:
+        async with served_app(backend) as port:
             client = await open_stream(port, prompt(TOKENS_A, 31), PARAMS_A)
             await until(lambda: len(backend.live) == 1, 60, "a submitted")
             rid = next(iter(backend.live))
@@ -250,9 +226,6 @@ def test_a_client_gone_mid_transfer_then_a_request_on_its_blocks_decodes_exactly
             assert backend.metrics.requests.labels("aborted")._value.get() >= 1
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
-        finally:
-            server.should_exit = True
-            await serving
 
     served.run(main(served.backend, served.launcher))
 
