@@ -45,6 +45,7 @@ from tests.runtime.conftest import (
 )
 from tests.runtime.served_http import open_stream, served_app
 from tests.runtime.shared_cluster import SharedCluster
+from tests.runtime.tcp_links import ESTABLISHED, tcp_links
 from tests.runtime.test_supervision import wait_epoch
 
 TOKENS_A = 2400
@@ -84,24 +85,6 @@ async def until(check, timeout_s: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.01)
-
-
-ESTABLISHED = "01"
-
-
-def tcp_links(port: int) -> dict[tuple[int, int], tuple[str, int, int]]:
-    """This host's TCP connections with `port` at one end (/proc/net/tcp): (local port, remote
-    port) -> (state, its unacknowledged send queue, its unread receive queue) in bytes."""
-    links = {}
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            _, local, remote, state, queues, *_ = line.split()
-            ends = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
-            if port in ends:
-                tx, rx = (int(q, 16) for q in queues.split(":"))
-                links[ends] = (state, tx, rx)
-    return links
 
 
 def queued_bytes(port: int) -> int:
