@@ -174,7 +174,7 @@ def test_a_peer_streaming_a_huge_frame_before_its_handshake_is_cut_off_at_the_bo
     """libzmq reads a frame whole before the CURVE handshake looks at it: without a bound, a peer
     with no key could make the router buffer any size it declares (1 GiB grew it by 1 GiB)."""
     port = served.ports[0]
-    sent = _stream_frame(int(served.backend.address.rsplit(":", 1)[1]), 512 << 20, bytes(1 << 20))
+    sent = _stream_frame(int(served.backend.address.rsplit(":", 1)[1]), 1 << 30, bytes(1 << 20))  # a keyless 1 GiB frame
     assert sent < 128 << 20, f"the router took {sent >> 20} MiB of one unauthenticated frame"  # bound: 64 MiB
     assert_still_serving(served, port)
 

@@ -9,9 +9,9 @@ The peer is this test, on a real socket into the served decode worker's handoff 
     slots come back and a real handoff that waited in the accept queue behind them completes;
   * the prefill side of a request that stops in the middle of a chunk's payload (the router's
     Prefill is held back from the real prefill worker and its signed plan used here: what a
-    SIGSTOP mid-payload looks like on the wire), then the client disconnects and a new request
-    arrives that needs the same blocks, and the late bytes land. The new request's tokens equal
-    one engine's: the aborted request's blocks came back only after its write ended.
+    SIGSTOP mid-payload looks like on the wire), then the client closes its HTTP connection and a
+    new request arrives that needs the same blocks, and the late bytes land. The new request's
+    tokens equal one engine's: the aborted request's blocks came back only after its write ended.
 Every scenario ends at baseline with the router's leak check. The pool is tight on purpose (five
 blocks per worker): the aborted request's blocks are the only ones the next request can get.
 """
@@ -19,7 +19,6 @@ blocks per worker): the aborted request's blocks are the only ones the next requ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import struct
 import time
@@ -37,6 +36,7 @@ from pdserve.handoff.transports.server import MAX_CONNECTIONS
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffSender
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
+from tests.runtime.served_http import open_stream, served_app
 from tests.runtime.shared_cluster import SharedCluster
 
 TIGHT = EngineConfig(model="tiny", num_blocks=5)
@@ -131,16 +131,16 @@ def test_slow_loris_peers_on_every_slot_are_cut_and_a_real_handoff_gets_through(
     served.run(main(served.backend, served.launcher))
 
 
-def _hold_prefill(monkeypatch, backend, rid: str) -> tuple[asyncio.Future, set[str]]:
-    """Test wrapper: the router's Prefill of `rid` never reaches the prefill worker; the future
-    gets it (with its signed transfer plan) so this test can act as that worker's sender. The set
+def _hold_prefill(monkeypatch, backend) -> tuple[asyncio.Future, set[str]]:
+    """Test wrapper: the router's first Prefill never reaches the prefill worker; the future gets
+    it (with its signed transfer plan) so this test can act as that worker's sender. The set
     collects the request ids of every Prefill sent (a Prefill follows a granted reservation)."""
     held, send, prefills = asyncio.get_running_loop().create_future(), backend._send, set()
 
     async def send_but_hold(worker_id: str, msg) -> bool:
         if isinstance(msg, m.Prefill):
             prefills.add(msg.request_id)
-            if msg.request_id == rid:
+            if not held.done():
                 held.set_result((worker_id, msg))
                 return True
         return await send(worker_id, msg)
@@ -186,34 +186,36 @@ async def _consume(stream, tokens: list[int], started: asyncio.Event):
 
 def test_disconnect_mid_payload_then_a_request_on_the_same_blocks_decodes_exactly(served, reference, monkeypatch):
     async def main(backend, _launcher):
-        a = GenerationRequest("a", prompt(64, 11), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks + 1 growth
-        held, prefills = _hold_prefill(monkeypatch, backend, "a")
-        stream_a = backend.submit(a)
-        pending_a = asyncio.create_task(anext(stream_a))
-        worker_id, prefill = await asyncio.wait_for(held, 30)
-        sock, rest = await asyncio.to_thread(_stall_mid_payload, backend, reference, worker_id, prefill)
-        await asyncio.sleep(0.5)  # the listener admits the link and grants the chunk's landing
-        pending_a.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await pending_a
-        await stream_a.aclose()  # the client leaves: the router aborts "a" at the decode worker
-        # b (3 prompt blocks + 2 of growth) fits only in a's blocks: it gets a reservation (and its
-        # Prefill is sent) only where they came back at the abort; there b runs to its end first
-        b = GenerationRequest("b", prompt(47, 12), SamplingParams(max_tokens=24, ignore_eos=True))
-        tokens_b, started = [], asyncio.Event()
-        consumer = asyncio.create_task(_consume(backend.submit(b), tokens_b, started))
-        if await _until(lambda: "b" in prefills, 3.0):
-            await asyncio.wait_for(asyncio.shield(consumer), 120)
-        sock.sendall(rest)  # a's late bytes land
-        sock.close()
-        assert isinstance(await asyncio.wait_for(consumer, 120), FinishEvent)
-        await asyncio.sleep(0.5)  # the listener is done with a's link
-        # c repeats b's prompt: the decode worker's prefix cache serves its leading blocks
-        ids_c, event_c = await collect(backend, "c", b.prompt_ids, b.params)
-        assert isinstance(event_c, FinishEvent)
-        want = list(reference.generate([list(b.prompt_ids)], b.params)[0].output_ids)
-        assert tokens_b == want and ids_c == want
-        await wait_baseline(backend)
-        backend.router.assert_no_leaks()
+        async with served_app(backend) as port:
+            held, prefills = _hold_prefill(monkeypatch, backend)
+            client = await open_stream(port, prompt(64, 11), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks + 1 growth
+            worker_id, prefill = await asyncio.wait_for(held, 30)
+            sock, rest = await asyncio.to_thread(_stall_mid_payload, backend, reference, worker_id, prefill)
+            await asyncio.sleep(0.5)  # the listener admits the link and grants the chunk's landing
+            client.close()  # the client hangs up: the server aborts a at the decode worker
+            assert await _until(lambda: prefill.request_id not in backend.live, 30.0)
+            await b_then_c(backend, reference, prefills, sock, rest)
 
     served.run(main(served.backend, served.launcher))
+
+
+async def b_then_c(backend, reference, prefills: set[str], sock: socket.socket, rest: bytes) -> None:
+    # b (3 prompt blocks + 2 of growth) fits only in a's blocks: it gets a reservation (and its
+    # Prefill is sent) only where they came back at the abort; there b runs to its end first
+    b = GenerationRequest("b", prompt(47, 12), SamplingParams(max_tokens=24, ignore_eos=True))
+    tokens_b, started = [], asyncio.Event()
+    consumer = asyncio.create_task(_consume(backend.submit(b), tokens_b, started))
+    if await _until(lambda: "b" in prefills, 3.0):
+        await asyncio.wait_for(asyncio.shield(consumer), 120)
+    sock.sendall(rest)  # a's late bytes land
+    sock.close()
+    assert isinstance(await asyncio.wait_for(consumer, 120), FinishEvent)
+    await asyncio.sleep(0.5)  # the listener is done with a's link
+    # c repeats b's prompt: the decode worker's prefix cache serves its leading blocks
+    ids_c, event_c = await collect(backend, "c", b.prompt_ids, b.params)
+    assert isinstance(event_c, FinishEvent)
+    want = list(reference.generate([list(b.prompt_ids)], b.params)[0].output_ids)
+    assert tokens_b == want and ids_c == want
+    await wait_baseline(backend)
+    backend.router.assert_no_leaks()
+

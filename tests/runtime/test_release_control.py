@@ -20,16 +20,22 @@ from pdserve.ledger.release import ROLLBACK_ORDER
 from pdserve.workers import messages as m
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.shared_cluster import SharedCluster
+from tests.runtime.tcp_links import accepted
 
 TOKEN = "s3cret-admin"
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 PROMPTS = [prompt(40 + 7 * i, 500 + i) for i in range(6)]
+LONG = prompt(4000, 600)  # eight prefill chunks: its transfer streams from the first and publishes after the last
 
 
 @pytest.fixture(scope="module")
-def expected():
-    engine = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
-    return [list(out.output_ids) for out in engine.generate([list(p) for p in PROMPTS], PARAMS)]  # batch-invariant
+def reference():
+    return Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return [list(out.output_ids) for out in reference.generate([list(p) for p in PROMPTS], PARAMS)]  # batch-invariant
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +133,26 @@ def test_disable_and_enable_switch_a_running_cluster_without_losing_a_token(expe
 
 
 async def _rollback_scenario():
-    from pdserve.router.process.release import unpublished
-
     async with cluster(config()) as (backend, _):
         app = create_app(backend, admin_token=TOKEN)
         app.state.release.drain_window_s = 0.0  # abort every transfer still unpublished: the drain's order shows
         async with admin(app) as client:
-            in_flight = asyncio.create_task(run_all(backend, "a"))
-            while not any(live.owners for live in unpublished(backend)):  # a transfer planned and started
-                assert not in_flight.done(), "every request published before the rollback could start"
+            # the rollback starts while a transfer is surely unpublished: the long prompt's link is
+            # open (admitted under route epoch 1: the margin lets the decode worker read and check
+            # its manifest, and costs at most a chunk or two) with most of its prompt still to
+            # compute, so it is still streaming when the drain comes (short prompts' transfers may
+            # all publish, or be refused under the new route epoch and recomputed, before the
+            # drain: a rollback with nothing to abort)
+            long = asyncio.create_task(collect(backend, "L0", LONG, PARAMS))
+            handoff_port = backend.registered["decode-0"].handoff_address[1]
+            while not accepted(handoff_port):
+                assert not long.done(), "the long request published before the rollback could start"
                 await asyncio.sleep(0.002)
+            await asyncio.sleep(0.05)
+            in_flight = asyncio.create_task(run_all(backend, "a"))
             rolled = (await client.post("/admin/rollback")).json()
             during = await in_flight
+            long_result = await asyncio.wait_for(long, 120)
             after = await run_all(backend, "b")
             twice = await client.post("/admin/rollback")
             # a message of the prefill worker's retired epoch is dropped and counted
@@ -154,10 +168,10 @@ async def _rollback_scenario():
         backend.router.assert_no_leaks()
         return dict(rolled=rolled, during=during, after=after, twice=twice, state=state, routes=routes(backend, "b"),
                     handoff=handoff, metrics=backend.metrics_text().decode(), again=again, later=later,
-                    later_routes=routes(backend, "c"), stale=stale)
+                    later_routes=routes(backend, "c"), stale=stale, long=long_result)
 
 
-def test_rollback_acts_in_the_spec_order_on_the_workers_and_every_request_finishes(expected):
+def test_rollback_acts_in_the_spec_order_on_the_workers_and_every_request_finishes(expected, reference):
     """The effects, timed by the workers themselves: every worker holds the new route epoch before
     any transfer is cancelled; each aborted transfer is cancelled at its source before its
     destination frees the blocks; the role change completes after every free, and every worker
@@ -185,6 +199,8 @@ def test_rollback_acts_in_the_spec_order_on_the_workers_and_every_request_finish
     assert r["later_routes"] == [("prefill-0", "decode-0")] * len(PROMPTS)
     for results in (r["during"], r["after"], r["later"]):
         assert [ids for ids, _ in results] == expected
+    assert isinstance(r["long"][1], FinishEvent)
+    assert r["long"][0] == list(reference.generate([list(LONG)], PARAMS)[0].output_ids)
     assert all(p == d for p, d in r["routes"]) and r["handoff"] is False
     assert r["twice"].status_code == 409 and r["twice"].json()["error"]["code"] == "illegal_release_transition"
     assert r["stale"] == 1  # late messages of aborted transfers may be counted too, before it

@@ -49,6 +49,7 @@ class InFlight:
     trace: dict = field(default_factory=dict)
     engine_id: str = ""  # the id workers know this attempt by (request id, or id#gN after a retry)
     forks: tuple[tuple[int, int], ...] = ()  # n > 1: the sequences the prefill worker handed on (StartDecode)
+    restart_wait_until_s: float | None = None  # waiting for a decode worker being restarted until then (recovery.py)
 
     def __post_init__(self) -> None:
         self.engine_id = self.engine_id or self.req.request_id

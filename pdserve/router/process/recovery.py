@@ -23,7 +23,12 @@ published by then. REROUTE / RECOMPUTE tell the old owners to abort (the decode 
 its reservation, the source cancels its transfer), move the router's holds to the new worker
 (the old ones released once, the new one taken; `Router.retake`) and resume there with
 Generate after the tokens already streamed (same seed, so the continuation is identical).
-FAIL ends the request with an explicit `kv_not_visible` error. A request already moved
+FAIL ends the request with an explicit `kv_not_visible` error, except while a decode worker the
+supervisor is starting again (lost, restarts on: `backend.away`) may take it: then the request
+waits for it (RESTART_WAIT: its owners abort, its holds are released, and it is decided again once
+a decode worker registers or none is coming back), at most `backend.admission_wait_s` after its
+first such wait, as admission waits for a pool that is away (a 1P1D or 2P1D deployment whose
+only decode worker was killed or hung would otherwise fail every request it was serving). A request already moved
 `backend.max_reroutes` times (`--max-reroutes`; reroutes and retries together) is not moved
 again: it FAILs with `max_reroutes`, so a request that takes down every worker it lands on (a
 poison request) costs at most that many more workers. Every decision but a first-try
@@ -40,6 +45,7 @@ import time
 from pdserve.router.contract import ErrorEvent
 from pdserve.router.messages import RouteRequest
 from pdserve.router.process.fallback import (
+    KV_NOT_VISIBLE,
     DecodeStartAction,
     DecodeStartDecision,
     DecodeStartSituation,
@@ -50,6 +56,9 @@ from pdserve.router.state.reservations import HoldRequest
 from pdserve.workers import messages as m
 
 MAX_REROUTES = "max_reroutes"
+RESTART_WAIT = "restart_wait"  # the fallback outcome of a request waiting for a decode worker being restarted
+RESTART_POLL_S = 0.05
+DECODE_ROLES = frozenset({"decode", "colocated", "mixed"})
 
 
 def situation(backend, live: InFlight, lost: str | None) -> tuple[DecodeStartSituation, dict[str, HoldRequest]]:
@@ -73,6 +82,10 @@ async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -
         return None
     facts, holds = situation(backend, live, lost)
     decision = _capped(backend, live, decide_decode_start(facts))
+    if decision.action is DecodeStartAction.FAIL and decision.reason == KV_NOT_VISIBLE and _may_wait_restart(backend, live):
+        _record_outcome(backend, live, RESTART_WAIT, cause)
+        await _wait_restart(backend, live, lost)
+        return decision
     _record(backend, live, decision, cause)
     action = decision.action
     if action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
@@ -133,15 +146,61 @@ async def _move(backend, live: InFlight, hold: HoldRequest, lost: str | None) ->
                                                    resume_output_ids=tuple(live.output_ids), grant_seq=grant.grant_seq))
 
 
+def _decode_restarting(backend) -> bool:
+    """A decode-capable worker is lost and the supervisor is starting it again."""
+    roles = {wid: reg.role for wid, reg in backend.last_register.items()}
+    return backend.restarts and any(roles.get(wid) in DECODE_ROLES for wid in backend.away)
+
+
+def _may_wait_restart(backend, live: InFlight) -> bool:
+    if not _decode_restarting(backend):
+        return False
+    if live.restart_wait_until_s is None:
+        live.restart_wait_until_s = time.monotonic() + backend.admission_wait_s
+    return time.monotonic() < live.restart_wait_until_s
+
+
+async def _wait_restart(backend, live: InFlight, lost: str | None) -> None:
+    """Park the request until a decode worker registers (or none is coming back, or its wait is
+    over), then decide again. Its current attempt ends now: owners abort, holds are released, and
+    a fresh engine id makes the attempt's late messages and timers stale (no transfer is current)."""
+    for wid in live.owners - {lost}:
+        await backend._send(wid, m.Abort(live.engine_id, "restart_wait"))
+    live.owners = set()
+    live.transfer_id, live.kv_failed, live.published, live.started_decode = "", True, False, False
+    backend.release(live.req.request_id, completed=False)
+    live.generation += 1
+    live.engine_id = backend.alias(live, f"{live.req.request_id}#g{live.generation}")
+    attempt, decode_workers = live.engine_id, _decode_workers(backend)
+    asyncio.get_running_loop().create_task(_decide_when_back(backend, live, attempt, decode_workers))
+
+
+def _decode_workers(backend) -> frozenset[tuple[str, int]]:
+    return frozenset((wid, reg.epoch) for wid, reg in backend.registered.items()
+                     if reg.role in DECODE_ROLES and wid in backend.loads)
+
+
+async def _decide_when_back(backend, live: InFlight, attempt: str, before: frozenset) -> None:
+    while not live.done and live.engine_id == attempt and time.monotonic() < live.restart_wait_until_s:
+        if _decode_workers(backend) - before or not _decode_restarting(backend):
+            break
+        await asyncio.sleep(RESTART_POLL_S)
+    if not live.done and live.engine_id == attempt:
+        await decide(backend, live, "restart_waited")
+
+
 def _record(backend, live: InFlight, decision: DecodeStartDecision, cause: str) -> None:
-    outcome = decision.action.value
+    _record_outcome(backend, live, decision.action.value, cause, decision)
+
+
+def _record_outcome(backend, live: InFlight, outcome: str, cause: str, decision: DecodeStartDecision | None = None) -> None:
     path = live.trace.get("decode_start")
     live.note(decode_start=outcome if path is None else f"{path}>{outcome}")
-    if path is None and decision.action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
+    if path is None and decision is not None and decision.action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
         return  # the normal path (decode starts as soon as the K/V is published): not a fallback
     backend.metrics.fallbacks.labels(outcome).inc()
     live.note(fallback=outcome, fallback_cause=cause)
-    if decision.reason:
+    if decision is not None and decision.reason:
         live.note(fallback_reason=decision.reason)
 
 
