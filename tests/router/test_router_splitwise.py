@@ -127,3 +127,25 @@ def test_local_prefill_backlog_on_decode_workers_is_prompt_pressure():
     c = PoolController(T, prompt_pool_may_empty=True)
     assert all(c.observe(busy, float(t)) is None for t in range(6))
     assert c.prompt_streak == 0  # one prefill worker's 4.2 s, but the decode pool is pressed too
+
+
+def test_a_pressed_pool_is_met_by_mixed_workers_with_room_before_a_worker_is_borrowed():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=0.0)
+    c = PoolController(marks)
+    # 3.0 s queued at p0 and 1.0 s at the mixed m0: 4.0 s on the one prefill worker, pressed; m0 has room
+    roomy = PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}, local_prompt_s={"m0": 1.0}, mixed_kv_used={"m0": 0.3})
+    assert [c.observe(roomy, float(t)) for t in range(4)] == [None] * 4
+    assert c.offer.prefill and not c.offer.decode  # m0 offered to the prompt pool at the second observation
+    full = PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}, local_prompt_s={"m0": 2.5}, mixed_kv_used={"m0": 0.3})
+    moves = [c.observe(full, float(t)) for t in range(4, 6)]
+    assert moves[0] is None and moves[1] == Move("d0", "prefill", moves[1].reason)  # m0 full for `hold`: borrow
+
+
+def test_a_pressed_token_pool_is_met_by_mixed_workers_with_room_first():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=0.0)
+    c = PoolController(marks)
+    roomy = PoolSignals({"p0": 0.1, "p1": 0.0}, {"d0": 0.9}, tpot_used={"m0": 0.7}, mixed_kv_used={"m0": 0.4})
+    assert [c.observe(roomy, float(t)) for t in range(4)] == [None] * 4 and c.offer.decode
+    slow = PoolSignals({"p0": 0.1, "p1": 0.0}, {"d0": 0.9}, tpot_used={"m0": 0.85}, mixed_kv_used={"m0": 0.4})
+    moves = [c.observe(slow, float(t)) for t in range(4, 6)]  # m0's decodes at 85% of the TPOT objective: no room
+    assert moves[0] is None and moves[1] == Move("p1", "decode", moves[1].reason)

@@ -26,7 +26,10 @@ borrowed work shows in the same reports):
                       mean TPOT its live requests see / TPOT target)
 
 Hysteresis: a pool counts as pressed only after `hold` consecutive observations over its high
-mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`.
+mark while the other pool stays under its low mark and no mixed worker has room for its work
+(the elastic pool is used before a role's worker is disturbed: a mixed worker has room for prompt
+work while its own queued prompt seconds are under `prompt_high_s`, for token work while its own
+K/V in use and TPOT share are under `kv_high`); after a move nothing moves for `cooldown_s`.
 The worker lent is the other pool's least loaded one not lent already. A worker is lent only out
 of a pool it may leave for good (a loan may be adopted): the token pool keeps at least one worker,
 and so does the prompt pool unless `prompt_pool_may_empty` (the decode workers prefill locally:
@@ -36,7 +39,8 @@ same rule again. A loan whose worker is not LIVE (restarting, or draining) waits
 no longer holds (the worker registered again, unlent) is dropped with `forget`.
 The controller only ever lends `prefill` and `decode` workers; `mixed` workers stay mixed, and
 each observation also latches the two pressures (same marks, same `hold`) into `offer`, the
-pools the mixed workers serve now (router/splitwise/mixed_pool.py).
+pools the mixed workers serve now (router/splitwise/mixed_pool.py): a pressed pool is offered its
+mixed workers `hold` observations in, and borrows from the other pool only once they are full.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class PoolSignals:
     prompt_queue_s: dict[str, float]  # prefill workers: seconds of queued prompt work
     kv_used: dict[str, float]  # decode workers: fraction of K/V blocks in use
     tpot_used: dict[str, float] = field(default_factory=dict)  # decode workers: measured TPOT / TPOT target
-    local_prompt_s: dict[str, float] = field(default_factory=dict)  # decode workers: queued local prefill seconds
+    local_prompt_s: dict[str, float] = field(default_factory=dict)  # decode and mixed workers: queued prompt seconds
+    mixed_kv_used: dict[str, float] = field(default_factory=dict)  # mixed workers: fraction of K/V blocks in use
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,10 @@ class PoolController:
         prompt = _prompt_pressure(signals, sum(1 for w in self._lent_as("prefill") if w in signals.kv_used))
         kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
         self.offer = self.latches.observe(prompt, kv)
-        self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
-        self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
+        self.prompt_streak = (self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low
+                              and not self._mixed_room("prefill", signals) else 0)
+        self.token_streak = (self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s
+                             and not self._mixed_room("decode", signals) else 0)
         self.calm_streak = {"prefill": self.calm_streak.get("prefill", 0) + 1 if prompt < t.prompt_low_s else 0,
                             "decode": self.calm_streak.get("decode", 0) + 1 if kv < t.kv_low else 0}
         if now_s < self.quiet_until_s:
@@ -117,6 +124,14 @@ class PoolController:
     def forget(self, worker_id: str) -> None:
         """The worker's loan ended outside the controller (it registered again, unlent)."""
         self.loans.pop(worker_id, None)
+
+    def _mixed_room(self, pool: str, signals: PoolSignals) -> bool:
+        """Some LIVE mixed worker is under the `pool`'s high mark on its own: it takes the pool's
+        work before a worker of the other pool is borrowed (module contract)."""
+        t = self.thresholds
+        if pool == "prefill":
+            return any(signals.local_prompt_s.get(w, 0.0) < t.prompt_high_s for w in signals.mixed_kv_used)
+        return any(max(used, signals.tpot_used.get(w, 0.0)) < t.kv_high for w, used in signals.mixed_kv_used.items())
 
     def _lent_as(self, role: str) -> list[str]:
         return [w for w, (origin, _) in self.loans.items() if origin != role]
