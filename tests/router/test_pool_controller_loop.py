@@ -142,3 +142,13 @@ def test_a_prompt_backlog_goes_to_an_idle_mixed_worker_before_a_decode_worker_is
     asyncio.run(_observe(backend, controller, 8))
     assert [(mv.worker_id, mv.to_role, mv.kind) for mv in controller.moves][:1] == [("d0", "prefill", "lend")]
     assert backend.router.lent_to("d0") is Role.PREFILL
+
+
+def test_a_prefill_workers_k_v_in_use_is_observed_for_the_token_pool_it_may_be_lent_to():
+    backend = Backend({"p0": 0, "p1": 0, "d0": 0})
+    backend.loads["p1"] = m.Load(0, 0, 0, 25, 0, num_blocks=100)  # 75 of its 100 blocks in use
+    controller = PoolController(Thresholds(kv_high=0.8, kv_low=0.5, hold=1, cooldown_s=0.0))
+    controller.loans["p1"] = ("prefill", 0.0)  # lent to the token pool
+    signals = pool_signals(backend)
+    assert signals.prefill_kv_used == {"p0": 0.0, "p1": 0.75} and signals.kv_used == {"d0": 0.0}
+    assert controller.observe(signals, 1.0) is None and controller.loans == {"p1": ("prefill", 0.0)}  # 75%: not calm

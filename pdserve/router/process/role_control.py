@@ -145,9 +145,10 @@ def pool_signals(backend) -> PoolSignals:
     drains, restarts or has not reported yet is left out, the rest still observed). A decode
     worker's queued prompts (local prefills, or prompt work while lent to the prompt pool) are
     prompt work (`local_prompt_s`); its TPOT share is measured, the mean TPOT its live requests
-    see so far over the TPOT objective. A mixed worker's K/V in use and TPOT share are its room
-    for token work (the controller meets a pressed pool with mixed workers first)."""
-    prompt, local, kv, mixed_kv = {}, {}, {}, {}
+    see so far over the TPOT objective. A mixed worker's, and a prefill worker's, K/V in use and
+    TPOT share are reported too: the controller counts a prefill worker's in the token pool while
+    it is lent there, and either's as its room for token work."""
+    prompt, local, kv, mixed_kv, prefill_kv = {}, {}, {}, {}, {}
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
@@ -155,14 +156,15 @@ def pool_signals(backend) -> PoolSignals:
         queued_s = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
         if reg.role == "prefill":
             prompt[wid] = queued_s
+            prefill_kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
             local[wid] = queued_s
         elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
             mixed_kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
             local[wid] = queued_s
-    tpot = measured_tpot_share(backend, [*kv, *mixed_kv], time.monotonic())
-    return PoolSignals(prompt, kv, tpot, local, mixed_kv)
+    tpot = measured_tpot_share(backend, [*kv, *mixed_kv, *prefill_kv], time.monotonic())
+    return PoolSignals(prompt, kv, tpot, local, mixed_kv, prefill_kv)
 
 
 def measured_tpot_share(backend, decode_workers, now_s: float) -> dict[str, float]:
