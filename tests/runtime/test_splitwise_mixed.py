@@ -158,7 +158,7 @@ async def _mixed_first_scenario():
     cfg = config(mode="splitwise", num_prefill=2, num_decode=1, num_mixed=1, splitwise=TOKEN_MARKS)
     async with cluster(cfg) as (backend, _):
         router, release = backend.router, asyncio.Event()
-        lent = lambda: [w for w in ("prefill-0", "prefill-1") if router.lent_to(w) is not None]  # noqa: E731
+        lent = lambda: [w for w in ("prefill-0", "prefill-1") if router.lent_to(w) is not None]
         first = asyncio.create_task(_hold(backend, "hold", PROMPTS[0], release))  # calm offer: decode-0 decodes it
         await _until(lambda: router.mixed_offer.decode or first.done(), "the token pool's pressure never latched")
         await asyncio.sleep(1.5)  # three more observations: the idle mixed worker has room, nobody is lent
