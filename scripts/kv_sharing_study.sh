@@ -13,7 +13,9 @@
 #   RUNS rounds, each serving both arms in a rotated order (uptime recorded before each run); per
 #   run: TTFT p50/p90 per turn and over turns >= 1, the server's pdserve_prefix_hit_tokens_total by
 #   where (local, remote, host), fetched bytes, and the prompt tokens recomputed (prompt - cached,
-#   from the trace lines); summary.json holds the medians over rounds and the turn >= 1 ratio.
+#   from the trace lines); summary.json holds the medians over rounds, the ratio of the arms'
+#   medians over turns >= 1, and the ratio paired per round (no sharing / sharing in one round)
+#   with its median.
 # Knobs (env): TOPO (colocated), C (1), T (6), INPUT (1000), SHARED (0), TURN (160), OUTPUT (32),
 #   RUNS (3), KV_MB (512, each worker's pool), HOST_MB (0: the sharing arm's --host-kv-mb),
 #   POLICY (round_robin colocated, prefix otherwise), EXTRA_SERVE_ARGS, PYTHON (python3: the
@@ -92,6 +94,10 @@ for arm in ("sharing", "no_sharing"):
                                             max(l.get("prompt_tokens", 0) for l in lines)]}
 summary["ttft_ratio_no_sharing_over_sharing"] = (summary["no_sharing"]["median_later_turn_ttft_p50_s"]
                                                  / summary["sharing"]["median_later_turn_ttft_p50_s"])
+paired = [n / s for n, s in zip(summary["no_sharing"]["later_turn_ttft_p50_s_per_run"],
+                                summary["sharing"]["later_turn_ttft_p50_s_per_run"])]
+summary["paired_ttft_ratio_per_round"] = paired  # the issue's figure: each round's two arms, then the median
+summary["median_paired_ttft_ratio"] = statistics.median(paired)
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
 print(json.dumps(summary, indent=1))
 try:  # a small plot of TTFT per turn, both arms (skipped without matplotlib)

@@ -10,8 +10,11 @@
 #      RATE req/s (Poisson, the same seed) -> good request throughput (requests meeting both clocks
 #      per second, vLLM's per-run goodput) and joint attainment; medians over rounds in summary.json
 #      `uptime` before each served mode goes to OUT_DIR/uptime.log (the machine's load per arm)
+#   The servers run as `pdserve serve` does by default: the decision's SLO targets are the ones the
+#   server derives from its profile (SERVE_SLOS=1 gives every server the derived SLOs as flags
+#   instead); the bench scores every arm against the derived SLOs.
 # Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long), MODES ("always never
-# margin"; the summary's ratios need all three), PORT, EXTRA_SERVE_ARGS.
+# margin"; the summary's ratios need all three), PORT, SERVE_SLOS (0), EXTRA_SERVE_ARGS.
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
 mkdir -p "$out"
@@ -40,15 +43,16 @@ source "$(dirname "$0")/study_server.sh"
 read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo 1536)")
 echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N, \"workload\": \"$WORKLOAD\"}" | tee "$out/slos.json"
 
+serve_slos=(); [[ ${SERVE_SLOS:-0} == 1 ]] && serve_slos=(--slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT")
 read -r -a modes <<< "${MODES:-always never margin}"
 for run in $(seq 1 "$RUNS"); do
   for k in $(seq 0 $(( ${#modes[@]} - 1 ))); do
     mode=${modes[$(( (k + run - 1) % ${#modes[@]} ))]}
     echo "$mode.$run $(date -u +%H:%M:%S) $(uptime)" >> "$out/uptime.log"
     start_server "$mode.$run" --mode disaggregated --prefill 1 --decode 1 --pd-decision "$mode" \
-      --trace-dir "$out/$mode.$run.trace" --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT"
+      --trace-dir "$out/$mode.$run.trace" "${serve_slos[@]}"
     $PD bench --endpoint "http://127.0.0.1:$PORT" --trace "$out/mixed.jsonl" --rate "$RATE" --arrival poisson \
-      --seed 11 --prompt-format ids --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT" --json "$out/$mode.$run.json" \
+      --seed 11 --prompt-format ids --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT" --json "$out/$mode.$run.json" --include-records \
       --quiet > "$out/$mode.$run.log"
     stop_server
   done
@@ -59,11 +63,25 @@ python3 - "$out" "$RUNS" <<'PY'
 import json, statistics, sys
 out, runs = sys.argv[1], int(sys.argv[2])
 rows = {}
+
+
+def peak_decodes(report):
+    """The most requests decoding at once (first token to end; 1P1D: all on the decode worker)."""
+    edges = sorted(e for r in report.get("records", []) if r["success"] and r["ttft_s"] is not None
+                   for e in ((r["arrival_s"] + r["ttft_s"], 1), (r["arrival_s"] + r["e2e_s"], -1)))
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
 for mode in ("always", "never", "margin"):
     reports = [json.load(open(f"{out}/{mode}.{r}.json")) for r in range(1, runs + 1)]
     good = [d["good_request_throughput"] for d in reports]
     rows[mode] = {"good_request_throughput": good, "median": statistics.median(good),
-                  "joint_attainment": [d.get("attainment_joint", d.get("joint_attainment")) for d in reports]}
+                  "joint_attainment": [d.get("attainment_joint", d.get("joint_attainment")) for d in reports],
+                  "peak_concurrent_decodes": [peak_decodes(d) for d in reports]}
 best = max(rows["always"]["median"], rows["never"]["median"])
 worst = min(rows["always"]["median"], rows["never"]["median"])
 m = rows["margin"]["median"]

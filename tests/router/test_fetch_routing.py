@@ -6,11 +6,20 @@ the scalar `plan_fetch`."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from router_fixtures import colocated
 
-from pdserve.router.kv.fetch_plan import FETCH, LOCAL, RECOMPUTE, fetch_credit, leading_run, plan_fetch
+from pdserve.router.kv.fetch_plan import (
+    FETCH,
+    LOCAL,
+    RECOMPUTE,
+    fetch_credit,
+    leading_run,
+    plan_fetch,
+    plan_join,
+)
 from pdserve.router.messages import RouteRequest
 from pdserve.router.policy.policies import Choice, PolicyContext, prefix_aware
 from pdserve.router.pricing.cost import CostModel
@@ -47,6 +56,23 @@ def test_a_slow_cross_host_fetch_is_not_planned():
     snapshot = colocated([dict(host="h0", pending=100, held=frozenset(DOC)), dict(host="h1")])
     choice = prefix_aware(snapshot, LONG, SHARING)
     assert (choice.prefill_slot, choice.ttft_s) == (0, pytest.approx(0.110))  # w0's queue is cheaper than either
+
+
+def test_a_running_fetch_of_a_shorter_prefix_is_joined_when_waiting_for_it_is_cheaper():
+    whole = plan_fetch("w0", DOC, {"w0": set(), "w1": set(DOC)}, 8, COST, lambda w: True)
+    assert (whole.decision, whole.local_blocks, whole.remote_blocks, whole.fetch_s) == (FETCH, 0, 8, pytest.approx(0.064))
+    # another fetch lands DOC's first 6 blocks at w0 in 10 ms: then 2 blocks (32 MB, 16 ms) beat 64 ms
+    rest = plan_join(whole, 6, 0.010, COST, True)
+    assert (rest.decision, rest.holder, rest.local_blocks, rest.remote_blocks) == (FETCH, "w1", 6, 8)
+    assert (rest.fetch_bytes, rest.fetch_s, rest.saved_s) == (32_000_000, pytest.approx(0.016), pytest.approx(0.032))
+    assert plan_join(whole, 6, 0.050, COST, True) is None  # 50 + 16 ms > 64 ms: its own fetch now
+    # with 40 ms per fetch the 2-block remainder costs more (56 ms) than its prefill (32 ms): joined,
+    # it is recomputed (10 + 32 ms < 104 ms for the whole fetch)
+    slow = replace(COST, transfer_overhead_s=0.04)
+    whole = plan_fetch("w0", DOC, {"w0": set(), "w1": set(DOC)}, 8, slow, lambda w: True)
+    assert (whole.decision, whole.fetch_s) == (FETCH, pytest.approx(0.104))
+    rest = plan_join(whole, 6, 0.010, slow, True)
+    assert (rest.decision, rest.fetch_s, rest.saved_s) == (RECOMPUTE, pytest.approx(0.056), pytest.approx(0.032))
 
 
 def test_plan_fetch_terms():

@@ -24,7 +24,7 @@ from pdserve.router.splitwise.splitwise import Move, PoolController, Thresholds
 from pdserve.router.state.registry import WorkerState
 from pdserve.workers import messages as m
 
-ROLE = {"p": "prefill", "d": "decode"}
+ROLE = {"p": "prefill", "d": "decode", "m": "mixed"}
 
 
 class Backend:
@@ -116,3 +116,39 @@ def test_a_loan_the_router_no_longer_holds_is_forgotten():
     marks = Thresholds(prompt_high_s=1e-6, prompt_low_s=0.0, kv_high=0.99, kv_low=0.9, hold=1, cooldown_s=3600.0)
     lent, after = asyncio.run(_lend_then_restart(backend, PoolController(marks)))
     assert set(lent) == {"d0"} and after == {} and backend.router.lent_to("d0") is None
+
+
+async def _observe(backend: Backend, controller: PoolController, n: int) -> None:
+    """Run the controller loop for `n` observations."""
+    seen = []
+    observe = controller.observe
+    controller.observe = lambda signals, now_s: seen.append(now_s) or observe(signals, now_s)
+    loop = asyncio.create_task(run_pool_controller(backend, controller, period_s=0.005))
+    while len(seen) < n:
+        await asyncio.sleep(0.005)
+    loop.cancel()
+    controller.observe = observe
+
+
+def test_a_prompt_backlog_goes_to_an_idle_mixed_worker_before_a_decode_worker_is_lent():
+    backend = Backend({"p0": 1_000_000, "d0": 0, "d1": 0, "m0": 0})  # m0: mixed, idle
+    marks = Thresholds(prompt_high_s=1.0, prompt_low_s=0.1, kv_high=0.99, kv_low=0.9, hold=2, cooldown_s=0.0)
+    controller = PoolController(marks)
+    assert pool_signals(backend).mixed_kv_used == {"m0": 0.0}
+    asyncio.run(_observe(backend, controller, 8))
+    assert backend.router.mixed_offer.prefill and controller.moves == []
+    assert [backend.router.lent_to(w) for w in ("d0", "d1")] == [None, None]
+    backend.loads["m0"] = m.Load(1_000_000, 0, 0, 100, 0, num_blocks=100)  # m0's own queue is full now
+    asyncio.run(_observe(backend, controller, 8))
+    assert [(mv.worker_id, mv.to_role, mv.kind) for mv in controller.moves][:1] == [("d0", "prefill", "lend")]
+    assert backend.router.lent_to("d0") is Role.PREFILL
+
+
+def test_a_prefill_workers_k_v_in_use_is_observed_for_the_token_pool_it_may_be_lent_to():
+    backend = Backend({"p0": 0, "p1": 0, "d0": 0})
+    backend.loads["p1"] = m.Load(0, 0, 0, 25, 0, num_blocks=100)  # 75 of its 100 blocks in use
+    controller = PoolController(Thresholds(kv_high=0.8, kv_low=0.5, hold=1, cooldown_s=0.0))
+    controller.loans["p1"] = ("prefill", 0.0)  # lent to the token pool
+    signals = pool_signals(backend)
+    assert signals.prefill_kv_used == {"p0": 0.0, "p1": 0.75} and signals.kv_used == {"d0": 0.0}
+    assert controller.observe(signals, 1.0) is None and controller.loans == {"p1": ("prefill", 0.0)}  # 75%: not calm

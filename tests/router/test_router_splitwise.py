@@ -127,3 +127,46 @@ def test_local_prefill_backlog_on_decode_workers_is_prompt_pressure():
     c = PoolController(T, prompt_pool_may_empty=True)
     assert all(c.observe(busy, float(t)) is None for t in range(6))
     assert c.prompt_streak == 0  # one prefill worker's 4.2 s, but the decode pool is pressed too
+
+
+def test_a_pressed_pool_is_met_by_mixed_workers_with_room_before_a_worker_is_borrowed():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=0.0)
+    c = PoolController(marks)
+    # 3.0 s queued at p0 and 1.0 s at the mixed m0: 4.0 s on the one prefill worker, pressed; m0 has room
+    roomy = PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}, local_prompt_s={"m0": 1.0}, mixed_kv_used={"m0": 0.3})
+    assert [c.observe(roomy, float(t)) for t in range(4)] == [None] * 4
+    assert c.offer.prefill and not c.offer.decode  # m0 offered to the prompt pool at the second observation
+    full = PoolSignals({"p0": 3.0}, {"d0": 0.1, "d1": 0.2}, local_prompt_s={"m0": 2.5}, mixed_kv_used={"m0": 0.3})
+    moves = [c.observe(full, float(t)) for t in range(4, 6)]
+    assert moves[0] is None and moves[1] == Move("d0", "prefill", moves[1].reason)  # m0 full for `hold`: borrow
+
+
+def test_a_pressed_token_pool_is_met_by_mixed_workers_with_room_first():
+    marks = Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=2, cooldown_s=0.0)
+    c = PoolController(marks)
+    roomy = PoolSignals({"p0": 0.1, "p1": 0.0}, {"d0": 0.9}, tpot_used={"m0": 0.7}, mixed_kv_used={"m0": 0.4})
+    assert [c.observe(roomy, float(t)) for t in range(4)] == [None] * 4 and c.offer.decode
+    slow = PoolSignals({"p0": 0.1, "p1": 0.0}, {"d0": 0.9}, tpot_used={"m0": 0.85}, mixed_kv_used={"m0": 0.4})
+    moves = [c.observe(slow, float(t)) for t in range(4, 6)]  # m0's decodes at 85% of the TPOT objective: no room
+    assert moves[0] is None and moves[1] == Move("p1", "decode", moves[1].reason)
+
+
+def test_a_prefill_worker_lent_to_the_token_pool_counts_in_its_pressure_and_its_room():
+    c = PoolController(Thresholds(prompt_high_s=2.0, prompt_low_s=0.5, kv_high=0.8, kv_low=0.5, hold=1, cooldown_s=0.0))
+    prompts = {"p0": 0.1, "p1": 0.0, "p2": 0.0}
+    first = c.observe(PoolSignals(prompts, {"d0": 0.9}), 0.0)
+    assert first == Move("p1", "decode", first.reason) and "token pool at 90%" in first.reason
+    # d0 still at 90%, but the lent p1 has room (K/V 40%, TPOT 30%): no second loan
+    roomy = PoolSignals(prompts, {"d0": 0.9}, tpot_used={"p1": 0.3}, prefill_kv_used={"p0": 0.2, "p1": 0.4, "p2": 0.1})
+    assert c.observe(roomy, 1.0) is None and c.loans == {"p1": ("prefill", 0.0)}
+    # d0's decodes ended (30%) while p1 decodes at 70% of the TPOT objective: the pool is at 70%,
+    # not calm (50%), so the loan stays (p0's 90% is prompt work: it is not lent)
+    busy_guest = PoolSignals(prompts, {"d0": 0.3}, tpot_used={"p1": 0.7}, prefill_kv_used={"p0": 0.9, "p1": 0.6})
+    assert c.observe(busy_guest, 2.0) is None and c.loans == {"p1": ("prefill", 0.0)}
+    # both over the mark (d0 85%, p1 K/V 82%): no guest has room, the next prefill worker goes
+    full = PoolSignals(prompts, {"d0": 0.85}, tpot_used={"p1": 0.5}, prefill_kv_used={"p1": 0.82})
+    second = c.observe(full, 3.0)
+    assert second == Move("p2", "decode", second.reason) and "token pool at 85%" in second.reason
+    calm = PoolSignals(prompts, {"d0": 0.3}, prefill_kv_used={"p1": 0.45, "p2": 0.1})
+    back = c.observe(calm, 4.0)  # every member under 50%: the oldest loan returns
+    assert (back.worker_id, back.to_role, back.kind) == ("p1", "prefill", "return")

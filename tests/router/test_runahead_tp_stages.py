@@ -16,8 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
+from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import TpPricing
+from pdserve.router.router import Router
 from pdserve.router.runahead.runahead import Runahead, chunk_pricing
 from pdserve.router.runahead.runahead_plan import (
     ChainCaches,
@@ -33,6 +35,9 @@ TP1 = ChunkCost(0.0, 1.0, 0.125)  # 1 s a row + 1/8 s a causal pair
 TP2 = ChunkCost(0.0, 0.5, 0.0625)  # the same worker at half the time
 STAGE = {1: TP1, 2: TP2}
 LINK = LinkCost(0.0, 1.0, 1)  # one second per prefix row per layer
+# the router's prior whose same-host link is LINK at 2 layers (2 bytes a token, 1 B/s, no setup)
+LINK_PRIOR = CostModel(same_host_bytes_per_s=1.0, cross_host_bytes_per_s=1.0, transfer_overhead_s=0.0,
+                       kv_bytes_per_token=2, fitted=True)
 KEY = RunaheadKey("feedbeef", 2, "bfloat16", "avx2", (1, 1))
 
 
@@ -153,14 +158,15 @@ def test_stage_chunk_costs_are_the_routers_worker_prices():
     assert (fit2(1).overhead_s, fit2(1).s_per_row, fit2(1).s_per_pair) == pytest.approx((0.02, 7.84e-4, 2e-6), rel=1e-14)
 
 
-def _backend(tps: dict[str, int], pending: dict[str, int]):
+def _backend(tps: dict[str, int], pending: dict[str, int], prior: CostModel = LINK_PRIOR):
     registered = {w: SimpleNamespace(role="prefill", handoff_address=("127.0.0.1", 1), tp=tp) for w, tp in tps.items()}
     loads = {w: SimpleNamespace(pending_prompt_tokens=pending[w], role_state="serving") for w in tps}
-    return SimpleNamespace(registered=registered, loads=loads, away=set())
+    router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi", cost=prior))
+    return SimpleNamespace(registered=registered, loads=loads, away=set(), router=router)
 
 
 def test_the_router_searches_a_chain_at_its_workers_registered_sizes():
-    runahead = Runahead(2, 1, 4, ChainCaches(KEY, None, STAGE.__getitem__, LINK, 2), CollectorRegistry())
+    runahead = Runahead(2, 1, 4, ChainCaches(KEY, None, STAGE.__getitem__, LINK, 2), LINK_PRIOR, CollectorRegistry())
     # p2 (TP 2, least loaded) runs first, the route's p0 (TP 1) last
     backend = _backend({"p0": 1, "p1": 1, "p2": 2}, {"p0": 0, "p1": 50, "p2": 10})
     assert runahead.plan_chain(backend, "p0", 32) == (("p2", "p0"), (28, 4))
@@ -169,3 +175,24 @@ def test_the_router_searches_a_chain_at_its_workers_registered_sizes():
     assert set(runahead.caches.caches) == {(2, 1), (1, 1)}
     assert runahead.plan_chain(backend, "p0", 4) is None  # one chunk: no chain
     assert runahead.plan_chain(_backend({"p0": 1}, {"p0": 0}), "p0", 32) is None  # nobody to chain with
+
+
+def test_chain_links_are_priced_at_the_routers_measured_handoff_link():
+    fast = CostModel(same_host_bytes_per_s=16.0, cross_host_bytes_per_s=16.0, transfer_overhead_s=0.0,
+                     kv_bytes_per_token=2, fitted=True)  # the prior: 16 B/s, no setup
+    runahead = Runahead(2, 1, 4, ChainCaches(KEY, None, STAGE.__getitem__, LinkCost.of(fast, 2), 2), fast,
+                        CollectorRegistry())
+    backend = _backend({"p0": 1, "p1": 1}, {"p0": 0, "p1": 0}, prior=fast)
+    assert runahead.plan_chain(backend, "p0", 32) == (("p1", "p0"), (28, 4))  # a fast link: stage 0 takes most
+    backend.router.observe_transfer(4, 6.0, True)  # published handoffs: 2 s of setup + 1 B/s
+    backend.router.observe_transfer(8, 10.0, True)
+    price = backend.router.link.price
+    assert (price.overhead_s, price.same_host_bytes_per_s) == pytest.approx((2.0, 1.0), rel=1e-12)
+    assert runahead.plan_chain(backend, "p0", 32) == (("p1", "p0"), (4, 28))  # the slow link: the cut moves
+    assert runahead.caches.link == LinkCost(price.overhead_s, price.same_host_bytes_per_s, 1)  # the fit's figures
+    measured = backend.router.link_cost(fast)  # the model the P/D decision prices its handoff with
+    assert runahead.caches.link.layer_s(12) == measured.transfer_s(12, True)  # one formula: 12 bytes of a layer
+    assert search_partition(32, 2, 4, 2, TP1, runahead.caches.link).predicted_s == pytest.approx(101.375, rel=1e-12)
+    # the price searched with stands until the fit moves by more than REPRICE (a quarter) in a term
+    assert not runahead.caches.follow_link(LinkCost(2.4, 1.2, 1)) and runahead.caches.link.overhead_s == price.overhead_s
+    assert runahead.caches.follow_link(LinkCost(2.0, 1.5, 1)) and runahead.caches.caches == {}

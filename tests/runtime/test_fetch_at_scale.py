@@ -106,3 +106,40 @@ def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it()
     assert renewed == {"colocated-0", "colocated-1"}  # holder and destination (no request lease in colocated)
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
     assert second == list(alone.generate([list(turn2)], PARAMS)[0].output_ids)
+
+
+LONG_HISTORY = prompt(128, 13)  # eight full blocks
+
+
+def test_a_request_joins_a_running_fetch_of_a_shorter_prefix_and_fetches_only_the_rest():
+    """Round robin: t1 (colocated-0) caches 8 blocks; c1 (colocated-1) fetches the first 6 with its
+    FetchServe held back 1 s; f (colocated-0) passes; c2 (colocated-1) wants all 8 while c1's fetch
+    runs: it waits for it and fetches the 2 blocks after (before: its own fetch of all 8)."""
+    async def main():
+        async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
+            first, event = await collect(backend, "t1", LONG_HISTORY, PARAMS)
+            assert isinstance(event, FinishEvent)
+            await until(lambda: all(backend.router.kv_holders(k) for k in backend._block_hashes(LONG_HISTORY)))
+            sent = _recording(backend, {m.FetchServe: 1.0})
+            shorter, longer = LONG_HISTORY[:96] + prompt(20, 14), LONG_HISTORY + prompt(20, 15)
+            c1 = asyncio.create_task(collect(backend, "c1", shorter, PARAMS))
+            await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
+            assert isinstance((await collect(backend, "f", prompt(20, 16), PARAMS))[1], FinishEvent)
+            c2 = asyncio.create_task(collect(backend, "c2", longer, PARAMS))
+            results = [await c1, await c2]
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            return (shorter, longer), results, sent, lines
+
+    prompts, results, sent, lines = asyncio.run(main())
+    c1, c2 = lines["c1"], lines["c2"]
+    assert (c1["prefill"], c1["fetch"], c1["fetch_remote_blocks"], c1["fetch_landed_blocks"]) == ("colocated-1", "fetch", 6, 6)
+    assert (c2["prefill"], c2["fetch"], c2["fetch_local_blocks"], c2["fetch_remote_blocks"]) == ("colocated-1", "fetch", 0, 8)
+    assert (c2["fetch_joined"], c2["fetch_joined_blocks"], c2["fetch_rest"]) == (True, 6, "fetch")
+    assert c2["fetch_landed_blocks"] == 8 and c2["cached_tokens"] >= 128  # 6 joined + the 2 it fetched
+    assert [kind for _, kind in sent].count("FetchReserve") == 2  # c1's, then c2's remainder
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    for p, (tokens, event) in zip(prompts, results):
+        assert isinstance(event, FinishEvent)
+        assert tokens == list(alone.generate([list(p)], PARAMS)[0].output_ids)

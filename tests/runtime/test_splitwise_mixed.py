@@ -145,3 +145,40 @@ def test_bad_mixed_pool_flags_are_refused_with_a_message(argv, message, capsys):
 
     assert run(_serve_args(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+async def _until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def _mixed_first_scenario():
+    cfg = config(mode="splitwise", num_prefill=2, num_decode=1, num_mixed=1, splitwise=TOKEN_MARKS)
+    async with cluster(cfg) as (backend, _):
+        router, release = backend.router, asyncio.Event()
+        lent = lambda: [w for w in ("prefill-0", "prefill-1") if router.lent_to(w) is not None]
+        first = asyncio.create_task(_hold(backend, "hold", PROMPTS[0], release))  # calm offer: decode-0 decodes it
+        await _until(lambda: router.mixed_offer.decode or first.done(), "the token pool's pressure never latched")
+        await asyncio.sleep(1.5)  # three more observations: the idle mixed worker has room, nobody is lent
+        lent_while_room = lent()
+        second = asyncio.create_task(_hold(backend, "hold2", PROMPTS[1], release))  # decodes on the mixed worker
+        await _until(lambda: lent() or second.done(), "no prefill worker was lent once the mixed worker was busy")
+        lent_when_full = lent()
+        release.set()
+        tokens = [await asyncio.wait_for(first, 120), await asyncio.wait_for(second, 120)]
+        await wait_baseline(backend)
+        router.assert_no_leaks()
+        return lent_while_room, lent_when_full, tokens, {line["request_id"]: line for line in backend.trace.recent}
+
+
+def test_a_pressed_token_pool_takes_the_mixed_worker_before_it_borrows_a_prefill_worker():
+    lent_while_room, lent_when_full, tokens, lines = asyncio.run(_mixed_first_scenario())
+    assert lent_while_room == []  # before: prefill-0 was lent at the observation that latched the offer
+    assert (lines["hold"]["decode"], lines["hold2"]["decode"]) == ("decode-0", "mixed-0")
+    assert lent_when_full == ["prefill-0"]  # the least loaded prefill worker, once mixed-0's K/V is in use
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    want = [list(out.output_ids) for out in alone.generate(
+        [list(PROMPTS[0]), list(PROMPTS[1])], [replace(HOLDING, max_tokens=len(t)) for t in tokens])]
+    assert all(tokens) and tokens == want

@@ -17,6 +17,12 @@ Contract:
   each slot's saving at its own prefill terms (the snapshot's `Derived.prefill_coef`); the
   reference test checks it against `plan_fetch` slot by slot, each slot's worker cost model in
   hand. `fetch_gain` is the one formula of both.
+- `plan_join` is the decision of a request whose planned fetch finds a running fetch to the same
+  destination of a shorter prefix of its own chain: wait for it, then fetch the remainder or
+  recompute it, whichever is cheaper, when that beats its own fetch of the whole prefix now
+  (the remainder's terms), else None (its own fetch). Seconds compared: the running fetch's
+  predicted remaining time + the cheaper of the remainder's fetch and its prefill, against the
+  whole fetch.
 - Hits are in blocks and already capped to what the engine can reuse (the prompt's last token is
   always computed). Block hashes are tenant-rooted, so a holder is always of the same tenant.
 """
@@ -111,3 +117,14 @@ def fetch_credit(cost: CostModel, own: np.ndarray, best: int, same_host: np.ndar
     _, fetch_s, saved_s = fetch_gain(cost, own, best, same_host, (prefill_coef[0], prefill_coef[1]))
     worth = fetch_s < saved_s
     return np.where(worth, best, own), np.where(worth, fetch_s, 0.0)
+
+
+def plan_join(terms: FetchTerms, covered: int, wait_s: float, cost: CostModel, same_host: bool) -> FetchTerms | None:
+    """For a planned fetch (`terms`) and a running fetch to its destination that lands the first
+    `covered` blocks of its chain (local < covered < remote) in about `wait_s`: the remainder's
+    terms (FETCH: covered..remote fetched once that one landed; RECOMPUTE: prefilled) when joining
+    is cheaper than the whole fetch now, else None (module contract)."""
+    nbytes, fetch_s, saved_s = fetch_gain(cost, covered, terms.remote_blocks, same_host)
+    rest = FetchTerms(FETCH if fetch_s < saved_s else RECOMPUTE, terms.holder, covered, terms.remote_blocks,
+                      int(nbytes), float(fetch_s), float(saved_s))
+    return rest if wait_s + min(rest.fetch_s, rest.saved_s) < terms.fetch_s else None

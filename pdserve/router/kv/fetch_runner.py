@@ -18,7 +18,15 @@ for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
 One fetch per (prefix, destination) in flight: while a fetch moves blocks to a destination, a
 later request whose planned fetch ends on one of those blocks (the chain hash names its whole
 prefix and tenant) waits for that fetch instead of starting its own, then prefills over what it
-landed (`fetch_joined` on its trace line, `pdserve_kv_fetch_waits_total`).
+landed (`fetch_joined` on its trace line, `pdserve_kv_fetch_waits_total`). A request whose
+planned fetch finds instead a running fetch to its destination of a shorter prefix of its own
+chain (it moves the request's block `covered` - 1, not its last) joins that one when
+`fetch_plan.plan_join` says waiting for it and then fetching the remainder, or recomputing it, is
+cheaper than its own fetch of the whole prefix now: it waits, and fetches the remainder (the
+destination's reservation counts what already landed as its own hit, so only the remainder
+moves) or prefills it (`fetch_joined_blocks`, `fetch_rest` on its trace line); otherwise it runs
+its own fetch. A joined fetch that failed leaves the request to recompute, as a waiter of the
+whole prefix does.
 Leases: both sides hold a fetch under a lease (workers/fetch.py, fetch_holder.py); `lease_ids`
 names each running fetch on its destination and holder, and the router renews them with the
 live requests' leases (router/process/frontend_upkeep.py `renewals`), so a fetch that takes
@@ -38,11 +46,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import Counter, Histogram
 
-from pdserve.router.kv.fetch_plan import FETCH, FetchTerms, plan_fetch
+from pdserve.router.kv.fetch_plan import (
+    FETCH,
+    RECOMPUTE,
+    FetchTerms,
+    plan_fetch,
+    plan_join,
+)
 from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.workers import messages as m
 from pdserve.workers.fetch_control import FETCH_SUFFIX
@@ -65,12 +79,20 @@ class _Fetch:
     started_s: float = field(default_factory=time.monotonic)
 
 
+@dataclass(frozen=True)
+class _Running:
+    """A fetch under way to one destination, as its waiters see it."""
+
+    landed: asyncio.Future  # the blocks it landed (0: it failed)
+    done_at_s: float  # when it is predicted to land (monotonic)
+
+
 class FetchRunner:
     def __init__(self, backend, enabled: bool = True):
         self.backend, self.enabled = backend, enabled
         self.pending: dict[str, _Fetch] = {}
-        # (destination, index key of a block a running fetch moves there) -> blocks that fetch landed
-        self._inflight: dict[tuple[str, int], asyncio.Future] = {}
+        # (destination, index key of a block a running fetch moves there) -> that fetch
+        self._inflight: dict[tuple[str, int], _Running] = {}
         self.rates = KvRates()  # measured fetch link, per-fetch overhead, host tier copy rate
         self._ids = itertools.count(1)
         r = backend.metrics.registry
@@ -94,11 +116,17 @@ class FetchRunner:
         """The fetch decision for `live` at `dest`; `keys`: its prompt's index keys."""
         b = self.backend
         self.cost()  # refresh the measured placement rates (and the policy's copy)
-        req, cost = live.req, self.rates.cost(b.router.worker_cost(dest))  # the prefill saved is dest's, at its TP size
+        req, cost = live.req, self._dest_cost(dest)
         held = {wid: b.router.kv_held(wid) for wid in b.registered}
-        host = b.registered[dest].host_id
         usable = (len(req.prompt_ids) - 1) // cost.block_size_tokens
-        return plan_fetch(dest, keys, held, usable, cost, lambda w: b.registered[w].host_id == host)
+        return plan_fetch(dest, keys, held, usable, cost, lambda w: self._same_host(w, dest))
+
+    def _dest_cost(self, dest: str):
+        """The model a fetch to `dest` is decided with: the prefill saved is dest's, at its TP size."""
+        return self.rates.cost(self.backend.router.worker_cost(dest))
+
+    def _same_host(self, a: str, b: str) -> bool:
+        return self.backend.registered[a].host_id == self.backend.registered[b].host_id
 
     async def prepare(self, live, dest: str) -> None:
         if not self.enabled or dest not in self.backend.registered:
@@ -111,28 +139,57 @@ class FetchRunner:
         running = self._inflight.get((dest, keys[terms.remote_blocks - 1]))
         if running is not None:  # the fetch of this prefix to this worker is under way: wait for it
             self.waits.inc()
-            landed = await asyncio.shield(running)  # one waiter cancelled must not cancel the others' future
+            landed = await asyncio.shield(running.landed)  # one waiter cancelled must not cancel the others' future
             live.note(fetch_joined=True, fetch_landed_blocks=min(landed, terms.fetch_blocks))
             return
-        own = asyncio.get_running_loop().create_future()
+        earlier, rest = await self._join_shorter(live, dest, keys, terms)
+        if rest is not None and rest.decision != FETCH:
+            return  # the remainder is recomputed (or the joined fetch failed)
+        await self._own(live, dest, keys, rest or terms, earlier)
+
+    async def _join_shorter(self, live, dest: str, keys: tuple[int, ...],
+                            terms: FetchTerms) -> tuple[int, FetchTerms | None]:
+        """(blocks landed for this request, the remainder's terms) after waiting on a running fetch
+        to `dest` of a shorter prefix of this chain when `plan_join` says so (module contract);
+        (0, None) when there is none or its own fetch is cheaper; a failed one: the remainder to
+        recompute."""
+        shorter = range(terms.remote_blocks - 1, terms.local_blocks, -1)  # the longest running prefix first
+        covered = next((n for n in shorter if (dest, keys[n - 1]) in self._inflight), 0)
+        if not covered or terms.holder not in self.backend.registered:
+            return 0, None
+        running = self._inflight[(dest, keys[covered - 1])]
+        wait_s = max(0.0, running.done_at_s - time.monotonic())
+        rest = plan_join(terms, covered, wait_s, self._dest_cost(dest), self._same_host(dest, terms.holder))
+        if rest is None:
+            return 0, None
+        self.waits.inc()
+        landed = min(await asyncio.shield(running.landed), covered - terms.local_blocks)
+        decision = rest.decision if landed else RECOMPUTE
+        live.note(fetch_joined=True, fetch_joined_blocks=covered, fetch_rest=decision, fetch_landed_blocks=landed)
+        return landed, rest if landed else replace(rest, decision=decision)
+
+    async def _own(self, live, dest: str, keys: tuple[int, ...], terms: FetchTerms, earlier: int) -> None:
+        """Run this request's fetch of `terms`, waiters of its blocks joining it; `earlier`: blocks
+        a joined fetch already landed for it."""
+        own = _Running(asyncio.get_running_loop().create_future(), time.monotonic() + terms.fetch_s)
         moved = keys[terms.local_blocks:terms.remote_blocks]
         for key in moved:
             self._inflight.setdefault((dest, key), own)
         landed = 0
         try:
-            landed = await self._fetch(live, dest, terms)
+            landed = await self._fetch(live, dest, terms, earlier)
         finally:
             for key in moved:
                 if self._inflight.get((dest, key)) is own:
                     del self._inflight[(dest, key)]
-            own.set_result(landed)
+            own.landed.set_result(landed)
 
-    async def _fetch(self, live, dest: str, terms: FetchTerms) -> int:
+    async def _fetch(self, live, dest: str, terms: FetchTerms, earlier: int = 0) -> int:
         """Run one planned fetch, note and count it; the blocks it landed."""
         t0 = time.monotonic()
         landed = await self._run(live, dest, terms)
         seconds = time.monotonic() - t0
-        live.note(fetch_landed_blocks=landed, fetch_s=round(seconds, 6))
+        live.note(fetch_landed_blocks=earlier + landed, fetch_s=round(seconds, 6))
         self.fetches.labels("landed" if landed else "failed").inc()
         if landed:
             self.fetch_seconds.observe(seconds)

@@ -44,6 +44,12 @@ def prefill_line(overhead_s: Num, s_per_token: Num, compute_tokens: Num) -> Num:
     return overhead_s + compute_tokens * s_per_token
 
 
+def transfer_line(overhead_s: Num, transfer_bytes: Num, bytes_per_s: Num) -> Num:
+    """A K/V transfer's seconds over one path: its setup plus its bytes at the path's rate (the
+    handoff's `transfer_s`, and each KV-Runahead chain link's per-layer hop)."""
+    return overhead_s + transfer_bytes / bytes_per_s
+
+
 @dataclass(frozen=True)
 class CostModel:
     prefill_s_per_token: float = 1.0e-4
@@ -196,20 +202,20 @@ class CostModel:
     def transfer_s(self, transfer_bytes: Num, same_host: Num) -> Num:
         """Seconds to move K/V between workers; zero bytes cost nothing (no transfer is set up)."""
         bandwidth = same_host * self.same_host_bytes_per_s + (1 - same_host) * self.cross_host_bytes_per_s
-        return (transfer_bytes > 0) * (self.transfer_overhead_s + transfer_bytes / bandwidth)
+        return (transfer_bytes > 0) * transfer_line(self.transfer_overhead_s, transfer_bytes, bandwidth)
 
     def transfer_s_paths(self, transfer_bytes: Num) -> tuple[Num, Num]:
         """(same-host, cross-host) `transfer_s`, bit-identical to the two calls, sharing one test."""
         moved = transfer_bytes > 0
         return (
-            moved * (self.transfer_overhead_s + transfer_bytes / self.same_host_bytes_per_s),
-            moved * (self.transfer_overhead_s + transfer_bytes / self.cross_host_bytes_per_s),
+            moved * transfer_line(self.transfer_overhead_s, transfer_bytes, self.same_host_bytes_per_s),
+            moved * transfer_line(self.transfer_overhead_s, transfer_bytes, self.cross_host_bytes_per_s),
         )
 
     def transfer_s_stacked(self, transfer_bytes: np.ndarray) -> np.ndarray:
         """[2, n]: rows (same-host, cross-host) of `transfer_s_paths` for byte counts that are all
         positive (the zero test would multiply by 1), both paths in one broadcast pass."""
-        return self.transfer_overhead_s + transfer_bytes / self._path_rates
+        return transfer_line(self.transfer_overhead_s, transfer_bytes, self._path_rates)
 
     def fetch_s(self, fetch_bytes: Num, same_host: Num) -> Num:
         """Seconds to fetch a prefix from another worker: `transfer_s` over the path, at the
@@ -219,7 +225,7 @@ class CostModel:
         if self.fetch_bytes_per_s > 0:
             same_bps, cross_bps = self.fetch_bytes_per_s, min(cross_bps, self.fetch_bytes_per_s)
         bandwidth = same_host * same_bps + (1 - same_host) * cross_bps
-        return (fetch_bytes > 0) * (self.transfer_overhead_s + self.fetch_overhead_s + fetch_bytes / bandwidth)
+        return (fetch_bytes > 0) * transfer_line(self.transfer_overhead_s + self.fetch_overhead_s, fetch_bytes, bandwidth)
 
     def promote_s(self, host_blocks: Num) -> Num:
         """Seconds to copy `host_blocks` host-tier blocks back into the device pool (a host-tier

@@ -23,7 +23,8 @@ prefill -> decode transfers; nothing else in the cost model changes.
   only against this machine's own prefill terms, never against the placeholders (this CPU's link
   overhead of a few ms against a GPU's placeholder prefill would call every 1P1D fetch of a short
   history too slow; `--pd-profile none` keeps placeholders against placeholders).
-The router applies it to every model it routes, decides and plans with (router.py).
+The router applies it to every model it routes, decides and plans with (router.py), and
+KV-Runahead prices its chain links with it (router/runahead/runahead.py `Runahead.link`).
 """
 
 from __future__ import annotations

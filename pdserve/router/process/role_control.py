@@ -26,7 +26,8 @@ move (`apply_move`): a lend and a return are router calls (`Router.lend`: the wo
 role, epoch and running work; nothing drains), and only an adoption ("change") is a role change,
 run by `change_role` as a task while the controller keeps observing. After every observation it
 hands the router the controller's latched offer, the pools the mixed workers serve
-(router/splitwise/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure.
+(router/splitwise/mixed_pool.py). A mixed worker's queued prompts count as prompt pressure, and
+its own load says whether it has room left before the other pool is borrowed from.
 """
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def pool_signals(backend) -> PoolSignals:
     drains, restarts or has not reported yet is left out, the rest still observed). A decode
     worker's queued prompts (local prefills, or prompt work while lent to the prompt pool) are
     prompt work (`local_prompt_s`); its TPOT share is measured, the mean TPOT its live requests
-    see so far over the TPOT objective."""
-    prompt, local, kv = {}, {}, {}
+    see so far over the TPOT objective. A mixed worker's, and a prefill worker's, K/V in use and
+    TPOT share are reported too: the controller counts a prefill worker's in the token pool while
+    it is lent there, and either's as its room for token work."""
+    prompt, local, kv, mixed_kv, prefill_kv = {}, {}, {}, {}, {}
     for wid, reg in backend.registered.items():
         load = backend.loads.get(wid)
         if load is None or backend.router.worker_state(wid) is not WorkerState.LIVE:
@@ -153,16 +156,19 @@ def pool_signals(backend) -> PoolSignals:
         queued_s = float(backend.router.worker_cost(wid).queue_s(load.pending_prompt_tokens))  # at its TP size
         if reg.role == "prefill":
             prompt[wid] = queued_s
+            prefill_kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
         elif reg.role == "decode":
             kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
             local[wid] = queued_s
         elif reg.role == "mixed":  # its queued prompts are prompt work too; it is never moved
+            mixed_kv[wid] = 1.0 - load.free_blocks / max(1, load.num_blocks)
             local[wid] = queued_s
-    return PoolSignals(prompt, kv, measured_tpot_share(backend, kv, time.monotonic()), local)
+    tpot = measured_tpot_share(backend, [*kv, *mixed_kv, *prefill_kv], time.monotonic())
+    return PoolSignals(prompt, kv, tpot, local, mixed_kv, prefill_kv)
 
 
 def measured_tpot_share(backend, decode_workers, now_s: float) -> dict[str, float]:
-    """Per decode worker: the mean TPOT of its live requests (at least MIN_TPOT_TOKENS tokens,
+    """Per worker that decodes: the mean TPOT of its live requests (at least MIN_TPOT_TOKENS tokens,
     counting the wait since the last one) over the TPOT objective; 0 with none."""
     seen: dict[str, list[float]] = {wid: [] for wid in decode_workers}
     for live in backend.live.values():

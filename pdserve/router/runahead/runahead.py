@@ -8,7 +8,9 @@ fallback) and K - 1 other live prefill workers exist, it
      worker (it holds the route's staging hold and sends the complete K/V to the decode worker);
   2. cuts the prompt with the cached partition search (router/runahead/runahead_plan.py), each stage's
      chunks priced at its worker's registered TP size (`chunk_pricing`; cached per tuple of
-     stage sizes);
+     stage sizes) and its links at the handoff link's price as the P/D decision reads it
+     (`Router.link_cost`: measured once transfers were published, router/pricing/link_rates.py;
+     re-searched when that price moves, `ChainCaches.follow_link`);
   3. reserves each later stage's prefix (ReserveKv with `chain_start`, all at once) and answers
      False, leaving the ordinary single-worker prefill to the caller, if any refuses;
   4. sends every stage its Prefill: prompt up to its end, a plan (capability-signed, like any
@@ -32,9 +34,10 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import Counter
 
 from pdserve.engine.sequence import SamplingParams
+from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp
 from pdserve.router.process import recovery
-from pdserve.router.runahead.runahead_plan import ChainCaches, ChunkCost
+from pdserve.router.runahead.runahead_plan import ChainCaches, ChunkCost, LinkCost
 from pdserve.workers import messages as m
 
 FAILED = "runahead_failed"
@@ -54,6 +57,7 @@ class Runahead:
     min_tokens: int
     chunk_tokens: int
     caches: ChainCaches  # searched partitions per tuple of stage TP sizes
+    link_prior: CostModel  # whose transfer terms price a link before the router measured one
     registry: object = None  # the backend's metrics registry
     chains: dict[str, Chain] = field(default_factory=dict)  # request id -> its chain, until the first token
     disabled: set[str] = field(default_factory=set)  # requests that fell back: never chained again
@@ -97,10 +101,15 @@ class Runahead:
         others = _chain_workers(backend, prefill_id, self.k - 1)
         if not others:
             return None
+        self.caches.follow_link(self.link(backend))
         workers = (*others, prefill_id)
         tps = tuple(backend.registered[wid].tp for wid in workers)
         partition = self.caches.partition(num_tokens, self.chunk_tokens, tps)
         return None if partition is None else (workers, partition)
+
+    def link(self, backend) -> LinkCost:
+        """A chain link's price now: the handoff link as the router prices the P/D decision's."""
+        return LinkCost.of(backend.router.link_cost(self.link_prior), self.caches.num_layers)
 
     def _link_id(self, live, stage: int) -> str:
         return f"{live.transfer_id}/ra{stage}"
@@ -238,7 +247,8 @@ def make_runahead(k: int, min_tokens: int, model_dir, engine, pricing: TpPricing
     """The router's chain runner for `--prefill-runahead k`. The partition search prices each
     stage's chunks at its worker's TP size (`chunk_pricing`): with the `pdserve profile` fit
     `--pd-profile FILE` names (its a + b*rows + c*pairs), else with the router's affine prefill
-    cost (no attention term: the search balances rows); links with its same-host transfer cost.
+    cost (no attention term: the search balances rows); links at the router's handoff link price
+    (its same-host transfer terms: the prior until transfers are measured, `Runahead.link`).
     Cache key: the checkpoint hash, k, the stages' TP sizes, the dtype (storage and compute) and
     the CPU kind; on disk under `$PDSERVE_CACHE` (~/.cache/pdserve)."""
     import json
@@ -248,7 +258,7 @@ def make_runahead(k: int, min_tokens: int, model_dir, engine, pricing: TpPricing
     from pdserve.model.cpu import cpu_report
     from pdserve.model.default import default_cache_root
     from pdserve.model.loader import checkpoint_hash
-    from pdserve.router.runahead.runahead_plan import LinkCost, RunaheadKey
+    from pdserve.router.runahead.runahead_plan import RunaheadKey
 
     mc = load_config(model_dir)
     dtype = engine.dtype if engine.compute_dtype in (None, engine.dtype) else f"{engine.dtype}-{engine.compute_dtype}"
@@ -256,8 +266,7 @@ def make_runahead(k: int, min_tokens: int, model_dir, engine, pricing: TpPricing
     profile = None
     if profile_path and profile_path not in ("auto", "none"):
         profile = json.loads(Path(profile_path).read_text())
-    cost = pricing.base  # the transfer terms: the same at every TP size
-    link = LinkCost(cost.transfer_overhead_s, cost.same_host_bytes_per_s, cost.kv_bytes_per_token // mc.num_layers)
+    prior = pricing.base  # the transfer terms: the same at every TP size
     root = Path(cache_root) if cache_root is not None else default_cache_root().parent
-    caches = ChainCaches(key, root, chunk_pricing(pricing, profile), link, mc.num_layers)
-    return Runahead(k, min_tokens, engine.max_num_batched_tokens, caches, registry)
+    caches = ChainCaches(key, root, chunk_pricing(pricing, profile), LinkCost.of(prior, mc.num_layers), mc.num_layers)
+    return Runahead(k, min_tokens, engine.max_num_batched_tokens, caches, prior, registry)

@@ -12,9 +12,14 @@ Contract (pure, no I/O but `PartitionCache`'s file):
   for every stage); the single-worker time is the last stage's (the route's prefill worker).
 - Critical path (`chain_finish_s`): worker i starts layer l of its first chunk once that layer of
   the prefix (S_{i-1} rows, the ledger's `prefix_sums_sent`) has arrived: the predecessor's last
-  chunk finished layer l, plus the link's per-layer time (overhead + S rows x bytes per layer
-  token / bandwidth). Later chunks of a worker follow its first, whole. The chain's finish is the
-  last worker's.
+  chunk finished layer l, plus the link's per-layer time (the cost model's `transfer_line`:
+  overhead + S rows x bytes per layer token / bandwidth). Later chunks of a worker follow its
+  first, whole. The chain's finish is the last worker's.
+- The link is the handoff link's price (`LinkCost.of` a cost model: its same-host path, the
+  router's measured one, router/pricing/link_rates.py, once transfers were published).
+  `ChainCaches.follow_link` moves the search to a new price when it departs from the one searched
+  with by more than `REPRICE` in either term (the search of a long K = 4 chain takes seconds, so
+  not at every sample); the caches then start afresh.
 - `search_partition` tries every composition of the prompt's chunks into K parts (the first
   `MAX_CANDIDATES`) and keeps the smallest finish (ties: the first in lexicographic order); None
   when the prompt has fewer than K chunks. `PartitionCache` keeps results per `RunaheadKey`
@@ -36,8 +41,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pdserve.ledger.runahead import prefix_sums_sent, triangular_work
+from pdserve.router.pricing.cost import CostModel, transfer_line
 
 MAX_CANDIDATES = 50_000  # compositions tried at most; beyond it the chunks are split evenly
+REPRICE = 0.25  # a link price that moved by more than this share in either term is searched again
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,19 @@ class LinkCost:
     bytes_per_s: float
     bytes_per_layer_token: int
 
+    @classmethod
+    def of(cls, cost: CostModel, num_layers: int) -> LinkCost:
+        """A chain link priced as `cost` prices a same-host handoff, one layer's share of its bytes."""
+        return cls(cost.transfer_overhead_s, cost.same_host_bytes_per_s, cost.kv_bytes_per_token // num_layers)
+
     def layer_s(self, prefix_rows: int) -> float:
-        return self.overhead_s + prefix_rows * self.bytes_per_layer_token / self.bytes_per_s
+        return transfer_line(self.overhead_s, prefix_rows * self.bytes_per_layer_token, self.bytes_per_s)
+
+    def departs_from(self, other: LinkCost) -> bool:
+        """Whether this price moved from `other` by more than `REPRICE` in either term."""
+        pairs = ((self.overhead_s, other.overhead_s), (self.bytes_per_s, other.bytes_per_s))
+        return self.bytes_per_layer_token != other.bytes_per_layer_token or any(
+            abs(a - b) > REPRICE * max(a, b) for a, b in pairs)
 
 
 @dataclass(frozen=True)
@@ -228,7 +246,8 @@ class PartitionCache:
 class ChainCaches:
     """One `PartitionCache` per tuple of stage TP sizes: a chain is searched with each stage's
     `stage_cost(tp)` under `key` with those sizes (its own file), so chains of different sizes
-    never share a partition. `key`'s own `tps` is a template (only its other fields are used)."""
+    never share a partition. `key`'s own `tps` is a template (only its other fields are used).
+    Every cache searches with `link` (`follow_link` replaces it, module contract)."""
 
     def __init__(self, key: RunaheadKey, root: Path | None, stage_cost: Callable[[int], ChunkCost], link: LinkCost,
                  num_layers: int):
@@ -246,6 +265,15 @@ class ChainCaches:
                 costs = tuple(self.stage_cost(tp) for tp in tps)
                 found = self.caches[tps] = PartitionCache(key, self.root, costs, self.link, self.num_layers)
         return found
+
+    def follow_link(self, link: LinkCost) -> bool:
+        """Search with `link` from now on if it departs from the price searched with (the caches
+        start afresh); False: the price searched with stands."""
+        with self._lock:
+            if not link.departs_from(self.link):
+                return False
+            self.link, self.caches = link, {}
+        return True
 
     def partition(self, num_tokens: int, chunk_tokens: int, tps: Sequence[int]) -> tuple[int, ...] | None:
         return self.cache(tps).partition(num_tokens, chunk_tokens)

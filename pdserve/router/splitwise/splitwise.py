@@ -21,12 +21,22 @@ borrowed work shows in the same reports):
                       queue_s(pending prompt tokens) summed over the prompt pool and the decode
                       workers' queued prompts (local prefills, and prompt work of a decode worker
                       lent to the prompt pool), per prefill worker or decode worker lent there
-    token pressure    the token pool's busiest worker: the larger of its K/V in use (1 - free
-                      blocks / blocks) and its measured TPOT's share of the TPOT objective (the
-                      mean TPOT its live requests see / TPOT target)
+    token pressure    the token pool's busiest worker, a decode worker or a prefill worker lent
+                      to the pool: the larger of its K/V in use (1 - free blocks / blocks) and its
+                      measured TPOT's share of the TPOT objective (the mean TPOT its live requests
+                      see / TPOT target)
+
+The prompt pressure counts a lent worker's capacity in its mean; the token pressure is a maximum,
+so a worker lent to the token pool counts there twice: its load in the maximum (the pool is not
+calm, and its loan not returned, while the lent worker is busy) and its room (below).
 
 Hysteresis: a pool counts as pressed only after `hold` consecutive observations over its high
-mark while the other pool stays under its low mark; after a move nothing moves for `cooldown_s`.
+mark while the other pool stays under its low mark and no guest of the pool has room for its
+work (the elastic pool is used before a role's worker is disturbed, and a loan before another:
+a mixed worker has room for prompt work while its own queued prompt seconds are under
+`prompt_high_s`; a mixed worker, or a prefill worker lent to the token pool, has room for token
+work while its own K/V in use and TPOT share are under `kv_high`); after a move nothing moves for
+`cooldown_s`.
 The worker lent is the other pool's least loaded one not lent already. A worker is lent only out
 of a pool it may leave for good (a loan may be adopted): the token pool keeps at least one worker,
 and so does the prompt pool unless `prompt_pool_may_empty` (the decode workers prefill locally:
@@ -36,7 +46,8 @@ same rule again. A loan whose worker is not LIVE (restarting, or draining) waits
 no longer holds (the worker registered again, unlent) is dropped with `forget`.
 The controller only ever lends `prefill` and `decode` workers; `mixed` workers stay mixed, and
 each observation also latches the two pressures (same marks, same `hold`) into `offer`, the
-pools the mixed workers serve now (router/splitwise/mixed_pool.py).
+pools the mixed workers serve now (router/splitwise/mixed_pool.py): a pressed pool is offered its
+mixed workers `hold` observations in, and borrows from the other pool only once they are full.
 """
 
 from __future__ import annotations
@@ -53,7 +64,9 @@ class PoolSignals:
     prompt_queue_s: dict[str, float]  # prefill workers: seconds of queued prompt work
     kv_used: dict[str, float]  # decode workers: fraction of K/V blocks in use
     tpot_used: dict[str, float] = field(default_factory=dict)  # decode workers: measured TPOT / TPOT target
-    local_prompt_s: dict[str, float] = field(default_factory=dict)  # decode workers: queued local prefill seconds
+    local_prompt_s: dict[str, float] = field(default_factory=dict)  # decode and mixed workers: queued prompt seconds
+    mixed_kv_used: dict[str, float] = field(default_factory=dict)  # mixed workers: fraction of K/V blocks in use
+    prefill_kv_used: dict[str, float] = field(default_factory=dict)  # prefill workers: the same (counted while lent)
 
 
 @dataclass(frozen=True)
@@ -98,10 +111,12 @@ class PoolController:
     def observe(self, signals: PoolSignals, now_s: float) -> Move | None:
         t = self.thresholds
         prompt = _prompt_pressure(signals, sum(1 for w in self._lent_as("prefill") if w in signals.kv_used))
-        kv = max((max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.kv_used.items()), default=0.0)
+        kv = max(self._token_pool(signals).values(), default=0.0)
         self.offer = self.latches.observe(prompt, kv)
-        self.prompt_streak = self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low else 0
-        self.token_streak = self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s else 0
+        self.prompt_streak = (self.prompt_streak + 1 if prompt > t.prompt_high_s and kv < t.kv_low
+                              and not self._guest_room("prefill", signals) else 0)
+        self.token_streak = (self.token_streak + 1 if kv > t.kv_high and prompt < t.prompt_low_s
+                             and not self._guest_room("decode", signals) else 0)
         self.calm_streak = {"prefill": self.calm_streak.get("prefill", 0) + 1 if prompt < t.prompt_low_s else 0,
                             "decode": self.calm_streak.get("decode", 0) + 1 if kv < t.kv_low else 0}
         if now_s < self.quiet_until_s:
@@ -117,6 +132,24 @@ class PoolController:
     def forget(self, worker_id: str) -> None:
         """The worker's loan ended outside the controller (it registered again, unlent)."""
         self.loans.pop(worker_id, None)
+
+    def _token_pool(self, signals: PoolSignals) -> dict[str, float]:
+        """Each token-pool worker's load, the larger of its K/V in use and its TPOT share: the
+        decode workers and the prefill workers lent to the pool (module contract)."""
+        used = dict(signals.kv_used)
+        used.update((w, signals.prefill_kv_used[w]) for w in self._lent_as("decode") if w in signals.prefill_kv_used)
+        return {w: max(u, signals.tpot_used.get(w, 0.0)) for w, u in used.items()}
+
+    def _guest_room(self, pool: str, signals: PoolSignals) -> bool:
+        """Some LIVE guest of `pool` is under its high mark on its own, so it takes the pool's work
+        before another worker is borrowed (module contract): a mixed worker, or for the token pool
+        a prefill worker lent to it."""
+        t = self.thresholds
+        if pool == "prefill":
+            return any(signals.local_prompt_s.get(w, 0.0) < t.prompt_high_s for w in signals.mixed_kv_used)
+        lent_in = {w: load for w, load in self._token_pool(signals).items() if w not in signals.kv_used}
+        mixed = (max(used, signals.tpot_used.get(w, 0.0)) for w, used in signals.mixed_kv_used.items())
+        return any(load < t.kv_high for load in (*lent_in.values(), *mixed))
 
     def _lent_as(self, role: str) -> list[str]:
         return [w for w, (origin, _) in self.loans.items() if origin != role]
