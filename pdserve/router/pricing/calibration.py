@@ -3,8 +3,8 @@
 Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile dict that
 `CostModel.from_profile` reads, or None for the cost model's placeholder numbers:
 
-    source "auto"   time the served engine on this machine now (the router process, before the
-                    workers start, with the workers' thread count and numerics flags, at the
+    source "auto"   time the served engine on this machine now (a child process of the router's,
+                    before the workers start, with the workers' thread count and numerics flags, at the
                     prefill role's TP size `tp`) at points sized by the serving chunk, and fit
                     (latency/engine_profile.py) — seconds on the embedded models; what the
                     per-request P/D margin decides with by default, and colocated serving's
@@ -17,14 +17,19 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
     source FILE     a `pdserve profile` JSON measured earlier (the same fit)
     source "none"   the placeholders (only for tests that pin the decision's inputs)
 
-The fit is the planner's own (`profiled.fit_profile`): one copy of the latency formula.
+The fit is the planner's own (`profiled.fit_profile`): one copy of the latency formula. It runs in
+a spawned child, not in the router's process: an engine loaded there (weights, K/V pool, torch)
+would leave its freed heap resident in the process that serves HTTP for its whole life (measured:
+~640 MiB of the 107M checkpoint's 1 GiB-pool fit), and the router itself needs no torch.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
@@ -46,7 +51,15 @@ def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_d
         return None
     if source != AUTO:
         return json.loads(Path(source).read_text())
-    return fit_now(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+    return fit_in_child(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+
+
+def fit_in_child(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
+                 collective_sizes: tuple[int, ...] = ()) -> dict:
+    """`fit_now` in a spawned process (this process's CPU affinity, its own torch), which exits
+    when the fit is made: its memory goes with it. Its exceptions are raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fit_now, engine, threads, model_dir, max_model_len, tp, collective_sizes).result()
 
 
 def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
