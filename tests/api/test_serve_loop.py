@@ -41,6 +41,9 @@ def test_serve_cli_runs_on_uvloop_and_streams_without_torch_in_its_process():
         assert "cpu=" in ready  # the workers' CPU report, formatted here
         mapped = Path(f"/proc/{proc.pid}/maps").read_text()
         assert "libtorch" not in mapped and "libtorch" in _maps_of_children(proc.pid)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        commands = [Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode() for c in children]
+        assert len(commands) == 1 and "pdserve.workers.main" in commands[0], commands  # the fit's child is gone
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

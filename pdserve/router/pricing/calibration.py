@@ -26,10 +26,12 @@ would leave its freed heap resident in the process that serves HTTP for its whol
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
+import pickle
+import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
@@ -56,10 +58,26 @@ def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_d
 
 def fit_in_child(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
                  collective_sizes: tuple[int, ...] = ()) -> dict:
-    """`fit_now` in a spawned process (this process's CPU affinity, its own torch), which exits
-    when the fit is made: its memory goes with it. Its exceptions are raised here."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fit_now, engine, threads, model_dir, max_model_len, tp, collective_sizes).result()
+    """`fit_now` in a child interpreter (this process's CPU affinity and stderr, its own torch),
+    which exits when the fit is made: its memory goes with it. A plain subprocess, not a
+    multiprocessing pool, whose resource tracker would stay behind for this process's life."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-fit-") as tmp:
+        args, out = Path(tmp) / "args.pickle", Path(tmp) / "fit.json"
+        args.write_bytes(pickle.dumps((engine, threads, model_dir, max_model_len, tp, collective_sizes)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = "import sys; from pdserve.router.pricing.calibration import fit_child_main; fit_child_main(*sys.argv[1:])"
+        done = subprocess.run([sys.executable, "-c", code, str(args), str(out)], env=env, stdout=2,  # to our stderr
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the router's cost-model fit failed in its child process (exit {done.returncode}; "
+                               "its error is printed above)")
+        return json.loads(out.read_text())
+
+
+def fit_child_main(args_path: str, out_path: str) -> None:
+    """The child's side of `fit_in_child`: read the arguments, fit, write the profile."""
+    fitted = fit_now(*pickle.loads(Path(args_path).read_bytes()))
+    Path(out_path).write_text(json.dumps(fitted))
 
 
 def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
