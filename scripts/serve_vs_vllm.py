@@ -6,7 +6,9 @@ Each shape runs pdserve and vLLM one after the other, each server alone on the m
 under `taskset -c CORES` (the same cores for both), time it to healthy, warm it up, then run
 `pdserve bench` against it: a closed loop at each concurrency (`--rate inf --max-concurrency C`)
 and one open loop (Poisson at `--open-rate`). Every process the server started is sampled for
-resident memory the whole time (the sum of RSS over its process tree; the peak is reported).
+resident memory the whole time (the sum of RSS over its process tree, which counts a page shared
+by two processes twice, every 0.25 s; and the sum of PSS, which splits it, every 2 s; the peaks
+are reported). `--skip-vllm` runs only the pdserve arms (with `--base-tree`: before and after).
 Then one table of ratios, pdserve / vLLM: below 1 is better for latencies, memory and start-up,
 above 1 for throughputs. Colocated is one pdserve replica of 2 threads against one vLLM server
 with 2 OpenMP threads; 1P1D is pdserve's prefill and decode workers (one core each, every request
@@ -17,6 +19,7 @@ each) and a proxy (scripts/vllm_pd_proxy.py) that prefills on one and decodes on
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -81,6 +84,20 @@ def rss_tree_bytes(roots: list[int]) -> int:
     return total
 
 
+def pss_tree_bytes(roots: list[int]) -> int:
+    """Sum of PSS over `roots` and all their descendants (smaps_rollup: a walk of each one's pages)."""
+    total = 0
+    for pid in tree(roots):
+        try:
+            for line in open(f"/proc/{pid}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            pass
+    return total
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of one live process (0 when gone)."""
     try:
@@ -101,7 +118,7 @@ class Running:
     """The started processes of one server, a background RSS sampler, and their shutdown."""
 
     def __init__(self, server: Server, cores: str, out: Path, tag: str = ""):
-        self.server, self.procs, self.peak_rss = server, [], 0
+        self.server, self.procs, self.peak_rss, self.peak_pss = server, [], 0, 0
         for argv, env, log in server.procs:
             f = open(out / f"{server.name}.{tag}.{log}.log", "w")
             full_env = {**os.environ, "PYTHONPATH": str(server.root), **env}
@@ -112,8 +129,13 @@ class Running:
         self.sampler.start()
 
     def _sample(self) -> None:
-        while not self.stop_sampling.wait(0.25):
-            self.peak_rss = max(self.peak_rss, rss_tree_bytes([p.pid for p in self.procs]))
+        for tick in itertools.count():
+            if self.stop_sampling.wait(0.25):
+                return
+            roots = [p.pid for p in self.procs]
+            self.peak_rss = max(self.peak_rss, rss_tree_bytes(roots))
+            if tick % 8 == 0:  # PSS walks every page table: rarer, so the sampler stays off the cores' budget
+                self.peak_pss = max(self.peak_pss, pss_tree_bytes(roots))
 
     def wait_healthy(self, timeout_s: float) -> float:
         start = time.perf_counter()
@@ -221,7 +243,7 @@ def workloads(args) -> list[tuple[str, tuple[str, ...]]]:
 
 def servers(args, shape: str) -> list[Server]:
     """The arms of one shape: pdserve, vLLM, and with --base-tree pdserve from that tree."""
-    arms = [pdserve_server(args, shape, args.port), vllm_server(args, shape, args.port + 100)]
+    arms = [pdserve_server(args, shape, args.port)] + ([] if args.skip_vllm else [vllm_server(args, shape, args.port + 100)])
     if args.base_tree:
         arms.append(pdserve_server(args, shape, args.port + 200, Path(args.base_tree).resolve(), "pdserve-base"))
     return arms
@@ -247,7 +269,7 @@ def measure_arm(args, server: Server, out: Path, tag: str) -> dict:
         bench(args, server.url, out, f"{server.name}.{tag}.warmup", ("--rate", "inf", "--max-concurrency", "2",
                                                                       "--num-requests", "2", "--content-salt", "99"))
         runs = {label: measure_run(args, server, running, out, f"{tag}.{label}", extra) for label, extra in workloads(args)}
-        return {"startup_s": startup_s, "runs": runs, "peak_rss_bytes": running.peak_rss}
+        return {"startup_s": startup_s, "runs": runs, "peak_rss_bytes": running.peak_rss, "peak_pss_bytes": running.peak_pss}
     except Exception as exc:  # noqa: BLE001 - one server failing leaves the others' figures
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -262,7 +284,7 @@ def median_of(results: list[dict]) -> dict:
     runs = {label: {k: _median([r["runs"][label][k] for r in results]) for k in results[0]["runs"][label]
                     if isinstance(results[0]["runs"][label][k], (int, float))} for label in results[0]["runs"]}
     return {"startup_s": _median([r["startup_s"] for r in results]), "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in results]),
-            "runs": runs, "rounds": len(results)}
+            "peak_pss_bytes": _median([r["peak_pss_bytes"] for r in results]), "runs": runs, "rounds": len(results)}
 
 
 def _median(values: list) -> float | None:
@@ -313,6 +335,16 @@ def _ratio_rows(shape: str, arm: str, pd: dict, vl: dict, labels: list[str]) -> 
     return rows
 
 
+def memory(results: dict) -> list[str]:
+    """Start-up and peak memory of every arm (PSS: shared pages split between the processes mapping them)."""
+    lines = ["| server | start-up to healthy | peak RSS, all processes | peak PSS, all processes |", "|---|---|---|---|"]
+    for name, res in results.items():
+        if "error" not in res:
+            lines.append(f"| {name} | {res['startup_s']:.1f} s | {res['peak_rss_bytes'] / 2**20:,.0f} MiB | "
+                         f"{res['peak_pss_bytes'] / 2**20:,.0f} MiB |")
+    return lines
+
+
 def absolute(results: dict, labels: list[str]) -> list[str]:
     lines = ["| server | workload | " + " | ".join(m[1] for m in METRICS) + " | CPU ms/token front / engine | failed |",
              "|---|---|" + "---|" * (len(METRICS) + 2)]
@@ -325,9 +357,9 @@ def absolute(results: dict, labels: list[str]) -> list[str]:
     return lines
 
 
-def versions(vllm_python: str) -> dict:
+def versions(vllm_python: str | None) -> dict:
     out = subprocess.run((vllm_python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"),
-                         capture_output=True, text=True, timeout=300).stdout.split()
+                         capture_output=True, text=True, timeout=300).stdout.split() if vllm_python else []
     git = subprocess.run(("git", "rev-parse", "--short", "HEAD"), capture_output=True, text=True, cwd=ROOT).stdout.strip()
     flags = open("/proc/cpuinfo").read()
     kind = "amx" if "amx_tile" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "other"
@@ -360,6 +392,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, order rotated; medians reported")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--bench-timeout-s", type=float, default=600.0)
+    p.add_argument("--skip-vllm", action="store_true", help="run only the pdserve arms (VLLM_PYTHON is not used)")
     p.add_argument("--base-tree", help="another pdserve checkout (e.g. a worktree of the base commit): a third arm, "
                                        "pdserve-base, run from it; its ratios to vLLM are printed beside pdserve's")
     args = p.parse_args()
@@ -379,11 +412,13 @@ def main() -> int:
             results[name] = res
             print(f"{name}: {json.dumps({k: v for k, v in res.items() if k != 'runs'})}", file=sys.stderr, flush=True)
     labels = [label for label, _ in workloads(args)]
-    meta = {**versions(args.vllm_python), "cores": args.cores, "input_len": args.input_len, "output_len": args.output_len,
+    meta = {**versions(None if args.skip_vllm else args.vllm_python), "cores": args.cores, "input_len": args.input_len, "output_len": args.output_len,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "max_num_batched_tokens": args.max_num_batched_tokens}
     (out / "summary.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"pdserve / vLLM ({json.dumps(meta)}); latencies, start-up, RSS: lower is better; tok/s, req/s: higher")
     print("\n".join(table(results, shapes, labels)))
+    print("\nstart-up and memory")
+    print("\n".join(memory(results)))
     print("\nabsolute figures (ms, tok/s, req/s)")
     print("\n".join(absolute(results, labels)))
     return 0

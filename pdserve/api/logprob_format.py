@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.outputs import TokenLogprobs
 
 
 class TokenNames:

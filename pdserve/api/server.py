@@ -325,6 +325,11 @@ def _with_resolved_model(engine: EngineConfig) -> EngineConfig:
     return replace(engine, model=str(resolve_model(engine.model)))
 
 
+def _workers_cpu(backend: ClusterBackend) -> dict:
+    """A registered worker's CPU report (model/cpu.py): this process loads no torch to make its own."""
+    return next(iter(backend.registered.values())).cpu
+
+
 def _reachable(address: str) -> str:
     """tcp://0.0.0.0:PORT -> tcp://<this node's IP>:PORT for workers on other nodes."""
     import ray
@@ -346,7 +351,7 @@ async def serve(config: ServeConfig) -> None:
                          max_request_body_bytes=config.max_request_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
-              f"{cpu_summary()}", flush=True)
+              f"{cpu_summary(_workers_cpu(backend))}", flush=True)
         if config.mode != "colocated":
             print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()

@@ -47,7 +47,8 @@ class _Node:
 
     def __init__(self, wid: str, num_blocks: int):
         self.id, self.epoch, self.lock = wid, 1, threading.RLock()
-        self.pool = KvPool(SMALL_ABI, num_blocks, shm_name=f"pdbench-{wid}-{uuid.uuid4().hex[:12]}")
+        self.pool = KvPool(SMALL_ABI, num_blocks, shm_name=f"pdbench-{wid}-{uuid.uuid4().hex[:12]}",
+                           resident="all")
         self.engine = SimpleNamespace(pool=self.pool, identity=IDENTITY, blocks=None)
         self.events: queue.Queue = queue.Queue()
         self.sent: list = []

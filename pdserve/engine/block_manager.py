@@ -11,6 +11,10 @@ Contract:
   reference-counted; unreferenced cached blocks stay reusable until evicted, least recent first.
 - Reservations hold capacity (not specific blocks) for an owner, e.g. a handoff destination's
   expected decode growth; `can_allocate` for everyone else leaves reserved capacity untouched.
+- Never-used blocks are handed out first, in ascending order (the free list starts as 0..N-1 and
+  freed blocks join its back), so the blocks ever handed out are [0, high_water); `on_grow`, when
+  set, hears each new high-water mark before the blocks are returned (the engine's pool makes their
+  pages resident then: kv_pool.py "on_use").
 - Every change of the prefix cache's key set is recorded, numbered, in `events` (kv_events.py):
   STORED when `register` caches a hash, REMOVED when eviction uncaches it; `kv_report` hands
   them out (or the whole key set as a resync) for the worker's heartbeat.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -81,6 +86,8 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.refcount = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
+        self.high_water = 0  # blocks [0, high_water) have been handed out at least once
+        self.on_grow: Callable[[int], None] | None = None  # told each new high_water (KvPool.populate)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.cached: dict[bytes, int] = {}  # chain hash -> block
         self.block_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, token ids)
@@ -114,7 +121,13 @@ class BlockManager:
             raise OutOfBlocks(f"need {n} blocks, {self.available_for(owner)} available")
         if owner is not None and owner in self.reserved:
             self.reserved[owner] = max(0, self.reserved[owner] - n)
-        return [self._take_one() for _ in range(n)]
+        blocks = [self._take_one() for _ in range(n)]
+        top = max(blocks, default=-1) + 1
+        if top > self.high_water:
+            self.high_water = top
+            if self.on_grow is not None:
+                self.on_grow(top)
+        return blocks
 
     def _take_one(self) -> int:
         if self.free:

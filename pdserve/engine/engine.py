@@ -89,7 +89,7 @@ class Engine(HandoffSide):
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.abi.bytes_per_block)
         shm_name = None if config.device != "cpu" else config.kv_shm_name or tp_group.private_pool_name(config.tp)
         self.pool = KvPool(self.abi, num_blocks, shm_name=shm_name, device=config.device,
-                           prefault=True)  # no page faults inside prefills' K/V writes (kv_pool.py)
+                           resident="on_use")  # pages resident as blocks are first used, never faulted in a prefill (kv_pool.py)
         if config.tp == 1:
             self.model = LlamaModel(self.model_config, state, dtype, compute, config.batch_invariant, config.device)
         else:  # rank 0 of a tensor-parallel group; followers run the other shards (tp_group.py)
@@ -106,6 +106,7 @@ class Engine(HandoffSide):
         )
         self.blocks = BlockManager(num_blocks, config.block_size, self.identity.identity_hash, config.enable_prefix_cache,
                                    config.max_tenant_roots)
+        self.blocks.on_grow = self.pool.populate
         if config.host_kv_bytes >= self.abi.bytes_per_block:  # evicted prefix blocks go to host memory
             self.blocks.host = HostTier(self.pool, config.host_kv_bytes // self.abi.bytes_per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -2,7 +2,7 @@
 
 Contract: a token's log-probability is `log_softmax` of the model's raw next-token logits (fp32,
 before temperature, top-k or top-p: vLLM's default "raw_logprobs"), taken at the position that
-predicts it. `TokenLogprobs` carries the chosen token's value and, when asked for k > 0, the k
+predicts it. `TokenLogprobs` (engine/outputs.py) carries the chosen token's value and, when asked for k > 0, the k
 most likely tokens of that position, most likely first (ties: lower id first). It is small on
 purpose: it crosses the worker -> router wire once per token, and only for requests that asked.
 Prompt logprobs cover prompt positions 1..P-1 (position 0 has no predecessor; the API reports it
@@ -11,17 +11,9 @@ as null); the logits of position p predict the token at p + 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()  # the k most likely tokens at this position, most likely first
-    top_logprobs: tuple[float, ...] = ()
+from pdserve.engine.outputs import TokenLogprobs  # the wire type (outputs.py: the router's process imports it without torch)
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability and the k most likely at its position (engine/logprobs.py makes it)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # the k most likely tokens at this position, most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ flags the engine's numerics depend on (AVX2, AVX-512F, AVX512-BF16, AMX-BF16), P
 CPU capability, the BLAS/oneDNN builds, and the ISA caps a user set (`MKL_ENABLE_INSTRUCTIONS`,
 `ONEDNN_MAX_CPU_ISA`, `MKL_CBWR`), which make an AVX-512 machine take the AVX2 code paths.
 `generate --json`, `bench-engine --json`, each worker's `/workers` entry and the start log carry it.
+torch is imported by `cpu_report()`, not with this module: the router's process formats its
+workers' reports (`summary(report)`) without loading torch.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import platform
 import re
 from functools import lru_cache
 from pathlib import Path
-
-import torch
 
 FEATURES = {"avx2": "avx2", "avx512f": "avx512f", "avx512_bf16": "avx512_bf16", "amx_bf16": "amx_bf16"}
 ISA_CAPS = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
@@ -46,6 +46,8 @@ def kind_of(features: dict[str, bool], x86: bool = True) -> str:
 
 @lru_cache(maxsize=1)
 def cpu_report() -> dict:
+    import torch
+
     try:
         model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
@@ -70,8 +72,8 @@ def cpu_has_native_bf16() -> bool:
     return platform.machine().lower() not in _X86 or features["avx512_bf16"] or features["amx_bf16"]
 
 
-def summary() -> str:
-    """One short line for logs: kind, model, torch capability, ISA caps."""
-    r = cpu_report()
+def summary(report: dict | None = None) -> str:
+    """One short line for logs: kind, model, torch capability, ISA caps (of `report`, else this process's)."""
+    r = report if report is not None else cpu_report()
     caps = ",".join(f"{k}={v}" for k, v in r["isa_caps"].items())
     return f"cpu={r['kind']} ({r['model']}; torch {r['torch_capability']}{'; ' + caps if caps else ''})"

@@ -27,14 +27,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.errors import CheckpointError
 from pdserve.model.loader import expected_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 GENERATOR_VERSION = 1  # bump when the files written for a given spec change
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
@@ -117,6 +119,8 @@ def default_cache_root() -> Path:
 
 def write_checkpoint(spec: DefaultModelSpec, out_dir: Path) -> None:
     """Write all files of the checkpoint for `spec` into the existing directory `out_dir`."""
+    from safetensors.torch import save_file  # torch only where weights are made (resolve_model runs in the router)
+
     hf_config = hf_config_dict(spec)
     config = ModelConfig.from_dict(hf_config, source=f"<default model spec {spec}>")
     _write_json(out_dir / "config.json", hf_config)
@@ -164,6 +168,8 @@ def hf_config_dict(spec: DefaultModelSpec) -> dict:
 
 def _random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """normal(0, 0.02) for matrices, ones for norms; each tensor seeded by its own name."""
+    import torch
+
     weights = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):

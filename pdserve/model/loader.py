@@ -19,12 +19,15 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from pdserve.model.config import CONFIG_FILE, ModelConfig
 from pdserve.model.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch is loaded by the calls that make tensors: the router's process hashes and checks checkpoints without it
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,9 +67,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_state_dict(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Load and validate all weights of the checkpoint in `model_dir` as `dtype` tensors."""
+    """Load and validate all weights of the checkpoint in `model_dir` as `dtype` tensors (default float32)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     model_dir = Path(model_dir)
     if not (model_dir / CONFIG_FILE).is_file():
         raise CheckpointError(model_dir / CONFIG_FILE, "config.json not found")

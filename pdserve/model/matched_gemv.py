@@ -25,9 +25,12 @@ Contract: `MatchedWeight.build(w)` for a bf16 weight w [N, K] (which oneDNN also
 whose `product(x)` for x [T, K] bf16 with 1 <= T <= ROWS_MAX returns [T, N] bf16 bit-equal to
 oneDNN's packed product of x among four or more rows (rows pass over a group of 64 columns 4 at a
 time, the group read from L2 after the first pass), or None where it cannot (another thread count than the one
-probed, or more rows): the caller then runs oneDNN. It holds the weight once more, in the operand
-layout of `vdpbf16ps` (`pack`: groups of 64 columns, [K / 2][64][2] each); the oneDNN copy keeps
-no plain tensor (onednn_packed.py), so a weight is still held twice.
+probed, or more rows): the caller then runs oneDNN. It reads the weight in the operand layout of
+`vdpbf16ps` (`pack`: groups of 64 columns, [K / 2][64][2] each). oneDNN's AVX512-BF16 blocked
+layout of the same weight is byte for byte that layout (seen for every product of the 107M
+checkpoint: N a multiple of 64, K of 16), so `build(w, onednn)` reads oneDNN's bytes in place when
+they equal `pack(w)` (compared at load), and a weight is held once; otherwise (another layout, a
+padded one, no access to oneDNN's bytes) it holds its own copy and the weight is held twice.
 """
 
 from __future__ import annotations
@@ -142,21 +145,31 @@ def _block_for(n: int, k: int, threads: int) -> int | None:
 
 
 class MatchedWeight:
-    """A weight [N, K] in the kernel's layout with the block size oneDNN's bits need."""
+    """A weight [N, K] in the kernel's layout with the block size oneDNN's bits need; `owner`, when
+    set, is the oneDNN PackedWeight whose memory `packed` reads (kept alive with it)."""
 
-    def __init__(self, packed: torch.Tensor, n: int, kb: int, threads: int):
-        self.packed, self.n, self.kb, self.threads = packed, n, kb, threads
+    def __init__(self, packed: torch.Tensor, n: int, kb: int, threads: int, owner: object | None = None):
+        self.packed, self.n, self.kb, self.threads, self.owner = packed, n, kb, threads, owner
 
     @classmethod
-    def build(cls, weight: torch.Tensor) -> MatchedWeight | None:
-        """The matched copy of a bf16 weight [N, K] that oneDNN also holds packed, or None where
-        the kernel cannot match oneDNN's bits for its shape here."""
+    def build(cls, weight: torch.Tensor, onednn: onednn_packed.PackedWeight | None = None) -> MatchedWeight | None:
+        """The matched weight of a bf16 weight [N, K] that oneDNN also holds packed (`onednn`: its
+        bytes are read in place where they are this kernel's layout), or None where the kernel
+        cannot match oneDNN's bits for its shape here."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             return None
         n, k = weight.shape
         threads = torch.get_num_threads()
         kb = block_for(n, k, threads)
-        return None if kb is None else cls(pack(weight.contiguous()), n, kb, threads)
+        if kb is None:
+            return None
+        packed = pack(weight.contiguous())  # [ceil(N / 64), K / 2, 64, 2]
+        shared = _same_bytes(onednn, packed) if onednn is not None else None
+        return cls(packed, n, kb, threads) if shared is None else cls(shared, n, kb, threads, owner=onednn)
+
+    @property
+    def shares_onednn_bytes(self) -> bool:
+        return self.owner is not None
 
     @property
     def weight(self) -> torch.Tensor:  # [N, K] bf16, unpacked
@@ -168,3 +181,12 @@ class MatchedWeight:
         if not 1 <= x.shape[0] <= ROWS_MAX or torch.get_num_threads() != self.threads:
             return None
         return product(x, self.packed, self.n, self.kb)
+
+
+def _same_bytes(onednn: onednn_packed.PackedWeight, packed: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's bytes viewed as `packed`'s shape where they are bit for bit `packed`, else None."""
+    raw = onednn.raw()
+    if raw is None or raw.numel() != packed.numel():
+        return None
+    raw = raw.view(packed.shape)
+    return raw if torch.equal(raw.view(torch.int16), packed.view(torch.int16)) else None

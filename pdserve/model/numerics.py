@@ -179,7 +179,7 @@ def prepare(weight: torch.Tensor, plan: str) -> Weight:
     if plan == "cublas":
         return weight.contiguous()
     base = onednn_packed.pack(weight)
-    matched = MatchedWeight.build(weight) if isinstance(base, PackedWeight) else None
+    matched = MatchedWeight.build(weight, base) if isinstance(base, PackedWeight) else None  # reads base's bytes where it can
     if plan == "paired" or matched is not None:  # few rows: the matched kernel, else (paired) padded
         return PairedWeight(base, matched)
     return base

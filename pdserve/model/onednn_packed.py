@@ -13,6 +13,7 @@ batch-invariance probe runs on the packed products). bf16 only: fp32 products st
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 
 import torch
@@ -60,6 +61,15 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, K] bf16 -> [T, N] bf16."""
         return _packed_linear(x, self.packed, bias)
+
+    def raw(self) -> torch.Tensor | None:
+        """oneDNN's blocked bytes as a flat bf16 tensor over the same memory (valid while this
+        PackedWeight lives; nothing may write it), or None where this torch does not expose them."""
+        try:
+            nbytes, address = torch.ops.mkldnn._nbytes(self.packed), torch.ops.mkldnn.data_ptr(self.packed)
+        except (AttributeError, RuntimeError):
+            return None
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.bfloat16)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:

@@ -13,20 +13,20 @@ rounding (the summation order differs), for `x` [T, in] fp32 with 1 <= T <= MAX_
 row's last bits can depend on its batch mates: the engine uses this only when batch invariance
 is off (numerics.py) and torch runs on one thread (with more threads MKL's GEMM is
 parallel and this single-threaded loop is not). The kernel releases the GIL, like torch's ops,
-so handoff threads keep running during a decode step.
+so handoff threads keep running during a decode step. numba is imported when the kernel is first
+compiled (`warm_up`), not with this module: a bf16 or batch-invariant engine never loads it
+(~55 MiB of a worker's RSS: numba and LLVM).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from functools import lru_cache
+
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # the engine keeps torch's products
-    numba = None
-
-AVAILABLE = numba is not None
+AVAILABLE = importlib.util.find_spec("numba") is not None  # else the engine keeps torch's products
 MAX_ROWS = 8  # above this torch's GEMM is faster than blocks of four rows (measured on AVX2)
 MIN_ROWS = 2  # one row: torch's GEMV already reads the weights once
 
@@ -85,10 +85,15 @@ def _skinny(x, w, out):
     return out
 
 
-if AVAILABLE:
+@lru_cache(maxsize=1)
+def _kernel():
+    """`_skinny` compiled (or loaded from numba's disk cache), with `_rows_block` inlined."""
+    import numba
+
+    global _rows_block  # the jitted `_skinny` resolves it among the module's globals when it compiles
     # fastmath lets LLVM vectorise the dot products (reassociation); cache: compiled once per machine
     _rows_block = numba.njit(fastmath=True, cache=True, nogil=True, inline="always")(_rows_block)
-    _skinny = numba.njit(fastmath=True, cache=True, nogil=True)(_skinny)
+    return numba.njit(fastmath=True, cache=True, nogil=True)(_skinny)
 
 
 def eligible(compute_dtype: torch.dtype, batch_invariant: bool) -> bool:
@@ -105,7 +110,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype != torch.float32 or x.dtype != torch.float32:
         raise TypeError("skinny_linear is fp32 only")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [T, out]
-    _skinny(x.detach().contiguous().numpy(), weight.detach().contiguous().numpy(), out.numpy())
+    _kernel()(x.detach().contiguous().numpy(), weight.detach().contiguous().numpy(), out.numpy())
     return out if bias is None else out.add_(bias)
 
 

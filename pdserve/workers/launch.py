@@ -21,11 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.workers.config import WorkerConfig, encode_config
 from pdserve.workers.control_keys import ENV as CONTROL_KEYS_ENV
 from pdserve.workers.control_keys import ControlKeys
-from pdserve.workers.main import encode_config
 from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
-from pdserve.workers.worker import WorkerConfig
 
 
 @dataclass(frozen=True)

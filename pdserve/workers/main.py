@@ -12,13 +12,8 @@ import os
 import signal
 import sys
 
-import msgspec
-
-from pdserve.workers.worker import WorkerConfig, serve_worker
-
-
-def encode_config(config: WorkerConfig) -> str:
-    return msgspec.json.encode(config).decode()
+from pdserve.workers.config import decode_config
+from pdserve.workers.worker import serve_worker
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the router shuts workers down
     # with a typed Shutdown message instead, and a worker whose router is gone exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve_worker(msgspec.json.decode(args[0].encode(), type=WorkerConfig))
+    serve_worker(decode_config(args[0]))
     exit_closed()
 
 

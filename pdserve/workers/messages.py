@@ -26,7 +26,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.engine.kv_events import KvReport
-from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.tp_tally import CollectiveReport
 

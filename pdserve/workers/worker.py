@@ -26,7 +26,7 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import zmq
 
@@ -42,6 +42,7 @@ from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
 from pdserve.workers import messages as m
+from pdserve.workers.config import WorkerConfig
 from pdserve.workers.control_keys import ControlKeys, secure
 from pdserve.workers.control_keys import from_env as control_keys_from_env
 from pdserve.workers.decode_side import DecodeSide
@@ -55,29 +56,6 @@ from pdserve.workers.runahead_side import ChainBroken, RunaheadSide
 from pdserve.workers.roles import RoleSwitch, sides
 
 log = logging.getLogger("pdserve.worker")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated" | "mixed" (roles.py)
-    router_address: str  # zmq endpoint, e.g. tcp://127.0.0.1:5555
-    epoch: int = 1
-    host_id: str = "localhost"
-    handoff_host: str = "127.0.0.1"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    cpu_affinity: tuple[int, ...] = ()
-    heartbeat_s: float = 0.25
-    trace_path: str | None = None
-    step_log_path: str | None = None  # engine step log (engine/step_log.py), one line per step
-    layerwise_threshold_tokens: int = 256
-    exit_with_parent: bool = False  # local processes: stop when the router process is gone
-    lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
-    capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
-    capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
-    kv_events_endpoint: str | None = None  # publish vLLM-format KV events here (workers/kv_publisher.py)
-    kv_events_replay_endpoint: str | None = None  # their replay socket
-    lendable: bool = False  # Splitwise: both sides whatever the role, so it can be lent without a role change (roles.py)
 
 
 def pin_threads(config: WorkerConfig) -> None:

@@ -1,4 +1,5 @@
-"""`pdserve serve` runs its router and HTTP server on uvloop (pdserve/loop.py) and streams on it."""
+"""`pdserve serve` runs its router and HTTP server on uvloop (pdserve/loop.py) and streams on it; that
+process never loads torch (the engine lives in the workers, the cost-model fit in a child)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pdserve.ports import free_local_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_cli_runs_on_uvloop_and_streams():
+def test_serve_cli_runs_on_uvloop_and_streams_without_torch_in_its_process():
     pytest.importorskip("uvloop")  # a declared dependency on Linux; pdserve falls back to asyncio without it
     port = free_local_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -37,9 +38,21 @@ def test_serve_cli_runs_on_uvloop_and_streams():
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+        assert "cpu=" in ready  # the workers' CPU report, formatted here
+        mapped = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in mapped and "libtorch" in _maps_of_children(proc.pid)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        commands = [Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode() for c in children]
+        assert len(commands) == 1 and "pdserve.workers.main" in commands[0], commands  # the fit's child is gone
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def _maps_of_children(pid: int) -> str:
+    """The memory maps of `pid`'s child processes (its workers), concatenated."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return "".join(Path(f"/proc/{c}/maps").read_text() for c in children if Path(f"/proc/{c}/maps").exists())
 
 
 def _ready_line(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pdserve.model.config import load_config
 from pdserve.model.errors import CheckpointError
+from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import checkpoint_hash, expected_shapes, load_state_dict
 from tests.helpers.checkpoints import load_hf_model, make_random_checkpoint
 
@@ -173,3 +176,19 @@ def test_checkpoint_hash_sees_config_and_weight_edits(ckpt):
     config["rms_norm_eps"] = 1e-3
     (ckpt / "config.json").write_text(json.dumps(config))
     assert len({before, after_weights, checkpoint_hash(ckpt)}) == 3
+
+
+def test_a_loaded_model_keeps_no_view_of_the_checkpoint_files_mapping(tmp_path):
+    """bf16 on disk and in the model: the loader's tensors are views of the file's mmap, and one kept
+    view (an embedding, a norm) would keep the whole file mapped and resident."""
+    model_dir = make_random_checkpoint(tmp_path / "bf16", hidden=128, intermediate=256, vocab=256, dtype=torch.bfloat16)
+    file = str(model_dir / "model.safetensors")
+    state = load(model_dir, torch.bfloat16)
+    assert file in Path("/proc/self/maps").read_text()  # read in place
+    model = LlamaModel(load_config(model_dir), state, torch.bfloat16)
+    del state
+    gc.collect()
+    # a product plan that multiplies by the loaded tensors as they are (no packing) keeps o_proj's, by design
+    plain = any(isinstance(layer.wo, torch.Tensor) for layer in model.layers)
+    assert (file in Path("/proc/self/maps").read_text()) == plain
+    assert torch.equal(model.embed, load(model_dir, torch.bfloat16)["model.embed_tokens.weight"])

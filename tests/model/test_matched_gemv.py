@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,6 +60,31 @@ def test_matched_rows_equal_onednn_among_many_rows(shape):
             assert torch.equal(out, onednn(batch)[-rows:])
     strided = torch.randn(2, 2 * shape[1], generator=gen).to(torch.bfloat16)[:, ::2]  # elements not contiguous
     assert torch.equal(matched.product(strided), onednn(torch.cat([strided, strided, strided])[:4])[:2])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_matched_weight_reads_onednns_bytes_in_place_where_they_are_its_layout(shape):
+    """One copy of a weight where oneDNN's blocked bytes are the kernel's layout (compared at load),
+    its own copy elsewhere; the same bits either way, and oneDNN's memory lives as long as it."""
+    w = _weight(shape, shape[0])
+    onednn = PackedWeight(w)
+    shared, own = MatchedWeight.build(w, onednn), MatchedWeight.build(w)
+    if shared is None:
+        assert own is None and not MUST_MATCH
+        return
+    assert not own.shares_onednn_bytes
+    if MUST_MATCH and shape[0] % 64 == 0:  # oneDNN's AVX512-BF16 blocking: the 107M checkpoint's products
+        assert shared.shares_onednn_bytes
+    if shared.shares_onednn_bytes:
+        assert shared.packed.data_ptr() == onednn.raw().data_ptr() and shared.owner is onednn
+        assert torch.equal(shared.packed.view(torch.int16), own.packed.view(torch.int16))
+    del onednn
+    gc.collect()
+    x = torch.randn(ROWS_MAX, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
+    assert torch.equal(shared.product(x), own.product(x)) and torch.equal(shared.weight, w)
+    paired = prepare(w, "native")  # the engine's holder: the matched kernel over oneDNN's bytes where they fit
+    assert paired.matched.shares_onednn_bytes == shared.shares_onednn_bytes
+    assert not paired.matched.shares_onednn_bytes or paired.matched.owner is paired.inner
 
 
 def test_paired_plan_runs_few_rows_matched_and_stays_invariant():

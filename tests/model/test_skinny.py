@@ -3,6 +3,10 @@ batch invariance is off, and a decode with it matches the GEMM path's tokens and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -73,3 +77,16 @@ def test_decode_with_skinny_products_matches_the_gemm_path(tmp_path):
         outputs[invariant] = [o.output_ids for o in engine.generate(prompts, params)]
         engine.assert_no_leaks()
     assert outputs[False] == outputs[True]
+
+
+def test_numba_is_loaded_only_by_an_engine_that_runs_the_kernel():
+    """A bf16, batch-invariant engine (the served default) never imports numba; an fp32 one without
+    invariance on one thread compiles the kernel at load."""
+    code = ("import sys, torch; torch.set_num_threads(1); from pdserve.engine.config import EngineConfig; "
+            "from pdserve.engine.engine import Engine; "
+            "e = Engine(EngineConfig(model='tiny', kv_cache_bytes=16 << 20, dtype=sys.argv[1], batch_invariant=sys.argv[2] == '1')); "
+            "print(e.model.skinny, 'numba' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {args: subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                                 timeout=300, check=True).stdout.split() for args in (("bfloat16", "1"), ("float32", "0"))}
+    assert runs == {("bfloat16", "1"): ["False", "False"], ("float32", "0"): ["True", "True"]}

@@ -4,6 +4,9 @@ per-request margin decides, read from a `pdserve profile` file, or the placehold
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -37,6 +40,17 @@ def test_auto_fits_the_served_engine_and_the_router_decides_with_it(tmp_path):
     placeholders = router_for(ServeConfig(engine=TINY, pd_decision="margin", pd_profile="none"), model_dir)
     assert router.config.cost.prefill_s_per_token != placeholders.config.cost.prefill_s_per_token
     assert router.config.cost.decode_step_base_s == fitted["decode_coef"][0]
+
+
+def test_auto_fits_in_a_child_process_so_the_router_never_loads_the_engine():
+    code = ("import sys; from pdserve.router.pricing.calibration import cost_profile; "
+            "from pdserve.engine.config import EngineConfig; from pdserve.model.default import resolve_model; "
+            "f = cost_profile('auto', EngineConfig(model='tiny', kv_cache_bytes=32 << 20, max_num_batched_tokens=128), 1, "
+            "resolve_model('tiny'), 512); "
+            "print(f['kind'], sorted(m for m in sys.modules if m.startswith(('pdserve.engine.engine', 'pdserve.latency.engine_profile'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert out.stdout.split() == ["profiled", "[]"]  # fitted, and neither the engine nor the profiler imported here
 
 
 def test_auto_times_the_collectives_of_a_tp_deployment_and_the_router_prices_with_them(tmp_path):

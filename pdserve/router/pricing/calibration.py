@@ -3,8 +3,8 @@
 Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile dict that
 `CostModel.from_profile` reads, or None for the cost model's placeholder numbers:
 
-    source "auto"   time the served engine on this machine now (the router process, before the
-                    workers start, with the workers' thread count and numerics flags, at the
+    source "auto"   time the served engine on this machine now (a child process of the router's,
+                    before the workers start, with the workers' thread count and numerics flags, at the
                     prefill role's TP size `tp`) at points sized by the serving chunk, and fit
                     (latency/engine_profile.py) — seconds on the embedded models; what the
                     per-request P/D margin decides with by default, and colocated serving's
@@ -17,13 +17,20 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
     source FILE     a `pdserve profile` JSON measured earlier (the same fit)
     source "none"   the placeholders (only for tests that pin the decision's inputs)
 
-The fit is the planner's own (`profiled.fit_profile`): one copy of the latency formula.
+The fit is the planner's own (`profiled.fit_profile`): one copy of the latency formula. It runs in
+a spawned child, not in the router's process: an engine loaded there (weights, K/V pool, torch)
+would leave its freed heap resident in the process that serves HTTP for its whole life (measured:
+~640 MiB of the 107M checkpoint's 1 GiB-pool fit), and the router itself needs no torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +53,31 @@ def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_d
         return None
     if source != AUTO:
         return json.loads(Path(source).read_text())
-    return fit_now(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+    return fit_in_child(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+
+
+def fit_in_child(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
+                 collective_sizes: tuple[int, ...] = ()) -> dict:
+    """`fit_now` in a child interpreter (this process's CPU affinity and stderr, its own torch),
+    which exits when the fit is made: its memory goes with it. A plain subprocess, not a
+    multiprocessing pool, whose resource tracker would stay behind for this process's life."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-fit-") as tmp:
+        args, out = Path(tmp) / "args.pickle", Path(tmp) / "fit.json"
+        args.write_bytes(pickle.dumps((engine, threads, model_dir, max_model_len, tp, collective_sizes)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = "import sys; from pdserve.router.pricing.calibration import fit_child_main; fit_child_main(*sys.argv[1:])"
+        done = subprocess.run([sys.executable, "-c", code, str(args), str(out)], env=env, stdout=2,  # to our stderr
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the router's cost-model fit failed in its child process (exit {done.returncode}; "
+                               "its error is printed above)")
+        return json.loads(out.read_text())
+
+
+def fit_child_main(args_path: str, out_path: str) -> None:
+    """The child's side of `fit_in_child`: read the arguments, fit, write the profile."""
+    fitted = fit_now(*pickle.loads(Path(args_path).read_bytes()))
+    Path(out_path).write_text(json.dumps(fitted))
 
 
 def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
