@@ -71,3 +71,21 @@ def test_reduced_grid_rows_summary_csv_and_plot(sweep, tmp_path):
     assert [x["case"] for x in rows] == [chat.name, chat.name] and float(rows[1]["pd_disagg"]) == 0.38
     svg = sweep._svg([(27.2, 28.9, "colocated"), (0.44, 0.38, "disaggregated")])
     assert svg.startswith("<svg") and svg.count("<circle") == 2
+
+
+def test_phase_columns_flag_a_decode_above_its_capacity(sweep):
+    # L8-h200-8g-chat-loose as both systems answered it: the same 5P TP1 + 3D TP1 shapes, aiconfigurator's
+    # workers at its corrected latencies, pdserve's decode instance simulated at 1.62x its capacity (256 seqs)
+    case = {c.name: c for c in sweep.grid()}["L8-h200-8g-chat-loose"]
+    aic = {"agg": 52.80, "disagg": 38.22, "agg_config": "tp1pp1 bs416", "disagg_config": "5P tp1pp1 + 3D tp1pp1 bs512",
+           "prefill_worker_rps": 76.15, "decode_worker_rps": 110.788}
+    pd = {"colo": 54.42, "disagg": 55.29, "colo_config": "8x tp1pp1 c1024", "disagg_config": "5P tp1pp1 + 3D tp1pp1",
+          "decision": "disaggregate", "tie": None, "prefill_rps": 88.47, "prefill_capacity_rps": 83.76,
+          "decode_rps": 174.61, "decode_capacity_rps": 107.45}
+    r = sweep.row(case, aic, pd)
+    assert (r["aic_prefill_worker"], r["aic_decode_worker"]) == (76.15, 110.788)
+    assert (r["pd_decode_instance"], r["pd_decode_capacity"]) == (174.61, 107.45) and r["reading"] == "disagree"
+    within = sweep.row(case, aic, {**pd, "decode_rps": 107.0})
+    old = sweep.row(case, {k: v for k, v in aic.items() if "worker" not in k}, {k: v for k, v in pd.items() if "rps" not in k})
+    assert old["pd_decode_capacity"] is None and old["aic_decode_worker"] is None  # a cached answer without them
+    assert sweep.summarize([r, within, old])["pd_decode_above_capacity_by_5pct"] == [case.name]
