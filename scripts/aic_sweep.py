@@ -40,6 +40,10 @@ WORKLOADS = (("chat-tight", 500, 200, 300, 15), ("chat-loose", 500, 200, 1000, 4
              ("mid-tight", 2000, 500, 800, 20), ("mid-loose", 2000, 500, 2000, 40),
              ("long-tight", 8000, 300, 2000, 30), ("long-loose", 8000, 300, 5000, 60))
 WITHIN = 0.2
+# aiconfigurator's disaggregated rate matching (aiconfigurator/sdk/task_v2.py, picking.py): prefill and decode
+# latencies x1.1 and x1.08, then prefill throughput x0.9 and decode x0.92; its aggregated mode applies none
+AIC_PREFILL_FACTOR = 0.9 / 1.1
+AIC_DECODE_FACTOR = 0.92 / 1.08
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def _phases(argv: list[str], dis: dict) -> dict:
         return {}
     inputs = plan_inputs(build_parser().parse_args(argv))
     shape = WorkloadShape.of(build_requests(inputs.workload, inputs.prefix_cache, inputs.model.max_context))
-    out = {}
+    out = {"n_prefill": dis["prefill"]["replicas"], "n_decode": dis["decode"]["replicas"]}
     for phase in ("prefill", "decode"):
         par = Parallel(dis[phase]["tp"], dis[phase]["pp"])
         model = latency_for(inputs.model, inputs.hardware, par, inputs.family)
@@ -166,8 +170,22 @@ def row(case: Case, aic: dict, pd: dict) -> dict:
             "aic_prefill_worker": aic.get("prefill_worker_rps"), "aic_decode_worker": aic.get("decode_worker_rps"),
             "pd_prefill_instance": pd.get("prefill_rps"), "pd_prefill_capacity": pd.get("prefill_capacity_rps"),
             "pd_decode_instance": pd.get("decode_rps"), "pd_decode_capacity": pd.get("decode_capacity_rps"),
+            **_attribution(case, aic, pd),
             "aic_agg_config": aic["agg_config"], "aic_disagg_config": aic["disagg_config"],
             "pd_colo_config": pd["colo_config"], "pd_disagg_config": pd["disagg_config"]}
+
+
+def _attribution(case: Case, aic: dict, pd: dict) -> dict:
+    """pdserve's disaggregated plan re-counted, not re-planned, to attribute its error: each phase held to
+    its capacity (`at_capacity`), then also under aiconfigurator's four rate-matching factors
+    (`aic_factors`); each per GPU of the budget and over aiconfigurator's disaggregated figure."""
+    if pd.get("decode_capacity_rps") is None or not aic.get("disagg"):
+        return {"at_capacity_vs_aic": None, "aic_factors_vs_aic": None}
+    pre = pd["n_prefill"] * min(pd["prefill_rps"], pd["prefill_capacity_rps"])
+    dec = pd["n_decode"] * min(pd["decode_rps"], pd["decode_capacity_rps"])
+    gpus = case.gpus * aic["disagg"]
+    return {"at_capacity_vs_aic": min(pre, dec) / gpus,
+            "aic_factors_vs_aic": min(pre * AIC_PREFILL_FACTOR, dec * AIC_DECODE_FACTOR) / gpus}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -182,6 +200,10 @@ def summarize(rows: list[dict]) -> dict:
     out["readings"] = {k: sum(r["reading"] == k for r in rows) for k in sorted({r["reading"] for r in rows})}
     over = [r for r in rows if r.get("pd_decode_capacity") and r["pd_decode_instance"] > 1.05 * r["pd_decode_capacity"]]
     out["pd_decode_above_capacity_by_5pct"] = [r["case"] for r in over]
+    for key in ("at_capacity_vs_aic", "aic_factors_vs_aic"):  # the disaggregated error with each term taken out
+        errs = [r[key] - 1 for r in rows if r.get(key) is not None]
+        out[f"disagg_{key}"] = {"cases": len(errs), "within_20pct": sum(abs(e) <= WITHIN for e in errs),
+                                "median_signed_error": statistics.median(errs) if errs else None}
     return out
 
 
