@@ -178,14 +178,17 @@ def row(case: Case, aic: dict, pd: dict) -> dict:
 def _attribution(case: Case, aic: dict, pd: dict) -> dict:
     """pdserve's disaggregated plan re-counted, not re-planned, to attribute its error: each phase held to
     its capacity (`at_capacity`), then also under aiconfigurator's four rate-matching factors
-    (`aic_factors`); each per GPU of the budget and over aiconfigurator's disaggregated figure."""
+    (`aic_factors`): each over aiconfigurator's disaggregated figure (per GPU of the budget), and the
+    tie rule's reading of the two systems' disagg/colocated ratios with it in place of pdserve's."""
     if pd.get("decode_capacity_rps") is None or not aic.get("disagg"):
-        return {"at_capacity_vs_aic": None, "aic_factors_vs_aic": None}
+        return {f"{k}_{v}": None for k in ("at_capacity", "aic_factors") for v in ("vs_aic", "reading")}
     pre = pd["n_prefill"] * min(pd["prefill_rps"], pd["prefill_capacity_rps"])
     dec = pd["n_decode"] * min(pd["decode_rps"], pd["decode_capacity_rps"])
-    gpus = case.gpus * aic["disagg"]
-    return {"at_capacity_vs_aic": min(pre, dec) / gpus,
-            "aic_factors_vs_aic": min(pre * AIC_PREFILL_FACTOR, dec * AIC_DECODE_FACTOR) / gpus}
+    out = {}
+    for key, rps in (("at_capacity", min(pre, dec)), ("aic_factors", min(pre * AIC_PREFILL_FACTOR, dec * AIC_DECODE_FACTOR))):
+        out[f"{key}_vs_aic"] = rps / case.gpus / aic["disagg"]
+        out[f"{key}_reading"] = tie_reading(_ratio(aic["disagg"], aic["agg"]), _ratio(rps / case.gpus, pd["colo"]))
+    return out
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -204,6 +207,8 @@ def summarize(rows: list[dict]) -> dict:
         errs = [r[key] - 1 for r in rows if r.get(key) is not None]
         out[f"disagg_{key}"] = {"cases": len(errs), "within_20pct": sum(abs(e) <= WITHIN for e in errs),
                                 "median_signed_error": statistics.median(errs) if errs else None}
+        term = key.removesuffix("_vs_aic")
+        out[f"readings_{term}"] = {k: sum(r.get(f"{term}_reading") == k for r in rows) for k in ("agree", "tie", "disagree")}
     return out
 
 

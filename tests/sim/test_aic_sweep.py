@@ -89,6 +89,8 @@ def test_phase_columns_flag_a_decode_above_its_capacity(sweep):
     # 38.22; with aiconfigurator's 0.9/1.1 and 0.92/1.08 as well, 3 x 107.45 x 0.852 / 8, 10% below it
     assert r["at_capacity_vs_aic"] == pytest.approx(3 * 107.45 / 8 / 38.22)
     assert r["aic_factors_vs_aic"] == pytest.approx(3 * 107.45 * 0.92 / 1.08 / 8 / 38.22)
+    # so counted, pdserve's disagg/colocated ratio (40.3 / 54.4) sides with aiconfigurator's 0.72: colocate
+    assert (r["at_capacity_reading"], r["aic_factors_reading"]) == ("agree", "agree")
     within = sweep.row(case, aic, {**pd, "decode_rps": 107.0})
     old = sweep.row(case, {k: v for k, v in aic.items() if "worker" not in k}, {k: v for k, v in pd.items() if "rps" not in k})
     assert old["pd_decode_capacity"] is None and old["aic_decode_worker"] is None  # a cached answer without them
@@ -96,5 +98,6 @@ def test_phase_columns_flag_a_decode_above_its_capacity(sweep):
     summary = sweep.summarize([r, within, old])
     assert summary["pd_decode_above_capacity_by_5pct"] == [case.name]
     assert summary["disagg_at_capacity_vs_aic"]["cases"] == 2
+    assert summary["readings"]["disagree"] == 3 and summary["readings_at_capacity"] == {"agree": 2, "tie": 0, "disagree": 0}
     both = (r["aic_factors_vs_aic"] + within["aic_factors_vs_aic"]) / 2 - 1  # the decode pool binds: 3 x 107.45, 3 x 107.0
     assert summary["disagg_aic_factors_vs_aic"]["median_signed_error"] == pytest.approx(both)
