@@ -9,9 +9,12 @@ prints both systems' aggregated/colocated and disaggregated req/s per GPU (aicon
 best configuration's tokens/s per GPU of the cluster over OSL), the ratio of each pdserve figure to
 aiconfigurator's, each system's disagg/colocated ratio and verdict, and the tie rule's reading
 (`pdserve.search.decision.tie_reading`). aiconfigurator's answers depend on its database only, so
-`--aic-cache` keeps them in a JSON file and reruns only pdserve. The CSV has one row per case; the
-plot (matplotlib's SVG when it is installed, else an SVG written here) has one point per case
-and mode, pdserve against aiconfigurator, on log axes with the 1:1 and +-20% lines.
+`--aic-cache` keeps them in a JSON file and reruns only pdserve. The CSV has one row per case,
+with each phase per instance on both sides and pdserve's disaggregated plan re-counted (each phase
+held to its capacity; then also under aiconfigurator's rate-matching factors) to attribute its
+error (docs/planner_agreement.md, the term table); the plot (matplotlib's SVG when it is
+installed, else an SVG written here) has one point per case and mode, pdserve against
+aiconfigurator, on log axes with the 1:1 and +-20% lines.
 """
 
 from __future__ import annotations
