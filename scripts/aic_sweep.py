@@ -9,9 +9,12 @@ prints both systems' aggregated/colocated and disaggregated req/s per GPU (aicon
 best configuration's tokens/s per GPU of the cluster over OSL), the ratio of each pdserve figure to
 aiconfigurator's, each system's disagg/colocated ratio and verdict, and the tie rule's reading
 (`pdserve.search.decision.tie_reading`). aiconfigurator's answers depend on its database only, so
-`--aic-cache` keeps them in a JSON file and reruns only pdserve. The CSV has one row per case; the
-plot (matplotlib's SVG when it is installed, else an SVG written here) has one point per case
-and mode, pdserve against aiconfigurator, on log axes with the 1:1 and +-20% lines.
+`--aic-cache` keeps them in a JSON file and reruns only pdserve. The CSV has one row per case,
+with each phase per instance on both sides and pdserve's disaggregated plan re-counted (each phase
+held to its capacity; then also under aiconfigurator's rate-matching factors) to attribute its
+error (docs/planner_agreement.md, the term table); the plot (matplotlib's SVG when it is
+installed, else an SVG written here) has one point per case and mode, pdserve against
+aiconfigurator, on log axes with the 1:1 and +-20% lines.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ WORKLOADS = (("chat-tight", 500, 200, 300, 15), ("chat-loose", 500, 200, 1000, 4
              ("mid-tight", 2000, 500, 800, 20), ("mid-loose", 2000, 500, 2000, 40),
              ("long-tight", 8000, 300, 2000, 30), ("long-loose", 8000, 300, 5000, 60))
 WITHIN = 0.2
+# aiconfigurator's disaggregated rate matching (aiconfigurator/sdk/task_v2.py, picking.py): prefill and decode
+# latencies x1.1 and x1.08, then prefill throughput x0.9 and decode x0.92; its aggregated mode applies none
+AIC_PREFILL_FACTOR = 0.9 / 1.1
+AIC_DECODE_FACTOR = 0.92 / 1.08
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ def run_aic(case: Case) -> dict:
         top = None if df is None or len(df) == 0 else df.iloc[0]
         out[mode] = None if top is None else float(top["tokens/s/gpu_cluster"]) / case.osl
         out[f"{mode}_config"] = None if top is None else _aic_label(mode, top)
+        if mode == "disagg":  # per worker, its latency corrections applied, before rate matching's 0.9 / 0.92
+            out["prefill_worker_rps"] = None if top is None else float(top["(p)seq/s/worker"])
+            out["decode_worker_rps"] = None if top is None else float(top["(d)seq/s/worker"])
     return out
 
 
@@ -93,22 +103,46 @@ def _aic_label(mode: str, top) -> str:
 
 
 def run_pdserve(case: Case, extra: tuple[str, ...] = ()) -> dict:
-    """`pdserve plan --latency-model aic:SYSTEM --margin 0 --json`, in this process."""
+    """`pdserve plan --latency-model aic:SYSTEM --margin 0 --json`, in this process; with the
+    disaggregated plan's per-instance goodput of each phase beside its analytic capacity."""
     from pdserve.cli import main
 
     argv = ["plan", "--model", MODELS[case.model], "--latency-model", f"aic:{case.system}", "--gpus", str(case.gpus),
             "--input-len", str(case.isl), "--output-len", str(case.osl), "--slo-ttft-ms", str(case.ttft_ms),
-            "--slo-tpot-ms", str(case.tpot_ms), "--margin", "0", "--json", "--quiet", *extra]
+            "--slo-tpot-ms", str(case.tpot_ms), "--margin", "0", *extra]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(argv)
+        main([*argv, "--json", "--quiet"])
     summary = json.loads(out.getvalue().strip().splitlines()[-1])
     colo, dis = summary.get("colocated") or {}, summary.get("disaggregated") or {}
     counted = summary["verdict_per_gpu"]  # per GPU of the budget, as aiconfigurator's cluster figure
     return {"colo": counted.get("colocated", {}).get("goodput_per_gpu"),
             "disagg": counted.get("disaggregated", {}).get("goodput_per_gpu"),
             "colo_config": _pd_label(colo, "colocated"), "disagg_config": _pd_label(dis, "disaggregated"),
-            "decision": summary["decision"], "tie": summary.get("tie_terms")}
+            "decision": summary["decision"], "tie": summary.get("tie_terms"), **_phases(argv, dis)}
+
+
+def _phases(argv: list[str], dis: dict) -> dict:
+    """Each phase of the disaggregated plan: simulated goodput per instance and its capacity
+    (`candidates.prefill_bound`: one prompt per stage interval; `decode_bound`: the largest batch
+    meeting TPOT, the K/V and --max-seqs). A simulated figure above its capacity is a queue the
+    finite run did not fill, not a rate the instance sustains."""
+    from pdserve.cli import build_parser
+    from pdserve.commands.plan import plan_inputs
+    from pdserve.search.candidates import Parallel, WorkloadShape, decode_bound, latency_for, prefill_bound
+    from pdserve.sim.requests import build_requests
+
+    if not dis:
+        return {}
+    inputs = plan_inputs(build_parser().parse_args(argv))
+    shape = WorkloadShape.of(build_requests(inputs.workload, inputs.prefix_cache, inputs.model.max_context))
+    out = {"n_prefill": dis["prefill"]["replicas"], "n_decode": dis["decode"]["replicas"]}
+    for phase in ("prefill", "decode"):
+        par = Parallel(dis[phase]["tp"], dis[phase]["pp"])
+        model = latency_for(inputs.model, inputs.hardware, par, inputs.family)
+        cap = prefill_bound(model, shape, inputs.slo)[0] if phase == "prefill" else decode_bound(model, shape, inputs.slo, inputs.max_seqs)
+        out[f"{phase}_rps"], out[f"{phase}_capacity_rps"] = dis[phase]["goodput_per_replica_rps"], cap
+    return out
 
 
 def _pd_label(plan: dict, kind: str) -> str | None:
@@ -135,8 +169,29 @@ def row(case: Case, aic: dict, pd: dict) -> dict:
             "pd_verdict": "disagg" if pd["decision"] == "disaggregate" else "agg",
             "colo_vs_aic": _ratio(pd["colo"], aic["agg"]), "disagg_vs_aic": _ratio(pd["disagg"], aic["disagg"]),
             "reading": tie_reading(aic_ratio, pd_ratio),
+            # per instance / worker: aiconfigurator's (corrected latencies) and pdserve's (simulated, and its capacity)
+            "aic_prefill_worker": aic.get("prefill_worker_rps"), "aic_decode_worker": aic.get("decode_worker_rps"),
+            "pd_prefill_instance": pd.get("prefill_rps"), "pd_prefill_capacity": pd.get("prefill_capacity_rps"),
+            "pd_decode_instance": pd.get("decode_rps"), "pd_decode_capacity": pd.get("decode_capacity_rps"),
+            **_attribution(case, aic, pd),
             "aic_agg_config": aic["agg_config"], "aic_disagg_config": aic["disagg_config"],
             "pd_colo_config": pd["colo_config"], "pd_disagg_config": pd["disagg_config"]}
+
+
+def _attribution(case: Case, aic: dict, pd: dict) -> dict:
+    """pdserve's disaggregated plan re-counted, not re-planned, to attribute its error: each phase held to
+    its capacity (`at_capacity`), then also under aiconfigurator's four rate-matching factors
+    (`aic_factors`): each over aiconfigurator's disaggregated figure (per GPU of the budget), and the
+    tie rule's reading of the two systems' disagg/colocated ratios with it in place of pdserve's."""
+    if pd.get("decode_capacity_rps") is None or not aic.get("disagg"):
+        return {f"{k}_{v}": None for k in ("at_capacity", "aic_factors") for v in ("vs_aic", "reading")}
+    pre = pd["n_prefill"] * min(pd["prefill_rps"], pd["prefill_capacity_rps"])
+    dec = pd["n_decode"] * min(pd["decode_rps"], pd["decode_capacity_rps"])
+    out = {}
+    for key, rps in (("at_capacity", min(pre, dec)), ("aic_factors", min(pre * AIC_PREFILL_FACTOR, dec * AIC_DECODE_FACTOR))):
+        out[f"{key}_vs_aic"] = rps / case.gpus / aic["disagg"]
+        out[f"{key}_reading"] = tie_reading(_ratio(aic["disagg"], aic["agg"]), _ratio(rps / case.gpus, pd["colo"]))
+    return out
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -149,6 +204,14 @@ def summarize(rows: list[dict]) -> dict:
     clear = [r for r in rows if r["aic_ratio"] is not None and abs(r["aic_ratio"] - 1) > 0.1]
     out["verdict_agree_where_aic_margin_over_10pct"] = (sum(r["aic_verdict"] == r["pd_verdict"] for r in clear), len(clear))
     out["readings"] = {k: sum(r["reading"] == k for r in rows) for k in sorted({r["reading"] for r in rows})}
+    over = [r for r in rows if r.get("pd_decode_capacity") and r["pd_decode_instance"] > 1.05 * r["pd_decode_capacity"]]
+    out["pd_decode_above_capacity_by_5pct"] = [r["case"] for r in over]
+    for key in ("at_capacity_vs_aic", "aic_factors_vs_aic"):  # the disaggregated error with each term taken out
+        errs = [r[key] - 1 for r in rows if r.get(key) is not None]
+        out[f"disagg_{key}"] = {"cases": len(errs), "within_20pct": sum(abs(e) <= WITHIN for e in errs),
+                                "median_signed_error": statistics.median(errs) if errs else None}
+        term = key.removesuffix("_vs_aic")
+        out[f"readings_{term}"] = {k: sum(r.get(f"{term}_reading") == k for r in rows) for k in ("agree", "tie", "disagree")}
     return out
 
 

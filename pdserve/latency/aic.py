@@ -141,11 +141,12 @@ class AicLatency(LatencyModel):
         if chunk_tokens <= 0:
             return self.decode_step_s(batch, context_tokens)
         # the simulator's hottest call: grid points by bisection, inline, then one dict lookup
-        prompt = max(chunk_tokens, chunk_tokens / chunk_fraction) if chunk_fraction > 0 else chunk_tokens
+        prompt = chunk_tokens / chunk_fraction if chunk_fraction > 0 else chunk_tokens
+        if prompt < chunk_tokens:
+            prompt = chunk_tokens
         osl = 2 * (context_tokens / batch - prompt) if batch else 1
-        last = len(_GRID) - 1
-        key = (chunk_tokens, batch, _GRID[min(bisect_left(_GRID, prompt), last)],
-               _GRID[min(bisect_left(_GRID, osl), last)] if osl > 1 else 1)
+        key = (chunk_tokens, batch, _AT_OR_ABOVE[bisect_left(_GRID, prompt)],
+               _AT_OR_ABOVE[bisect_left(_GRID, osl)] if osl > 1 else 1)
         step = self._mixed_s.get(key)
         if step is None:
             step = self._mixed_s[key] = self._mixed_point_ms(*key) * 1e-3
@@ -168,6 +169,7 @@ class AicLatency(LatencyModel):
 # integers up to 16, then 8 points per doubling up to 2 ** 24 tokens
 _GRID = tuple(sorted({*range(1, 17), *(round(2 ** (k / GRID_PER_DOUBLING)) for k in range(4 * GRID_PER_DOUBLING,
                                                                                           24 * GRID_PER_DOUBLING + 1))}))
+_AT_OR_ABOVE = _GRID + (_GRID[-1],)  # indexed by bisect_left(_GRID, x): the grid point at or above x, the last past it
 
 
 def _bracket(x: float) -> tuple[int, int]:
@@ -177,12 +179,6 @@ def _bracket(x: float) -> tuple[int, int]:
         raise ValueError(f"aic latency model: {x:g} tokens is past the grid's {_GRID[-1]}")
     hi = _GRID[i]
     return (hi, hi) if hi == x or i == 0 else (_GRID[i - 1], hi)
-
-
-def _grid_point(x: float) -> int:
-    """The grid point at or above x."""
-    i = bisect_left(_GRID, x)
-    return _GRID[min(i, len(_GRID) - 1)]
 
 
 def _on_grid(f: Callable[[int], float], x: float) -> float:

@@ -66,7 +66,8 @@ class MixedInstance:
         self.prompt, self.output, self.cached, self.model, self.limits = prompt, output, cached, model, limits
         self.cap = float("inf") if limits.capacity_tokens is None else limits.capacity_tokens
         self.batch = DecodeBatch()
-        self.pending: deque[list] = deque()  # [idx, rows to compute, rows done, generated, reserved]
+        self.pending: deque[list] = deque()  # [idx, rows to compute (>= 1), rows done, generated, reserved]
+        self.started = 0  # pending entries holding a reservation (entry[4] > 0)
         self.reserved = 0
         self.result = ColocatedRun({}, {})
         self.t = 0.0
@@ -114,9 +115,8 @@ class MixedInstance:
         batch, joins = self.batch, self.joins
         while joins and joins[0][0] <= self.t:
             idx = joins[0][1]
-            started = sum(1 for e in self.pending if e[4])
             context = self.prompt[idx] + 1
-            if batch.size + started >= self.limits.max_seqs or ((batch.size or self.reserved) and context > self._room()):
+            if batch.size + self.started >= self.limits.max_seqs or ((batch.size or self.reserved) and context > self._room()):
                 return
             joins.popleft()
             batch.add(idx, context, 1, self.output[idx] - 1)
@@ -155,11 +155,12 @@ class MixedInstance:
         rows = pairs = kv = 0
         fraction = 0.0
         first = True
-        started = sum(1 for e in self.pending if e[4])
+        touched = []  # only an entry that ran rows this iteration can finish its prompt
+        cached = self.cached
         for entry in self.pending:
             if budget <= 0 and not first:
                 break
-            visible = entry[2] + (self.cached[entry[0]] if entry[3] == 0 else 0)
+            visible = entry[2] + (cached[entry[0]] if entry[3] == 0 else 0)
             take = entry[1] - entry[2]
             if mixed:
                 take = min(take, chunk - visible % chunk)  # up to the next chunk boundary
@@ -167,50 +168,58 @@ class MixedInstance:
                 if entry[4]:
                     continue  # a started prompt waits for a step with room for its whole chunk
                 break  # FCFS: nothing starts ahead of the first prompt that cannot
-            if not entry[4]:
-                if not self._reserve(entry, started):
-                    break
-                started += 1
+            if not entry[4] and not self._reserve(entry):
+                break
             rows, budget, first = rows + take, budget - take, False
             pairs += take * visible + take * (take + 1) // 2
             kv += visible + 2 * take
             fraction += take / entry[1]
             entry[2] += take
+            touched.append(entry)
         if rows == 0:
             return False
         batch = self.batch
         if not mixed:  # a prefill-only iteration: the decode batch waits
             self.t += self.model.mixed_step_s(rows, pairs, kv, fraction, 0, 0)
-            self._promote_finished_prompts()
+            self._promote_finished_prompts(touched)
             return True
         self.t += self.model.mixed_step_s(rows, pairs, kv, fraction, batch.size, batch.context_sum)
         if batch.size:
             batch.advance(1)
             for idx in batch.pop_finished():
                 self.result.finish_s[idx] = self.t
-        self._promote_finished_prompts()
+        self._promote_finished_prompts(touched)
         return True
 
-    def _reserve(self, entry: list, started: int) -> bool:
+    def _reserve(self, entry: list) -> bool:
         need = self.prompt[entry[0]] + max(entry[3], 1)
         if (self.batch.size or self.reserved) and need > self._room():
             return False
-        if self.batch.size + started >= self.limits.max_seqs:
+        if self.batch.size + self.started >= self.limits.max_seqs:
             return False
         entry[4] = need
         self.reserved += need
+        self.started += 1
         return True
 
     def _room(self) -> int | float:
         """K/V tokens a new sequence may take: the pool less the batch, reservations and one more step."""
         return self.cap - self.batch.context_sum - self.reserved - self.batch.size - 1
 
-    def _promote_finished_prompts(self) -> None:
-        """Prompts whose last row ran this iteration emit their first token and start decoding."""
-        done = [e for e in self.pending if e[2] >= e[1]]
+    def _promote_finished_prompts(self, touched: list[list]) -> None:
+        """Prompts whose last row ran this iteration (`touched`, in queue order) emit their first
+        token and start decoding."""
+        done = [e for e in touched if e[2] >= e[1]]
         if not done:
             return
-        self.pending = deque(e for e in self.pending if e[2] < e[1])
+        pending = self.pending
+        left = len(done)
+        while left and pending[0][2] >= pending[0][1]:  # the usual case: they lead the queue
+            pending.popleft()
+            left -= 1
+        if left:  # one behind a started prompt that waited
+            self.pending = deque(e for e in pending if e[2] < e[1])
+        self.started -= len(done)
         for idx, _, _, generated, reserved in done:
             self.reserved -= reserved
             if generated == 0:

@@ -71,3 +71,33 @@ def test_reduced_grid_rows_summary_csv_and_plot(sweep, tmp_path):
     assert [x["case"] for x in rows] == [chat.name, chat.name] and float(rows[1]["pd_disagg"]) == 0.38
     svg = sweep._svg([(27.2, 28.9, "colocated"), (0.44, 0.38, "disaggregated")])
     assert svg.startswith("<svg") and svg.count("<circle") == 2
+
+
+def test_phase_columns_flag_a_decode_above_its_capacity(sweep):
+    # L8-h200-8g-chat-loose as both systems answered it: the same 5P TP1 + 3D TP1 shapes, aiconfigurator's
+    # workers at its corrected latencies, pdserve's decode instance simulated at 1.62x its capacity (256 seqs)
+    case = {c.name: c for c in sweep.grid()}["L8-h200-8g-chat-loose"]
+    aic = {"agg": 52.80, "disagg": 38.22, "agg_config": "tp1pp1 bs416", "disagg_config": "5P tp1pp1 + 3D tp1pp1 bs512",
+           "prefill_worker_rps": 76.15, "decode_worker_rps": 110.788}
+    pd = {"colo": 54.42, "disagg": 55.29, "colo_config": "8x tp1pp1 c1024", "disagg_config": "5P tp1pp1 + 3D tp1pp1",
+          "decision": "disaggregate", "tie": None, "n_prefill": 5, "n_decode": 3, "prefill_rps": 88.47,
+          "prefill_capacity_rps": 83.76, "decode_rps": 174.61, "decode_capacity_rps": 107.45}
+    r = sweep.row(case, aic, pd)
+    assert (r["aic_prefill_worker"], r["aic_decode_worker"]) == (76.15, 110.788)
+    assert (r["pd_decode_instance"], r["pd_decode_capacity"]) == (174.61, 107.45) and r["reading"] == "disagree"
+    # re-counted: each phase at its capacity, the decode pool binds (3 x 107.45 of 8 GPUs), +5% over aic's
+    # 38.22; with aiconfigurator's 0.9/1.1 and 0.92/1.08 as well, 3 x 107.45 x 0.852 / 8, 10% below it
+    assert r["at_capacity_vs_aic"] == pytest.approx(3 * 107.45 / 8 / 38.22)
+    assert r["aic_factors_vs_aic"] == pytest.approx(3 * 107.45 * 0.92 / 1.08 / 8 / 38.22)
+    # so counted, pdserve's disagg/colocated ratio (40.3 / 54.4) sides with aiconfigurator's 0.72: colocate
+    assert (r["at_capacity_reading"], r["aic_factors_reading"]) == ("agree", "agree")
+    within = sweep.row(case, aic, {**pd, "decode_rps": 107.0})
+    old = sweep.row(case, {k: v for k, v in aic.items() if "worker" not in k}, {k: v for k, v in pd.items() if "rps" not in k})
+    assert old["pd_decode_capacity"] is None and old["aic_decode_worker"] is None  # a cached answer without them
+    assert old["at_capacity_vs_aic"] is None
+    summary = sweep.summarize([r, within, old])
+    assert summary["pd_decode_above_capacity_by_5pct"] == [case.name]
+    assert summary["disagg_at_capacity_vs_aic"]["cases"] == 2
+    assert summary["readings"]["disagree"] == 3 and summary["readings_at_capacity"] == {"agree": 2, "tie": 0, "disagree": 0}
+    both = (r["aic_factors_vs_aic"] + within["aic_factors_vs_aic"]) / 2 - 1  # the decode pool binds: 3 x 107.45, 3 x 107.0
+    assert summary["disagg_aic_factors_vs_aic"]["median_signed_error"] == pytest.approx(both)
