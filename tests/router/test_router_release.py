@@ -90,3 +90,45 @@ def test_a_rollback_that_finds_staging_still_held_fails_stays_rolling_back_and_r
     assert done["state"] == "ROLLED_BACK" and done["steps"][6]["detail"] == {"unpublished": 0, "staging_holds": 0}
     assert [h[0] for h in control.history] == ["ACTIVE", "ROLLING_BACK", "ROLLED_BACK"]
     assert control.backend.router.route_epoch == 3  # the retry ran from the top: the epoch advanced again
+
+
+def test_a_role_change_waits_for_a_just_restarted_worker_to_send_its_first_report():
+    """A worker its supervisor has just started again is REGISTERED until its first load report,
+    and a REGISTERED worker cannot be drained: the rollback's switch to colocated waits for the
+    report instead of failing with an illegal registered -> draining move (seen in CI when the
+    restarted prefill worker's first report came after its registration reached the rollback)."""
+    from types import SimpleNamespace
+
+    from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+    from pdserve.router.state.registry import WorkerState
+
+    load = WorkerLoad(0, 0, 1000)
+
+    class Restarted(Backend):
+        def __init__(self):
+            super().__init__()
+            self.router.register(WorkerInfo("prefill-0", "h0", Role.PREFILL, 2, 1000, "m", "abi"))
+            self.registered["prefill-0"] = SimpleNamespace(role="prefill", epoch=2)
+            self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
+            counter = SimpleNamespace(inc=lambda: None)
+            self.metrics.role_changes = SimpleNamespace(labels=lambda *a: counter)
+            self.on_role_changed = lambda wid, role, epoch: None
+            self.sent = []
+
+        async def _send(self, wid, msg):
+            self.sent.append(msg)
+            self.router.register(WorkerInfo(wid, "h0", Role(msg.role), msg.epoch, 1000, "m", "abi"))
+            self.router.report_load(wid, msg.epoch, load)
+            self.registered[wid] = SimpleNamespace(role=msg.role, epoch=msg.epoch)
+
+    async def main():
+        backend = Restarted()
+        assert backend.router.worker_state("prefill-0") is WorkerState.REGISTERED
+        asyncio.get_running_loop().call_later(0.1, backend.router.report_load, "prefill-0", 2, load)
+        change = await role_control.change_role(backend, "prefill-0", "colocated", drain_timeout_s=1.0,
+                                                register_timeout_s=5.0)
+        assert (change.from_role, change.to_role, change.from_epoch, change.to_epoch) == ("prefill", "colocated", 2, 3)
+        assert backend.router.worker_state("prefill-0") is WorkerState.LIVE
+        assert [type(m).__name__ for m in backend.sent] == ["ChangeRole"]
+
+    asyncio.run(main())

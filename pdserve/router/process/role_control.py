@@ -78,6 +78,7 @@ async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float
     if reg.role == role:
         return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, 0.0)
     t0 = time.monotonic()
+    reg = await _past_registration(backend, worker_id, register_timeout_s)
     backend.router.drain(worker_id, reg.epoch)
     while holders(backend, worker_id) and time.monotonic() - t0 < drain_timeout_s:
         await asyncio.sleep(POLL_S)
@@ -89,6 +90,21 @@ async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float
     backend.metrics.role_changes.labels(reg.role, role).inc()
     backend.on_role_changed(worker_id, role, epoch)
     return RoleChange(worker_id, reg.role, role, reg.epoch, epoch, drain_s, left, time.monotonic() - t0)
+
+
+async def _past_registration(backend, worker_id: str, timeout_s: float):
+    """The worker's registration once its first heartbeat made it LIVE: a worker that has just
+    registered (e.g. restarted by its supervisor) cannot be drained until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reg = backend.registered.get(worker_id)
+        if reg is None:
+            raise RoleChangeFailed(f"{worker_id} is not registered")
+        if backend.router.worker_state(worker_id) is not WorkerState.REGISTERED:
+            return reg
+        if time.monotonic() > deadline:
+            raise RoleChangeFailed(f"{worker_id} registered but sent no heartbeat within {timeout_s:.0f}s")
+        await asyncio.sleep(POLL_S)
 
 
 async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s: float) -> None:
