@@ -180,5 +180,8 @@ def test_runahead_chain_and_prefix_fetch_into_tp2_prefill_workers():
     lines = asyncio.run(main())
     assert sorted(lines["chain"]["runahead_workers"]) == ["prefill-0", "prefill-1"]
     t2 = lines["t2"]
-    assert (t2["fetch"], t2["fetch_holder"], t2["fetch_landed_blocks"]) == ("fetch", "decode-0", 2), t2
+    # The prefill worker that computed turn 1 holds its six prompt blocks and fetches the answer's
+    # two; the other one (jsq may pick it: it places by load reports, which can lag) fetches all 8.
+    held = 6 if t2["prefill"] == lines["t1"]["prefill"] else 0
+    assert (t2["fetch"], t2["fetch_holder"], t2["fetch_landed_blocks"]) == ("fetch", "decode-0", 8 - held), t2
     assert t2["prefill"] in ("prefill-0", "prefill-1") and t2["cached_tokens"] == 8 * 16
