@@ -147,12 +147,22 @@ class ServeConfig:
 ADMISSION_SLOS_S = (30.0, 5.0)  # admission's backstop without user targets (the margin derives its own)
 
 
+def _prices_on_this_machine(config: ServeConfig) -> bool:
+    """Whether `--pd-profile auto` fits the cost model at start: the margin and colocated serving's
+    fetch decisions need this machine's numbers; pinned P/D does not, nor one colocated replica
+    without a host tier under a policy that does not price (no other holder to fetch from, no
+    promotion to weigh, a queue-length choice)."""
+    if config.mode != "colocated":
+        return config.pd_decision == "margin"
+    return config.replicas > 1 or config.engine.host_kv_bytes > 0 or config.policy not in ("jsq", "round_robin")
+
+
 def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     source = config.pd_profile
-    if source == AUTO and config.mode != "colocated" and config.pd_decision != "margin":
-        source = NONE  # the margin and colocated serving's fetch decisions need this machine's numbers; pinned P/D does not
+    if source == AUTO and not _prices_on_this_machine(config):
+        source = NONE
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/pricing/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)

@@ -92,3 +92,19 @@ def test_colocated_serving_fits_its_cost_model_at_start():
     colocated = router_for(ServeConfig(engine=TINY, mode="colocated", replicas=2), model_dir)
     assert colocated.config.cost.fitted
     assert colocated.config.cost.prefill_s_per_token != CostModel().prefill_s_per_token
+
+
+def test_one_colocated_replica_without_a_host_tier_starts_without_a_fit():
+    """One colocated replica with no host tier under jsq has nothing to price (no other holder to
+    fetch from, no promotion, a queue-length choice): "auto" skips the fit that would delay its
+    start-up; a host tier, a second replica or a pricing policy bring it back."""
+    from pdserve.api.server import _prices_on_this_machine
+
+    one = ServeConfig(engine=TINY, mode="colocated", replicas=1)
+    assert not _prices_on_this_machine(one)
+    placeholders = ServeConfig(engine=TINY, mode="colocated", replicas=1, pd_profile="none")
+    assert router_for(one, resolve_model("tiny")).config.cost == router_for(placeholders, resolve_model("tiny")).config.cost
+    host = EngineConfig(**{**TINY.__dict__, "host_kv_bytes": 16 << 20})
+    for config in (ServeConfig(engine=TINY, mode="colocated", replicas=2), ServeConfig(engine=host, mode="colocated", replicas=1),
+                   ServeConfig(engine=TINY, mode="colocated", replicas=1, policy="slo")):
+        assert _prices_on_this_machine(config), config
