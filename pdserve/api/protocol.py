@@ -64,8 +64,8 @@ class _CommonRequest(StrictBody):
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with completions' echo
     temperature: Annotated[Finite, Field(ge=0)] | None = None
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)] | None = None  # the workers' wire carries 64 bits
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     stream: bool | None = False

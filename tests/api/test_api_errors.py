@@ -70,6 +70,8 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "stream_options": {"include_usage": True}}, "only allowed when stream", "stream_options",
                  id="stream-options-without-stream"),
     pytest.param({**GOOD, "prompt": [100_000]}, "out of range", None, id="token-id-out-of-vocab"),
+    pytest.param({**GOOD, "seed": 2**70}, "less than 9223372036854775808", "seed", id="seed-past-64-bits"),
+    pytest.param({**GOOD, "top_k": 2**70}, "less than 2147483648", "top_k", id="top-k-past-32-bits"),
     pytest.param({"prompt": "x"}, "Field required", "model", id="missing-model"),
 ]
 
