@@ -209,6 +209,9 @@ async def _drain_or_abort(backend, window_s: float, ack_s: float) -> dict:
         if _moved_on(backend, live, engine_id):
             continue  # it ended meanwhile (a client disconnect, or every worker lost)
         live.owners -= {source, dest}  # both told already: the fallback does not abort them again
+        # the destination freed its blocks (even if the transfer published while the source's ack
+        # was awaited): its K/V is gone, so the fallback must move the request, never enqueue it there
+        live.published, live.kv_failed, live.started_decode = False, True, False
         await recovery.decide(backend, live, "rollback", lost=source)
     return {"in_flight": drained_from, "aborted": len(aborted), "aborts": aborted}
 
