@@ -72,13 +72,10 @@ def holders(backend, worker_id: str) -> list[str]:
 async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float = 30.0,
                       register_timeout_s: float = 30.0) -> RoleChange:
     """Drain `worker_id` and switch it to `role` under its next epoch (module contract)."""
-    reg = backend.registered.get(worker_id)
-    if reg is None:
-        raise RoleChangeFailed(f"{worker_id} is not registered")
+    reg = await _past_registration(backend, worker_id, register_timeout_s)
     if reg.role == role:
         return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, 0.0)
     t0 = time.monotonic()
-    reg = await _past_registration(backend, worker_id, register_timeout_s)
     backend.router.drain(worker_id, reg.epoch)
     while holders(backend, worker_id) and time.monotonic() - t0 < drain_timeout_s:
         await asyncio.sleep(POLL_S)
