@@ -276,8 +276,14 @@ class HandoffListener:
         self.server = BoundedServer(host, self._serve, io_timeout_s, **extra)
         self.address = self.server.address
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, admit: Callable[[], bool]) -> None:
+        # the preamble byte and the link's first frame (it names its transfer and lands nothing)
+        # must arrive whole within one I/O timeout in total, so a silent or trickling (slow-loris)
+        # peer frees its place soon; until then it holds no service slot (BoundedServer: pending)
+        wait_s = self.limits.io_timeout_s or self.give_up_s
+        deadline = time.monotonic() + wait_s
         try:
+            conn.settimeout(wait_s)
             kind = conn.recv(1)
             if kind == b"P":
                 link = ShmPullReceiverLink(SocketChannel(conn, self.limits), self.endpoint.raw)
@@ -287,15 +293,14 @@ class HandoffListener:
                 link = TcpReceiverLink(conn, self.endpoint.raw, self.limits)
             else:
                 return  # not a handoff peer (the server closes the connection)
-            # the link's first frame names its transfer and lands nothing; it must arrive whole within
-            # one I/O timeout, so a silent or trickling (slow-loris) peer frees its slot and memory soon
-            wait_s = self.limits.io_timeout_s or self.give_up_s
-            link.channel.expect_within(wait_s)
-            first = link.recv(wait_s, _land_nothing)
+            left_s = max(0.0, deadline - time.monotonic())
+            link.channel.expect_within(left_s)
+            first = link.recv(left_s, _land_nothing)
             link.channel.expect_within(None)
         except (OSError, LinkClosed):
             return
-        if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers:
+        if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers \
+                or not admit():
             link.close()
             return
         transfer_id = first.manifest.transfer_id

@@ -74,12 +74,14 @@ def test_an_accept_loop_survives_emfile_and_accepts_once_descriptors_are_free():
         child.wait(10)
 
 
-def test_connections_past_the_limit_wait_in_the_queue_until_one_ends():
+def test_admitted_connections_past_the_limit_wait_for_a_slot_until_one_ends():
     release, served = threading.Event(), []
 
-    def serve(conn: socket.socket) -> None:
-        served.append(conn.recv(1))
-        release.wait(10)
+    def serve(conn: socket.socket, admit) -> None:
+        byte = conn.recv(1)
+        if admit():
+            served.append(byte)
+            release.wait(10)
 
     server = BoundedServer("127.0.0.1", serve, io_timeout_s=5.0, max_connections=2)
     peers = [socket.create_connection(server.address) for _ in range(3)]
@@ -89,7 +91,7 @@ def test_connections_past_the_limit_wait_in_the_queue_until_one_ends():
     while len(served) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.3)
-    assert sorted(served) == [b"A", b"B"]  # the third waits: two slots are taken
+    assert len(served) == 2  # the third waits: two slots are taken
     release.set()
     while len(served) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -99,3 +101,40 @@ def test_connections_past_the_limit_wait_in_the_queue_until_one_ends():
     server.close()
     server.thread.join(5)
     assert not server.thread.is_alive()
+
+
+def _closed(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_idle_peers_evict_one_another_and_never_block_a_peer_that_identifies_itself():
+    """More silent peers than the accept queue and the slots together: before a peer names its
+    transfer it holds only a pending place, the oldest of which each arrival takes over."""
+    served = []
+
+    def serve(conn: socket.socket, admit) -> None:
+        byte = conn.recv(1)
+        if byte == b"R" and admit():
+            served.append(byte)
+            conn.sendall(b"ok")
+
+    server = BoundedServer("127.0.0.1", serve, io_timeout_s=30.0, max_connections=2, max_pending=4, backlog=4)
+    idle = [socket.create_connection(server.address, timeout=10) for _ in range(40)]
+    deadline = time.monotonic() + 10
+    while server.num_evicted < 36 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.num_evicted == 36 and server.num_pending() == 4
+    assert all(_closed(peer, 5.0) for peer in idle[:36])  # the oldest were shut down, not left hanging
+    real = socket.create_connection(server.address, timeout=10)
+    real.sendall(b"R")
+    assert real.recv(2) == b"ok"  # admitted at once: the idle peers' 30 s timeout did not matter
+    assert served == [b"R"] and server.num_evicted == 37
+    for peer in idle + [real]:
+        peer.close()
+    server.close()

@@ -131,6 +131,36 @@ def test_slow_loris_peers_on_every_slot_are_cut_and_a_real_handoff_gets_through(
     served.run(main(served.backend, served.launcher))
 
 
+def _failures(backend) -> float:
+    return sum(sample.value for metric in backend.metrics.kv_transfer_failures.collect()
+               for sample in metric.samples if sample.name.endswith("_total"))
+
+
+def test_a_flood_of_idle_connections_neither_fills_the_listener_nor_fails_a_real_handoff(served, reference):
+    """More silent peers than the listener's slots and its accept queue together (64 + 128): they
+    only evict one another, so a real transfer is admitted as it arrives instead of waiting out
+    one I/O timeout per 64 of them (and failing: its own reads time out meanwhile)."""
+    async def main(backend, _launcher):
+        address = tuple(backend.registered["decode-0"].handoff_address)
+        failures, moved = _failures(backend), backend.metrics.kv_transfer_bytes._value.get()
+        idle = [socket.create_connection(address, timeout=10) for _ in range(MAX_CONNECTIONS + 128 + 64)]
+        try:
+            for i, n in enumerate((40, 23)):
+                p, s = prompt(n, 30 + i), SamplingParams(max_tokens=6, ignore_eos=True)
+                ids, event = await collect(backend, f"beside-the-flood-{i}", p, s)
+                assert isinstance(event, FinishEvent) and ids == list(reference.generate([list(p)], s)[0].output_ids)
+                assert _failures(backend) == failures, "a real handoff failed behind idle connections"
+                assert backend.metrics.kv_transfer_bytes._value.get() > moved  # it was handed off, not recomputed
+                moved = backend.metrics.kv_transfer_bytes._value.get()
+        finally:
+            for peer in idle:
+                peer.close()
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+
+    served.run(main(served.backend, served.launcher))
+
+
 def _hold_prefill(monkeypatch, backend) -> tuple[asyncio.Future, set[str]]:
     """Test wrapper: the router's first Prefill never reaches the prefill worker; the future gets
     it (with its signed transfer plan) so this test can act as that worker's sender. The set
