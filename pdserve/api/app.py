@@ -56,8 +56,9 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
     """An app serving `backend`; the caller owns the backend's start and close. With
     `admin_token`, the /admin endpoints are mounted (admin.py). `max_logprobs` caps the top
     logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant), every
-    /v1 route and /tokenize, /detokenize need a key, and generation runs in its tenant (tenants.py). Credentials and the body limit
-    are checked before any route reads the body (http_guard.py)."""
+    /v1 route and /tokenize, /detokenize need a key, and generation runs in its tenant
+    (tenants.py). Credentials and the body limit are checked before any route reads the body
+    (http_guard.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     app.state.max_logprobs = max_logprobs
