@@ -10,13 +10,16 @@ read (api/http_guard.py): an unauthenticated call answers 401 whatever its body.
     GET  /admin/state                                   release state, disaggregation, route epoch
     POST /admin/disaggregation  {"enabled": false|true} switch a running cluster to whole requests
                                                         on the same workers, or back
-    POST /admin/rollback                                the spec's rollback order, each step timed
+    POST /admin/rollback        no body, or {}          the spec's rollback order, each step timed
 
-Answers: 200 with the operation's record; 400 for a malformed body; 409 when another admin
-operation runs or the release state does not allow the move (e.g. enabling on a colocated
-cluster, rolling back twice); 503 when a worker did not complete its role change in time, or
-when the rollback's RECLAIM_UNPUBLISHED step found staging or an unpublished transfer still
-held (the release stays ROLLING_BACK; posting the rollback again runs it from the top).
+Bodies are strict: `enabled` must be a JSON boolean ("yes", 1 or null are refused, not read as
+true), unknown fields are refused, and a body sent to /admin/rollback must be an empty object.
+
+Answers: 200 with the operation's record; 400 for a malformed body (and nothing changes); 409
+when another admin operation runs or the release state does not allow the move (e.g. enabling on a
+colocated cluster, rolling back twice); 503 when a worker did not complete its role change in
+time, or when the rollback's RECLAIM_UNPUBLISHED step found staging or an unpublished transfer
+still held (the release stays ROLLING_BACK; posting the rollback again runs it from the top).
 """
 
 from __future__ import annotations
@@ -32,9 +35,18 @@ from pdserve.router.process.release import IllegalReleaseTransition, ReleaseBusy
 from pdserve.router.process.role_control import RoleChangeFailed
 
 
-class DisaggregationBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AdminBody(BaseModel):
+    """An admin request body: strict types (a JSON boolean only, never "yes" or 1), no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class DisaggregationBody(AdminBody):
     enabled: bool
+
+
+class RollbackBody(AdminBody):
+    """The rollback takes no parameters: no body, or an empty JSON object."""
 
 
 def check_admin_token(header: str, token: str) -> None:
@@ -80,6 +92,6 @@ def install_admin_routes(app: FastAPI, backend, token: str) -> None:
     async def admin_disaggregation(body: DisaggregationBody) -> dict:
         return await _run(control.set_disaggregation(body.enabled))
 
-    @app.post("/admin/rollback", tags=["admin"], dependencies=guard, responses=errors(401, 409, 503))
-    async def admin_rollback() -> dict:
+    @app.post("/admin/rollback", tags=["admin"], dependencies=guard, responses=errors(400, 401, 409, 503))
+    async def admin_rollback(body: RollbackBody | None = None) -> dict:  # validated only to refuse a bad one
         return await _run(control.rollback())

@@ -55,9 +55,10 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving `backend`; the caller owns the backend's start and close. With
     `admin_token`, the /admin endpoints are mounted (admin.py). `max_logprobs` caps the top
-    logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant),
-    generation needs a key and runs in its tenant (tenants.py). Credentials and the body limit
-    are checked before any route reads the body (http_guard.py)."""
+    logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant), every
+    /v1 route and /tokenize, /detokenize need a key, and generation runs in its tenant
+    (tenants.py). Credentials and the body limit are checked before any route reads the body
+    (http_guard.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     app.state.max_logprobs = max_logprobs
@@ -88,15 +89,15 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
                                body.cache_salt)
         return await generate(backend, request, parsed, new_format(ChatFormat, "chatcmpl", backend, parsed))
 
-    @app.post("/tokenize", responses=errors(400, 404))
+    @app.post("/tokenize", responses=errors(400, 401, 404))
     async def tokenize_route(body: TokenizeRequest) -> dict:
         return tokenize(body, served_model(backend))
 
-    @app.post("/detokenize", responses=errors(400, 404))
+    @app.post("/detokenize", responses=errors(400, 401, 404))
     async def detokenize_route(body: DetokenizeRequest) -> dict:
         return detokenize(body, served_model(backend))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401))
     async def models() -> dict:
         card = {"id": backend.model_name, "object": "model", "created": started, "owned_by": "pdserve",
                 "max_model_len": backend.max_model_len}

@@ -2,9 +2,11 @@
 the body.
 
 Contract: `HttpGuard` is an ASGI middleware around the app. For a request on a guarded path it
-checks the credential from the headers alone (`/admin/*` with the admin token; the generation
-routes with an API key when keys are configured: tenants.py), so an unauthenticated request
-answers 401 whatever its body, and no body is parsed, tokenized or templated for it. Then the body
+checks the credential from the headers alone (`/admin/*` with the admin token; when API keys are
+configured, every `/v1` route as vLLM's --api-key guards them, and /tokenize and /detokenize,
+which read the model's tokenizer and template: tenants.py), so an unauthenticated request answers
+401 whatever its body, and no body is parsed, tokenized or templated for it. Open: /health,
+/metrics, /workers and the OpenAPI pages (no body read, no model output: docs/security.md). Then the body
 limit: a declared `Content-Length` above `max_body_bytes` answers 413 at once; a body without one
 (chunked) is counted while it streams in and answers 413 at the first byte past the limit, not
 after reading it all. Every answer is the OpenAI error body (errors.py).
@@ -19,7 +21,12 @@ from starlette.exceptions import HTTPException
 from pdserve.api.errors import ApiError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20  # a 128k-token prompt as JSON token ids fits; a flood does not
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+KEYED_PREFIX = "/v1"  # every OpenAI route: generation and the model list
+KEYED_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1, but they run the tokenizer on the body
+
+
+def needs_api_key(path: str) -> bool:
+    return path == KEYED_PREFIX or path.startswith(KEYED_PREFIX + "/") or path in KEYED_PATHS
 
 
 class BodyTooLarge(HTTPException):
@@ -65,7 +72,7 @@ class HttpGuard:
     def _authenticate(self, path: str, authorization: str) -> None:
         if self.admin is not None and (path == "/admin" or path.startswith("/admin/")):
             self.admin(authorization)
-        elif self.api_key is not None and path in GENERATION_PATHS:
+        elif self.api_key is not None and needs_api_key(path):
             self.api_key(authorization)
 
     async def _bounded(self, scope, receive, send) -> None:

@@ -11,7 +11,10 @@ choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_ge
 (default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
 400 when set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and
 frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
-Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0.
+Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0; an omitted max_tokens never
+asks for more than the context has left (max_model_len - prompt tokens). A given max_tokens (chat:
+max_completion_tokens, else max_tokens) that does not fit beside the prompt is a 400
+`context_length_exceeded` naming that field, as vLLM answers; each of `n` choices needs the same room.
 Benchmark hook, outside the OpenAI body: the header `x-pdserve-scripted-eos-tokens: N`
 (`with_scripted_eos`) ends the output with reason "stop" after N tokens, as if the model had
 emitted EOS there; `max_tokens` stays the bound every reservation uses.
@@ -175,7 +178,7 @@ def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequ
         raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
     prompt_ids = _completion_prompt_ids(body.prompt, served)
     echo = Echo(_prompt_text(body.prompt, prompt_ids, served), tuple(prompt_ids)) if body.echo else None
-    parsed = _finish(body, served, prompt_ids, body.max_tokens, "prompt", body.logprobs)
+    parsed = _finish(body, served, prompt_ids, (body.max_tokens, "max_tokens"), "prompt", body.logprobs)
     if echo is not None and body.logprobs is not None:
         parsed = replace(parsed, params=replace(parsed.params, prompt_logprobs=body.logprobs))
     return replace(parsed, echo=echo)
@@ -190,10 +193,11 @@ def parse_chat(body: ChatCompletionRequest, served: ServedModel) -> ParsedReques
     _check_logprobs_k(k, served, "top_logprobs")
     messages = template_messages(body.messages)
     prompt_ids = chat_prompt_ids(messages, served.tokenizer, body.add_generation_prompt, body.chat_template_kwargs)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens == 0:
-        raise bad_request("max_tokens must be at least 1", param="max_completion_tokens")
-    parsed = _finish(body, served, prompt_ids, max_tokens, "messages", k)
+    asked = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
+             else (body.max_tokens, "max_tokens"))
+    if asked[0] == 0:
+        raise bad_request("max_tokens must be at least 1", param=asked[1])
+    parsed = _finish(body, served, prompt_ids, asked, "messages", k)
     return replace(parsed, echo=_chat_echo(body, messages))
 
 
@@ -313,9 +317,11 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 
 # ---- sampling -----------------------------------------------------------------------------
-def _finish(body: _CommonRequest, served: ServedModel, prompt_ids: list[int], max_tokens: int | None,
+def _finish(body: _CommonRequest, served: ServedModel, prompt_ids: list[int], asked: tuple[int | None, str],
             prompt_param: str, logprobs: int | None) -> ParsedRequest:
+    """`asked`: the request's max_tokens (None when omitted) and the field that carried it."""
     _check_length(prompt_ids, served, prompt_param)
+    max_tokens = _output_budget(len(prompt_ids), served.max_model_len, *asked)
     drop_output = max_tokens == 0  # the prompt alone: one token is sampled and dropped
     params = _sampling_params(body, 1 if drop_output else max_tokens, logprobs)
     stream = bool(body.stream)
@@ -334,10 +340,26 @@ def _check_length(prompt_ids: list[int], served: ServedModel, param: str) -> Non
         )
 
 
-def _sampling_params(body: _CommonRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _output_budget(num_prompt: int, max_model_len: int, max_tokens: int | None, param: str) -> int:
+    """The output tokens a request may have: the default bounded by the room the prompt leaves, or
+    the request's own number, which must fit in that room (a 400 as vLLM's, never a later 503)."""
+    room = max_model_len - num_prompt  # >= 1: _check_length ran first
+    if max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the request asked for "
+            f"{num_prompt} prompt tokens + {max_tokens} completion tokens = {num_prompt + max_tokens}; "
+            f"lower {param} to at most {room} or shorten the prompt.",
+            param=param, code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _sampling_params(body: _CommonRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     params = SamplingParams(
-        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(0, body.top_k or 0),

@@ -1,8 +1,9 @@
 """Which tenant a request belongs to, so that K/V is reused only within a tenant.
 
 Contract: a client cannot pick another tenant's cache.
-  - With `--api-keys FILE` every generation request must carry `Authorization: Bearer KEY` with a
-    key the file names (else 401, the OpenAI error body); its tenant is the key's. A request's
+  - With `--api-keys FILE` every generation request (and every other keyed route: http_guard.py)
+    must carry `Authorization: Bearer KEY` with a key the file names (else 401, the OpenAI error
+    body); its tenant is the key's. A request's
     `cache_salt` then salts within that tenant.
   - Without keys, a `cache_salt` (vLLM's field) makes the tenant `salt-<digest>`: requests share
     cached K/V only when they carry the same salt.

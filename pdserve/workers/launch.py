@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.workers.config import WorkerConfig, encode_config
-from pdserve.workers.control_keys import ENV as CONTROL_KEYS_ENV
-from pdserve.workers.control_keys import ControlKeys
+from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
+from pdserve.workers.control_keys import ControlKeys, pipe_for
 from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
 
 
@@ -91,9 +91,16 @@ class LocalCluster:
     def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
         env = dict(os.environ)
-        if self.control_keys is not None:  # in the environment, not argv: `ps` shows argv to everyone
-            env[CONTROL_KEYS_ENV] = self.control_keys(cfg.worker_id, cfg.epoch).to_env()
-        self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        keys_fd = None  # through an inherited pipe: `ps` shows argv to everyone, /proc/PID/environ to the user
+        if self.control_keys is not None:
+            keys_fd = pipe_for(self.control_keys(cfg.worker_id, cfg.epoch))
+            env[CONTROL_KEYS_FD_ENV] = str(keys_fd)
+        try:
+            self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+                                                         pass_fds=() if keys_fd is None else (keys_fd,))
+        finally:
+            if keys_fd is not None:
+                os.close(keys_fd)
 
     def restart(self, worker_id: str, epoch: int) -> None:
         """Start a dead worker again under `epoch` (same id, role, cores and config otherwise)."""

@@ -65,6 +65,11 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "prompt": {"a": 1}}, "must be a string", "prompt", id="prompt-object"),
     pytest.param({**GOOD, "prompt": [5] * MAX_MODEL_LEN}, "maximum context length", "prompt", id="ids-too-long"),
     pytest.param({**GOOD, "prompt": "x" * 500}, "maximum context length", "prompt", id="text-too-long"),
+    pytest.param({**GOOD, "max_tokens": 10**9}, "maximum context length is 128", "max_tokens", id="huge-max-tokens"),
+    pytest.param({**GOOD, "prompt": [5] * 100, "max_tokens": 29}, "100 prompt tokens + 29 completion tokens",
+                 "max_tokens", id="max-tokens-one-past-the-context"),
+    pytest.param({**GOOD, "prompt": [5] * 100, "max_tokens": 29, "n": 2}, "maximum context length", "max_tokens",
+                 id="max-tokens-past-the-context-n2"),
     pytest.param({**GOOD, "stop": ""}, "stop strings must be non-empty", None, id="empty-stop"),
     pytest.param({**GOOD, "stop": [1]}, "valid string", None, id="stop-not-string"),
     pytest.param({**GOOD, "stream_options": {"include_usage": True}}, "only allowed when stream", "stream_options",
@@ -99,6 +104,10 @@ BAD_CHATS = [
                  "`logprobs` must be set to true", "top_logprobs", id="top-logprobs-without-logprobs"),
     pytest.param({"messages": [{"role": "user", "content": "x"}], "echo": True, "stream": True, "prompt_logprobs": 1},
                  "not available when `stream=True`", "prompt_logprobs", id="echo-stream-prompt-logprobs"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**9},
+                 "maximum context length is 128", "max_completion_tokens", id="huge-max-completion-tokens"),
+    pytest.param({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
+                 "maximum context length is 128", "max_tokens", id="huge-max-tokens"),
     pytest.param({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
                  "greater than or equal to 1", "max_completion_tokens", id="zero-max-completion-tokens"),
     pytest.param({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "greater than",
@@ -110,6 +119,16 @@ BAD_CHATS = [
 def test_bad_chat_request_is_400(server, body, fragment, param):
     assert_error(post(server, {"model": MODEL, **body}, path="/v1/chat/completions"), 400, fragment, param=param)
     assert_still_serving(server)
+
+
+def test_a_max_tokens_that_just_fits_beside_the_prompt_is_served(server):
+    """prompt + max_tokens == max_model_len is the largest request vLLM serves; one more is the 400 above."""
+    body = {**GOOD, "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN - 100}
+    resp = post(server, body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 100
+    error = assert_error(post(server, {**body, "max_tokens": MAX_MODEL_LEN - 99}), 400, "at most 28", param="max_tokens")
+    assert error["code"] == "context_length_exceeded"
 
 
 def test_unknown_model_is_404(server):

@@ -71,6 +71,26 @@ def test_rejections(fields, status, fragment):
     assert caught.value.info.status == status and fragment in caught.value.info.message
 
 
+def test_an_omitted_max_tokens_is_bounded_by_the_room_the_prompt_leaves():
+    """The default 16 where it fits, else max_model_len - prompt (vLLM's default), never past the context."""
+    assert completion(prompt=[1] * 40).params.max_tokens == 16
+    assert completion(prompt=[1] * 59).params.max_tokens == 5
+    assert chat([{"role": "user", "content": "x" * 30}]).params.max_tokens == 64 - 30 - len("<|user|>\n\n<|assistant|>\n")
+    assert completion(prompt="x" * 63, echo=True, max_tokens=0).drop_output  # the prompt alone still fits
+
+
+def test_a_max_tokens_past_the_context_names_the_field_that_asked():
+    for parse, param in ((lambda: completion(prompt=[1] * 60, max_tokens=5), "max_tokens"),
+                         (lambda: chat([{"role": "user", "content": "x"}], max_completion_tokens=64), "max_completion_tokens"),
+                         (lambda: chat([{"role": "user", "content": "x"}], max_tokens=10**9), "max_tokens")):
+        with pytest.raises(ApiError) as caught:
+            parse()
+        info = caught.value.info
+        assert (info.status, info.code, info.param) == (400, "context_length_exceeded", param)
+        assert "maximum context length is 64 tokens" in info.message
+    assert completion(prompt=[1] * 60, max_tokens=4).params.max_tokens == 4
+
+
 def test_text_prompt_needs_a_tokenizer():
     served = ServedModel("m", 32, None)
     with pytest.raises(ApiError, match="no tokenizer"):

@@ -49,6 +49,23 @@ def test_a_keyed_route_checks_the_key_before_the_body(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # unguarded routes stay open
 
 
+def test_with_api_keys_every_v1_route_and_the_tokenizer_routes_need_a_key(server):
+    """vLLM's --api-key guards every /v1 route; /tokenize and /detokenize run the model's tokenizer
+    and template on the body, so they are keyed too (they were open). Operator routes stay open."""
+    keyed = [("POST", "/tokenize", {"model": "fake", "prompt": "hi"}), ("POST", "/detokenize", {"tokens": [104, 105]}),
+             ("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": "fake", "prompt": "hi"})]
+    for method, path, body in keyed:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            answer = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=10)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", (path, answer.text)
+    auth = {"Authorization": "Bearer k1"}
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": "fake", "prompt": "hi"}, headers=auth, timeout=10)
+    assert counted.status_code == 200 and counted.json()["tokens"] == [104, 105]
+    assert httpx.get(f"{server.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == "fake"
+    for path in ("/health", "/metrics", "/workers"):
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 200, path
+
+
 def args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"admin_token_file": None, "admin_token": None, **kw})
 

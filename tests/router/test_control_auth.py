@@ -72,7 +72,7 @@ def test_a_new_incarnation_revokes_the_old_key_and_a_role_change_advances_the_ep
     auth.revoke("decode-0")
     assert accept(auth, new, b"decode-0", heartbeat("decode-0", 3))[1] == "unknown_key"
     assert "secret" not in repr(new) and new.client_secret.decode() not in repr(new)
-    assert ControlKeys.from_text(new.to_env()) == new
+    assert ControlKeys.from_text(new.to_text()) == new
 
 
 def test_a_router_task_that_dies_marks_the_backend_unhealthy():

@@ -50,7 +50,7 @@ async def serves_then_settles(backend, seed: int) -> None:
 
 
 def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_requests_finish():
-    params = SamplingParams(max_tokens=600, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, ignore_eos=True)  # ~7 s of decode on 2 cores: in flight when the worker stops
 
     async def main():
         cfg = config(num_decode=2, restart=FAST, heartbeat_timeout_s=2.0)
@@ -69,7 +69,7 @@ def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_reques
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             for ids, event in results:  # each finished in full or said why it did not
-                assert (isinstance(event, FinishEvent) and len(ids) == 600) or isinstance(event, ErrorEvent), event
+                assert (isinstance(event, FinishEvent) and len(ids) == 300) or isinstance(event, ErrorEvent), event
             assert sum(isinstance(e, FinishEvent) for _, e in results) >= 1
             assert launcher.pid(victim) != pid and launcher.num_restarts == 1
             assert "pdserve_hung_workers_total 1.0" in backend.metrics_text().decode()

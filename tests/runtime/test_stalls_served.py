@@ -56,16 +56,20 @@ ENGINE = EngineConfig(model="tiny", dtype="float32", num_blocks=BLOCKS)
 SOCKET_BUFFERS_MAX = 4 * (4 << 20)  # send + receive buffer, each asked 4 MiB and doubled by the kernel
 LEASE_S = 60.0  # past every stop here (a worker stopped longer may reclaim K/V the router renewed meanwhile);
 # handoff sockets time out after a third of it, at most 10 s (handoff/limits.py)
+TTFT_SLO_S = 10.0  # the router's wait for a stalled K/V (recovery.py: the TTFT target less the time since the
+# prefill ended) runs out with the decode worker's own give-up on the silent link, not 20 s after it (the
+# default target, 30 s, would only lengthen the stopped-source case; the wait itself is tested either way)
 PARAMS_A = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def served():
     """2P1D over TCP, serialized transfers (the whole payload is ready when the link opens), a
-    heartbeat timeout well past every stop here (no worker is retired for it), restarts on for
-    the module's last test (kill -9)."""
+    heartbeat timeout well past every stop here (no worker is retired for it), a TTFT target
+    (the router's wait for a late K/V) as long as the decode worker's wait on a silent link,
+    restarts on for the module's last test (kill -9)."""
     cluster = SharedCluster(config(num_prefill=2, engine=ENGINE, transport="tcp", lease_s=LEASE_S,
-                                   heartbeat_timeout_s=LEASE_S, layerwise_threshold_tokens=1 << 20,
+                                   heartbeat_timeout_s=LEASE_S, layerwise_threshold_tokens=1 << 20, slo_ttft_s=TTFT_SLO_S,
                                    restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0)))
     yield cluster
     cluster.close()

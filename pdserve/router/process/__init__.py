@@ -9,6 +9,7 @@
     fallback.py         what a decode worker does when K/V is not visible at decode start
     capabilities.py     the router as issuer of transfer capabilities
     control_auth.py     CURVE keys: who may speak on the control socket
+    control_handshakes.py  which control-socket connections failed their handshake (monitor events)
     control_acks.py     control messages the router waits on, and their acknowledgements
     metrics.py          Prometheus metrics, one private registry per router process
     role_control.py     role changes, live disable/enable of disaggregation

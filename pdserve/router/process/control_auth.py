@@ -16,9 +16,9 @@ dropped:
                 worker speaks from its main socket, its heartbeat socket `#hb` and its fetch
                 socket `#fetch`: workers/fetch_control.py)
     epoch       a Register under another epoch than the key's (a role change advances it: `advance`)
-Before any message: every handshake the socket refuses (no CURVE, not ZMTP, a refused key: the
-socket monitor, which cannot always tell these apart) counts as `handshake`, and each key the ZAP
-handler refuses also as `unknown_key` (`on_refused`). Every reject is counted by reason
+Before any message: every connection that fails its handshake (no CURVE, not ZMTP, a refused
+key) counts once as `handshake` when it closes (control_handshakes.py, from the socket monitor),
+and each key the ZAP handler refuses also as `unknown_key` (`on_refused`). Every reject is counted by reason
 (`pdserve_control_rejects_total`, router/process/metrics.py); none ends a loop.
 """
 
@@ -37,8 +37,6 @@ from pdserve.workers.control_keys import ControlKeys
 from pdserve.workers.fetch_control import FETCH_SUFFIX
 
 HEARTBEAT_SUFFIX = "#hb"  # a worker's heartbeat socket's routing id (workers/heartbeat.py)
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 @dataclass

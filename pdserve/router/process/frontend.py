@@ -47,7 +47,8 @@ from pdserve.router.process import frontend_events as ev
 from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.router.process.control_acks import ControlAcks
-from pdserve.router.process.control_auth import HANDSHAKE_EVENTS, ControlAuth
+from pdserve.router.process.control_auth import ControlAuth
+from pdserve.router.process.control_handshakes import MONITOR_EVENTS, HandshakeTally
 from pdserve.router.process.frontend_start import ADMISSION_POLL_S, AdmissionRetry, admission_waits, start
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
@@ -81,7 +82,8 @@ class ClusterBackend:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control_auth.secure(self.sock)
-        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)  # refused handshakes, counted
+        self._monitor = self.sock.get_monitor_socket(MONITOR_EVENTS)  # failed handshakes, counted
+        self.handshakes = HandshakeTally(self.sock.getsockopt(zmq.HANDSHAKE_IVL) / 1000)  # control_handshakes.py
         self.sock.bind(bind)
         self.failed: str | None = None  # a router task that ended before close: /health says unhealthy
         self._closing = False
@@ -352,10 +354,11 @@ class ClusterBackend:
                 log.exception("router: dropped %s from %s", type(msg).__name__, msg.worker_id)
 
     async def _monitor_loop(self) -> None:
-        """Handshakes the socket refused: no CURVE, not ZMTP, or a key this router did not issue."""
+        """Connections that failed their handshake: no CURVE, not ZMTP, or a key this router did not issue."""
         while True:
-            parse_monitor_message(await self._monitor.recv_multipart())
-            self.metrics.control_rejects.labels("handshake").inc()
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if self.handshakes.on_event(event["event"], event["value"], time.monotonic()):
+                self.metrics.control_rejects.labels("handshake").inc()
 
     def _current(self, msg) -> bool:
         reg = self.registered.get(msg.worker_id)
