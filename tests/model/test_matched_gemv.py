@@ -89,7 +89,12 @@ def test_the_matched_weight_reads_onednns_bytes_in_place_where_they_are_its_layo
 
 def test_paired_plan_runs_few_rows_matched_and_stays_invariant():
     shapes = ((1280, 768), (768, 3072))
-    assert probe_invariance("paired", torch.bfloat16, shapes, torch.get_num_threads()) is None
+    bad = probe_invariance("paired", torch.bfloat16, shapes, torch.get_num_threads())
+    # invariant on the kind the kernel was built for; elsewhere (AMX: oneDNN's tile kernels may sum
+    # a lone row otherwise) the start-up probe must catch it and serve another plan
+    assert bad is None or not MUST_MATCH, bad
+    if bad is not None:
+        assert numerics.choose_plan(torch.bfloat16, True, shapes).plan != "paired"
     w = _weight((1280, 768), 3)
     paired = prepare(w, "paired")
     assert isinstance(paired, PairedWeight)
