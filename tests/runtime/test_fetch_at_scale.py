@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import re
 
+import msgspec
+
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
@@ -139,6 +141,58 @@ def test_a_request_joins_a_running_fetch_of_a_shorter_prefix_and_fetches_only_th
     assert (c2["fetch_joined"], c2["fetch_joined_blocks"], c2["fetch_rest"]) == (True, 6, "fetch")
     assert c2["fetch_landed_blocks"] == 8 and c2["cached_tokens"] >= 128  # 6 joined + the 2 it fetched
     assert [kind for _, kind in sent].count("FetchReserve") == 2  # c1's, then c2's remainder
+    alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
+    for p, (tokens, event) in zip(prompts, results):
+        assert isinstance(event, FinishEvent)
+        assert tokens == list(alone.generate([list(p)], PARAMS)[0].output_ids)
+
+
+def _forged(msg):
+    """The holder's FetchServe with one bit of its capability flipped: the destination refuses the
+    landing, so the fetch fails the way a forged or stale plan does."""
+    cap = bytearray(msg.plan.capability)
+    cap[-1] ^= 1
+    return m.FetchServe(msg.prompt_ids, msgspec.structs.replace(msg.plan, capability=bytes(cap)))
+
+
+def test_a_request_that_joined_a_fetch_which_then_failed_recomputes_its_prefix():
+    """As above, but c1's fetch fails (its plan's capability is refused at the destination): c2,
+    waiting on it, lands nothing, recomputes the whole prefix instead of fetching the rest, and
+    both requests still match the engine alone; every block and pin returns."""
+    async def main():
+        async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
+            first, event = await collect(backend, "t1", LONG_HISTORY, PARAMS)
+            assert isinstance(event, FinishEvent)
+            await until(lambda: all(backend.router.kv_holders(k) for k in backend._block_hashes(LONG_HISTORY)))
+            sent, original = [], backend._send
+
+            async def send(worker_id, msg):
+                sent.append((worker_id, type(msg).__name__))
+                if isinstance(msg, m.FetchServe):
+                    await asyncio.sleep(1.0)
+                    msg = _forged(msg)
+                return await original(worker_id, msg)
+
+            backend._send = send
+            shorter, longer = LONG_HISTORY[:96] + prompt(20, 14), LONG_HISTORY + prompt(20, 15)
+            c1 = asyncio.create_task(collect(backend, "c1", shorter, PARAMS))
+            await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
+            assert isinstance((await collect(backend, "f", prompt(20, 16), PARAMS))[1], FinishEvent)
+            c2 = asyncio.create_task(collect(backend, "c2", longer, PARAMS))
+            results = [await c1, await c2]
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+            lines = {line["request_id"]: line for line in backend.trace.recent}
+            failed = _metric(backend.metrics_text().decode(), 'pdserve_kv_fetches_total{result="failed"}')
+            return (shorter, longer), results, sent, lines, failed
+
+    prompts, results, sent, lines, failed = asyncio.run(main())
+    c1, c2 = lines["c1"], lines["c2"]
+    assert (c1["fetch"], c1["fetch_landed_blocks"]) == ("fetch", 0) and c1["fetch_failure"]
+    assert (c2["fetch_joined"], c2["fetch_joined_blocks"], c2["fetch_rest"]) == (True, 6, "recompute")
+    assert c2["fetch_landed_blocks"] == 0  # (its prefill may still hit what c1's recompute cached)
+    assert [kind for _, kind in sent].count("FetchReserve") == 1  # c2 started no fetch of its own
+    assert failed == 1
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
     for p, (tokens, event) in zip(prompts, results):
         assert isinstance(event, FinishEvent)
