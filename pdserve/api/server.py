@@ -35,7 +35,7 @@ from pdserve.model.loader import checkpoint_hash
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.policy.pd_decision import PdPolicy, served_pd, slo_line
-from pdserve.router.pricing.calibration import AUTO, NONE, cost_profile
+from pdserve.router.pricing.calibration import AUTO, NONE, REFIT, cost_profile
 from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
 from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.process.role_control import run_pool_controller
@@ -88,7 +88,8 @@ class ServeConfig:
     pd_safety_margin_s: float = 0.0  # the margin must exceed this to hand off
     pd_profile: str = "auto"  # the router's cost model: "auto" (fit on this machine at start when the margin
     # decides or the mode is colocated: its fetch decisions weigh measured link rates against the prefill they
-    # save), a `pdserve profile` JSON, or "none" (placeholders; tests) (router/pricing/calibration.py)
+    # save; kept on disk for later starts), "refit" (measure again), a `pdserve profile` JSON, or "none"
+    # (placeholders; tests) (router/pricing/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
@@ -161,7 +162,7 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     mc = load_config(model_dir)
     abi = KvAbi(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.engine.block_size, config.engine.dtype)
     source = config.pd_profile
-    if source == AUTO and not _prices_on_this_machine(config):
+    if source in (AUTO, REFIT) and not _prices_on_this_machine(config):
         source = NONE
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/pricing/tp_pricing.py)

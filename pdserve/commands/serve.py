@@ -91,10 +91,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "subtracted) always prefill there (applies first, with always or margin)")
     p.add_argument("--pd-safety-margin-ms", type=float, default=0.0, metavar="MS",
                    help="margin mode: hand off only when the net margin exceeds this (default 0)")
-    p.add_argument("--pd-profile", default="auto", metavar="auto|FILE.json|none",
+    p.add_argument("--pd-profile", default="auto", metavar="auto|refit|FILE.json|none",
                    help="the router's cost model (what the margin and colocated fetch decisions weigh): auto (default) "
                         "times the served engine on this machine at start and fits it (margin or colocated; pinned "
-                        "P/D decisions skip it); FILE a `pdserve profile` fit; none: placeholders")
+                        "P/D decisions skip it), then keeps the fit under ~/.cache/pdserve/fits for later starts "
+                        "with the same checkpoint, engine, threads, CPU and code; refit: measure again; FILE a "
+                        "`pdserve profile` fit; none: placeholders")
     p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
                    help="TTFT target: drives the P/D margin decision and the slo/prefix policies' admission; "
                         "default: derived per request from the measured profile (5x the prompt's idle prefill; "

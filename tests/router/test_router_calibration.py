@@ -14,11 +14,20 @@ from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.model.default import resolve_model
-from pdserve.router.pricing.calibration import cost_profile, profile_points
+from pdserve.router.pricing import calibration
+from pdserve.router.pricing.calibration import cost_profile, fit_key, profile_points
 from pdserve.router.pricing.cost import CostModel
 from pdserve.workers.tp_rank import TpShape
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)
+
+
+@pytest.fixture(autouse=True)
+def private_fits(tmp_path, monkeypatch):
+    """Each test keeps its fits in its own folder: "auto" here must measure, not read a fit an
+    earlier run left in ~/.cache/pdserve/fits."""
+    monkeypatch.setattr(calibration, "fit_cache_root", lambda: tmp_path / "fits")
+    return tmp_path / "fits"
 
 
 def test_profile_points_stay_inside_the_chunk_and_the_context():
@@ -108,3 +117,49 @@ def test_one_colocated_replica_without_a_host_tier_starts_without_a_fit():
     for config in (ServeConfig(engine=TINY, mode="colocated", replicas=2), ServeConfig(engine=host, mode="colocated", replicas=1),
                    ServeConfig(engine=TINY, mode="colocated", replicas=1, policy="slo")):
         assert _prices_on_this_machine(config), config
+
+
+def test_a_kept_fit_serves_later_starts_until_anything_it_depends_on_changes(private_fits, monkeypatch):
+    """"auto" measures once and keeps the fit; a later start with the same key reads it; "refit"
+    measures again and replaces it; another thread count, ISA cap or engine setting is another
+    key; an unreadable file is measured again, never an error."""
+    fits = []
+
+    def fake_fit(engine, threads, model_dir, max_model_len, tp=1, sizes=()):
+        fits.append(threads)
+        return {"kind": "profiled", "prefill_coef": [0.001 * len(fits), 1e-5, 0.0], "decode_coef": [0.002, 0.0, 1e-7]}
+
+    monkeypatch.setattr(calibration, "fit_in_child", fake_fit)
+    model_dir = resolve_model("tiny")
+    first = cost_profile("auto", TINY, 1, model_dir, 512)
+    assert cost_profile("auto", TINY, 1, model_dir, 512) == first and len(fits) == 1  # read, not measured
+    assert [p.name for p in private_fits.iterdir()] == [f"{fit_key(TINY, 1, model_dir, 512)}.json"]
+    again = cost_profile("refit", TINY, 1, model_dir, 512)
+    assert len(fits) == 2 and again != first and cost_profile("auto", TINY, 1, model_dir, 512) == again
+    cost_profile("auto", TINY, 2, model_dir, 512)  # another thread count
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    cost_profile("auto", TINY, 1, model_dir, 512)  # the AVX2 code paths
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    f32 = EngineConfig(**{**TINY.__dict__, "dtype": "float32"})
+    cost_profile("auto", f32, 1, model_dir, 512)
+    assert len(fits) == 5
+    (private_fits / f"{fit_key(TINY, 1, model_dir, 512)}.json").write_text("{not json")
+    assert cost_profile("auto", TINY, 1, model_dir, 512)["prefill_coef"][0] == pytest.approx(0.006)
+    assert len(fits) == 6
+    assert cost_profile("auto", TINY, 1, model_dir, 512) == cost_profile("auto", TINY, 1, model_dir, 512)
+    assert len(fits) == 6
+
+
+def test_a_second_start_of_the_same_deployment_reuses_its_fit(monkeypatch):
+    """What `pdserve serve` calls at start: the first colocated router measures (a real fit in its
+    child), the second reads the kept fit and spawns no child."""
+    model_dir = resolve_model("tiny")
+    config = ServeConfig(engine=TINY, mode="colocated", replicas=2)
+    first = router_for(config, model_dir)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a second start measured again")
+
+    monkeypatch.setattr(calibration, "fit_in_child", no_child)
+    second = router_for(config, model_dir)
+    assert second.config.cost == first.config.cost and second.config.cost.fitted

@@ -14,6 +14,13 @@ Contract: `cost_profile(source, engine, threads, model_dir)` returns the profile
                     the step broadcast are timed at each such size too (latency/tp_collectives.py,
                     as `pdserve profile --tp N` does) and recorded as the profile's
                     `collectives`; other TP sizes are priced from it by router/pricing/tp_pricing.py
+                    A fit is kept on disk (`$PDSERVE_CACHE/fits`, ~/.cache/pdserve/fits) under a key
+                    naming everything it depends on (`fit_key`: the checkpoint, the engine's dtype,
+                    chunk, pool and invariance flag, threads, context, TP sizes, the CPU's model
+                    and kind, the ISA caps, the torch build and the engine's own source), and a
+                    later start with the same key reads it instead of measuring again, as vLLM
+                    keeps its compile cache: a warm start costs no fit.
+    source "refit"  measure now whatever the disk holds, and keep the new fit for later starts
     source FILE     a `pdserve profile` JSON measured earlier (the same fit)
     source "none"   the placeholders (only for tests that pin the decision's inputs)
 
@@ -25,9 +32,12 @@ would leave its freed heap resident in the process that serves HTTP for its whol
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import pickle
+import platform
 import subprocess
 import sys
 import tempfile
@@ -36,7 +46,8 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 
-AUTO, NONE = "auto", "none"
+AUTO, REFIT, NONE = "auto", "refit", "none"
+FIT_FORMAT = 1  # bump when a fit's fields or meaning change: older files are then ignored
 
 
 def profile_points(chunk_tokens: int, max_model_len: int) -> dict:
@@ -51,9 +62,90 @@ def cost_profile(source: str | None, engine: EngineConfig, threads: int, model_d
                  tp: int = 1, collective_sizes: tuple[int, ...] = ()) -> dict | None:
     if source is None or source == NONE:
         return None
-    if source != AUTO:
+    if source not in (AUTO, REFIT):
         return json.loads(Path(source).read_text())
-    return fit_in_child(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+    key = fit_key(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+    path = fit_cache_root() / f"{key}.json"
+    kept = _read_fit(path) if source == AUTO else None
+    if kept is not None:
+        print(f"pdserve: the router's cost model is the fit kept at {path} (same checkpoint, engine, threads, "
+              "CPU and code; `--pd-profile refit` measures again)", file=sys.stderr, flush=True)
+        return kept
+    fitted = fit_in_child(engine, threads, model_dir, max_model_len, tp, collective_sizes)
+    _keep_fit(path, fitted)
+    return fitted
+
+
+def fit_cache_root() -> Path:
+    from pdserve.model.default import default_cache_root
+
+    return default_cache_root().parent / "fits"
+
+
+def fit_key(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
+            collective_sizes: tuple[int, ...] = ()) -> str:
+    """Everything a fit's numbers depend on, hashed: another value of any of them measures again."""
+    from pdserve.model.cpu import FEATURES, ISA_CAPS, kind_of, parse_cpuinfo
+    from pdserve.model.loader import checkpoint_hash
+
+    try:
+        cpu_model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu_model, flags = platform.processor() or "unknown", set()
+    features = {name: flag in flags for name, flag in FEATURES.items()}
+    parts = {
+        "format": FIT_FORMAT, "checkpoint": checkpoint_hash(model_dir),
+        "engine": [engine.dtype, engine.compute_dtype, engine.batch_invariant, engine.max_num_batched_tokens,
+                   engine.kv_cache_bytes, engine.block_size, engine.device],
+        "threads": threads, "max_model_len": max_model_len, "tp": tp,
+        "collectives": sorted({n for n in (tp, *collective_sizes) if n > 1}),
+        "cpu": [cpu_model, kind_of(features, platform.machine().lower() in ("x86_64", "amd64")), os.cpu_count()],
+        "isa_caps": {name: os.environ.get(name) for name in (*ISA_CAPS, "PDSERVE_MARCH")},
+        "torch": _version("torch"), "code": _engine_source_digest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _engine_source_digest() -> str:
+    """The engine's, model's and profiler's source files: other code may step at another speed."""
+    root = Path(__file__).resolve().parents[2]  # the pdserve package
+    digest = hashlib.sha256()
+    for sub in ("engine", "model", "latency"):
+        for file in sorted((root / sub).rglob("*")):
+            if file.suffix in (".py", ".c", ".h", ".cpp") and file.is_file():
+                digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def _read_fit(path: Path) -> dict | None:
+    """A kept fit, or None when there is none or it cannot be read (it is measured again)."""
+    try:
+        fitted = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = isinstance(fitted, dict) and all(isinstance(fitted.get(k), list) for k in ("prefill_coef", "decode_coef"))
+    return fitted if ok else None
+
+
+def _keep_fit(path: Path, fitted: dict) -> None:
+    """Write atomically (a concurrent start reads the old file or the new, never half of one); a
+    read-only cache only costs the next start a fit."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", dir=path.parent)
+        with os.fdopen(fd, "w") as out:
+            json.dump(fitted, out)
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"pdserve: could not keep the cost-model fit at {path} ({exc}); the next start fits again",
+              file=sys.stderr, flush=True)
 
 
 def fit_in_child(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,

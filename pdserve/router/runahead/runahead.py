@@ -264,7 +264,7 @@ def make_runahead(k: int, min_tokens: int, model_dir, engine, pricing: TpPricing
     dtype = engine.dtype if engine.compute_dtype in (None, engine.dtype) else f"{engine.dtype}-{engine.compute_dtype}"
     key = RunaheadKey(checkpoint_hash(model_dir), k, dtype, cpu_report()["kind"], (1,) * k)  # tps: per chain
     profile = None
-    if profile_path and profile_path not in ("auto", "none"):
+    if profile_path and profile_path not in ("auto", "refit", "none"):
         profile = json.loads(Path(profile_path).read_text())
     prior = pricing.base  # the transfer terms: the same at every TP size
     root = Path(cache_root) if cache_root is not None else default_cache_root().parent
