@@ -94,13 +94,22 @@ def test_the_serve_flag_bounds_the_router_s_kv_index():
     assert router.kv_index_stats().max_entries == 1000
 
 
-def test_colocated_serving_fits_its_cost_model_at_start():
+def test_colocated_serving_fits_its_cost_model_at_its_first_start_only(monkeypatch):
     """Colocated fetch decisions weigh measured link rates against the prefill they save, which
-    kv_rates.py only does on a fitted model: "auto" fits there too (pinned P/D decisions skip it)."""
+    kv_rates.py only does on a fitted model: "auto" fits there too (pinned P/D decisions skip it).
+    What `pdserve serve` calls at start: the first router measures (a real fit in its child), a
+    second start of the same deployment reads the kept fit and spawns no child."""
     model_dir = resolve_model("tiny")
-    colocated = router_for(ServeConfig(engine=TINY, mode="colocated", replicas=2), model_dir)
+    config = ServeConfig(engine=TINY, mode="colocated", replicas=2)
+    colocated = router_for(config, model_dir)
     assert colocated.config.cost.fitted
     assert colocated.config.cost.prefill_s_per_token != CostModel().prefill_s_per_token
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a second start measured again")
+
+    monkeypatch.setattr(calibration, "fit_in_child", no_child)
+    assert router_for(config, model_dir).config.cost == colocated.config.cost
 
 
 def test_one_colocated_replica_without_a_host_tier_starts_without_a_fit():
@@ -148,18 +157,3 @@ def test_a_kept_fit_serves_later_starts_until_anything_it_depends_on_changes(pri
     assert len(fits) == 6
     assert cost_profile("auto", TINY, 1, model_dir, 512) == cost_profile("auto", TINY, 1, model_dir, 512)
     assert len(fits) == 6
-
-
-def test_a_second_start_of_the_same_deployment_reuses_its_fit(monkeypatch):
-    """What `pdserve serve` calls at start: the first colocated router measures (a real fit in its
-    child), the second reads the kept fit and spawns no child."""
-    model_dir = resolve_model("tiny")
-    config = ServeConfig(engine=TINY, mode="colocated", replicas=2)
-    first = router_for(config, model_dir)
-
-    def no_child(*args, **kwargs):
-        raise AssertionError("a second start measured again")
-
-    monkeypatch.setattr(calibration, "fit_in_child", no_child)
-    second = router_for(config, model_dir)
-    assert second.config.cost == first.config.cost and second.config.cost.fitted
