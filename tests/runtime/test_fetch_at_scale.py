@@ -31,15 +31,16 @@ def _metric(text: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _recording(backend, delay_s: dict | None = None) -> list:
+def _recording(backend, delay_s: dict | None = None, rewrite: dict | None = None) -> list:
     """Test wrapper on the router's sends: records (worker, message type); `delay_s` holds a
-    message type's sends back that long first (a slow fetch path)."""
+    message type's sends back that long first (a slow fetch path); `rewrite` maps a message type
+    to a function that alters it on its way (a forged plan)."""
     sent, original = [], backend._send
 
     async def send(worker_id, msg):
         sent.append((worker_id, type(msg).__name__))
         await asyncio.sleep((delay_s or {}).get(type(msg), 0.0))
-        return await original(worker_id, msg)
+        return await original(worker_id, (rewrite or {}).get(type(msg), lambda x: x)(msg))
 
     backend._send = send
     return sent
@@ -114,16 +115,17 @@ def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it()
 LONG_HISTORY = prompt(128, 13)  # eight full blocks
 
 
-def test_a_request_joins_a_running_fetch_of_a_shorter_prefix_and_fetches_only_the_rest():
+def _shorter_then_longer(rewrite: dict | None = None):
     """Round robin: t1 (colocated-0) caches 8 blocks; c1 (colocated-1) fetches the first 6 with its
-    FetchServe held back 1 s; f (colocated-0) passes; c2 (colocated-1) wants all 8 while c1's fetch
-    runs: it waits for it and fetches the 2 blocks after (before: its own fetch of all 8)."""
+    FetchServe held back 1 s (and altered by `rewrite`); f (colocated-0) passes; c2 (colocated-1)
+    wants all 8 while c1's fetch runs. Returns the prompts, c1's and c2's results, the sends, the
+    trace lines and the metrics, after every block and pin returned."""
     async def main():
         async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
             first, event = await collect(backend, "t1", LONG_HISTORY, PARAMS)
             assert isinstance(event, FinishEvent)
             await until(lambda: all(backend.router.kv_holders(k) for k in backend._block_hashes(LONG_HISTORY)))
-            sent = _recording(backend, {m.FetchServe: 1.0})
+            sent = _recording(backend, {m.FetchServe: 1.0}, rewrite)
             shorter, longer = LONG_HISTORY[:96] + prompt(20, 14), LONG_HISTORY + prompt(20, 15)
             c1 = asyncio.create_task(collect(backend, "c1", shorter, PARAMS))
             await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
@@ -133,9 +135,15 @@ def test_a_request_joins_a_running_fetch_of_a_shorter_prefix_and_fetches_only_th
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
             lines = {line["request_id"]: line for line in backend.trace.recent}
-            return (shorter, longer), results, sent, lines
+            return (shorter, longer), results, sent, lines, backend.metrics_text().decode()
 
-    prompts, results, sent, lines = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_request_joins_a_running_fetch_of_a_shorter_prefix_and_fetches_only_the_rest():
+    """c2 waits for c1's running fetch of 6 of its 8 blocks and fetches the 2 blocks after
+    (before: its own fetch of all 8)."""
+    prompts, results, sent, lines, _ = _shorter_then_longer()
     c1, c2 = lines["c1"], lines["c2"]
     assert (c1["prefill"], c1["fetch"], c1["fetch_remote_blocks"], c1["fetch_landed_blocks"]) == ("colocated-1", "fetch", 6, 6)
     assert (c2["prefill"], c2["fetch"], c2["fetch_local_blocks"], c2["fetch_remote_blocks"]) == ("colocated-1", "fetch", 0, 8)
@@ -160,34 +168,8 @@ def test_a_request_that_joined_a_fetch_which_then_failed_recomputes_its_prefix()
     """As above, but c1's fetch fails (its plan's capability is refused at the destination): c2,
     waiting on it, lands nothing, recomputes the whole prefix instead of fetching the rest, and
     both requests still match the engine alone; every block and pin returns."""
-    async def main():
-        async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
-            first, event = await collect(backend, "t1", LONG_HISTORY, PARAMS)
-            assert isinstance(event, FinishEvent)
-            await until(lambda: all(backend.router.kv_holders(k) for k in backend._block_hashes(LONG_HISTORY)))
-            sent, original = [], backend._send
-
-            async def send(worker_id, msg):
-                sent.append((worker_id, type(msg).__name__))
-                if isinstance(msg, m.FetchServe):
-                    await asyncio.sleep(1.0)
-                    msg = _forged(msg)
-                return await original(worker_id, msg)
-
-            backend._send = send
-            shorter, longer = LONG_HISTORY[:96] + prompt(20, 14), LONG_HISTORY + prompt(20, 15)
-            c1 = asyncio.create_task(collect(backend, "c1", shorter, PARAMS))
-            await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
-            assert isinstance((await collect(backend, "f", prompt(20, 16), PARAMS))[1], FinishEvent)
-            c2 = asyncio.create_task(collect(backend, "c2", longer, PARAMS))
-            results = [await c1, await c2]
-            await wait_baseline(backend)
-            backend.router.assert_no_leaks()
-            lines = {line["request_id"]: line for line in backend.trace.recent}
-            failed = _metric(backend.metrics_text().decode(), 'pdserve_kv_fetches_total{result="failed"}')
-            return (shorter, longer), results, sent, lines, failed
-
-    prompts, results, sent, lines, failed = asyncio.run(main())
+    prompts, results, sent, lines, metrics = _shorter_then_longer({m.FetchServe: _forged})
+    failed = _metric(metrics, 'pdserve_kv_fetches_total{result="failed"}')
     c1, c2 = lines["c1"], lines["c2"]
     assert (c1["fetch"], c1["fetch_landed_blocks"]) == ("fetch", 0) and c1["fetch_failure"]
     assert (c2["fetch_joined"], c2["fetch_joined_blocks"], c2["fetch_rest"]) == (True, 6, "recompute")
