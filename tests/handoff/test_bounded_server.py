@@ -20,6 +20,7 @@ import time
 from pdserve.handoff.frames import AbortFrame, encode_frame
 from pdserve.handoff.transports.channels import _LEN
 from pdserve.handoff.transports.server import BoundedServer
+from tests.helpers.sockets import closed_by_peer
 
 CHILD = textwrap.dedent("""
     import errno, os, resource, sys, threading
@@ -103,16 +104,6 @@ def test_admitted_connections_past_the_limit_wait_for_a_slot_until_one_ends():
     assert not server.thread.is_alive()
 
 
-def _closed(sock: socket.socket, timeout_s: float) -> bool:
-    sock.settimeout(timeout_s)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 def test_idle_peers_evict_one_another_and_never_block_a_peer_that_identifies_itself():
     """More silent peers than the accept queue and the slots together: before a peer names its
     transfer it holds only a pending place, the oldest of which each arrival takes over."""
@@ -130,7 +121,7 @@ def test_idle_peers_evict_one_another_and_never_block_a_peer_that_identifies_its
     while server.num_evicted < 36 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.num_evicted == 36 and server.num_pending() == 4
-    assert all(_closed(peer, 5.0) for peer in idle[:36])  # the oldest were shut down, not left hanging
+    assert all(closed_by_peer(peer, 5.0) for peer in idle[:36])  # the oldest were shut down, not left hanging
     real = socket.create_connection(server.address, timeout=10)
     real.sendall(b"R")
     assert real.recv(2) == b"ok"  # admitted at once: the idle peers' 30 s timeout did not matter

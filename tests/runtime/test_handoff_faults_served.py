@@ -35,6 +35,7 @@ from pdserve.handoff.transports.channels import _LEN
 from pdserve.handoff.transports.server import MAX_CONNECTIONS
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffSender
+from tests.helpers.sockets import closed_by_peer
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.served_http import open_stream, served_app
 from tests.runtime.shared_cluster import SharedCluster
@@ -62,17 +63,6 @@ def _rss_bytes(pid: int) -> int:
     return kib << 10
 
 
-def _closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
-    """True when the peer closed (EOF or reset) within `timeout_s`."""
-    sock.settimeout(timeout_s)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 def test_an_oversized_frame_header_closes_the_link_unallocated_and_the_listener_serves_on(served, reference):
     async def main(backend, launcher):
         dest = backend.registered["decode-0"]
@@ -81,7 +71,7 @@ def test_an_oversized_frame_header_closes_the_link_unallocated_and_the_listener_
         hostile = socket.create_connection(tuple(dest.handoff_address))
         hostile.sendall(b"T" + struct.pack("<I", CLAIMED_HEADER_BYTES) + b"\x00")  # 6 bytes claiming 256 MiB
         t0 = time.monotonic()
-        closed = await asyncio.to_thread(_closed_by_peer, hostile, 10.0)
+        closed = await asyncio.to_thread(closed_by_peer, hostile, 10.0)
         closed_s, grown = time.monotonic() - t0, _rss_bytes(pid) - before
         hostile.close()
         assert closed, "the listener kept a connection that declared a 256 MiB header"
