@@ -13,7 +13,7 @@ from pdserve.latency.base import ConstantLatency
 from pdserve.latency.geometry import load_model_spec
 from pdserve.latency.hardware import load_hardware
 from pdserve.latency.roofline import RooflineLatency
-from pdserve.search.candidates import DecodeTokenCap, Parallel, decode_bound
+from pdserve.search.candidates import DecodeTokenCap, Parallel, WorkloadShape, decode_bound
 from pdserve.search.phase_search import Score, SearchSpace
 from pdserve.search.segment_pairs import SegmentPair, score_pairs, segment_pairs
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
@@ -38,9 +38,10 @@ def test_cap_holds_the_batch_per_stage_and_memory_still_binds():
 def test_cap_sizes_the_decode_bound_and_the_simulated_batch():
     model = ConstantLatency(prefill_ms=10, decode_step_ms=10)  # unbounded K/V
     capped = DecodeTokenCap(model, 1_000)
-    shape = type("Shape", (), {"mean_prompt": 90.0, "mean_output": 10.0, "max_tokens": 100})()
+    shape = WorkloadShape(mean_prompt=90.0, mean_output=10.0, max_tokens=100, decode_context=95.0)
     slo = Slo(ttft_s=1.0, tpot_s=1.0)
-    # 256 sequences without the cap, 1,000 / 100 = 10 with it; each needs 9 steps of 10 ms
+    # 256 sequences without the cap, 1,000 / 95 = 10 with it (a steady sequence holds 90 + 10 / 2);
+    # each needs 9 steps of 10 ms
     assert decode_bound(model, shape, slo, 256) == pytest.approx(256 / 0.09)
     assert decode_bound(capped, shape, slo, 256) == pytest.approx(10 / 0.09)
     # 30 requests of 90 + 10 tokens all ready at 0: ten at a time, 3 rounds of 10 steps
