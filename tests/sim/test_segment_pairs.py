@@ -85,3 +85,17 @@ def test_score_pairs_simulates_end_to_end_and_prunes_by_the_slower_phase(make_re
     assert 0 < best.goodput_rps < 10.0 and best.per_gpu == best.goodput_rps / 2
     assert best.joint_at_goodput >= 0.9
     assert dataclasses.replace(best, goodput_rps=0.0).per_gpu == 0.0
+
+
+def test_a_pair_scores_at_most_its_slower_instances_sustained_rate(make_requests):
+    # decode: 4 sequences a 10 ms step, 10 steps a request, 40 rps sustained; a 5 s TPOT spread over 10
+    # tokens lets a 2,048-request run pass well above that (issue 40)
+    model = ConstantLatency(prefill_ms=1, decode_step_ms=10)
+    requests = make_requests(2048, prompt=64, output=11, seed=1)
+    hw, spec = load_hardware("a100-80g"), load_model_spec("opt-13b")
+    space = SearchSpace(spec, hw, requests, requests, Slo(ttft_s=1.0, tpot_s=5.0), max_seqs=4, fixed_model=model)
+    prefill = Score("prefill", Parallel(1, 1), 1000.0, 1000.0, "simulated")
+    decode = Score("decode", Parallel(1, 1), 40.0, 40.0, "simulated")
+    [pair] = score_pairs(space, [SegmentPair(prefill, decode, 1, 40.0)])
+    assert pair.status == "simulated" and pair.goodput_rps == pytest.approx(40.0)
+    assert pair.joint_at_goodput >= 0.9
