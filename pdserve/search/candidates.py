@@ -77,8 +77,9 @@ class WorkloadShape:
         n = len(requests)
         prompts, outputs = requests.prompt_tokens, requests.output_tokens
         new = [p - c for p, c in zip(prompts, requests.cached_tokens)]
-        steps = sum(max(o - 1, 1) for o in outputs)
-        context = sum(max(o - 1, 1) * (p + o / 2) for p, o in zip(prompts, outputs)) / steps
+        steps = [o - 1 for o in outputs]  # a one-token output never decodes
+        weights = steps if sum(steps) else [1] * n
+        context = sum(w * (p + o / 2) for w, p, o in zip(weights, prompts, outputs)) / sum(weights)
         return cls(sum(new) / n, sum(outputs) / n, max(p + o for p, o in zip(prompts, outputs)), context)
 
 
