@@ -43,10 +43,11 @@ WORKLOADS = (("chat-tight", 500, 200, 300, 15), ("chat-loose", 500, 200, 1000, 4
              ("mid-tight", 2000, 500, 800, 20), ("mid-loose", 2000, 500, 2000, 40),
              ("long-tight", 8000, 300, 2000, 30), ("long-loose", 8000, 300, 5000, 60))
 WITHIN = 0.2
-# aiconfigurator's disaggregated rate matching (aiconfigurator/sdk/task_v2.py, picking.py): prefill and decode
-# latencies x1.1 and x1.08, then prefill throughput x0.9 and decode x0.92; its aggregated mode applies none
-AIC_PREFILL_FACTOR = 0.9 / 1.1
-AIC_DECODE_FACTOR = 0.92 / 1.08
+# aiconfigurator's disaggregated corrections (aiconfigurator/sdk/task_v2.py, picking.py; "calibrated against
+# silicon", "empirical"): prefill and decode latencies x1.1 and x1.08 (the decode batch is the largest whose
+# corrected step meets TPOT), then prefill throughput x0.9 and decode x0.92; its aggregated mode applies none
+AIC_PREFILL_LATENCY, AIC_DECODE_LATENCY = 1.1, 1.08
+AIC_PREFILL_MATCH, AIC_DECODE_MATCH = 0.9, 0.92
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,16 @@ def run_pdserve(case: Case, extra: tuple[str, ...] = ()) -> dict:
 
 
 def _phases(argv: list[str], dis: dict) -> dict:
-    """Each phase of the disaggregated plan: simulated goodput per instance and its capacity
-    (`candidates.prefill_bound`: one prompt per stage interval; `decode_bound`: the largest batch
-    meeting TPOT, the K/V and --max-seqs). A simulated figure above its capacity is a queue the
-    finite run did not fill, not a rate the instance sustains."""
+    """Each phase of the disaggregated plan: its score per instance (simulated, held to its
+    sustained rate), its capacity (`candidates.prefill_bound`: one prompt per stage interval;
+    `decode_bound`: the largest batch meeting TPOT, the K/V and --max-seqs), and that capacity
+    under aiconfigurator's latency corrections (the step x1.08 or x1.1, so the TPOT batch shrinks
+    too), for the attribution."""
+    import dataclasses
+
     from pdserve.cli import build_parser
     from pdserve.commands.plan import plan_inputs
-    from pdserve.search.candidates import Parallel, WorkloadShape, decode_bound, latency_for, prefill_bound
+    from pdserve.search.candidates import Parallel, WorkloadShape, decode_bound, latency_for, prefill_bound, tpot_batch
     from pdserve.sim.requests import build_requests
 
     if not dis:
@@ -140,8 +144,17 @@ def _phases(argv: list[str], dis: dict) -> dict:
     for phase in ("prefill", "decode"):
         par = Parallel(dis[phase]["tp"], dis[phase]["pp"])
         model = latency_for(inputs.model, inputs.hardware, par, inputs.family)
-        cap = prefill_bound(model, shape, inputs.slo)[0] if phase == "prefill" else decode_bound(model, shape, inputs.slo, inputs.max_seqs)
+        if phase == "prefill":
+            cap = prefill_bound(model, shape, inputs.slo)[0]
+            slower = dataclasses.replace(inputs.slo, ttft_s=inputs.slo.ttft_s / AIC_PREFILL_LATENCY)
+            corrected = prefill_bound(model, shape, slower)[0] / AIC_PREFILL_LATENCY
+        else:
+            cap = decode_bound(model, shape, inputs.slo, inputs.max_seqs)
+            out["decode_tpot_batch"] = tpot_batch(model, shape, inputs.slo, inputs.max_seqs)
+            slower = dataclasses.replace(inputs.slo, tpot_s=inputs.slo.tpot_s / AIC_DECODE_LATENCY)
+            corrected = decode_bound(model, shape, slower, inputs.max_seqs) / AIC_DECODE_LATENCY
         out[f"{phase}_rps"], out[f"{phase}_capacity_rps"] = dis[phase]["goodput_per_replica_rps"], cap
+        out[f"{phase}_aic_latency_rps"] = corrected
     return out
 
 
@@ -173,6 +186,9 @@ def row(case: Case, aic: dict, pd: dict) -> dict:
             "aic_prefill_worker": aic.get("prefill_worker_rps"), "aic_decode_worker": aic.get("decode_worker_rps"),
             "pd_prefill_instance": pd.get("prefill_rps"), "pd_prefill_capacity": pd.get("prefill_capacity_rps"),
             "pd_decode_instance": pd.get("decode_rps"), "pd_decode_capacity": pd.get("decode_capacity_rps"),
+            "pd_decode_tpot_batch": pd.get("decode_tpot_batch"),
+            "pd_prefill_aic_latency": pd.get("prefill_aic_latency_rps"),
+            "pd_decode_aic_latency": pd.get("decode_aic_latency_rps"),
             **_attribution(case, aic, pd),
             "aic_agg_config": aic["agg_config"], "aic_disagg_config": aic["disagg_config"],
             "pd_colo_config": pd["colo_config"], "pd_disagg_config": pd["disagg_config"]}
@@ -180,15 +196,20 @@ def row(case: Case, aic: dict, pd: dict) -> dict:
 
 def _attribution(case: Case, aic: dict, pd: dict) -> dict:
     """pdserve's disaggregated plan re-counted, not re-planned, to attribute its error: each phase held to
-    its capacity (`at_capacity`), then also under aiconfigurator's four rate-matching factors
-    (`aic_factors`): each over aiconfigurator's disaggregated figure (per GPU of the budget), and the
-    tie rule's reading of the two systems' disagg/colocated ratios with it in place of pdserve's."""
+    its capacity (`at_capacity`), then at its capacity under aiconfigurator's four factors (`aic_factors`:
+    the latency corrections, which also shrink the TPOT batch, and the rate-matching throughputs): each over
+    aiconfigurator's disaggregated figure (per GPU of the budget), and the tie rule's reading of the two
+    systems' disagg/colocated ratios with it in place of pdserve's."""
     if pd.get("decode_capacity_rps") is None or not aic.get("disagg"):
         return {f"{k}_{v}": None for k in ("at_capacity", "aic_factors") for v in ("vs_aic", "reading")}
     pre = pd["n_prefill"] * min(pd["prefill_rps"], pd["prefill_capacity_rps"])
     dec = pd["n_decode"] * min(pd["decode_rps"], pd["decode_capacity_rps"])
+    corrected = {phase: pd.get(f"{phase}_aic_latency_rps") or pd[f"{phase}_capacity_rps"] / latency
+                 for phase, latency in (("prefill", AIC_PREFILL_LATENCY), ("decode", AIC_DECODE_LATENCY))}
+    factors = min(pd["n_prefill"] * corrected["prefill"] * AIC_PREFILL_MATCH,
+                  pd["n_decode"] * corrected["decode"] * AIC_DECODE_MATCH)
     out = {}
-    for key, rps in (("at_capacity", min(pre, dec)), ("aic_factors", min(pre * AIC_PREFILL_FACTOR, dec * AIC_DECODE_FACTOR))):
+    for key, rps in (("at_capacity", min(pre, dec)), ("aic_factors", factors)):
         out[f"{key}_vs_aic"] = rps / case.gpus / aic["disagg"]
         out[f"{key}_reading"] = tie_reading(_ratio(aic["disagg"], aic["agg"]), _ratio(rps / case.gpus, pd["colo"]))
     return out

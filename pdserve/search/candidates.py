@@ -6,15 +6,22 @@ ledger's `fits_on_gpus` plus the roofline's K/V capacity). Degrees are any such 
 only powers of two (OPT-66B's 72 heads take TP 3 and 6; DistServe placed OPT-175B at TP 3 x PP 3),
 with PP up to `MAX_PP` stages. The bounds are per instance:
 
-- prefill: zero when one mean prompt alone misses the TTFT gate; otherwise the rate-matching
-  capacity 1 / S, and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f with stage
-  interval S = `prefill_stage_s(D)`, D/pp plus any serial part) that centres the simulated sweep;
-- decode: zero when a lone sequence misses the TPOT gate; otherwise the largest batch B that
-  fits K/V and keeps a step under tau_o gives capacity B / ((O - 1) * step(B));
+- prefill: zero when one mean prompt alone misses the TTFT gate; otherwise the sustained rate
+  B / S(B), B the largest batch of mean prompts the policy allows whose latency meets the TTFT
+  (one prompt by default: 1 / S), S its first-stage interval (`prefill_stage_s`: D/pp plus any
+  serial part); and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f) that centres the
+  simulated sweep;
+- decode: zero when a lone sequence misses the TPOT gate; otherwise the sustained rate
+  B / ((O - 1) * step(B)) at the TPOT batch B (`tpot_batch`): the largest batch whose step at the
+  steady context meets tau_o within `--max-seqs` and the K/V (a steady batch holds each sequence
+  at its prompt plus half its output, weighted by its decode steps: `WorkloadShape.decode_context`);
 - colocated: min of the two phase capacities (an estimate: the phases taking turns).
 
-Bounds are capacities (no queueing), so a candidate whose bound per GPU is below the best
-simulated goodput per GPU cannot win and is not simulated.
+Bounds are capacities (no queueing): a candidate whose bound per GPU is below the best simulated
+goodput per GPU cannot win and is not simulated, and a phase instance's score is held to its
+bound (`phase_search.score_all`): above it the queue grows without end, however long a finite run
+hides it. Each is the rate of the phase's largest batch that meets its own SLO: for ragged prompts
+1 / S(mean prompt) is an upper bound (S grows faster than the prompt), never a cut.
 
 `DecodeTokenCap` is DistServe's decode batch budget as an explicit option (not a default): its
 simulator admits decodes to an iteration while their context sum stays within 50,000 tokens, at
@@ -56,18 +63,24 @@ class Parallel:
 
 @dataclass(frozen=True)
 class WorkloadShape:
-    """Mean prompt and output lengths, and the largest prompt + output, of a workload."""
+    """Mean new prompt and output lengths, the largest prompt + output, and the mean context of a
+    sequence in a steady decode batch (prompt, cached part included, plus half its output; each
+    request weighted by its decode steps, as long outputs stay longer in the batch)."""
 
     mean_prompt: float
     mean_output: float
     max_tokens: int
+    decode_context: float
 
     @classmethod
     def of(cls, requests: SimRequests) -> WorkloadShape:
         n = len(requests)
-        new = [p - c for p, c in zip(requests.prompt_tokens, requests.cached_tokens)]
-        return cls(sum(new) / n, sum(requests.output_tokens) / n,
-                   max(p + o for p, o in zip(requests.prompt_tokens, requests.output_tokens)))
+        prompts, outputs = requests.prompt_tokens, requests.output_tokens
+        new = [p - c for p, c in zip(prompts, requests.cached_tokens)]
+        steps = [o - 1 for o in outputs]  # a one-token output never decodes
+        weights = steps if sum(steps) else [1] * n
+        context = sum(w * (p + o / 2) for w, p, o in zip(weights, prompts, outputs)) / sum(weights)
+        return cls(sum(new) / n, sum(outputs) / n, max(p + o for p, o in zip(prompts, outputs)), context)
 
 
 def parallel_shapes(model: ModelSpec, hw: HardwareProfile, max_gpus: int, shape: WorkloadShape,
@@ -137,26 +150,39 @@ class DecodeTokenCap(LatencyModel):
         return {**self.inner.to_dict(), "decode_token_cap": self.cap_tokens}
 
 
-def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo) -> tuple[float, float]:
-    """(capacity rps, M/D/1 estimate rps) of one prefill instance; (0, 0) when infeasible."""
-    d = model.prefill_s(round(shape.mean_prompt), 0)
+def prefill_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_batch: int = 1,
+                  max_batch_tokens: int | None = None) -> tuple[float, float]:
+    """(sustained rps, M/D/1 estimate rps) of one prefill instance; (0, 0) when infeasible.
+    `max_batch` and `max_batch_tokens` are the prefill policy's batch limits."""
+    prompt = round(shape.mean_prompt)
+    d = model.prefill_s(prompt, 0)
     if d > slo.ttft_s:
         return 0.0, 0.0
     s = model.prefill_stage_s(d)
     slack = slo.ttft_s - d
-    return 1 / s, 2 * slack / (s * s + 2 * slack * s)
+    limit = max_batch if max_batch_tokens is None else min(max_batch, max(1, max_batch_tokens // max(prompt, 1)))
+    batch = _largest_doubling(lambda b: model.prefill_batch_s((prompt,) * b, (0,) * b) <= slo.ttft_s, limit)
+    sustained = batch / model.prefill_stage_s(model.prefill_batch_s((prompt,) * batch, (0,) * batch))
+    return max(sustained, 1 / s), 2 * slack / (s * s + 2 * slack * s)
+
+
+def tpot_batch(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> int:
+    """The largest steady decode batch whose step meets the TPOT gate within `max_seqs` and the
+    K/V (0: a lone sequence misses it)."""
+    context = shape.decode_context
+    if model.decode_step_s(1, context) > slo.tpot_s:
+        return 0
+    capacity = model.kv_capacity_tokens
+    fit = max_seqs if capacity is None else int(capacity // context)
+    return _largest(lambda b: model.decode_step_s(b, b * context) <= slo.tpot_s, max(1, min(max_seqs, fit)))
 
 
 def decode_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> float:
-    """Capacity rps of one decode instance at the largest batch meeting the TPOT gate."""
-    steps = max(shape.mean_output - 1, 1)
-    context = shape.mean_prompt + shape.mean_output / 2
-    if model.decode_step_s(1, context) > slo.tpot_s:
+    """Sustained rps of one decode instance: its TPOT batch, one token per sequence a step."""
+    batch = tpot_batch(model, shape, slo, max_seqs)
+    if batch == 0:
         return 0.0
-    capacity = model.kv_capacity_tokens
-    fit = max_seqs if capacity is None else int(capacity // (shape.mean_prompt + shape.mean_output))
-    batch = _largest(lambda b: model.decode_step_s(b, b * context) <= slo.tpot_s, max(1, min(max_seqs, fit)))
-    return batch / (steps * model.decode_step_s(batch, batch * context))
+    return batch / (max(shape.mean_output - 1, 1) * model.decode_step_s(batch, batch * shape.decode_context))
 
 
 def colocated_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> tuple[float, float]:
@@ -175,9 +201,16 @@ def colocated_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seq
     return min(1 / stage_s, decode_rps), 1 / (stage_s + 1 / decode_rps)
 
 
-def _largest(ok, hi: int) -> int:
-    """Largest b in [1, hi] with ok(b), assuming ok is monotone (true then false)."""
-    lo = 1
+def _largest_doubling(ok, hi: int) -> int:
+    """Largest b in [1, hi] with ok(b) (monotone), for an `hi` too large to list: double, then bisect."""
+    b = 1
+    while b < hi and ok(min(2 * b, hi)):
+        b = min(2 * b, hi)
+    return _largest(ok, min(2 * b, hi), lo=b)
+
+
+def _largest(ok, hi: int, lo: int = 1) -> int:
+    """Largest b in [lo, hi] with ok(b), assuming ok is monotone (true then false) and ok(lo)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)

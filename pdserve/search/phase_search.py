@@ -4,7 +4,12 @@ Contract: each scorer returns one `Score` per candidate, best goodput per GPU fi
 whose analytic capacity is zero (it misses an SLO at zero load) scores 0 without simulation; one
 whose capacity per GPU is below the best simulated goodput per GPU so far is marked `pruned`
 and not simulated (capacity bounds goodput, so it cannot win). Everything else gets a simulated
-goodput search (`goodput.py`) on a ladder centred on its analytic estimate.
+goodput search (`goodput.py`) on a ladder centred on its analytic estimate. A prefill or decode
+instance scores at most its sustained rate (its capacity, `candidates.prefill_bound` /
+`decode_bound`): past it the instance's queue grows without end, so no run long enough passes,
+but a finite one can, where the queue's wait stays inside a loose TTFT, or spread over every
+output token inside a loose TPOT. A colocated instance's queue waits before its prefill, in
+TTFT, where the finite run shows it; its capacity is a pruning bound only.
 
 All three phases run on `decode_requests`, a longer workload (several times the batch limit):
 with only a few batches' worth of requests, an overloaded decode instance would still pass,
@@ -119,7 +124,8 @@ def score_all(
             scores.append(Score(phase, par, 0.0, cap, "pruned", chunk))
         else:
             found = goodput_rps(_runner(space, phase, par, chunk), space.slo, ladder_around(estimate), space.definition)
-            scores.append(Score(phase, par, found.rate, cap, "simulated", chunk, tuple(sorted(found.points.items()))))
+            rate = found.rate if phase == "colocated" else min(found.rate, cap)
+            scores.append(Score(phase, par, rate, cap, "simulated", chunk, tuple(sorted(found.points.items()))))
         progress(f"{phase} {i}/{len(bounded)} {scores[-1].label}: {scores[-1].status} goodput {scores[-1].goodput_rps:.3g} rps")
     return sorted(scores, key=lambda s: (-s.per_gpu, s.par.gpus, s.label))
 
@@ -133,7 +139,8 @@ def _bound(space: SearchSpace, phase: str, cand: tuple[Parallel, int]) -> tuple[
     """(capacity, estimate) in rps of one instance."""
     model = space.decode_latency(cand[0]) if phase == "decode" else space.latency(cand[0])
     if phase == "prefill":
-        return prefill_bound(model, space.shape, space.slo)
+        policy = space.prefill_policy
+        return prefill_bound(model, space.shape, space.slo, policy.max_batch, policy.max_batch_tokens)
     if phase == "decode":
         cap = decode_bound(model, space.shape, space.slo, space.max_seqs)
         return cap, cap

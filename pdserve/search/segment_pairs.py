@@ -15,6 +15,9 @@ replicates each phase freely (`plans.py`). Here the same rule runs on pdserve's 
   first, and prunes a pair whose bound per GPU is more than `TIE` below the best simulated pair's
   goodput per GPU (a pair cannot beat its slower phase alone; pairs within the goodput search's 5%
   resolution of the best are simulated, so the end-to-end run breaks near-ties, as DistServe's).
+  A pair's goodput is held to the smaller of its two instances' sustained rates (`Score.bound_rps`),
+  as each instance's score is (`phase_search.py`): a finite end-to-end run passes an overloaded
+  pair where the queue's wait fits a loose SLO.
 
 `best_pairs` runs the whole rule on a `SearchSpace`: every shape that can share a node segment
 scored per phase with `score_all(..., prune=False)` (the rule needs every shape, not each phase's
@@ -101,11 +104,18 @@ def score_pairs(space: SearchSpace, pairs: list[SegmentPair], progress: Progress
             continue
         found = goodput_rps(_pair_runner(space, pair, transfer_overlap), space.slo, ladder_around(pair.bound_rps, 1.5),
                             space.definition)
-        joint = found.points[found.rate].joint if found.rate in found.points else 0.0
-        out.append(SegmentPair(pair.prefill, pair.decode, pair.segments, pair.bound_rps, found.rate, "simulated", joint))
+        rate = min(found.rate, pair.prefill.bound_rps, pair.decode.bound_rps)
+        joint = _joint_at(found, rate)
+        out.append(SegmentPair(pair.prefill, pair.decode, pair.segments, pair.bound_rps, rate, "simulated", joint))
         best = max(best, out[-1].per_gpu)
         progress(f"pair {i}/{len(pairs)} {pair.label}: {found.rate:.3g} rps ({out[-1].per_gpu:.3g}/GPU)")
     return sorted(out, key=lambda c: (-c.per_gpu, c.gpus, -c.joint_at_goodput, c.label))
+
+
+def _joint_at(found, rate: float) -> float:
+    """Joint attainment at `rate`: measured there, else at the nearest measured rate above it."""
+    above = [r for r in found.points if r >= rate]
+    return found.points[min(above)].joint if above else 0.0
 
 
 def _pair_runner(space: SearchSpace, pair: SegmentPair, transfer_overlap: str):

@@ -19,13 +19,13 @@ for term (`test_the_planner_routes_each_request_as_the_served_router`), the whol
 where the facts fit a load report (`..._through_route`).
 
 What the planner now finds (pinned in `test_the_margin_routed_plan`):
-- long (1024-2048 prompts): disaggregate. The margin-routed 1P1D has 0.0965 req/s of goodput
-  (always-disaggregate: 0.0965; 2 colocated replicas: 0.0325), the measured direction on the real
+- long (1024-2048 prompts): disaggregate. The margin-routed 1P1D has 0.0964 req/s of goodput
+  (always-disaggregate: 0.0964; 2 colocated replicas: 0.0325), the measured direction on the real
   server (scripts/pd_decision_study.sh: margin ~ always on long prompts). At the matched load its
   router keeps 400 of 512 requests local, every one that finds D idle (B = 0: nothing to stall,
   TTFT met), and hands off those that find B >= 1 (each local chunk would be a gap of seconds
   against a 214 ms per-token target); at its goodput it keeps 8% local.
-- short (32-128 prompts): colocate. Margin-routed 1P1D 0.782 req/s (always 0.802, colocated 1.13):
+- short (32-128 prompts): colocate. Margin-routed 1P1D 0.790 req/s (always 0.811, colocated 1.10):
   the router keeps 3% local at that rate: a local prefill's step is one inter-token gap past the
   127 ms target for every running decode (the ledger's `gap_late_s`), which the decodes' mean-TPOT
   slack would have absorbed.
@@ -299,9 +299,12 @@ def test_the_margin_routed_plan(plans, always_plans, name):
     """Goodput (req/s) of 2 colocated replicas, 1P1D handing every request off and 1P1D margin-
     routed; the share kept local at that goodput and at the matched load (module docstring)."""
     margin, always = plans[name], always_plans[name]
+    # Each is an end-to-end goodput search (5% resolution) whose ladder is centred on the plan's own
+    # figure; the planned figures moved with the steady decode context and the sustained-rate cap
+    # (search/candidates.py, phase_search.py), so each search bisects other rates of the same simulation.
     expected = {  # colocated, always, margin, local share at margin's goodput, local of 512 at the matched load
-        "long": (0.03245945230590531, 0.09648533857995086, 0.09648533857995086, 0.080078125, 400),
-        "short": (1.132860233360725, 0.8022912890410148, 0.7817197175271425, 0.03125, 9),
+        "long": (0.03245162195007773, 0.09643056071499657, 0.09643056071499657, 0.080078125, 400),
+        "short": (1.1018219513827425, 0.8111783664314627, 0.7898315673148453, 0.03125, 11),
     }[name]
     got = (margin.end_to_end["colocated"].rate, always.end_to_end["disaggregated"].rate,
            margin.end_to_end["disaggregated"].rate, margin.local_share,

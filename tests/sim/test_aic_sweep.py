@@ -89,6 +89,11 @@ def test_phase_columns_flag_a_decode_above_its_capacity(sweep):
     # 38.22; with aiconfigurator's 0.9/1.1 and 0.92/1.08 as well, 3 x 107.45 x 0.852 / 8, 10% below it
     assert r["at_capacity_vs_aic"] == pytest.approx(3 * 107.45 / 8 / 38.22)
     assert r["aic_factors_vs_aic"] == pytest.approx(3 * 107.45 * 0.92 / 1.08 / 8 / 38.22)
+    # with each phase's capacity under aiconfigurator's latency corrections (the decode's TPOT batch at a
+    # step x1.08): the rate matching's 0.9 and 0.92 apply to those
+    corrected = sweep.row(case, aic, {**pd, "prefill_aic_latency_rps": 76.15, "decode_aic_latency_rps": 95.0})
+    assert corrected["aic_factors_vs_aic"] == pytest.approx(min(5 * 76.15 * 0.9, 3 * 95.0 * 0.92) / 8 / 38.22)
+    assert corrected["pd_decode_aic_latency"] == 95.0
     # so counted, pdserve's disagg/colocated ratio (40.3 / 54.4) sides with aiconfigurator's 0.72: colocate
     assert (r["at_capacity_reading"], r["aic_factors_reading"]) == ("agree", "agree")
     within = sweep.row(case, aic, {**pd, "decode_rps": 107.0})

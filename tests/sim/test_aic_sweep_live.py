@@ -44,7 +44,8 @@ def test_one_case_live_matches_the_committed_sweep_and_its_bounds(sweep):
     assert (r["aic_disagg_config"], r["pd_disagg_config"]) == (committed["aic_disagg_config"], committed["pd_disagg_config"])
     # the grid's stated bounds: colocated within 20% of aiconfigurator's aggregated figure; disaggregated
     # above aiconfigurator's (its rate matching applies 0.9 / 0.92 and x1.1 / x1.08 latency corrections
-    # that pdserve does not) and by less than +50%; here both colocate, aiconfigurator by more than 10%
+    # that pdserve does not) by less than +40%, and within 5% of it once those four apply to pdserve's
+    # capacities; here both colocate, aiconfigurator by more than 10%
     assert abs(r["colo_vs_aic"] - 1) <= sweep.WITHIN
-    assert 1.0 < r["disagg_vs_aic"] < 1.5
+    assert 1.0 < r["disagg_vs_aic"] < 1.4 and abs(r["aic_factors_vs_aic"] - 1) < 0.05
     assert r["aic_ratio"] < 0.9 and (r["aic_verdict"], r["pd_verdict"], r["reading"]) == ("agg", "agg", "agree")

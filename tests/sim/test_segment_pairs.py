@@ -13,7 +13,7 @@ from pdserve.latency.base import ConstantLatency
 from pdserve.latency.geometry import load_model_spec
 from pdserve.latency.hardware import load_hardware
 from pdserve.latency.roofline import RooflineLatency
-from pdserve.search.candidates import DecodeTokenCap, Parallel, decode_bound
+from pdserve.search.candidates import DecodeTokenCap, Parallel, WorkloadShape, decode_bound
 from pdserve.search.phase_search import Score, SearchSpace
 from pdserve.search.segment_pairs import SegmentPair, score_pairs, segment_pairs
 from pdserve.sim.decode_pool import DecodeLimits, run_decode_instance
@@ -38,9 +38,10 @@ def test_cap_holds_the_batch_per_stage_and_memory_still_binds():
 def test_cap_sizes_the_decode_bound_and_the_simulated_batch():
     model = ConstantLatency(prefill_ms=10, decode_step_ms=10)  # unbounded K/V
     capped = DecodeTokenCap(model, 1_000)
-    shape = type("Shape", (), {"mean_prompt": 90.0, "mean_output": 10.0, "max_tokens": 100})()
+    shape = WorkloadShape(mean_prompt=90.0, mean_output=10.0, max_tokens=100, decode_context=95.0)
     slo = Slo(ttft_s=1.0, tpot_s=1.0)
-    # 256 sequences without the cap, 1,000 / 100 = 10 with it; each needs 9 steps of 10 ms
+    # 256 sequences without the cap, 1,000 / 95 = 10 with it (a steady sequence holds 90 + 10 / 2);
+    # each needs 9 steps of 10 ms
     assert decode_bound(model, shape, slo, 256) == pytest.approx(256 / 0.09)
     assert decode_bound(capped, shape, slo, 256) == pytest.approx(10 / 0.09)
     # 30 requests of 90 + 10 tokens all ready at 0: ten at a time, 3 rounds of 10 steps
@@ -84,3 +85,17 @@ def test_score_pairs_simulates_end_to_end_and_prunes_by_the_slower_phase(make_re
     assert 0 < best.goodput_rps < 10.0 and best.per_gpu == best.goodput_rps / 2
     assert best.joint_at_goodput >= 0.9
     assert dataclasses.replace(best, goodput_rps=0.0).per_gpu == 0.0
+
+
+def test_a_pair_scores_at_most_its_slower_instances_sustained_rate(make_requests):
+    # decode: 4 sequences a 10 ms step, 10 steps a request, 40 rps sustained; a 5 s TPOT spread over 10
+    # tokens lets a 2,048-request run pass well above that (issue 40)
+    model = ConstantLatency(prefill_ms=1, decode_step_ms=10)
+    requests = make_requests(2048, prompt=64, output=11, seed=1)
+    hw, spec = load_hardware("a100-80g"), load_model_spec("opt-13b")
+    space = SearchSpace(spec, hw, requests, requests, Slo(ttft_s=1.0, tpot_s=5.0), max_seqs=4, fixed_model=model)
+    prefill = Score("prefill", Parallel(1, 1), 1000.0, 1000.0, "simulated")
+    decode = Score("decode", Parallel(1, 1), 40.0, 40.0, "simulated")
+    [pair] = score_pairs(space, [SegmentPair(prefill, decode, 1, 40.0)])
+    assert pair.status == "simulated" and pair.goodput_rps == pytest.approx(40.0)
+    assert pair.joint_at_goodput >= 0.9
