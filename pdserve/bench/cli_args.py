@@ -10,10 +10,9 @@ import argparse
 import asyncio
 import math
 import sys
+from typing import TYPE_CHECKING
 
-from pdserve.bench.app import BenchConfig, BenchOutcome
 from pdserve.bench.arrivals import ArrivalSpec
-from pdserve.bench.client import EndpointConfig, discover_model
 from pdserve.bench.goodput import SearchPlan, geometric_ladder
 from pdserve.bench.lengths import fixed, parse_length_spec
 from pdserve.bench.metrics import Slo
@@ -21,6 +20,10 @@ from pdserve.bench.prompts import PromptStyle
 from pdserve.bench.report import write_json
 from pdserve.bench.trace import read_trace
 from pdserve.bench.workload import WorkloadConfig
+
+if TYPE_CHECKING:  # the HTTP client and the API's schema load with `pdserve bench`, not with simulate or plan
+    from pdserve.bench.app import BenchConfig, BenchOutcome
+    from pdserve.bench.client import EndpointConfig
 
 SHOWN = (
     "denominator", "completed", "failed", "request_throughput", "output_throughput",
@@ -32,6 +35,8 @@ SHOWN = (
 
 def endpoint_config(args: argparse.Namespace, base_url: str, model: str | None) -> EndpointConfig:
     """The endpoint, discovering the model when not given."""
+    from pdserve.bench.client import EndpointConfig, discover_model
+
     model = model or asyncio.run(discover_model(base_url))
     return EndpointConfig(
         base_url=base_url, model=model, api=args.api, ignore_eos=not args.no_ignore_eos,
@@ -42,6 +47,8 @@ def endpoint_config(args: argparse.Namespace, base_url: str, model: str | None) 
 
 def bench_config(args: argparse.Namespace, endpoint: EndpointConfig) -> BenchConfig:
     """Everything but the endpoint, from the arguments; raises SystemExit on inconsistent input."""
+    from pdserve.bench.app import BenchConfig
+
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise SystemExit("pdserve bench: --slo-ttft-ms and --slo-tpot-ms are required")
     workload = workload_config(args)

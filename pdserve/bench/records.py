@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the simulator makes one per simulated request
 class RequestRecord:
     """One request's outcome.
 

@@ -36,7 +36,7 @@ from pdserve.bench.trace import TraceEntry, read_trace
 Content = str | tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a simulated sweep builds one per request
 class Segment:
     """One piece of a prompt: a role (system, user, assistant) and its text or token ids."""
 
@@ -45,7 +45,7 @@ class Segment:
     num_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BenchRequest:
     """One request of a workload. `prompt_tokens` is the intended (estimated) prompt length."""
 
@@ -169,22 +169,14 @@ def _assemble(config, user_parts, out_lens, unit_times, rng) -> tuple[BenchReque
         prefix = (_segment(rng, "system", config.shared_prefix_len, style, first=True),)
     histories: dict[int, tuple[Segment, ...]] = {}
     requests = []
-    for j, ((verbatim, user_len), out_len) in enumerate(zip(user_parts, out_lens)):
+    times = np.asarray(unit_times, dtype=float).tolist()  # Python numbers: no numpy scalar per request
+    for j, ((verbatim, user_len), out_len) in enumerate(zip(user_parts, np.asarray(out_lens).tolist())):
         conv, turn = _position(j, config.num_conversations)
         head = prefix + histories.get(conv, ())
         user = _user_segment(rng, verbatim, user_len, style, first=not head)
         segments = head + (user,)
-        requests.append(
-            BenchRequest(
-                request_id=j,
-                arrival_s=float(unit_times[j]),
-                segments=segments,
-                prompt_tokens=sum(s.num_tokens for s in segments),
-                output_tokens=int(out_len),
-                conversation_id=conv,
-                turn=turn,
-            )
-        )
+        prompt_tokens = sum(s.num_tokens for s in segments) if head else user.num_tokens
+        requests.append(BenchRequest(j, times[j], segments, prompt_tokens, out_len, conv, turn))
         if config.num_conversations > 0:
             reply = _segment(rng, "assistant", int(out_len), style, first=False)
             histories[conv] = segments[len(prefix) :] + (reply,)
