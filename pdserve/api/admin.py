@@ -93,5 +93,7 @@ def install_admin_routes(app: FastAPI, backend, token: str) -> None:
         return await _run(control.set_disaggregation(body.enabled))
 
     @app.post("/admin/rollback", tags=["admin"], dependencies=guard, responses=errors(400, 401, 409, 503))
-    async def admin_rollback(body: RollbackBody | None = None) -> dict:  # validated only to refuse a bad one
+    async def admin_rollback(request: Request, body: RollbackBody | None = None) -> dict:  # validated only to refuse a bad one
+        if body is None and (await request.body()).strip():  # FastAPI reads a JSON null as no body
+            raise ApiError(400, "/admin/rollback takes no body, or {}", param="body")
         return await _run(control.rollback())

@@ -272,6 +272,7 @@ class HandoffListener:
         self.give_up_s = give_up_s
         self.verifier = verifier  # None: no capability check (tests, benches); `pdserve serve` always sets one
         self.limits = link_limits(endpoint.pool.abi, endpoint.pool.num_blocks, io_timeout_s)
+        self.claimed: set[str] = set()  # transfers a link serves now (under `lock`): one link per transfer
         extra = {} if max_connections is None else {"max_connections": max_connections}
         self.server = BoundedServer(host, self._serve, io_timeout_s, **extra)
         self.address = self.server.address
@@ -299,11 +300,14 @@ class HandoffListener:
             link.channel.expect_within(None)
         except (OSError, LinkClosed):
             return
-        if not isinstance(first, ManifestFrame) or first.manifest.transfer_id not in self.endpoint.transfers \
-                or not admit():
+        transfer_id = first.manifest.transfer_id if isinstance(first, ManifestFrame) else None
+        if transfer_id is None or not self._claim(transfer_id):
             link.close()
             return
-        transfer_id = first.manifest.transfer_id
+        if not admit():
+            self._unclaim(transfer_id)
+            link.close()
+            return
         guard = None if self.verifier is None else \
             LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
                       on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
@@ -311,7 +315,24 @@ class HandoffListener:
         if guard is not None and guard.refused:
             _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
         link.close()
+        self._unclaim(transfer_id)  # the transaction is terminal now: no later link is admitted for it
         self.on_done(transfer_id, state)
+
+    def _claim(self, transfer_id: str) -> bool:
+        """Take `transfer_id` for this link: True only for a reserved transfer that is unfinished and
+        that no other link serves. So a transfer has one link and one report (`on_done`): a peer
+        naming a finished transfer (its tombstone stays in the endpoint) or one a link already
+        carries is closed before it holds a slot, and never reaches the transaction."""
+        with self.lock:
+            txn = self.endpoint.transfers.get(transfer_id)
+            if txn is None or txn.state >= TxnState.PUBLISHED or transfer_id in self.claimed:
+                return False
+            self.claimed.add(transfer_id)
+            return True
+
+    def _unclaim(self, transfer_id: str) -> None:
+        with self.lock:
+            self.claimed.discard(transfer_id)
 
     def _answer(self, link: ReceiverLink, transfer_id: str, guard: LinkGuard | None) -> TxnState:
         txn = self.endpoint.transfers[transfer_id]

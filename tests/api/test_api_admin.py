@@ -64,6 +64,7 @@ def test_disaggregation_takes_a_json_boolean_only(admin, body):
 
 @pytest.mark.parametrize("body, content_type", [(b"{not json", "application/json"), (b'{"force": true}', "application/json"),
                                                 (b"[1, 2]", "application/json"), (b'"now"', "application/json"),
+                                                (b"null", "application/json"), (b" null ", "application/json"),
                                                 (b"garbage", "text/plain")])
 def test_rollback_refuses_a_body_it_does_not_take(admin, body, content_type):
     """The rollback used to run whatever body came with it."""

@@ -30,7 +30,7 @@ class UnreachableSender(HandoffSender):
 
 
 class RefusingListener(HandoffListener):
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, admit) -> None:  # BoundedServer passes admit (unused: it refuses)
         conn.close()
 
 
