@@ -44,18 +44,23 @@ def kind_of(features: dict[str, bool], x86: bool = True) -> str:
     return "avx2" if features["avx2"] else "other"
 
 
-@lru_cache(maxsize=1)
-def cpu_report() -> dict:
-    import torch
-
+def cpu_identity() -> tuple[str, str, dict[str, bool]]:
+    """(model name, kind, feature flags) from /proc/cpuinfo, without torch."""
     try:
         model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
         model, flags = platform.processor() or "unknown", set()
-    x86 = platform.machine().lower() in _X86
     features = {name: flag in flags for name, flag in FEATURES.items()}
+    return model, kind_of(features, platform.machine().lower() in _X86), features
+
+
+@lru_cache(maxsize=1)
+def cpu_report() -> dict:
+    import torch
+
+    model, kind, features = cpu_identity()
     return {
-        "kind": kind_of(features, x86),
+        "kind": kind,
         "model": model,
         "features": features,
         "torch_capability": torch.backends.cpu.get_cpu_capability(),

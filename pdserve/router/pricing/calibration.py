@@ -37,7 +37,6 @@ import importlib.metadata
 import json
 import os
 import pickle
-import platform
 import subprocess
 import sys
 import tempfile
@@ -85,21 +84,17 @@ def fit_cache_root() -> Path:
 def fit_key(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: int, tp: int = 1,
             collective_sizes: tuple[int, ...] = ()) -> str:
     """Everything a fit's numbers depend on, hashed: another value of any of them measures again."""
-    from pdserve.model.cpu import FEATURES, ISA_CAPS, kind_of, parse_cpuinfo
+    from pdserve.model.cpu import ISA_CAPS, cpu_identity
     from pdserve.model.loader import checkpoint_hash
 
-    try:
-        cpu_model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        cpu_model, flags = platform.processor() or "unknown", set()
-    features = {name: flag in flags for name, flag in FEATURES.items()}
+    cpu_model, kind, _ = cpu_identity()
     parts = {
         "format": FIT_FORMAT, "checkpoint": checkpoint_hash(model_dir),
         "engine": [engine.dtype, engine.compute_dtype, engine.batch_invariant, engine.max_num_batched_tokens,
                    engine.kv_cache_bytes, engine.block_size, engine.device],
         "threads": threads, "max_model_len": max_model_len, "tp": tp,
         "collectives": sorted({n for n in (tp, *collective_sizes) if n > 1}),
-        "cpu": [cpu_model, kind_of(features, platform.machine().lower() in ("x86_64", "amd64")), os.cpu_count()],
+        "cpu": [cpu_model, kind, os.cpu_count()],
         "isa_caps": {name: os.environ.get(name) for name in (*ISA_CAPS, "PDSERVE_MARCH")},
         "torch": _version("torch"), "code": _engine_source_digest(),
     }
