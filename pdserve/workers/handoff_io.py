@@ -308,14 +308,16 @@ class HandoffListener:
             self._unclaim(transfer_id)
             link.close()
             return
-        guard = None if self.verifier is None else \
-            LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
-                      on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
-        state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
-        if guard is not None and guard.refused:
-            _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
-        link.close()
-        self._unclaim(transfer_id)  # the transaction is terminal now: no later link is admitted for it
+        try:
+            guard = None if self.verifier is None else \
+                LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
+                          on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
+            state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
+            if guard is not None and guard.refused:
+                _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
+            link.close()
+        finally:
+            self._unclaim(transfer_id)  # a link that raised must not keep its transfer from a retry
         self.on_done(transfer_id, state)
 
     def _claim(self, transfer_id: str) -> bool:
