@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import msgspec
 
@@ -31,15 +32,19 @@ def _metric(text: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _recording(backend, delay_s: dict | None = None, rewrite: dict | None = None) -> list:
+def _recording(backend, delay_s: dict | None = None, rewrite: dict | None = None,
+               hold: dict | None = None) -> list:
     """Test wrapper on the router's sends: records (worker, message type); `delay_s` holds a
-    message type's sends back that long first (a slow fetch path); `rewrite` maps a message type
+    message type's sends back that long first (a slow fetch path); `hold` maps a message type to an
+    asyncio.Event its sends wait for (held until the test sets it); `rewrite` maps a message type
     to a function that alters it on its way (a forged plan)."""
     sent, original = [], backend._send
 
     async def send(worker_id, msg):
         sent.append((worker_id, type(msg).__name__))
         await asyncio.sleep((delay_s or {}).get(type(msg), 0.0))
+        if (release := (hold or {}).get(type(msg))) is not None:
+            await release.wait()
         return await original(worker_id, (rewrite or {}).get(type(msg), lambda x: x)(msg))
 
     backend._send = send
@@ -113,24 +118,41 @@ def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it()
 
 
 LONG_HISTORY = prompt(128, 13)  # eight full blocks
+JOIN_TIMEOUT_S = 60.0  # only a bound that fails a run where c2 never joins; the hold ends on the join itself
+
+
+async def _joined(backend, waits: int) -> None:
+    """Once the router counted `waits` requests waiting on a running fetch (fetch_runner.py counts
+    one as it decides to join, before it waits); fails the test after JOIN_TIMEOUT_S."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while _metric(backend.metrics_text().decode(), "pdserve_kv_fetch_waits_total") < waits:
+        assert time.monotonic() < deadline, f"no request joined the running fetch in {JOIN_TIMEOUT_S} s"
+        await asyncio.sleep(0.05)
 
 
 def _shorter_then_longer(rewrite: dict | None = None):
     """Round robin: t1 (colocated-0) caches 8 blocks; c1 (colocated-1) fetches the first 6 with its
-    FetchServe held back 1 s (and altered by `rewrite`); f (colocated-0) passes; c2 (colocated-1)
-    wants all 8 while c1's fetch runs. Returns the prompts, c1's and c2's results, the sends, the
-    trace lines and the metrics, after every block and pin returned."""
+    FetchServe held back (and altered by `rewrite`); f (colocated-0) passes; c2 (colocated-1)
+    wants all 8 while c1's fetch runs. c1's FetchServe is released once the router counted c2 as
+    waiting on that fetch (an event, not a timer: however long f takes, c2 finds c1's fetch
+    running). Returns the prompts, c1's and c2's results, the sends, the trace lines and the
+    metrics, after every block and pin returned."""
     async def main():
         async with cluster(config(mode="colocated", replicas=2, policy="round_robin")) as (backend, _):
             first, event = await collect(backend, "t1", LONG_HISTORY, PARAMS)
             assert isinstance(event, FinishEvent)
             await until(lambda: all(backend.router.kv_holders(k) for k in backend._block_hashes(LONG_HISTORY)))
-            sent = _recording(backend, {m.FetchServe: 1.0}, rewrite)
+            release = asyncio.Event()
+            sent = _recording(backend, rewrite=rewrite, hold={m.FetchServe: release})
             shorter, longer = LONG_HISTORY[:96] + prompt(20, 14), LONG_HISTORY + prompt(20, 15)
             c1 = asyncio.create_task(collect(backend, "c1", shorter, PARAMS))
-            await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
-            assert isinstance((await collect(backend, "f", prompt(20, 16), PARAMS))[1], FinishEvent)
-            c2 = asyncio.create_task(collect(backend, "c2", longer, PARAMS))
+            try:
+                await until(lambda: ("colocated-1#fetch", "FetchReserve") in sent)
+                assert isinstance((await collect(backend, "f", prompt(20, 16), PARAMS))[1], FinishEvent)
+                c2 = asyncio.create_task(collect(backend, "c2", longer, PARAMS))
+                await _joined(backend, 1)  # c2 waits on c1's fetch, which cannot have landed yet
+            finally:
+                release.set()  # on a failure too, so c1's fetch ends and the cluster closes
             results = [await c1, await c2]
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
