@@ -132,7 +132,7 @@ def _handoff_once(holder: _Node, dest: _Node, tokens: list[int], n: int) -> floa
     done: queue.Queue = queue.Queue()
     lock = threading.RLock()
     endpoint = DecodeEndpoint("d0", 1, dest.pool, PooledDestinationBlocks(dest.pool.num_blocks), IDENTITY)
-    listener = HandoffListener(endpoint, lock, "127.0.0.1", on_done=lambda tid, state: done.put(state))
+    listener = HandoffListener(endpoint, lock, "127.0.0.1", on_done=lambda tid, state, txn: done.put(state))
     sender = HandoffSender("h0", 1, holder.pool, IDENTITY, NullSink(), on_done=lambda *a: done.put(a))
     tid = f"x{uuid.uuid4().hex[:8]}"
     try:

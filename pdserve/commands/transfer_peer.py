@@ -104,8 +104,8 @@ def _handoff(conn, endpoint, link, request, want_digest: bool, verifier, kind: s
         digests = [chunk_checksum(endpoint.raw, layer, blocks) for layer in range(endpoint.pool.abi.num_layers)]
     conn.send(("done", state.name, digests))
     if state.name == "PUBLISHED":
-        endpoint.retire(request.request_id)
-    del endpoint.transfers[request.transfer_id]
+        endpoint.retire(request.request_id)  # the record goes with the handle
+    endpoint.release(request.transfer_id)  # an aborted one's record
 
 
 def _touched(nbytes: int):

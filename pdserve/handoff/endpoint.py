@@ -10,7 +10,10 @@ happens on a refusal depends on its kind:
   * a manifest that does not match the reservation, model identity or ABI aborts;
   * a bad checksum is answered with a negative `ChunkAck` so the source may resend;
   * corruption (same chunk, other bytes), a failed validation or a stale publication aborts.
-Finished transactions stay as tombstones so late frames are answered idempotently.
+A finished transaction stays as a tombstone (late frames on its link are answered idempotently)
+until its owner lets it go: `release` drops the record once it is terminal, quiescent, carried by
+no link (`claim`) and held by no published handle in the directory, so a worker's table holds its
+live transfers, not its history.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class DecodeEndpoint:
         self.max_bad_chunks = max_bad_chunks
         self.transfers: dict[str, DestinationTransfer] = {}
         self._bad_chunks: dict[str, int] = {}
+        self._links: set[str] = set()  # transfers a receiving link carries now (`claim`)
 
     # -- reservation ---------------------------------------------------------------------------
     def reserve(self, request: ReserveRequest) -> Reservation:
@@ -72,6 +76,37 @@ class DecodeEndpoint:
         reservation = txn.reserve(self.blocks)
         self.transfers[request.transfer_id] = txn
         return reservation
+
+    # -- links and records ----------------------------------------------------------------------
+    def claim(self, transfer_id: str) -> bool:
+        """Take `transfer_id` for one receiving link (the caller holds the worker lock): True only
+        for a reserved, unfinished transfer that no other link carries. A finished or released
+        transfer cannot be claimed, so a peer naming it never reaches a transaction."""
+        txn = self.transfers.get(transfer_id)
+        if txn is None or txn.state >= TxnState.PUBLISHED or transfer_id in self._links:
+            return False
+        self._links.add(transfer_id)
+        return True
+
+    def unclaim(self, transfer_id: str) -> None:
+        self._links.discard(transfer_id)
+
+    def release(self, transfer_id: str) -> bool:
+        """The owner is done reading this transfer's record: drop it now if it is finished (terminal,
+        no write in flight, no link on it, no published handle naming it). False while any of that
+        holds: the owner releases again when the link's end is reported, and `retire` drops a
+        published one whose handle it closes."""
+        txn = self.transfers.get(transfer_id)
+        if txn is None:
+            return True
+        if txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED) or not txn.quiescent or transfer_id in self._links:
+            return False
+        handle = self.directory.lookup(txn.request.request_id)
+        if handle is not None and handle.transfer_id == transfer_id:
+            return False
+        del self.transfers[transfer_id]
+        self._bad_chunks.pop(transfer_id, None)
+        return True
 
     # -- frames --------------------------------------------------------------------------------
     def landing_blocks(self, frame: ChunkFrame) -> list[int] | None:
@@ -196,6 +231,7 @@ class DecodeEndpoint:
         """Decode finished with the request: drop its directory entry and free its blocks."""
         handle = self.directory.retire(request_id)
         self.blocks.free(handle.reservation_id)
+        self.release(handle.transfer_id)
 
     def _free_displaced(self, handle: PublishedHandle) -> None:
         if self.blocks.is_reserved(handle.reservation_id):

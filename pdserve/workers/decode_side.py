@@ -9,6 +9,8 @@ Life cycle of one request here:
         sequences StartDecode names fork over the one imported prompt, engine/fork.py)
     finish or abort -> endpoint.retire; an unpublished transfer aborts through the endpoint,
         which returns every reserved block (the adapter cancels the engine reservation).
+    the transfer's record leaves the endpoint once it is finished and nothing reads it (`release`
+        on abort and at its link's report, `retire` for a published one).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class DecodeSide:
         self.endpoint = DecodeEndpoint(worker.id, worker.epoch, self.engine.pool, self.blocks, self.engine.identity,
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
-                                        on_done=lambda tid, state: worker.events.put(("dest_done", (tid, state))),
+                                        on_done=lambda tid, state, txn: worker.events.put(("dest_done", (txn, state))),
                                         verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.requests: dict[str, m.ReserveKv] = {}  # request id -> its reservation order
         self.first: dict[str, m.StartDecode] = {}
@@ -80,11 +82,8 @@ class DecodeSide:
         self._try_commit(msg.request_id)
 
     def on_event(self, kind: str, payload) -> None:
-        transfer_id, state = payload
-        txn = self.endpoint.transfers.get(transfer_id)
-        if txn is None:
-            return
-        rid = txn.request.request_id
+        txn, state = payload  # a link's end: its record, which an abort meanwhile may have released
+        transfer_id, rid = txn.transfer_id, txn.request.request_id
         published = state is TxnState.PUBLISHED
         reason = None if published else (txn.terminal_reason.value if txn.terminal_reason else "aborted")
         self.worker.send(m.TransferDone(self.worker.id, self.worker.epoch, rid, transfer_id, txn.request.generation,
@@ -92,8 +91,10 @@ class DecodeSide:
         if published and rid in self.requests:
             self.published.add(rid)
             self._try_commit(rid)
-        elif not published:
+        elif not published and self._ordered(rid, transfer_id):
             self._forget(rid)
+        with self.worker.lock:
+            self.endpoint.release(transfer_id)  # a published one stays until decode retires it
 
     def _try_commit(self, rid: str) -> None:
         if rid not in self.published or rid not in self.first or rid not in self.requests:
@@ -132,7 +133,14 @@ class DecodeSide:
             self.endpoint.retire(rid)
         elif txn is not None and txn.state is not TxnState.ABORTED:
             self.endpoint.abort(order.transfer_id, RejectReason.CANCELLED)
+        self.endpoint.release(order.transfer_id)  # now, or when its link's end is reported
         self._forget(rid)
+
+    def _ordered(self, rid: str, transfer_id: str) -> bool:
+        """`transfer_id` is the request's current reservation here (or it has none): a rerouted
+        request's older link ending must not forget the newer reservation."""
+        order = self.requests.get(rid)
+        return order is None or order.transfer_id == transfer_id
 
     def _forget(self, rid: str) -> None:
         self.requests.pop(rid, None)

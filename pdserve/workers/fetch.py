@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.handoff.destination import ReserveRequest
+from pdserve.handoff.destination import DestinationTransfer, ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.leases import LeaseTable
@@ -135,7 +135,7 @@ class FetchSide:
                                        trace=worker.trace)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host, verifier=worker.verifier,
                                         io_timeout_s=io_timeout_for_lease(worker.config.lease_s),
-                                        on_done=lambda tid, state: worker.events.put(("fetch_dest", (tid, state))))
+                                        on_done=lambda tid, state, txn: worker.events.put(("fetch_dest", (txn, state))))
         self.leases = LeaseTable(worker.config.lease_s)
         self.holder = FetchHolder(worker, self.leases, pin_prefix)
         self.sender = self.holder.sender
@@ -189,16 +189,16 @@ class FetchSide:
         return m.FetchReserved(me.id, me.epoch, msg.fetch_id, True, None, tuple(pinned.blocks), len(visible),
                                reservation.reservation_id)
 
-    def _landed(self, fetch_id: str, state: TxnState) -> m.FetchDone | None:
-        txn = self.endpoint.transfers.get(fetch_id)
-        if txn is None:
-            return None
-        inserted = 0
+    def _landed(self, txn: DestinationTransfer, state: TxnState) -> m.FetchDone | None:
+        fetch_id, inserted = txn.transfer_id, 0
         with self.worker.lock:
+            if self.endpoint.transfers.get(fetch_id) is not txn:
+                return None  # reported already (its record released)
             self.leases.drop(fetch_id)
             if state is TxnState.PUBLISHED:
                 inserted = self.blocks.insert(txn.reservation.reservation_id)
-                self.endpoint.retire(fetch_id)  # the pins drop; the blocks stay cached
+                self.endpoint.retire(fetch_id)  # the pins drop; the blocks stay cached (and the record goes)
+            self.endpoint.release(fetch_id)
         reason = None if inserted else (txn.terminal_reason.value if txn.terminal_reason else "aborted")
         return m.FetchDone(self.worker.id, self.worker.epoch, fetch_id, "destination", bool(inserted), reason, blocks=inserted)
 
@@ -213,7 +213,7 @@ class FetchSide:
                 self.endpoint.abort(fetch_id, reason)
             self.holder.abort(fetch_id)
         if txn is not None and txn.quiescent and txn.state is TxnState.ABORTED:
-            return self._landed(fetch_id, TxnState.ABORTED)  # no link will report it
+            return self._landed(txn, TxnState.ABORTED)  # no link will report it
         return None
 
     # ---- worker loop ----------------------------------------------------------------------

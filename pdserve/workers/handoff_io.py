@@ -11,7 +11,8 @@ Contract:
   the worker's `DecodeEndpoint`; every endpoint call runs under the worker lock, payload bytes
   land in reserved blocks outside it. Each landing grant is ended (`end_landing`) as soon as the
   transport's receive returns or fails, so an abort meanwhile frees the blocks only after the
-  write is over (quiescence). The final state is reported through `on_done`.
+  write is over (quiescence). The final state is reported through `on_done`, with the
+  transaction's record (its owner may `release` the endpoint's entry before the report is read).
 - Bounds (handoff/limits.py): every link's header and payload sizes follow from the pool's K/V
   ABI, every socket has a read/write timeout and keepalive, and the listener's accept loop is a
   `BoundedServer` (a connection limit, transient accept errors retried). An aborted sender whose
@@ -46,6 +47,7 @@ from pdserve.engine.kv_abi import CacheIdentity
 from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.capability import PULL, PUSH, Verifier
 from pdserve.handoff.credits import ByteCredits
+from pdserve.handoff.destination import DestinationTransfer
 from pdserve.handoff.driver import DriveConfig, answer_frame, await_peer_close, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
@@ -266,13 +268,12 @@ class HandoffListener:
     keepalive) whose connections are links into `endpoint`, each bounded by the pool's limits."""
 
     def __init__(self, endpoint: DecodeEndpoint, lock: threading.RLock, host: str,
-                 on_done: Callable[[str, TxnState], None], give_up_s: float = 30.0, verifier: Verifier | None = None,
+                 on_done: Callable[[str, TxnState, DestinationTransfer], None], give_up_s: float = 30.0, verifier: Verifier | None = None,
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, max_connections: int | None = None):
         self.endpoint, self.lock, self.on_done = endpoint, lock, on_done
         self.give_up_s = give_up_s
         self.verifier = verifier  # None: no capability check (tests, benches); `pdserve serve` always sets one
         self.limits = link_limits(endpoint.pool.abi, endpoint.pool.num_blocks, io_timeout_s)
-        self.claimed: set[str] = set()  # transfers a link serves now (under `lock`): one link per transfer
         extra = {} if max_connections is None else {"max_connections": max_connections}
         self.server = BoundedServer(host, self._serve, io_timeout_s, **extra)
         self.address = self.server.address
@@ -312,29 +313,25 @@ class HandoffListener:
             guard = None if self.verifier is None else \
                 LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
                           on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
+            txn = self.endpoint.transfers[transfer_id]
             state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
             if guard is not None and guard.refused:
                 _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
             link.close()
         finally:
             self._unclaim(transfer_id)  # a link that raised must not keep its transfer from a retry
-        self.on_done(transfer_id, state)
+        self.on_done(transfer_id, state, txn)  # the record itself: its owner may release it meanwhile
 
     def _claim(self, transfer_id: str) -> bool:
-        """Take `transfer_id` for this link: True only for a reserved transfer that is unfinished and
-        that no other link serves. So a transfer has one link and one report (`on_done`): a peer
-        naming a finished transfer (its tombstone stays in the endpoint) or one a link already
-        carries is closed before it holds a slot, and never reaches the transaction."""
+        """Take `transfer_id` for this link (`DecodeEndpoint.claim`): one link and one report
+        (`on_done`) per transfer. A peer naming a finished transfer or one a link already carries
+        is closed before it holds a slot, and never reaches the transaction."""
         with self.lock:
-            txn = self.endpoint.transfers.get(transfer_id)
-            if txn is None or txn.state >= TxnState.PUBLISHED or transfer_id in self.claimed:
-                return False
-            self.claimed.add(transfer_id)
-            return True
+            return self.endpoint.claim(transfer_id)
 
     def _unclaim(self, transfer_id: str) -> None:
         with self.lock:
-            self.claimed.discard(transfer_id)
+            self.endpoint.unclaim(transfer_id)
 
     def _answer(self, link: ReceiverLink, transfer_id: str, guard: LinkGuard | None) -> TxnState:
         txn = self.endpoint.transfers[transfer_id]

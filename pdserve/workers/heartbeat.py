@@ -77,12 +77,20 @@ def heartbeat(worker) -> m.Heartbeat:
             num_priority_preemptions=eng.scheduler.num_priority_preemptions,
             cached_blocks=len(eng.blocks.evictable),
             tenant_roots=eng.blocks.num_tenant_roots,
+            handoff_records=handoff_records(worker),
             collectives=collective_report(eng),
             **host_tier_load(eng.blocks.host),
         )
         kv = eng.blocks.kv_report(resync=worker.kv_resync_wanted)  # block events since the last beat
         worker.kv_resync_wanted, epoch = False, worker.epoch  # the epoch these events belong to
     return m.Heartbeat(worker.id, epoch, load, kv)
+
+
+def handoff_records(worker) -> int:
+    """Transfer records in the worker's destination endpoints (decode, fetch, KV-Runahead): bounded
+    by what is in flight or decoding, since a finished transfer's record is released."""
+    sides = (getattr(worker, "decode", None), getattr(worker, "fetch", None), getattr(worker, "runahead", None))
+    return sum(len(side.endpoint.transfers) for side in sides if side is not None)
 
 
 def integrity_ok(worker) -> bool:

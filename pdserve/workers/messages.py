@@ -233,6 +233,7 @@ class Load(msgspec.Struct, frozen=True):
     host_pinned: int = 0  # host slots a live fetch pins (read in place by a peer)
     host_inplace_reads: int = 0  # host-tier blocks peers' fetches read in place (since start)
     tenant_roots: int = 0  # tenants whose chain root the engine keeps (at most its --max-tenant-roots)
+    handoff_records: int = 0  # transfer records the worker's handoff endpoints hold: live ones, not history
     # TP > 1: rank 0's collective seconds, steps and rows per phase since the previous report
     # (engine/tp_tally.py; router/pricing/live_collectives.py prices them); None at TP 1 and from older senders
     collectives: CollectiveReport | None = None

@@ -71,8 +71,9 @@ def layer_landed(txn: DestinationTransfer | None, layer: int) -> bool:
 class Link:
     """One stage's incoming chain link (under the worker lock)."""
 
-    def __init__(self, order: m.ReserveKv, reservation_id: str, now: float):
+    def __init__(self, order: m.ReserveKv, reservation_id: str, txn: DestinationTransfer, now: float):
         self.order, self.reservation_id = order, reservation_id
+        self.txn = txn  # the link's transaction (its endpoint record may be released before the link is dropped)
         self.stage: m.Prefill | None = None  # the Prefill, once it came
         self.admitted = False
         self.num_landed, self.progress_at = 0, now  # chunks accepted, and when that count last moved
@@ -94,7 +95,7 @@ class RunaheadSide:
         self.endpoint = DecodeEndpoint(worker.id, worker.epoch, self.engine.pool, self.blocks, self.engine.identity,
                                        trace=worker.trace, make_visible=self._on_landed)
         self.listener = HandoffListener(self.endpoint, worker.lock, worker.config.handoff_host,
-                                        on_done=lambda tid, state: worker.events.put(("chain_done", (tid, state))),
+                                        on_done=lambda tid, state, txn: worker.events.put(("chain_done", (txn, state))),
                                         verifier=worker.verifier, io_timeout_s=io_timeout_for_lease(worker.config.lease_s))
         self.links: dict[str, Link] = {}  # request id -> its incoming link, until published or failed
         self.inner: set[str] = set()  # inner stages here: their first token stays on this worker
@@ -109,8 +110,8 @@ class RunaheadSide:
         with self.landed:
             self.landed.notify_all()
 
-    def _txn(self, link: Link) -> DestinationTransfer | None:
-        return self.endpoint.transfers.get(link.order.transfer_id)
+    def _txn(self, link: Link) -> DestinationTransfer:
+        return link.txn
 
     # ---- router messages ----------------------------------------------------------------------
     def on_reserve(self, msg: m.ReserveKv) -> None:
@@ -132,7 +133,8 @@ class RunaheadSide:
                 self.blocks.drop_expected(msg.transfer_id)
                 self._reply(msg, False, err.reason.value)
                 return
-            self.links[rid] = Link(msg, reservation.reservation_id, time.monotonic())
+            self.links[rid] = Link(msg, reservation.reservation_id, self.endpoint.transfers[msg.transfer_id],
+                                   time.monotonic())
         self._reply(msg, True, None, res.block_ids, res.num_visible_blocks, reservation.reservation_id)
 
     def _reply(self, msg: m.ReserveKv, ok: bool, reason: str | None, blocks=(), visible: int = 0, res_id: str = "") -> None:
@@ -194,13 +196,15 @@ class RunaheadSide:
         self.links.pop(rid, None)
 
     def on_event(self, kind: str, payload) -> None:
-        transfer_id, state = payload
-        txn = self.endpoint.transfers.get(transfer_id)
-        if txn is None:
-            return
+        txn, state = payload  # a link's end: its record, which an abort meanwhile may have released
+        self._on_link_end(txn, state)
+        with self.worker.lock:
+            self.endpoint.release(txn.transfer_id)  # a published one stays until its entry is retired
+
+    def _on_link_end(self, txn: DestinationTransfer, state: TxnState) -> None:
         rid = txn.request.request_id
         link = self.links.get(rid)
-        if link is None or link.order.transfer_id != transfer_id:
+        if link is None or link.txn is not txn:
             return
         if state is TxnState.PUBLISHED:
             if not link.admitted and link.stage is not None:
@@ -268,7 +272,8 @@ class RunaheadSide:
             self.endpoint.abort(txn.transfer_id, RejectReason.CANCELLED)
         elif txn is not None and txn.state is TxnState.PUBLISHED and self.endpoint.directory.lookup(rid):
             self.endpoint.retire(rid)
-        if link.admitted and txn is not None and not txn.quiescent:
+        self.endpoint.release(txn.transfer_id)  # now, or when its link's end is reported
+        if link.admitted and not txn.quiescent:
             self.draining[rid] = txn
             return True
         return False

@@ -50,12 +50,14 @@ async def collect(backend, rid: str, ids: tuple[int, ...], params: SamplingParam
 
 
 async def wait_baseline(backend, timeout_s: float = 60.0) -> list:
-    """Wait until every worker reports an idle pool: nothing running, nothing reserved, all blocks free."""
+    """Wait until every worker reports an idle pool: nothing running, nothing reserved, all blocks
+    free, and no transfer record left in its handoff endpoints (finished ones are released)."""
     deadline = time.monotonic() + timeout_s
     while True:
         views = [w for w in backend.workers() if w.state != "failed"]  # a FAILED worker has no pool any more
         idle = [w.load and w.load["num_running"] == 0 and w.load["reserved_blocks"] == 0
-                and w.load["free_blocks"] == w.load["num_blocks"] and w.load["integrity_ok"] for w in views]
+                and w.load["free_blocks"] == w.load["num_blocks"] and w.load["integrity_ok"]
+                and w.load["handoff_records"] == 0 for w in views]
         if views and all(idle) and not backend.live:
             return views
         if time.monotonic() > deadline:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from dataclasses import replace
 
@@ -170,6 +171,42 @@ def test_disconnect_mid_stream_frees_blocks_on_both_workers(request):
         backend.router.assert_no_leaks()
 
     serve(request, config(), main)
+
+
+def test_finished_and_abandoned_transfers_leave_no_record_on_the_decode_worker(request, reference_engine):
+    """A worker's handoff endpoint keeps a transfer's record only while something reads it: after
+    24 handed-off requests and 6 client disconnects mid-stream the decode worker holds none (each
+    record kept would be a few KB for the worker's life, and a forged manifest naming it was the
+    way in to a finished transfer)."""
+    async def main(backend, _):
+        from pdserve.api.backend import GenerationRequest
+
+        async def leave(rid: str) -> None:
+            stream = backend.submit(GenerationRequest(rid, prompt(120, 50), SamplingParams(max_tokens=300, ignore_eos=True)))
+            async for _event in stream:
+                break  # the first token came: the transfer published, decode is running
+            await stream.aclose()
+
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        before = _transfers(backend)
+        for wave in range(3):
+            done = await asyncio.gather(*(collect(backend, f"k{wave}-{i}", prompt(30 + i, i), params) for i in range(8)),
+                                        *(leave(f"gone{wave}-{i}") for i in range(2)))
+            for i, (ids, event) in enumerate(done[:8]):
+                assert isinstance(event, FinishEvent)
+                assert ids == list(reference_engine.generate([list(prompt(30 + i, i))], params)[0].output_ids)
+        views = await wait_baseline(backend)
+        assert _transfers(backend) - before >= 24  # every finished request was handed off
+        assert [w.load["handoff_records"] for w in views if w.role == "decode"] == [0]
+        backend.router.assert_no_leaks()
+
+    serve(request, config(), main)
+
+
+def _transfers(backend) -> float:
+    text = backend.metrics_text().decode()
+    found = re.search(r"^pdserve_kv_transfer_attempts_total ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_invalid_requests_are_refused_before_routing(request):

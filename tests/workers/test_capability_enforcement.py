@@ -56,7 +56,7 @@ def open_pair(world, transport: str, source_checks: bool):
     done: queue.Queue = queue.Queue()
     lock = threading.RLock()
     listener = HandoffListener(world.endpoint, lock, "127.0.0.1", verifier=trusting(),
-                               on_done=lambda tid, state: done.put(("destination", tid, state)))
+                               on_done=lambda tid, state, txn: done.put(("destination", tid, state)))
     sender = HandoffSender("prefill-0", 3, world.src_pool, IDENTITY, world.trace, verifier=trusting() if source_checks else None,
                            on_done=lambda rid, src, dt, phys: done.put(("source", rid, src)))
     request = reserve_request(world, num_tokens=len(PROMPT))

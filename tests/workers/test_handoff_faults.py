@@ -66,7 +66,7 @@ def world():
 def open_pair(world, sender_cls=HandoffSender, listener_cls=HandoffListener, give_up_s: float = 30.0):
     done: queue.Queue = queue.Queue()
     lock = threading.RLock()
-    listener = listener_cls(world.endpoint, lock, "127.0.0.1", on_done=lambda tid, state: done.put(("destination", tid, state)),
+    listener = listener_cls(world.endpoint, lock, "127.0.0.1", on_done=lambda tid, state, _txn: done.put(("destination", tid, state)),
                             give_up_s=give_up_s)
     sender = sender_cls("prefill-0", 3, world.src_pool, IDENTITY, world.trace,
                         on_done=lambda rid, src, dt, phys: done.put(("source", rid, src)))

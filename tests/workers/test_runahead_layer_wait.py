@@ -36,7 +36,7 @@ def _side(txn) -> tuple[RunaheadSide, Link]:
     side = object.__new__(RunaheadSide)  # only the waiting machinery: no engine, no listener
     side.landed, side.wait_s = threading.Condition(), 60.0
     side.endpoint = SimpleNamespace(transfers={"t": txn})
-    link = Link(SimpleNamespace(transfer_id="t"), "res", time.monotonic())
+    link = Link(SimpleNamespace(transfer_id="t"), "res", txn, time.monotonic())
     link.admitted = True
     side.links = {"r": link}
     return side, link

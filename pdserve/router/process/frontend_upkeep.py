@@ -108,6 +108,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
         "local_prefills": load.local_prefills, "local_prefill_tokens": load.local_prefill_tokens,
         "num_preemptions": load.num_preemptions, "num_priority_preemptions": load.num_priority_preemptions,
         "tenant_roots": load.tenant_roots,  # at most the engine's --max-tenant-roots (block_manager.py)
+        "handoff_records": load.handoff_records,  # live transfers only (handoff/endpoint.py's release)
     }
     if load is not None and reg.role in ("decode", "mixed"):
         load_dict["pd_slo"] = backend.router.config.pd.slo_view()  # the margin's targets (pd_decision.py)
