@@ -196,6 +196,13 @@ class DecodeEndpoint:
             txn.abort(reason, self.blocks)
         return self._publish_ack(txn, False, reason)
 
+    def turn_away(self, transfer_id: str, reason: RejectReason) -> PublishAck:
+        """A link's peer failed authentication before admission: traced and answered with its
+        refusal, the transaction left as it was (its real source may still connect)."""
+        txn = self.transfers[transfer_id]
+        self._emit_reject(txn, reason, None)
+        return self._publish_ack(txn, False, reason)
+
     # -- ownership -----------------------------------------------------------------------------
     def abort(self, transfer_id: str, reason: RejectReason) -> None:
         """Abort an unpublished transfer (raises ALREADY_PUBLISHED after publication)."""

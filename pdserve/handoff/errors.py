@@ -76,6 +76,9 @@ class RejectReason(str, Enum):
 
 
 CAPABILITY_DENIALS = tuple(r for r in RejectReason if r.value.startswith("capability_"))
+# a first manifest whose capability is not shown to be the issuer's: its peer is nobody the router
+# sent, so a destination turns that link away and leaves the transaction to its real source
+UNAUTHENTICATED = (RejectReason.CAPABILITY_MISSING, RejectReason.CAPABILITY_MALFORMED, RejectReason.CAPABILITY_FORGED)
 
 
 class HandoffError(Exception):

@@ -12,7 +12,10 @@ Contract:
     transfer are dropped and `landing` (a `GrantedLanding`) refuses to write a chunk of another
     transfer or outside the capability's blocks. A denial aborts the unpublished transfer
     (its blocks go back once no write is in flight) and answers the source with a refused
-    `PublishAck` carrying the `capability_*` reason; nothing has been written by then.
+    `PublishAck` carrying the `capability_*` reason; nothing has been written by then. Except
+    before admission, for a capability not shown to be the issuer's (missing, malformed, forged):
+    that peer is nobody the router sent, so the link is only turned away (`dismissed`, answered
+    with the reason) and the transaction waits for its real source.
   * Source (its pool is read, or its bytes leave the process): `source_expectation` is what
     `Verifier.verify` is checked against before the link is opened (with a fetch holder's own
     pinned (segment, slot) pairs, which must be exactly the capability's); a denial ends the transfer
@@ -27,7 +30,7 @@ from typing import Callable
 
 from pdserve.handoff.capability import Claims, Expectation, Verifier
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
-from pdserve.handoff.errors import HandoffError, RejectReason
+from pdserve.handoff.errors import UNAUTHENTICATED, HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.manifest import HandoffManifest
 
@@ -94,6 +97,7 @@ class LinkGuard:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.landing = GuardedLanding(endpoint, lock)
         self.refused = False  # a denial ended the transfer on this link
+        self.dismissed: RejectReason | None = None  # an unauthenticated peer turned away (transfer untouched)
 
     @property
     def admitted(self) -> bool:
@@ -112,6 +116,10 @@ class LinkGuard:
         try:
             self._admit(frame)
         except HandoffError as err:
+            if err.reason in UNAUTHENTICATED:
+                self.dismissed = err.reason
+                with self.lock:
+                    return [self.endpoint.turn_away(self.transfer_id, err.reason)]
             return self._refuse(err)
         return None
 

@@ -135,3 +135,34 @@ def test_a_forged_manifest_for_a_transfer_in_flight_is_closed_and_the_transfer_g
             backend.router.assert_no_leaks()
 
     served.run(main(served.backend, served.launcher))
+
+
+def test_a_forged_manifest_before_the_real_source_is_refused_and_the_transfer_still_publishes(served, reference,
+                                                                                             monkeypatch):
+    """An unauthenticated peer (its capability is not the router's) that names a reserved transfer
+    before the real source connects is answered with its refusal and closed; the transaction is
+    left as it was, so the real source's link is admitted afterwards and the request is handed off
+    with no failure and no recompute. Before, the forger took the transfer's one link and its
+    refused capability aborted the transfer: the request was recomputed on the decode worker."""
+    async def main(backend, _launcher):
+        original = backend._send
+        held, _ = _hold_prefill(monkeypatch, backend)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        ids = prompt(64, 13)
+        request = asyncio.create_task(collect(backend, "early", ids, params))
+        worker_id, prefill = await asyncio.wait_for(held, 30)
+        failures = _failures(backend)
+        forged = _forged_manifest(reference, prefill.plan.transfer_id)
+        answers = [await asyncio.to_thread(_answer_to, prefill.plan.dest_address, forged) for _ in range(3)]
+        await original(worker_id, prefill)  # the real source starts only now
+        tokens, event = await asyncio.wait_for(request, 60)
+        assert _failures(backend) - failures == 0, "a forged manifest ended the real transfer"
+        assert isinstance(event, FinishEvent) and tokens == list(reference.generate([list(ids)], params)[0].output_ids)
+        assert all(answer for answer in answers), "a forger was closed without its refusal"
+        line = next(line for line in backend.trace.recent if line["request_id"] == "early")
+        assert line["kv_bytes"] > 0 and "kv_failure" not in line  # handed off, the transfer never failed
+        assert line["reroutes"] == line["retries"] == 0 and line["decode_start"] in ("wait", "enqueue")  # no recompute
+        await wait_baseline(backend)
+        backend.router.assert_no_leaks()
+
+    served.run(main(served.backend, served.launcher))

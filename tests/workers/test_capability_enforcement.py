@@ -19,7 +19,7 @@ import torch
 
 from pdserve.engine.kv_pool import KvPool
 from pdserve.handoff.capability import Verifier, peek
-from pdserve.handoff.errors import RejectReason
+from pdserve.handoff.errors import UNAUTHENTICATED, RejectReason
 from pdserve.handoff.frames import ManifestFrame, StagingHello
 from pdserve.handoff.guard import LinkGuard
 from pdserve.handoff.kvbytes import pool_bytes
@@ -147,9 +147,16 @@ def test_the_destination_denies_before_anything_lands_and_returns_the_blocks(rig
     plan = msgspec.structs.replace(plan, capability=make(plan, world, listener))
     before = world.dst_pool.tensor.clone()
     free_before = world.blocks.num_free
-    ends = run(sender, plan, request, world, done, expect_both=True)
+    unauthenticated = reason in UNAUTHENTICATED
+    ends = run(sender, plan, request, world, done, expect_both=not unauthenticated)
     txn = world.endpoint.transfers[plan.transfer_id]
-    assert (ends["destination"], txn.terminal_reason) == (TxnState.ABORTED, reason)
+    if unauthenticated:  # nobody the router sent: the link is turned away, the transfer waits for its source
+        assert "destination" not in ends and txn.state is TxnState.RESERVED and done.empty()
+        assert world.endpoint.claim(plan.transfer_id)  # the real source's link would still be admitted
+        world.endpoint.unclaim(plan.transfer_id)
+        world.endpoint.abort(plan.transfer_id, RejectReason.CANCELLED)  # the router's Abort, after the source's report
+    else:
+        assert (ends["destination"], txn.terminal_reason) == (TxnState.ABORTED, reason)
     assert (ends["source"].state, ends["source"].terminal_reason) == (TxnState.ABORTED, reason)  # told by the refusal
     assert torch.equal(world.dst_pool.tensor.view(torch.uint8), before.view(torch.uint8))  # bitwise untouched
     assert not world.blocks.is_reserved(plan.reservation_id) and world.blocks.num_free == free_before + 8  # 6 + growth 2
