@@ -5,7 +5,17 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-DELETE = object()
+
+
+class _Delete:
+    """The "remove this field" marker; its repr is stable, so test ids are the same in every
+    process (pytest-xdist's workers must collect identical ids)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 
 
 def _step(key: str, node: Any) -> Any:
