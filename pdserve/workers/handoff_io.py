@@ -319,7 +319,11 @@ class HandoffListener:
             if guard is not None and guard.dismissed is not None:
                 log.warning("handoff %s: a link without the issuer's capability was turned away (%s)",
                             transfer_id, guard.dismissed.value)
-                self._unclaim(transfer_id)  # the transfer is its real source's to claim, at once
+                with self.lock:
+                    self.endpoint.unclaim(transfer_id)  # the transfer is its real source's to claim, at once
+                    # an owner that aborted it meanwhile released it "now, or when its link's end is
+                    # reported", and a turned-away link reports nothing: let the record go here
+                    self.endpoint.release(transfer_id)
                 claimed = False
                 _hang_up(link, PEER_CLOSE_WAIT_S)
                 link.close()
