@@ -36,6 +36,10 @@ def test_an_abort_while_a_forger_is_turned_away_does_not_keep_the_record():
             return ack
 
         world.endpoint.turn_away = turn_away_then_owner_aborts
+        # the link's guard is what turns it away here (the listener's pre-claim screen, when it has
+        # one, answers forgers before they claim: test_forger_race_served.py)
+        if hasattr(listener, "_turned_away"):
+            listener._turned_away = lambda *a: False
         forged = msgspec.structs.replace(plan, capability=signed(plan, world, issuer=CapabilityIssuer()))
         sender.start(request.request_id, PROMPT, world.src_blocks, forged, request.tenant, "serialized")
         gate = sender.gate(request.request_id)
