@@ -210,6 +210,21 @@ class Verifier:
         """The router retired every route epoch below `route_epoch` (never moves back)."""
         self.route_epoch = max(self.route_epoch, route_epoch)
 
+    def unauthenticated(self, token: bytes | None) -> RejectReason | None:
+        """Why `token` is not shown to be signed by the installed issuer key (missing, malformed,
+        forged; revoked when its unsigned claims name an older key epoch, which a forger may write
+        too), or None: only the signature, no claim is checked and no nonce is spent (`verify`)."""
+        if not token:
+            return RejectReason.CAPABILITY_MISSING
+        claims = peek(token) if len(token) > SIGNATURE_BYTES else None
+        if claims is None:
+            return RejectReason.CAPABILITY_MALFORMED
+        try:
+            self._key.verify(token[:SIGNATURE_BYTES], token[SIGNATURE_BYTES:])
+        except InvalidSignature:
+            return RejectReason.CAPABILITY_REVOKED if claims.key_epoch < self.key_epoch else RejectReason.CAPABILITY_FORGED
+        return None
+
     def verify(self, token: bytes | None, expect: Expectation) -> Claims:
         if not token:
             raise _deny(RejectReason.CAPABILITY_MISSING, expect.transfer_id)

@@ -88,6 +88,10 @@ class DecodeEndpoint:
         self._links.add(transfer_id)
         return True
 
+    def carried(self, transfer_id: str) -> bool:
+        """A receiving link carries `transfer_id` now (`claim`)."""
+        return transfer_id in self._links
+
     def unclaim(self, transfer_id: str) -> None:
         self._links.discard(transfer_id)
 

@@ -302,6 +302,8 @@ class HandoffListener:
         except (OSError, LinkClosed):
             return
         transfer_id = first.manifest.transfer_id if isinstance(first, ManifestFrame) else None
+        if transfer_id is not None and self.verifier is not None and self._turned_away(link, first, transfer_id):
+            return
         if transfer_id is None or not self._claim(transfer_id):
             link.close()
             return
@@ -319,7 +321,11 @@ class HandoffListener:
             if guard is not None and guard.dismissed is not None:
                 log.warning("handoff %s: a link without the issuer's capability was turned away (%s)",
                             transfer_id, guard.dismissed.value)
-                self._unclaim(transfer_id)  # the transfer is its real source's to claim, at once
+                with self.lock:
+                    self.endpoint.unclaim(transfer_id)  # the transfer is its real source's to claim, at once
+                    # an owner that aborted it meanwhile released it "now, or when its link's end is
+                    # reported", and a turned-away link reports nothing: let the record go here
+                    self.endpoint.release(transfer_id)
                 claimed = False
                 _hang_up(link, PEER_CLOSE_WAIT_S)
                 link.close()
@@ -331,6 +337,29 @@ class HandoffListener:
             if claimed:
                 self._unclaim(transfer_id)  # a link that raised must not keep its transfer from a retry
         self.on_done(transfer_id, state, txn)  # the record itself: its owner may release it meanwhile
+
+    def _turned_away(self, link, first: ManifestFrame, transfer_id: str) -> bool:
+        """A first manifest whose capability is not the issuer's is answered and closed before its
+        link may claim the transfer: a forger racing the real source never holds the one claim
+        (the real source's link would be closed unanswered: a transport failure), and it holds no
+        service slot while it is drained (it is still pending in the BoundedServer)."""
+        reason = self.verifier.unauthenticated(first.capability)
+        if reason is None:
+            return False
+        with self.lock:
+            txn = self.endpoint.transfers.get(transfer_id)
+            unclaimable = txn is None or txn.state >= TxnState.PUBLISHED or self.endpoint.carried(transfer_id)
+            ack = None if unclaimable else self.endpoint.turn_away(transfer_id, reason)  # as `_claim`: closed unanswered
+        if ack is not None:
+            log.warning("handoff %s: a link without the issuer's capability was turned away (%s)", transfer_id, reason.value)
+            try:
+                link.send(ack)
+            except (OSError, LinkClosed):
+                pass
+            else:
+                _hang_up(link, PEER_CLOSE_WAIT_S)
+        link.close()
+        return True
 
     def _claim(self, transfer_id: str) -> bool:
         """Take `transfer_id` for this link (`DecodeEndpoint.claim`): one link and one report
