@@ -272,7 +272,8 @@ def plot_plan(result: PlanResult, path: str, top: int = 3) -> None:
     e2e = result.end_to_end
     for name, search in e2e.items():
         rates = sorted(search.points)
-        axes[1].plot(rates, [search.points[r].joint for r in rates], marker="o", label=f"{name} ({search.rate:.3g} rps)")
+        held = f", the run {search.search.rate:.3g}" if search.held else ""  # held to the sustained rate
+        axes[1].plot(rates, [search.points[r].joint for r in rates], marker="o", label=f"{name} ({search.rate:.3g} rps{held})")
     _decorate(axes[1], "planned deployments (end to end)", result)
     fig.suptitle(f"{result.inputs.model.name} on {result.inputs.gpus} x {result.inputs.hardware.name}: decision {result.decision}")
     fig.tight_layout()
