@@ -23,7 +23,7 @@ deployment on DistServe's fits (either scheduler, any fitted TP).
 
 Usage: python scripts/distserve_fits_check.py DISTSERVE_CHECKOUT opt-13b 8 250 100 2,1,1,1 1
 (checkout, model, GPUs for pdserve's search, TTFT ms, TPOT ms, DistServe's tuple tp_p,pp_p,tp_d,pp_d,
-vLLM's TP; about 3 minutes of CPU for OPT-13B, 6 for OPT-66B)
+vLLM's TP; about 25 s of CPU for OPT-13B, 30 s for OPT-66B)
 """
 
 from __future__ import annotations

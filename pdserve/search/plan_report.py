@@ -4,9 +4,10 @@ Contract: `plan_summary` is the one JSON shape `pdserve plan --json` prints (dec
 decided_by and its reason, colocated, disaggregated, net_margin, search statistics); `plan_table`
 renders the same facts for a terminal, the deciding test on the line under the decision, and
 the disaggregated plan's routing (`pd_decision`; under "margin" the share of its requests kept on
-their decode worker at its simulated goodput, `pd_local_share`); `plot_plan` draws joint
-attainment vs offered rate for the top candidates of each kind with the attainment target and
-each curve's goodput marked. A verdict whose disaggregated/colocated ratio lies within
+their decode worker at its simulated goodput, `pd_local_share`), and, where the end-to-end run
+passed above the rate the deployment sustains, both figures (`planner.EndToEnd`); `plot_plan`
+draws joint attainment vs offered rate for the top candidates of each kind with the attainment
+target and each curve's goodput marked. A verdict whose disaggregated/colocated ratio lies within
 `decision.TIE_BAND` of 1 is reported as a tie (`tie_terms`: the terms that decide it, each with its
 figure), not as a confident verdict.
 """
@@ -33,8 +34,16 @@ def colocated_summary(plan: ColocatedPlan | None, e2e) -> dict | None:
         "config": {"tp": s.par.tp, "pp": s.par.pp, "chunk_tokens": s.chunk_tokens, "replicas": plan.replicas},
         "goodput_rps": plan.goodput_rps, "goodput_per_gpu": plan.goodput_per_gpu, "gpus": plan.gpus,
         "goodput_per_replica_rps": s.goodput_rps, "residency_bytes": plan.residency_bytes,
-        "simulated_goodput_rps": e2e.rate if e2e else None,
+        **_end_to_end(e2e),
     }
+
+
+def _end_to_end(e2e) -> dict:
+    """The end-to-end figure (`simulated_goodput_rps`, held to the deployment's sustained rate), the
+    finite run's own (`simulated_run_rps`) and the cap (`sustained_rps`; None: not held)."""
+    return {"simulated_goodput_rps": e2e.rate if e2e else None,
+            "simulated_run_rps": e2e.search.rate if e2e else None,
+            "sustained_rps": e2e.sustained_rps if e2e else None}
 
 
 def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
@@ -46,7 +55,7 @@ def disagg_summary(plan: DisaggPlan | None, e2e) -> dict | None:
         "goodput_rps": plan.goodput_rps, "goodput_per_gpu": plan.goodput_per_gpu, "gpus": plan.gpus,
         "kv_demand_bytes_per_s": plan.kv_demand_bytes_per_s, "link_capacity_bytes_per_s": plan.link_capacity_bytes_per_s,
         "link_ok": plan.link_ok, "residency_bytes": plan.residency_bytes,
-        "simulated_goodput_rps": e2e.rate if e2e else None,
+        **_end_to_end(e2e),
     }
 
 
@@ -133,6 +142,9 @@ def plan_table(summary: dict) -> str:
         p, d = dis["prefill"], dis["decode"]
         layout = f"P {p['replicas']} x tp{p['tp']}pp{p['pp']} + D {d['replicas']} x tp{d['tp']}pp{d['pp']} ({_affinity(dis)})"
         lines.append(f"{'disaggregated':<16}{layout:<44}{dis['goodput_rps']:>12.3g}{dis['goodput_per_gpu']:>10.3g}{_num(dis['simulated_goodput_rps']):>10}")
+        if (dis.get("simulated_run_rps") or 0) > (dis["simulated_goodput_rps"] or 0):
+            lines.append(f"end to end: the finite run passed {dis['simulated_run_rps']:.3g} rps; sim rps is held to the "
+                         f"{dis['sustained_rps']:.3g} rps the deployment sustains")
         lines.append(_routing_line(summary))
         lines.append(f"K/V demand {dis['kv_demand_bytes_per_s'] / 1e9:.3g} GB/s vs link {dis['link_capacity_bytes_per_s'] / 1e9:.3g} GB/s: "
                      + ("ok" if dis["link_ok"] else "INFEASIBLE"))
@@ -260,7 +272,8 @@ def plot_plan(result: PlanResult, path: str, top: int = 3) -> None:
     e2e = result.end_to_end
     for name, search in e2e.items():
         rates = sorted(search.points)
-        axes[1].plot(rates, [search.points[r].joint for r in rates], marker="o", label=f"{name} ({search.rate:.3g} rps)")
+        held = f", the run {search.search.rate:.3g}" if search.held else ""  # held to the sustained rate
+        axes[1].plot(rates, [search.points[r].joint for r in rates], marker="o", label=f"{name} ({search.rate:.3g} rps{held})")
     _decorate(axes[1], "planned deployments (end to end)", result)
     fig.suptitle(f"{result.inputs.model.name} on {result.inputs.gpus} x {result.inputs.hardware.name}: decision {result.decision}")
     fig.tight_layout()

@@ -8,6 +8,14 @@ system goodput, and computes the net margin dT (ledger `net_margin_s`) at matche
 names the test that decided and reports dT beside it. The runner-up is the best plan of the
 other kind.
 
+The end-to-end figure of the disaggregated plan (`EndToEnd.rate`) is held to the rate the deployment
+sustains (`end_to_end_cap`), as each instance's score is (`phase_search.py`): the run is finite, and
+past that rate it passes where the growing queue's wait fits a loose TTFT or spreads over every output
+token inside a loose TPOT (1P + 1D held by a 40 rps decode passed 2,164 rps). Handing every request
+off, that rate is the ledger's system goodput of the two pools' capacities (`plans.sustained_rps`);
+routed by margin, the decode pool's alone, since a request prefilled on its decode worker skips the
+prefill pool. The colocated figure is not held, as its instance score is not.
+
 P/D routing (`pd_decision`, issue 20): "always" hands every request of the disaggregated plan
 off, as above. "margin" (the default, as `pdserve serve` runs a disaggregated deployment) models
 what the served router does when the latency model is a `pdserve profile` fit (the only one
@@ -106,13 +114,36 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
+class EndToEnd:
+    """A planned deployment simulated whole: the finite run's goodput search and the sustained rate
+    its figure is held to (None: not held; module contract)."""
+
+    search: GoodputSearch
+    sustained_rps: float | None = None
+
+    @property
+    def rate(self) -> float:
+        """The end-to-end goodput: the run's, at most the sustained rate."""
+        return self.search.rate if self.sustained_rps is None else min(self.search.rate, self.sustained_rps)
+
+    @property
+    def held(self) -> bool:
+        """Whether the finite run passed above the sustained rate."""
+        return self.rate < self.search.rate
+
+    @property
+    def points(self):
+        return self.search.points
+
+
+@dataclass(frozen=True)
 class PlanResult:
     decision: str
     colocated: ColocatedPlan | None
     disaggregated: DisaggPlan | None
     alternatives: tuple[DisaggPlan, ...]
     scores: dict[str, list[Score]]
-    end_to_end: dict[str, GoodputSearch]
+    end_to_end: dict[str, EndToEnd]
     margin: MarginTerms | None
     elapsed_s: float
     inputs: PlanInputs = field(repr=False)
@@ -166,7 +197,7 @@ def counted_gpus(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan) -> int:
     return plan_.gpus if inputs.target_rps else max(inputs.gpus, plan_.gpus)
 
 
-def _per_gpu(inputs: PlanInputs, plan_, end_to_end: dict[str, GoodputSearch], name: str) -> float | None:
+def _per_gpu(inputs: PlanInputs, plan_, end_to_end: dict[str, EndToEnd], name: str) -> float | None:
     """A plan's goodput per counted GPU for the verdict: its planned one, or end to end under margin routing."""
     if plan_ is None:
         return None
@@ -176,7 +207,7 @@ def _per_gpu(inputs: PlanInputs, plan_, end_to_end: dict[str, GoodputSearch], na
     return found.rate / counted_gpus(inputs, plan_) if found else 0.0
 
 
-def _local_share(inputs: PlanInputs, disagg: DisaggPlan | None, end_to_end: dict[str, GoodputSearch]) -> float | None:
+def _local_share(inputs: PlanInputs, disagg: DisaggPlan | None, end_to_end: dict[str, EndToEnd]) -> float | None:
     """Share of routed requests the disaggregated plan prefilled on their decode worker, at its goodput."""
     found = end_to_end.get("disaggregated")
     if disagg is None or found is None or found.rate <= 0:
@@ -263,8 +294,18 @@ def _e2e_requests(inputs: PlanInputs, config: SimConfig) -> SimRequests:
                           inputs.prefix_cache, inputs.model.max_context)
 
 
-def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSearch]:
-    """Simulated goodput of each chosen deployment, transfers and routing included."""
+def end_to_end_cap(inputs: PlanInputs, plan_: ColocatedPlan | DisaggPlan) -> float | None:
+    """The rate a planned deployment sustains, which its end-to-end figure is held to (module
+    contract): disaggregated, both pools' (`DisaggPlan.sustained_rps`), or the decode pool's alone
+    when routed by margin; colocated, None."""
+    if isinstance(plan_, ColocatedPlan):
+        return None
+    return plan_.decode_capacity_rps if inputs.pd_modelled == "margin" else plan_.sustained_rps
+
+
+def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, EndToEnd]:
+    """Simulated goodput of each chosen deployment, transfers and routing included, held to the
+    rate it sustains."""
     found = {}
     for name, plan_ in (("colocated", colo), ("disaggregated", disagg)):
         if plan_ is None or plan_.goodput_rps <= 0:
@@ -272,8 +313,10 @@ def _verify(inputs: PlanInputs, colo, disagg, progress) -> dict[str, GoodputSear
         config, _, _ = deployment(inputs, plan_)
         requests = _e2e_requests(inputs, config)
         run = lambda rate, p=plan_, r=requests: run_deployment(inputs, p, r, rate)[0].records  # noqa: E731
-        found[name] = goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition)
-        progress(f"end-to-end {name}: {found[name].rate:.3g} rps (ledger {plan_.goodput_rps:.3g})")
+        search = goodput_rps(run, inputs.slo, ladder_around(plan_.goodput_rps, 1.5), inputs.definition)
+        found[name] = EndToEnd(search, end_to_end_cap(inputs, plan_))
+        held = f", the run {search.rate:.3g} held to the sustained rate" if found[name].held else ""
+        progress(f"end-to-end {name}: {found[name].rate:.3g} rps (ledger {plan_.goodput_rps:.3g}{held})")
     return found
 
 

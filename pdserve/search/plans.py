@@ -84,6 +84,16 @@ class DisaggPlan:
         return system_goodput(self.n_prefill * self.prefill.goodput_rps, self.n_decode * self.decode.goodput_rps)
 
     @property
+    def decode_capacity_rps(self) -> float:
+        """The decode pool's sustained rate: n_d x one instance's (`Score.bound_rps`)."""
+        return self.n_decode * self.decode.bound_rps
+
+    @property
+    def sustained_rps(self) -> float:
+        """The rate the deployment sustains handing every request off (`plans.sustained_rps`)."""
+        return sustained_rps(self.prefill, self.n_prefill, self.decode, self.n_decode)
+
+    @property
     def goodput_per_gpu(self) -> float:
         return system_goodput_per_gpu(self.goodput_rps, self.prefill_gpus, self.decode_gpus)
 
@@ -102,6 +112,13 @@ class DisaggPlan:
     @property
     def residency_bytes(self) -> int:
         return model_residency_bytes(self.n_prefill + self.n_decode, self.weight_bytes)
+
+
+def sustained_rps(prefill: Score, n_prefill: int, decode: Score, n_decode: int) -> float:
+    """The ledger's system goodput of two pools' capacities, each n x one instance's sustained
+    rate (`Score.bound_rps`: `candidates.prefill_bound` / `decode_bound`): past it a queue grows
+    without end, however long a finite run hides it."""
+    return system_goodput(n_prefill * prefill.bound_rps, n_decode * decode.bound_rps)
 
 
 def _best(scores: list[Score]) -> Score | None:

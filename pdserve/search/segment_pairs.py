@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from pdserve.search.candidates import Parallel
 from pdserve.search.phase_search import Progress, Score, SearchSpace, score_all
-from pdserve.search.plans import common_segments
+from pdserve.search.plans import common_segments, sustained_rps
 from pdserve.sim.goodput import goodput_rps, ladder_around
 from pdserve.sim.simulator import SimConfig, simulate
 from pdserve.sim.transfer import LinkSpec
@@ -104,7 +104,7 @@ def score_pairs(space: SearchSpace, pairs: list[SegmentPair], progress: Progress
             continue
         found = goodput_rps(_pair_runner(space, pair, transfer_overlap), space.slo, ladder_around(pair.bound_rps, 1.5),
                             space.definition)
-        rate = min(found.rate, pair.prefill.bound_rps, pair.decode.bound_rps)
+        rate = min(found.rate, sustained_rps(pair.prefill, 1, pair.decode, 1))
         joint = _joint_at(found, rate)
         out.append(SegmentPair(pair.prefill, pair.decode, pair.segments, pair.bound_rps, rate, "simulated", joint))
         best = max(best, out[-1].per_gpu)
