@@ -247,6 +247,7 @@ class DecodeEndpoint:
     def _free_displaced(self, handle: PublishedHandle) -> None:
         if self.blocks.is_reserved(handle.reservation_id):
             self.blocks.free(handle.reservation_id)
+        self.release(handle.transfer_id)  # no handle names it any more (its owner read it at its link's end)
 
     # -- replies and trace ---------------------------------------------------------------------
     def _chunk_ack(self, txn, chunk_id: str, visible: bool, reason: RejectReason | None = None) -> ChunkAck:

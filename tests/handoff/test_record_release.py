@@ -61,3 +61,19 @@ def test_a_record_a_link_carries_or_writes_into_is_kept_until_both_end():
     assert world.endpoint.transfers == {}
     assert world.endpoint.handle(frame) == []  # a late frame for it is refused, not answered
     finish(world, src)
+
+
+def test_a_published_transfer_displaced_by_a_newer_generation_goes_with_its_handle():
+    world = make_world()
+    old = reserve_request(world, request_id="d", generation=1, growth=0)
+    _, src_old = open_transfer(world, old)
+    pump_all(world, src_old)
+    assert not world.endpoint.release(old.transfer_id)  # its handle is the request's published one
+    new = reserve_request(world, request_id="d", generation=2, growth=0)
+    _, src_new = open_transfer(world, new)
+    pump_all(world, src_new)  # the newer generation's publication displaces the older handle
+    assert old.transfer_id not in world.endpoint.transfers and new.transfer_id in world.endpoint.transfers
+    world.endpoint.admit("d")
+    world.endpoint.retire("d")
+    assert world.endpoint.transfers == {}
+    finish(world, src_old, src_new)
