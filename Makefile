@@ -4,6 +4,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
+# test files run on this many processes (pytest-xdist; 0: one process). Each file stays on one
+# process (--dist loadfile): a module's shared cluster and its tests' order stay as written.
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve demo test bench
 
@@ -17,7 +20,7 @@ demo: setup
 	$(PDSERVE) demo
 
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 bench: setup
 	$(PDSERVE) bench-engine --model small

@@ -11,6 +11,6 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q "torch==${PDSERVE_TORCH_VERSION:-2.13.0}"
 fi
-if ! .venv/bin/python -c "import pdserve, transformers, hypothesis, numba, schemathesis, cryptography, aiconfigurator_core" >/dev/null 2>&1 || [ "${PDSERVE_REINSTALL:-0}" = 1 ]; then
+if ! .venv/bin/python -c "import pdserve, transformers, hypothesis, numba, schemathesis, cryptography, aiconfigurator_core, xdist" >/dev/null 2>&1 || [ "${PDSERVE_REINSTALL:-0}" = 1 ]; then
   .venv/bin/pip install -q -e ".[test,aic]"  # aic: aiconfigurator (no torch), for the aic latency model
 fi
