@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import dataclass
 
 import pytest
 
@@ -37,6 +38,7 @@ from tests.runtime.test_kv_index_runtime import until
 
 HISTORY = prompt(96, 11)  # six full blocks
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+PARAMS8 = SamplingParams(max_tokens=8, ignore_eos=True)  # a request whose source a test holds
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,34 @@ def test_a_forged_manifest_for_a_transfer_in_flight_is_closed_and_the_transfer_g
     served.run(main(served.backend, served.launcher))
 
 
+@dataclass(frozen=True)
+class HeldSourceRun:
+    """What `run_with_a_held_source` saw: the forger's own result, whether the request finished
+    with the engine's tokens, its trace line and the transfer failures counted meanwhile."""
+    forged: object
+    finished: bool
+    tokens_ok: bool
+    line: dict
+    failures: float
+
+
+async def run_with_a_held_source(backend, monkeypatch, reference, rid: str, ids: tuple[int, ...], forger) -> HeldSourceRun:
+    """Serve request `rid` (8 greedy tokens of `ids`) while the router's Prefill to its prefill
+    worker is held, so only this test knows the transfer id: `forger(prefill, start_source,
+    request)` acts as a peer that races the real source, and calls `start_source()` to let the
+    real Prefill go (`request` is the request's task, to wait on while it goes on forging)."""
+    original = backend._send
+    held, _ = _hold_prefill(monkeypatch, backend)
+    request = asyncio.create_task(collect(backend, rid, ids, PARAMS8))
+    worker_id, prefill = await asyncio.wait_for(held, 30)
+    failures = _failures(backend)
+    forged = await forger(prefill, lambda: original(worker_id, prefill), request)
+    tokens, event = await asyncio.wait_for(request, 60)
+    line = next(line for line in backend.trace.recent if line["request_id"] == rid)
+    want = list(reference.generate([list(ids)], PARAMS8)[0].output_ids)
+    return HeldSourceRun(forged, isinstance(event, FinishEvent), tokens == want, line, _failures(backend) - failures)
+
+
 def test_a_forged_manifest_before_the_real_source_is_refused_and_the_transfer_still_publishes(served, reference,
                                                                                              monkeypatch):
     """An unauthenticated peer (its capability is not the router's) that names a reserved transfer
@@ -144,24 +174,19 @@ def test_a_forged_manifest_before_the_real_source_is_refused_and_the_transfer_st
     left as it was, so the real source's link is admitted afterwards and the request is handed off
     with no failure and no recompute. Before, the forger took the transfer's one link and its
     refused capability aborted the transfer: the request was recomputed on the decode worker."""
-    async def main(backend, _launcher):
-        original = backend._send
-        held, _ = _hold_prefill(monkeypatch, backend)
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        ids = prompt(64, 13)
-        request = asyncio.create_task(collect(backend, "early", ids, params))
-        worker_id, prefill = await asyncio.wait_for(held, 30)
-        failures = _failures(backend)
+    async def forge_three_times(prefill, start_source, _request):
         forged = _forged_manifest(reference, prefill.plan.transfer_id)
         answers = [await asyncio.to_thread(_answer_to, prefill.plan.dest_address, forged) for _ in range(3)]
-        await original(worker_id, prefill)  # the real source starts only now
-        tokens, event = await asyncio.wait_for(request, 60)
-        assert _failures(backend) - failures == 0, "a forged manifest ended the real transfer"
-        assert isinstance(event, FinishEvent) and tokens == list(reference.generate([list(ids)], params)[0].output_ids)
-        assert all(answer for answer in answers), "a forger was closed without its refusal"
-        line = next(line for line in backend.trace.recent if line["request_id"] == "early")
-        assert line["kv_bytes"] > 0 and "kv_failure" not in line  # handed off, the transfer never failed
-        assert line["reroutes"] == line["retries"] == 0 and line["decode_start"] in ("wait", "enqueue")  # no recompute
+        await start_source()  # the real source starts only now
+        return answers
+
+    async def main(backend, _launcher):
+        run = await run_with_a_held_source(backend, monkeypatch, reference, "early", prompt(64, 13), forge_three_times)
+        assert run.failures == 0, "a forged manifest ended the real transfer"
+        assert run.finished and run.tokens_ok
+        assert all(answer for answer in run.forged), "a forger was closed without its refusal"
+        assert run.line["kv_bytes"] > 0 and "kv_failure" not in run.line  # handed off, the transfer never failed
+        assert run.line["reroutes"] == run.line["retries"] == 0 and run.line["decode_start"] in ("wait", "enqueue")
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
 

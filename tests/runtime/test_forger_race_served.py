@@ -1,4 +1,7 @@
-"""attack2 probes: forged first manifests racing the real source (served cluster, tcp)."""
+"""Forged first manifests racing the real source on a served cluster (tcp): forgers in a tight
+loop, forgers that never hang up, and a forged signature that claims an older key epoch. Each is
+turned away before its link may claim the transfer, so the real source's link is admitted and
+the request is handed off with no transfer failure (handoff_io.py `_turned_away`)."""
 
 from __future__ import annotations
 
@@ -7,11 +10,9 @@ import socket
 import threading
 import time
 
-from pdserve.api.backend import FinishEvent
-from pdserve.engine.sequence import SamplingParams
-from tests.runtime.conftest import collect, prompt, wait_baseline
-from tests.runtime.test_forged_manifests_served import _answer_to, _forged_manifest, reference, served  # noqa: F401
-from tests.runtime.test_handoff_faults_served import _failures, _hold_prefill
+from tests.runtime.conftest import prompt, wait_baseline
+from tests.runtime.test_forged_manifests_served import (_answer_to, _forged_manifest, reference,  # noqa: F401
+                                                         run_with_a_held_source, served)
 
 
 def _flood(address, frame: bytes, stop: threading.Event, hold: bool, socks: list, counts: dict):
@@ -30,52 +31,43 @@ def _flood(address, frame: bytes, stop: threading.Event, hold: bool, socks: list
 
 
 def _race(served, reference, monkeypatch, hold: bool, threads: int):
-    out, rid = {}, f"raced-{hold}"
-
-    async def main(backend, _launcher):
-        original = backend._send
-        held, _ = _hold_prefill(monkeypatch, backend)
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        ids = prompt(64, 17)
-        request = asyncio.create_task(collect(backend, rid, ids, params))
-        worker_id, prefill = await asyncio.wait_for(held, 30)
-        failures = _failures(backend)
+    async def flood_around_the_source(prefill, start_source, request):
         frame = _forged_manifest(reference, prefill.plan.transfer_id)
         stop, socks, counts = threading.Event(), [], {}
         flood = [threading.Thread(target=_flood, args=(prefill.plan.dest_address, frame, stop, hold, socks, counts))
                  for _ in range(threads)]
         [t.start() for t in flood]
         await asyncio.sleep(0.5)
-        await original(worker_id, prefill)  # the real source, while the forgers go on
+        await start_source()  # the real source, while the forgers go on
         try:
-            tokens, event = await asyncio.wait_for(request, 60)
+            await asyncio.wait_for(asyncio.shield(request), 60)
         finally:
             stop.set()
             await asyncio.to_thread(lambda: [t.join() for t in flood])
             for s in socks:
                 s.close()
-        line = next(line for line in backend.trace.recent if line["request_id"] == rid)
-        out.update(failures=_failures(backend) - failures, counts=counts, line=line,
-                   tokens_ok=tokens == list(reference.generate([list(ids)], params)[0].output_ids),
-                   finished=isinstance(event, FinishEvent))
+        return counts
+
+    async def main(backend, _launcher):
+        run = await run_with_a_held_source(backend, monkeypatch, reference, f"raced-{hold}", prompt(64, 17),
+                                           flood_around_the_source)
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
+        return run
 
-    served.run(main(served.backend, served.launcher))
-    print(out)
-    return out
+    return served.run(main(served.backend, served.launcher))
 
 
 def test_a_tight_loop_of_forgers_racing_the_real_source(served, reference, monkeypatch):
-    out = _race(served, reference, monkeypatch, hold=False, threads=8)
-    assert out["finished"] and out["tokens_ok"]
-    assert out["failures"] == 0 and "kv_failure" not in out["line"], out
+    run = _race(served, reference, monkeypatch, hold=False, threads=8)
+    assert run.finished and run.tokens_ok
+    assert run.failures == 0 and "kv_failure" not in run.line, run
 
 
 def test_forgers_that_never_hang_up_racing_the_real_source(served, reference, monkeypatch):
-    out = _race(served, reference, monkeypatch, hold=True, threads=8)
-    assert out["finished"] and out["tokens_ok"]
-    assert out["failures"] == 0 and "kv_failure" not in out["line"], out
+    run = _race(served, reference, monkeypatch, hold=True, threads=8)
+    assert run.finished and run.tokens_ok
+    assert run.failures == 0 and "kv_failure" not in run.line, run
 
 
 def _revoked_looking_manifest(reference, transfer_id: str) -> bytes:
@@ -103,22 +95,17 @@ def _revoked_looking_manifest(reference, transfer_id: str) -> bytes:
 def test_a_forger_claiming_an_older_key_epoch_is_turned_away_too(served, reference, monkeypatch):
     """Before: the forged signature with key epoch 0 was denied as capability_revoked, which is not
     one of the turned-away reasons, so the forger's refusal aborted the real transfer."""
-    async def main(backend, _launcher):
-        original = backend._send
-        held, _ = _hold_prefill(monkeypatch, backend)
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        ids = prompt(64, 19)
-        request = asyncio.create_task(collect(backend, "epoch0", ids, params))
-        worker_id, prefill = await asyncio.wait_for(held, 30)
-        failures = _failures(backend)
+    async def forge_once(prefill, start_source, _request):
         answer = await asyncio.to_thread(_answer_to, prefill.plan.dest_address,
                                          _revoked_looking_manifest(reference, prefill.plan.transfer_id))
-        await original(worker_id, prefill)
-        tokens, event = await asyncio.wait_for(request, 60)
-        line = next(line for line in backend.trace.recent if line["request_id"] == "epoch0")
-        assert answer, "the forger got no refusal"
-        assert _failures(backend) - failures == 0 and "kv_failure" not in line, line
-        assert isinstance(event, FinishEvent) and tokens == list(reference.generate([list(ids)], params)[0].output_ids)
+        await start_source()
+        return answer
+
+    async def main(backend, _launcher):
+        run = await run_with_a_held_source(backend, monkeypatch, reference, "epoch0", prompt(64, 19), forge_once)
+        assert run.forged, "the forger got no refusal"
+        assert run.failures == 0 and "kv_failure" not in run.line, run.line
+        assert run.finished and run.tokens_ok
         await wait_baseline(backend)
         backend.router.assert_no_leaks()
 

@@ -5,8 +5,6 @@ inside a loose TPOT. Constant latency models, so every capacity is exact."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pdserve.bench.arrivals import ArrivalSpec
@@ -58,13 +56,8 @@ def _disagg(n_prefill: int, n_decode: int) -> DisaggPlan:
     return DisaggPlan("high", prefill, decode, n_prefill, n_decode, 1e6, 1e9, 26_000_000_000)
 
 
-def test_the_cap_is_both_pools_handing_off_and_the_decode_pool_routed_by_margin(tmp_path):
-    profile = {"kind": "profiled", "prefill_coef": [0.06, 2.5e-3, 4e-6], "decode_coef": [0.06, 1e-3, 3e-5],
-               "kv_bytes_per_token": 12288, "kv_capacity_tokens": 40000}
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(profile))
-    args = ["plan", "--model", "small", "--latency-model", str(path), "--gpus", "4", "--input-len", "64",
-            "--output-len", "8", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
+def test_the_cap_is_both_pools_handing_off_and_the_decode_pool_routed_by_margin(profiled_latency_args):
+    args = profiled_latency_args + ["--gpus", "4"]
     margin = plan_inputs(build_parser().parse_args(args))
     always = plan_inputs(build_parser().parse_args(args + ["--pd-decision", "always"]))
     assert (margin.pd_modelled, always.pd_modelled) == ("margin", "always")

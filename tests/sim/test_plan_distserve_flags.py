@@ -4,8 +4,6 @@ simulation of the chosen deployment alike; bad values are refused with the flag'
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pdserve.cli import build_parser
@@ -62,13 +60,8 @@ def test_bad_values_name_their_flag(extra, message):
         _inputs(*extra)
 
 
-def test_batched_prefill_is_refused_with_margin_routing(tmp_path):
-    profile = {"kind": "profiled", "prefill_coef": [0.06, 2.5e-3, 4e-6], "decode_coef": [0.06, 1e-3, 3e-5],
-               "kv_bytes_per_token": 12288, "kv_capacity_tokens": 40000}
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(profile))
-    args = ["plan", "--model", "small", "--latency-model", str(path), "--gpus", "2", "--input-len", "64",
-            "--output-len", "8", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--prefill-batch", "4"]
+def test_batched_prefill_is_refused_with_margin_routing(profiled_latency_args):
+    args = profiled_latency_args + ["--gpus", "2", "--prefill-batch", "4"]
     with pytest.raises(ValueError, match="--pd-decision always only"):
         plan_inputs(build_parser().parse_args(args))
     assert plan_inputs(build_parser().parse_args(args + ["--pd-decision", "always"])).prefill_max_batch == 4
