@@ -3,7 +3,10 @@
 # --pd-decision always | never | margin, the same seeded trace and offered rate, interleaved runs.
 # Usage: scripts/pd_decision_study.sh OUT_DIR [MODEL] [DTYPE]
 #   1. the trace: N requests, half 32-128-token prompts, half 1024-2048-token prompts (shuffled,
-#      seeded), outputs 64-128 tokens; WORKLOAD=short or long: all of one kind (the pure workloads)
+#      seeded), outputs 64-128 tokens; WORKLOAD=short or long: all of one kind (the pure workloads);
+#      WORKLOAD=turns: N/3 conversations of three turns (`pdserve bench --num-conversations`): first
+#      turns half 1024-1536-token prompts, half 32-128 (chats), each later turn 32-128 new tokens
+#      after its history (every earlier turn and a reply as long as its output), outputs 64-128
 #   2. SLOs as the goodput study derives them: on one colocated replica, isolated requests at the
 #      long median (1536; short workload: 80) -> TTFT = 5 x isolated TTFT, TPOT = 2 x isolated TPOT
 #   3. RUNS rounds; each round serves the three modes in a rotated order and sends the trace at
@@ -13,7 +16,7 @@
 #   The servers run as `pdserve serve` does by default: the decision's SLO targets are the ones the
 #   server derives from its profile (SERVE_SLOS=1 gives every server the derived SLOs as flags
 #   instead); the bench scores every arm against the derived SLOs.
-# Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long), MODES ("always never
+# Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long | turns), MODES ("always never
 # margin"; the summary's ratios need all three), PORT, SERVE_SLOS (0), EXTRA_SERVE_ARGS.
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
@@ -29,11 +32,18 @@ python3 - "$out/mixed.jsonl" "$N" "$WORKLOAD" <<'PY'
 import json, random, sys
 path, n, workload = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rng = random.Random(7)
-kinds = {"mixed": ["short"] * (n // 2) + ["long"] * (n - n // 2), "short": ["short"] * n, "long": ["long"] * n}[workload]
-rng.shuffle(kinds)
+if workload == "turns":  # rows [0, C) are first turns, then each conversation's later turns (bench's order)
+    c = n // 3
+    first = ["short"] * (c // 2) + ["long"] * (c - c // 2)
+    rng.shuffle(first)
+    rows = [rng.randint(32, 128) if k == "short" else rng.randint(1024, 1536) for k in first]
+    rows += [rng.randint(32, 128) for _ in range(n - c)]
+else:
+    kinds = {"mixed": ["short"] * (n // 2) + ["long"] * (n - n // 2), "short": ["short"] * n, "long": ["long"] * n}[workload]
+    rng.shuffle(kinds)
+    rows = [rng.randint(32, 128) if k == "short" else rng.randint(1024, 2048) for k in kinds]
 with open(path, "w") as f:
-    for kind in kinds:
-        prompt = rng.randint(32, 128) if kind == "short" else rng.randint(1024, 2048)
+    for prompt in rows:
         f.write(json.dumps({"prompt_len": prompt, "output_len": rng.randint(64, 128)}) + "\n")
 PY
 
@@ -44,6 +54,7 @@ read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo
 echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N, \"workload\": \"$WORKLOAD\"}" | tee "$out/slos.json"
 
 serve_slos=(); [[ ${SERVE_SLOS:-0} == 1 ]] && serve_slos=(--slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT")
+turns=(); [[ $WORKLOAD == turns ]] && turns=(--num-conversations $(( N / 3 )))
 read -r -a modes <<< "${MODES:-always never margin}"
 for run in $(seq 1 "$RUNS"); do
   for k in $(seq 0 $(( ${#modes[@]} - 1 ))); do
@@ -52,7 +63,7 @@ for run in $(seq 1 "$RUNS"); do
     start_server "$mode.$run" --mode disaggregated --prefill 1 --decode 1 --pd-decision "$mode" \
       --trace-dir "$out/$mode.$run.trace" "${serve_slos[@]}"
     $PD bench --endpoint "http://127.0.0.1:$PORT" --trace "$out/mixed.jsonl" --rate "$RATE" --arrival poisson \
-      --seed 11 --prompt-format ids --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT" --json "$out/$mode.$run.json" --include-records \
+      --seed 11 --prompt-format ids --slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT" --json "$out/$mode.$run.json" --include-records "${turns[@]}" \
       --quiet > "$out/$mode.$run.log"
     stop_server
   done
