@@ -182,7 +182,7 @@ def serve_destination(endpoint: DecodeEndpoint, link: ReceiverLink, transfer_id:
     last_frame = time.monotonic()
     landing = guard.landing if guard is not None else GrantedLanding(endpoint)
     try:
-        while not done() and (guard is None or guard.dismissed is None):  # a dismissed peer's link ends here
+        while not done():
             frame = landing.recv(link, config.ack_timeout_s / 10)
             if frame is None:
                 if time.monotonic() - last_frame > config.give_up_s:

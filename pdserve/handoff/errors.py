@@ -76,8 +76,9 @@ class RejectReason(str, Enum):
 
 
 CAPABILITY_DENIALS = tuple(r for r in RejectReason if r.value.startswith("capability_"))
-# a first manifest whose capability is not shown to be the issuer's: its peer is nobody the router
-# sent, so a destination turns that link away and leaves the transaction to its real source
+# a first manifest whose capability is not shown to be the issuer's (`Verifier.unauthenticated`):
+# its peer is nobody the router sent, so a listener turns that link away before it may claim the
+# transfer and leaves the transaction to its real source (workers/handoff_io.py)
 UNAUTHENTICATED = (RejectReason.CAPABILITY_MISSING, RejectReason.CAPABILITY_MALFORMED, RejectReason.CAPABILITY_FORGED)
 
 

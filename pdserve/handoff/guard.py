@@ -12,10 +12,9 @@ Contract:
     transfer are dropped and `landing` (a `GrantedLanding`) refuses to write a chunk of another
     transfer or outside the capability's blocks. A denial aborts the unpublished transfer
     (its blocks go back once no write is in flight) and answers the source with a refused
-    `PublishAck` carrying the `capability_*` reason; nothing has been written by then. Except
-    before admission, for a capability not shown to be the issuer's (missing, malformed, forged):
-    that peer is nobody the router sent, so the link is only turned away (`dismissed`, answered
-    with the reason) and the transaction waits for its real source.
+    `PublishAck` carrying the `capability_*` reason; nothing has been written by then. (A
+    served listener turns away a first manifest whose capability is not the issuer's before the
+    link claims the transfer, so the guard sees only signed capabilities: workers/handoff_io.py.)
   * Source (its pool is read, or its bytes leave the process): `source_expectation` is what
     `Verifier.verify` is checked against before the link is opened (with a fetch holder's own
     pinned (segment, slot) pairs, which must be exactly the capability's); a denial ends the transfer
@@ -30,7 +29,7 @@ from typing import Callable
 
 from pdserve.handoff.capability import Claims, Expectation, Verifier
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
-from pdserve.handoff.errors import UNAUTHENTICATED, HandoffError, RejectReason
+from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame
 from pdserve.handoff.manifest import HandoffManifest
 
@@ -97,7 +96,6 @@ class LinkGuard:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.landing = GuardedLanding(endpoint, lock)
         self.refused = False  # a denial ended the transfer on this link
-        self.dismissed: RejectReason | None = None  # an unauthenticated peer turned away (transfer untouched)
 
     @property
     def admitted(self) -> bool:
@@ -116,10 +114,6 @@ class LinkGuard:
         try:
             self._admit(frame)
         except HandoffError as err:
-            if err.reason in UNAUTHENTICATED:
-                self.dismissed = err.reason
-                with self.lock:
-                    return [self.endpoint.turn_away(self.transfer_id, err.reason)]
             return self._refuse(err)
         return None
 

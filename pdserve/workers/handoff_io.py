@@ -311,31 +311,17 @@ class HandoffListener:
             self._unclaim(transfer_id)
             link.close()
             return
-        claimed = True
         try:
             guard = None if self.verifier is None else \
                 LinkGuard(self.verifier, self.endpoint, transfer_id, PULL if kind == b"P" else PUSH, self.lock,
                           on_admit=getattr(link, "open_staging", None), on_claims=getattr(link, "bind", None))
             txn = self.endpoint.transfers[transfer_id]
             state = self._answer(_FirstFrameLink(link, first), transfer_id, guard)
-            if guard is not None and guard.dismissed is not None:
-                log.warning("handoff %s: a link without the issuer's capability was turned away (%s)",
-                            transfer_id, guard.dismissed.value)
-                with self.lock:
-                    self.endpoint.unclaim(transfer_id)  # the transfer is its real source's to claim, at once
-                    # an owner that aborted it meanwhile released it "now, or when its link's end is
-                    # reported", and a turned-away link reports nothing: let the record go here
-                    self.endpoint.release(transfer_id)
-                claimed = False
-                _hang_up(link, PEER_CLOSE_WAIT_S)
-                link.close()
-                return  # the transaction did not end: nothing to report
             if guard is not None and guard.refused:
                 _hang_up(link, PEER_CLOSE_WAIT_S)  # the source reads the refusal's reason before the link goes
             link.close()
         finally:
-            if claimed:
-                self._unclaim(transfer_id)  # a link that raised must not keep its transfer from a retry
+            self._unclaim(transfer_id)  # a link that raised must not keep its transfer from a retry
         self.on_done(transfer_id, state, txn)  # the record itself: its owner may release it meanwhile
 
     def _turned_away(self, link, first: ManifestFrame, transfer_id: str) -> bool:
@@ -377,7 +363,7 @@ class HandoffListener:
         landing = guard.landing if guard is not None else GrantedLanding(self.endpoint, self.lock)
         last = time.monotonic()
         try:
-            while txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED) and (guard is None or guard.dismissed is None):
+            while txn.state not in (TxnState.PUBLISHED, TxnState.ABORTED):
                 frame = landing.recv(link, 0.1)
                 if frame is None:
                     if time.monotonic() - last > self.give_up_s:
