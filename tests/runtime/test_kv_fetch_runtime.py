@@ -124,8 +124,11 @@ def test_decode_history_stays_cached_and_moves_back_to_the_prefill_worker():
         async with cluster(config(kv_sharing=sharing)) as (backend, _):
             first, _ = await collect(backend, "t1", HISTORY, params)
             answer_keys = backend._block_hashes(HISTORY + tuple(first[:-1]))  # 135 computed tokens: 8 blocks
-            await until(lambda: all(backend.router.kv_holders(k) for k in answer_keys))
-            holders = {loc.worker_id for loc in backend.router.kv_holders(answer_keys[-1])}
+            held = lambda k: {loc.worker_id for loc in backend.router.kv_holders(k)}  # noqa: E731
+            # both workers' reports in the index: D's whole history, and P's prompt (its own report,
+            # which may reach the router after D's: a slow machine otherwise plans t2 without it)
+            await until(lambda: all(held(k) for k in answer_keys) and all("prefill-0" in held(k) for k in answer_keys[:6]))
+            holders = held(answer_keys[-1])
             second, _ = await collect(backend, "t2", HISTORY + tuple(first) + prompt(20, 12), PARAMS)
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
