@@ -1,8 +1,9 @@
 """Start worker processes on this machine (the default deployment).
 
-Contract: `LocalCluster` starts one OS process per worker (`python -m pdserve.workers.main`, so
-no state is inherited from the router process), each with an explicit torch thread count and, when asked,
-a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
+Contract: `LocalCluster` starts one OS process per worker, a fork of the warm template that
+imported the worker's modules once (workers/warm_start.py; `PDSERVE_WORKER_START=exec` starts a
+bare `python -m pdserve.workers.main` instead), so no state is inherited from the router process,
+each with an explicit torch thread count and, when asked, a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
 `dead()` reports each worker whose process exited, once per death; `restart(worker, epoch)` starts
 a dead one again under a new epoch (the supervisor decides when); `stop_hung(worker, grace_s)` ends
 a worker the router retired for missed heartbeats (SIGTERM and SIGCONT, SIGKILL after the grace),
@@ -21,10 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.workers import warm_start
 from pdserve.workers.config import WorkerConfig, encode_config
 from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
 from pdserve.workers.control_keys import ControlKeys, pipe_for
 from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
+
+
+START_ENV = "PDSERVE_WORKER_START"  # "fork" (the default: the warm template) or "exec"
 
 
 @dataclass(frozen=True)
@@ -89,15 +94,19 @@ class LocalCluster:
         return [c.worker_id for c in self.configs]
 
     def _spawn(self, cfg: WorkerConfig) -> None:
-        cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
-        env = dict(os.environ)
         keys_fd = None  # through an inherited pipe: `ps` shows argv to everyone, /proc/PID/environ to the user
         if self.control_keys is not None:
             keys_fd = pipe_for(self.control_keys(cfg.worker_id, cfg.epoch))
-            env[CONTROL_KEYS_FD_ENV] = str(keys_fd)
         try:
-            self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
-                                                         pass_fds=() if keys_fd is None else (keys_fd,))
+            if os.environ.get(START_ENV, "fork") == "exec":  # a bare interpreter per worker
+                env = dict(os.environ)
+                if keys_fd is not None:
+                    env[CONTROL_KEYS_FD_ENV] = str(keys_fd)
+                cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
+                self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+                                                             pass_fds=() if keys_fd is None else (keys_fd,))
+            else:  # a fork of the warm template (workers/warm_start.py)
+                self.procs[cfg.worker_id] = warm_start.start(encode_config(cfg), keys_fd)
         finally:
             if keys_fd is not None:
                 os.close(keys_fd)

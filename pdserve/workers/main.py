@@ -1,8 +1,9 @@
-"""Worker process entry point: `python -m pdserve.workers.main CONFIG_JSON`.
+"""Worker process entry point: `python -m pdserve.workers.main CONFIG_JSON`, or `main([CONFIG_JSON])`
+in a fork of the warm template (workers/warm_start.py: the local launcher's way).
 
-The launcher passes a `WorkerConfig` as JSON (msgspec) on the command line, so a worker
-inherits nothing from its parent but the environment: no pickled state, no re-import of the
-parent's main module.
+The launcher passes a `WorkerConfig` as JSON (msgspec), so a worker inherits nothing from its
+launcher but the environment and its standard output and error: no pickled state, no import of
+the launcher's main module (the template imported only the worker's modules).
 """
 
 from __future__ import annotations

@@ -16,34 +16,30 @@ import pytest
 import pdserve
 from pdserve.engine.config import EngineConfig
 from pdserve.router.process.control_auth import ControlAuth
-from pdserve.workers import launch
+from pdserve.workers import launch, warm_start
 from pdserve.workers.launch import LaunchConfig, LocalCluster
 
 REPO = str(Path(pdserve.__file__).resolve().parent.parent)  # the code under test, in the child too
-# The stand-in worker: takes its keys as Worker.__init__ does, writes them out, then waits to be ended.
-PROBE = """
-import json, os, time
-from pdserve.workers.control_keys import from_env
-fd = os.environ.get("PDSERVE_CONTROL_KEYS_FD")
-keys = from_env()
-text = None if keys is None else b",".join((keys.server_public, keys.client_public, keys.client_secret)).decode()
-fds = set(os.listdir("/proc/self/fd"))
-out = os.environ["PROBE_OUT"]
-open(out + ".tmp", "w").write(json.dumps({"keys": text, "fd_still_open": fd in fds}))
-os.rename(out + ".tmp", out)
-time.sleep(60)
-"""
+# The stand-in worker (tests/workers/keys_probe.py): takes its keys as Worker.__init__ does,
+# writes them out, then waits to be ended.
+PROBE_ENTRY = "tests.workers.keys_probe:main"
+PROBE = f"import sys; sys.path.insert(0, {REPO!r}); from tests.workers.keys_probe import main; main()"
 
 
-@pytest.fixture
-def probe_spawns(monkeypatch, tmp_path):
-    """LocalCluster's Popen, with the worker's entry point swapped for PROBE (env, fds unchanged)."""
+@pytest.fixture(params=["fork", "exec"])
+def probe_spawns(request, monkeypatch, tmp_path):
+    """LocalCluster's real start, with the worker's entry point swapped for the stand-in: in a fork
+    of the warm template (the default), and in a bare interpreter (`PDSERVE_WORKER_START=exec`)."""
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "keys.txt"))
+    monkeypatch.setenv(launch.START_ENV, request.param)
+    if request.param == "fork":
+        monkeypatch.setattr(warm_start, "ENTRY", PROBE_ENTRY)
+        return tmp_path / "keys.txt"
     real = subprocess.Popen
 
     def popen(cmd, *args, env=None, **kwargs):
         if cmd[1:3] == ["-m", "pdserve.workers.main"]:
             cmd = [cmd[0], "-c", PROBE]
-            env = {**env, "PYTHONPATH": REPO, "PROBE_OUT": str(tmp_path / "keys.txt")}
         return real(cmd, *args, env=env, **kwargs)
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
@@ -71,7 +67,16 @@ def pipes_held() -> set[str]:
     return held
 
 
-def test_a_local_worker_gets_its_keys_but_its_environment_never_holds_them(probe_spawns):
+def test_a_local_worker_gets_its_keys_but_its_environment_never_holds_them(probe_spawns, monkeypatch):
+    pipes = []  # the keys' pipe of each start, as the launcher made it
+
+    def pipe_for(keys):
+        fd = real_pipe_for(keys)
+        pipes.append(f"pipe:[{os.fstat(fd).st_ino}]")
+        return fd
+
+    real_pipe_for = launch.pipe_for
+    monkeypatch.setattr(launch, "pipe_for", pipe_for)
     auth = ControlAuth()
     issued = []
 
@@ -80,10 +85,9 @@ def test_a_local_worker_gets_its_keys_but_its_environment_never_holds_them(probe
         return issued[-1]
 
     cluster = LocalCluster(LaunchConfig(("decode",), EngineConfig(model="tiny"), pin_cpus=False), "tcp://127.0.0.1:9", issue)
-    before = pipes_held()
     cluster.start()
     try:
-        assert pipes_held() <= before  # the launcher keeps no end of the keys' pipe
+        assert len(pipes) == 1 and not {p.split(":", 1)[1] for p in pipes_held()} & set(pipes)  # the launcher keeps no end of it
         proc = cluster.procs["decode-0"]
         got = wait_for(probe_spawns, proc)
         keys = issued[0]

@@ -1,0 +1,200 @@
+"""Local worker processes forked from a warm template instead of started from a bare interpreter.
+
+Why: a worker's imports (torch above all) cost 2.2-2.6 s of CPU on a 2-core AVX2 EPYC before it
+reads its config, and every start pays them: the cluster's first start, each restart of a killed
+or hung worker, each test's cluster. The template is a process that imported the worker's modules
+once (`multiprocessing`'s fork server, preloading `pdserve.workers.worker`); each worker is a fork
+of it, so a replacement is serving in the time its engine takes to build.
+
+Contract (`start(config_json, keys_fd)` -> `WorkerProcess`):
+- one template per environment: a worker's environment is the launcher's at its start; its
+  template started under the same one (what libraries read at import), but for `VOLATILE` names
+  (pytest's per-test variable); a changed environment gets a template of its own, and templates
+  left without a live worker then stop;
+- the worker's stdout and stderr are the launcher's at its start (passed as descriptors, as
+  `subprocess` inherits them), its stdin is /dev/null, its working directory the launcher's;
+- its control keys' pipe (workers/control_keys.py) travels as a passed descriptor, never through
+  argv or the environment; the launcher closes its own end after the start, as before;
+- nothing of the template's request channel stays in the worker: it closes its hold on the
+  template's life (the "alive" pipe), so the template exits when the launcher does, and the
+  worker, whose parent the template is, then sees its parent gone (workers/heartbeat.py);
+- `WorkerProcess` answers what `subprocess.Popen` answered (pid, poll, wait, terminate, kill,
+  returncode: negative for a signal), the exit status reported by the template, which reaps it.
+Nothing here holds torch or CUDA state: the template only imported modules, and CUDA is
+initialised in the worker after the fork.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import io
+import json
+import os
+import signal
+import subprocess
+import threading
+from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn
+
+from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
+
+PRELOAD = ["pdserve.workers.main"]  # what every worker imports before it reads its config
+ENTRY = "pdserve.workers.main:main"  # what a forked worker runs (a test swaps in a stand-in)
+_STDIO = ("stdout", "stderr")
+
+
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})  # names that change per test, not per deployment
+
+
+class _Template(forkserver.ForkServer):
+    """A fork server of its own (not the module-wide one), with the worker's modules preloaded,
+    and the workers forked from it (to know when it is idle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_forkserver_preload(PRELOAD)
+        self.workers: list[WorkerProcess] = []
+
+    def idle(self) -> bool:
+        self.workers = [w for w in self.workers if w.poll() is None]
+        return not self.workers
+
+
+_templates: dict[frozenset, _Template] = {}
+_lock = threading.Lock()
+_launching = threading.local()
+
+
+def _key(environ) -> frozenset:
+    return frozenset((k, v) for k, v in environ.items() if k not in VOLATILE)
+
+
+def _template_for(environ) -> _Template:
+    """The template started under this environment, or a new one (under `_lock`). Templates of
+    other environments that have no live worker stop first: a launcher whose environment keeps
+    changing (a test suite) holds one idle template, not one per change."""
+    key = _key(environ)
+    template = _templates.get(key)
+    if template is None:
+        for other in [k for k, t in _templates.items() if t.idle()]:
+            _templates.pop(other)._stop()
+        template = _templates[key] = _Template()
+    return template
+
+
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's fork-server start, through our template and without the launcher's
+    __main__: the worker needs none of the launcher's modules."""
+
+    def _launch(self, process_obj) -> None:
+        prep = spawn.get_preparation_data(process_obj._name)
+        for key in ("init_main_from_name", "init_main_from_path"):
+            prep.pop(key, None)
+        prep["sys_argv"] = ["pdserve-worker"]
+        self._fds.extend(_launching.fds)  # stdout, stderr[, keys]: the worker's `get_inherited_fds()`
+        buf = io.BytesIO()
+        popen_forkserver.set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            popen_forkserver.set_spawning_popen(None)
+        self.sentinel, w = _launching.template.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # the worker's sentinel of its launcher (as multiprocessing keeps it)
+        self.finalizer = popen_forkserver.util.Finalize(self, popen_forkserver.util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _Process(process.BaseProcess):
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class WorkerProcess:
+    """The launcher's handle on a forked worker: what it used of `subprocess.Popen`."""
+
+    def __init__(self, proc: _Process):
+        self._proc = proc
+        self.pid: int = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc._popen.returncode
+
+    def poll(self) -> int | None:
+        return self._proc._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._proc._popen.wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ: dict[str, str]) -> None:
+    """The worker's side of the fork: the launcher's environment at the start (`environ`; the
+    template's own differs at most in `VOLATILE` names), its stdout and stderr and its control
+    keys' pipe, passed as descriptors in `fd_names` order; then `entry` ("module:function",
+    imported by the template already) runs with the config as its argv."""
+    os.environ.clear()
+    os.environ.update(environ)
+    module, function = entry.split(":")
+    main = getattr(importlib.import_module(module), function)
+
+    fds = dict(zip(fd_names, forkserver._forkserver._inherited_fds or ()))
+    for target, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(fds[name], target)
+        os.close(fds[name])
+    alive = forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:  # the template's life is the launcher's alone: it exits with it, and so do we
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    if "keys" in fds:
+        os.environ[CONTROL_KEYS_FD_ENV] = str(fds["keys"])
+    _name_process(config_json)
+    main([config_json])
+
+
+def _name_process(config_json: str) -> None:
+    """`ps -o comm` and `pgrep` show the worker's id ("pd-decode-0"), not the template's command line."""
+    try:
+        name = f"pd-{json.loads(config_json)['worker_id']}"[:15].encode()
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, KeyError, ValueError, AttributeError):
+        pass  # a name is a convenience
+
+
+def start(config_json: str, keys_fd: int | None = None) -> WorkerProcess:
+    """Fork one worker from the template of the current environment (module contract)."""
+    names = _STDIO + (("keys",) if keys_fd is not None else ())
+    environ = dict(os.environ)
+    proc = _Process(target=run_forked, args=(config_json, names, ENTRY, environ), name="pdserve-worker")
+    with _lock:  # one launch at a time: the template and the descriptors belong to this start
+        template = _launching.template = _template_for(environ)
+        _launching.fds = [1, 2] + ([keys_fd] if keys_fd is not None else [])
+        try:
+            proc.start()
+        finally:
+            _launching.template = _launching.fds = None
+        process._children.discard(proc)  # not joined at the launcher's exit: the launcher stops its workers
+        worker = WorkerProcess(proc)
+        template.workers.append(worker)
+    return worker

@@ -1,0 +1,105 @@
+"""Local workers are forks of a warm template (workers/warm_start.py): each sees the launcher's
+environment and standard streams as at its start, its exit status reaches the launcher as
+`subprocess` reported it, and nothing outlives a launcher killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import pdserve
+from pdserve.workers import warm_start
+
+REPO = str(Path(pdserve.__file__).resolve().parent.parent)
+PROBE = "tests.workers.warm_probe:main"
+
+
+def _report(path: Path, proc, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"the stand-in exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the stand-in wrote nothing"
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_a_fork_sees_the_launchers_environment_and_streams_and_reports_its_exit(monkeypatch, tmp_path, capfd):
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    procs = []
+    try:
+        for flavour in ("one", "two"):  # a changed environment: a template of its own, not the first one's
+            monkeypatch.setenv("PROBE_FLAVOUR", flavour)
+            monkeypatch.setenv("PROBE_OUT", str(tmp_path / f"{flavour}.json"))
+            procs.append(warm_start.start(json.dumps({"worker_id": f"probe-{flavour}"})))
+            got = _report(tmp_path / f"{flavour}.json", procs[-1])
+            assert got["flavour"] == flavour and got["config"] == json.dumps({"worker_id": f"probe-{flavour}"})
+            assert got["torch_loaded"]  # imported once, in the template, before the fork
+            assert got["comm"] == f"pd-probe-{flavour}" and got["argv"] == ["pdserve-worker"]
+            assert got["stdin"] == "/dev/null" and got["parent"] != os.getpid()  # the template is its parent
+        deadline = time.monotonic() + 30
+        while "probe" not in capfd.readouterr().err:  # its stderr is the launcher's, as at its start
+            assert time.monotonic() < deadline, "the stand-in's stderr never reached the launcher's"
+            time.sleep(0.05)
+        assert procs[0].poll() is None and procs[0].returncode is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=0.1)
+        procs[0].kill()
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL  # as subprocess reports a signal
+        procs[1].terminate()
+        assert procs[1].wait(timeout=30) == -signal.SIGTERM and procs[1].poll() == -signal.SIGTERM
+        procs[1].kill()  # an ended worker: nothing to signal, no error
+        monkeypatch.setenv("PROBE_FLAVOUR", "three")  # the first two templates are idle now: they stop
+        monkeypatch.setenv("PROBE_OUT", str(tmp_path / "three.json"))
+        first_two = list(warm_start._templates.values())
+        procs.append(warm_start.start(json.dumps({"worker_id": "probe-three"})))
+        assert _report(tmp_path / "three.json", procs[-1])["pytest_test"] == os.environ["PYTEST_CURRENT_TEST"]
+        assert len(warm_start._templates) == 1 and all(t._forkserver_pid is None for t in first_two)
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+LAUNCHER = f"""
+import json, os, sys, time
+sys.path.insert(0, {REPO!r})
+from pdserve.workers import warm_start
+warm_start.ENTRY = {PROBE!r}
+proc = warm_start.start(json.dumps({{"worker_id": "probe"}}))
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path):
+    """The worker gives up its hold on the template's life, so the template exits with the
+    launcher and the worker sees its parent gone: no orphan keeps the launcher's cores."""
+    env = {**os.environ, "PROBE_OUT": str(tmp_path / "probe.json"), "PROBE_LIFE_S": "120"}
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(launcher.stdout.readline())
+        got = _report(tmp_path / "probe.json", launcher)
+        template = got["parent"]
+        assert not _gone(worker) and not _gone(template)
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 30
+        while not (_gone(template) and _gone(worker)):
+            assert time.monotonic() < deadline, "the template or its worker outlived the launcher"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
