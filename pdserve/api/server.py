@@ -279,7 +279,13 @@ class _Launcher:
         while True:
             await asyncio.sleep(poll_s)
             for wid, epoch in self.schedule.due(self.clock()):
-                await loop.run_in_executor(None, self.impl.restart, wid, epoch)
+                try:
+                    await loop.run_in_executor(None, self.impl.restart, wid, epoch)
+                except Exception:  # e.g. the warm template died twice during the start: a crash of this incarnation
+                    log.exception("%s: its start under epoch %d failed; counted as a crash", wid, epoch)
+                    self.schedule.mark_restarted(wid, epoch, self.clock())
+                    self.schedule.on_death(wid, self.clock())  # the backoff, then again (FAILED after --max-crashes)
+                    continue
                 self.schedule.mark_restarted(wid, epoch, self.clock())
             for wid, epoch in self.schedule.unregistered(self.clock()):  # hung while loading: no heartbeat to miss
                 log.warning("%s (epoch %d) did not register within %g s of its restart: ending it", wid, epoch,

@@ -20,6 +20,8 @@ import time
 
 import zmq
 
+from pdserve.workers import lifeline
+
 from pdserve.workers import messages as m
 from pdserve.workers.control_keys import secure
 
@@ -37,7 +39,7 @@ def heartbeat_loop(worker) -> None:
     while worker.running:
         sock.send(_bounded(heartbeat(worker)))
         time.sleep(worker.config.heartbeat_s)
-        if worker.config.exit_with_parent and os.getppid() != parent:
+        if worker.config.exit_with_parent and lifeline.launcher_gone(parent):
             log.warning("worker %s: router process is gone, exiting", worker.id)
             worker.running = False
     sock.close()

@@ -98,7 +98,7 @@ class LocalCluster:
         if self.control_keys is not None:
             keys_fd = pipe_for(self.control_keys(cfg.worker_id, cfg.epoch))
         try:
-            if os.environ.get(START_ENV, "fork") == "exec":  # a bare interpreter per worker
+            if os.environ.get(START_ENV, "fork") == "exec" or not warm_start.supported():  # a bare interpreter
                 env = dict(os.environ)
                 if keys_fd is not None:
                     env[CONTROL_KEYS_FD_ENV] = str(keys_fd)

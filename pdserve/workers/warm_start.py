@@ -31,16 +31,21 @@ import importlib
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import threading
-from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn
+import weakref
+from multiprocessing import forkserver, popen_forkserver, process, reduction, resource_tracker, spawn
+from multiprocessing.connection import wait
 
+from pdserve.workers import lifeline
 from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
 
 PRELOAD = ["pdserve.workers.main"]  # what every worker imports before it reads its config
 ENTRY = "pdserve.workers.main:main"  # what a forked worker runs (a test swaps in a stand-in)
 _STDIO = ("stdout", "stderr")
+STATUS_WAIT_S = 1.0  # how long an ended worker's status may take to come from its template
 
 
 VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})  # names that change per test, not per deployment
@@ -116,30 +121,47 @@ class _Process(process.BaseProcess):
 
 
 class WorkerProcess:
-    """The launcher's handle on a forked worker: what it used of `subprocess.Popen`."""
+    """The launcher's handle on a forked worker: what it used of `subprocess.Popen`. Its life is
+    read from a pidfd of the worker itself, not from the template, so a template that died or
+    was stopped neither makes a live worker look dead nor a dead one alive, and signals reach
+    the worker whatever became of the template; the template reports the exit status."""
 
     def __init__(self, proc: _Process):
         self._proc = proc
         self.pid: int = proc.pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(self.pid)  # the pid is the template's unreaped child, or just reaped
+        weakref.finalize(self, os.close, self._pidfd)
 
-    @property
-    def returncode(self) -> int | None:
-        return self._proc._popen.returncode
+    def _status(self, timeout: float) -> int | None:
+        """The exit status the template reports (None: not within `timeout`, or no template)."""
+        sentinel = self._proc._popen.sentinel
+        if not wait([sentinel], timeout):
+            return None
+        try:
+            return forkserver.read_signed(sentinel)
+        except (OSError, EOFError):  # the template is gone: it reports nothing any more
+            return None
+
+    def _ended(self, timeout: float | None) -> bool:
+        return bool(select.select([self._pidfd], [], [], timeout)[0])
 
     def poll(self) -> int | None:
-        return self._proc._popen.poll()
+        if self.returncode is None and self._ended(0):
+            code = self._status(STATUS_WAIT_S)  # the template reaps it at once (SIGCHLD)
+            self.returncode = 255 if code is None else code  # 255: ended, status unknown (as multiprocessing says)
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._proc._popen.wait(timeout)
-        if code is None:
+        if self.returncode is None and not self._ended(timeout):
             raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-        return code
+        return self.poll()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:  # ended meanwhile
                 pass
 
     def terminate(self) -> None:
@@ -149,11 +171,20 @@ class WorkerProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ: dict[str, str]) -> None:
+def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ: dict[str, str],
+               launcher_pid: int) -> None:
     """The worker's side of the fork: the launcher's environment at the start (`environ`; the
     template's own differs at most in `VOLATILE` names), its stdout and stderr and its control
     keys' pipe, passed as descriptors in `fd_names` order; then `entry` ("module:function",
-    imported by the template already) runs with the config as its argv."""
+    imported by the template already) runs with the config as its argv. The worker watches the
+    launcher itself (`lifeline`), not its parent the template, and gets a resource tracker of its
+    own, as a bare interpreter would: its shared memory is unlinked when it dies, not when the
+    launcher does."""
+    lifeline.watch(launcher_pid)
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
     os.environ.clear()
     os.environ.update(environ)
     module, function = entry.split(":")
@@ -164,7 +195,7 @@ def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ:
         os.dup2(fds[name], target)
         os.close(fds[name])
     alive = forkserver._forkserver._forkserver_alive_fd
-    if alive is not None:  # the template's life is the launcher's alone: it exits with it, and so do we
+    if alive is not None:  # the template's life is the launcher's alone: it exits with it
         os.close(alive)
         forkserver._forkserver._forkserver_alive_fd = None
     if "keys" in fds:
@@ -182,19 +213,33 @@ def _name_process(config_json: str) -> None:
         pass  # a name is a convenience
 
 
+def supported() -> bool:
+    """Forks of a template need Linux's pidfds (5.3+) to watch and signal their workers."""
+    return hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+
+
 def start(config_json: str, keys_fd: int | None = None) -> WorkerProcess:
-    """Fork one worker from the template of the current environment (module contract)."""
+    """Fork one worker from the template of the current environment (module contract). A
+    template that dies during the start is started again once (multiprocessing's
+    `ensure_running`); a second failure raises (the supervisor counts it as a crash)."""
     names = _STDIO + (("keys",) if keys_fd is not None else ())
     environ = dict(os.environ)
-    proc = _Process(target=run_forked, args=(config_json, names, ENTRY, environ), name="pdserve-worker")
+    args = (config_json, names, ENTRY, environ, os.getpid())
     with _lock:  # one launch at a time: the template and the descriptors belong to this start
         template = _launching.template = _template_for(environ)
         _launching.fds = [1, 2] + ([keys_fd] if keys_fd is not None else [])
         try:
-            proc.start()
+            for attempt in (1, 2):
+                proc = _Process(target=run_forked, args=args, name="pdserve-worker")
+                try:
+                    proc.start()
+                    break
+                except (EOFError, OSError):  # the template died between our request and its fork
+                    if attempt == 2:
+                        raise
         finally:
             _launching.template = _launching.fds = None
         process._children.discard(proc)  # not joined at the launcher's exit: the launcher stops its workers
         worker = WorkerProcess(proc)
-        template.workers.append(worker)
+        template.workers = [w for w in template.workers if w.returncode is None] + [worker]  # ended ones go
     return worker

@@ -87,7 +87,8 @@ time.sleep(600)
 
 def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path):
     """The worker gives up its hold on the template's life, so the template exits with the
-    launcher and the worker sees its parent gone: no orphan keeps the launcher's cores."""
+    launcher, and the worker watches the launcher itself (workers/lifeline.py), so it ends even
+    while its template is stopped: no orphan keeps the launcher's cores or memory."""
     env = {**os.environ, "PROBE_OUT": str(tmp_path / "probe.json"), "PROBE_LIFE_S": "120"}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -95,11 +96,88 @@ def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path):
         got = _report(tmp_path / "probe.json", launcher)
         template = got["parent"]
         assert not _gone(worker) and not _gone(template)
+        os.kill(template, signal.SIGSTOP)  # a template that cannot act: the worker watches the launcher itself
         launcher.kill()
         launcher.wait(30)
-        deadline = time.monotonic() + 30
-        while not (_gone(template) and _gone(worker)):
-            assert time.monotonic() < deadline, "the template or its worker outlived the launcher"
-            time.sleep(0.05)
+        _wait(lambda: _gone(worker), "the worker outlived its launcher")
+        os.kill(template, signal.SIGCONT)
+        _wait(lambda: _gone(template), "the template outlived its launcher")
     finally:
         launcher.kill()
+        if "template" in locals() and not _gone(template):
+            os.kill(template, signal.SIGKILL)
+
+
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def _wait(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_worker_outlasting_its_template_stays_visible_and_killable(monkeypatch, tmp_path):
+    """A stopped worker whose template was killed is alive to the launcher until it really ends,
+    and the launcher can still end it (a hung worker must not be restarted beside itself)."""
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe.json"))
+    proc = warm_start.start(json.dumps({"worker_id": "probe-orphan"}))
+    try:
+        got = _report(tmp_path / "probe.json", proc)
+        template = got["parent"]
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(template, signal.SIGKILL)
+        _wait(lambda: _gone(template), "the template did not end")
+        time.sleep(0.5)
+        assert proc.poll() is None and not _gone(proc.pid)  # the template's end is not the worker's
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        proc.kill()  # through the worker's own pidfd: the template is not needed
+        assert proc.wait(timeout=30) == 255  # ended; its status died with the template
+        _wait(lambda: _gone(proc.pid), "the killed worker is still there")
+    finally:
+        proc.kill()
+
+
+def test_a_killed_worker_leaves_no_shared_memory_while_the_launcher_lives(monkeypatch, tmp_path):
+    """Each forked worker has its own resource tracker, as a bare interpreter has: a worker
+    killed with SIGKILL has its segments unlinked then, not at the launcher's exit."""
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe.json"))
+    proc = warm_start.start(json.dumps({"worker_id": "probe-shm"}))
+    try:
+        segment = _report(tmp_path / "probe.json", proc)["segment"]
+        assert _segment_exists(segment)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        _wait(lambda: not _segment_exists(segment), "the killed worker's segment outlived it")
+    finally:
+        proc.kill()
+
+
+def test_ended_workers_hold_no_descriptors_in_the_launcher(monkeypatch, tmp_path):
+    """Restarts do not accumulate the launcher's descriptors: an ended worker's handle lets go."""
+    import gc
+
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+
+    out = tmp_path / "probe.json"
+    monkeypatch.setenv("PROBE_OUT", str(out))  # one environment: one template, as under `pdserve serve`
+
+    def cycle(i: int) -> None:
+        out.unlink(missing_ok=True)
+        proc = warm_start.start(json.dumps({"worker_id": f"probe-fd{i}"}))
+        _report(out, proc)
+        proc.kill()
+        proc.wait(timeout=30)
+
+    cycle(0)  # the template's own descriptors exist from here on
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(1, 5):
+        cycle(i)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
