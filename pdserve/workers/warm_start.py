@@ -16,16 +16,22 @@ Contract (`start(config_json, keys_fd)` -> `WorkerProcess`):
 - its control keys' pipe (workers/control_keys.py) travels as a passed descriptor, never through
   argv or the environment; the launcher closes its own end after the start, as before;
 - nothing of the template's request channel stays in the worker: it closes its hold on the
-  template's life (the "alive" pipe), so the template exits when the launcher does, and the
-  worker, whose parent the template is, then sees its parent gone (workers/heartbeat.py);
+  template's life (the "alive" pipe), so the template exits when the launcher does; the worker
+  watches the launcher itself (workers/lifeline.py), so it ends with the launcher, not with the
+  template, and it has its own resource tracker (its shared memory goes when it dies);
+- a start is all or nothing: the child waits for the launcher's go-ahead, sent once its pid is
+  known; a template that dies or stalls during a start is ended and the start tried on a fresh
+  one (`start`);
 - `WorkerProcess` answers what `subprocess.Popen` answered (pid, poll, wait, terminate, kill,
-  returncode: negative for a signal), the exit status reported by the template, which reaps it.
+  returncode: negative for a signal, 255 where the template died first), from the worker's own
+  pidfd, with the exit status the template reports.
 Nothing here holds torch or CUDA state: the template only imported modules, and CUDA is
 initialised in the worker after the fork.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import io
@@ -46,6 +52,8 @@ PRELOAD = ["pdserve.workers.main"]  # what every worker imports before it reads 
 ENTRY = "pdserve.workers.main:main"  # what a forked worker runs (a test swaps in a stand-in)
 _STDIO = ("stdout", "stderr")
 STATUS_WAIT_S = 1.0  # how long an ended worker's status may take to come from its template
+START_TIMEOUT_S = 60.0  # how long a fork may take, a fresh template's preload included (a loaded 2-core machine)
+START_ATTEMPTS = 3  # a template that fails a start is ended, and the next attempt runs a fresh one
 
 
 VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})  # names that change per test, not per deployment
@@ -63,6 +71,22 @@ class _Template(forkserver.ForkServer):
     def idle(self) -> bool:
         self.workers = [w for w in self.workers if w.poll() is None]
         return not self.workers
+
+    def discard(self) -> None:
+        """End this template (SIGKILL: it may be stopped or half dead) and forget it, so the next
+        start runs a fresh one. Its workers live on: they watch the launcher, not it."""
+        pid, self._forkserver_pid = self._forkserver_pid, None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if self._forkserver_alive_fd is not None:
+            os.close(self._forkserver_alive_fd)
+        if self._forkserver_address is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._forkserver_address)
+        self._forkserver_alive_fd = self._forkserver_address = None
 
 
 _templates: dict[frozenset, _Template] = {}
@@ -109,6 +133,8 @@ class _Popen(popen_forkserver.Popen):
         self.finalizer = popen_forkserver.util.Finalize(self, popen_forkserver.util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
+        if not wait([self.sentinel], START_TIMEOUT_S):  # a stopped or wedged template: not forever
+            raise TimeoutError(f"the worker template did not fork within {START_TIMEOUT_S:g} s")
         self.pid = forkserver.read_signed(self.sentinel)
 
 
@@ -180,6 +206,11 @@ def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ:
     launcher itself (`lifeline`), not its parent the template, and gets a resource tracker of its
     own, as a bare interpreter would: its shared memory is unlinked when it dies, not when the
     launcher does."""
+    fds = dict(zip(fd_names, forkserver._forkserver._inherited_fds or ()))
+    go = fds.pop("go")
+    if os.read(go, 1) != b"1":  # the launcher never took this start: end before anything
+        os._exit(1)
+    os.close(go)
     lifeline.watch(launcher_pid)
     tracker = resource_tracker._resource_tracker
     if tracker._fd is not None:
@@ -190,7 +221,6 @@ def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ:
     module, function = entry.split(":")
     main = getattr(importlib.import_module(module), function)
 
-    fds = dict(zip(fd_names, forkserver._forkserver._inherited_fds or ()))
     for target, name in ((1, "stdout"), (2, "stderr")):
         os.dup2(fds[name], target)
         os.close(fds[name])
@@ -220,26 +250,34 @@ def supported() -> bool:
 
 def start(config_json: str, keys_fd: int | None = None) -> WorkerProcess:
     """Fork one worker from the template of the current environment (module contract). A
-    template that dies during the start is started again once (multiprocessing's
-    `ensure_running`); a second failure raises (the supervisor counts it as a crash)."""
-    names = _STDIO + (("keys",) if keys_fd is not None else ())
+    template that fails a start (died, stopped past `START_TIMEOUT_S`) is ended and the start
+    tried again on a fresh one, `START_ATTEMPTS` in all; then it raises (a crash to the
+    supervisor). A forked child runs only on the launcher's go-ahead, sent once its pid is known:
+    a child whose start failed (its template died before it reported the pid) ends at once,
+    before it reads its keys, so no orphan incarnation holds the worker's keys or identity."""
+    names = _STDIO + ("go",) + (("keys",) if keys_fd is not None else ())
     environ = dict(os.environ)
     args = (config_json, names, ENTRY, environ, os.getpid())
     with _lock:  # one launch at a time: the template and the descriptors belong to this start
-        template = _launching.template = _template_for(environ)
-        _launching.fds = [1, 2] + ([keys_fd] if keys_fd is not None else [])
-        try:
-            for attempt in (1, 2):
-                proc = _Process(target=run_forked, args=args, name="pdserve-worker")
-                try:
-                    proc.start()
-                    break
-                except (EOFError, OSError):  # the template died between our request and its fork
-                    if attempt == 2:
-                        raise
-        finally:
-            _launching.template = _launching.fds = None
+        template = _template_for(environ)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            go_r, go_w = os.pipe()
+            _launching.template = template
+            _launching.fds = [1, 2, go_r] + ([keys_fd] if keys_fd is not None else [])
+            proc = _Process(target=run_forked, args=args, name="pdserve-worker")
+            try:
+                proc.start()
+                worker = WorkerProcess(proc)
+                os.write(go_w, b"1")
+                break
+            except (EOFError, OSError):  # the template died or stalled between our request and the pid
+                template.discard()
+                if attempt == START_ATTEMPTS:
+                    raise
+            finally:
+                os.close(go_w)  # without the byte: the child ends (a failed start's orphan)
+                os.close(go_r)
+                _launching.template = _launching.fds = None
         process._children.discard(proc)  # not joined at the launcher's exit: the launcher stops its workers
-        worker = WorkerProcess(proc)
         template.workers = [w for w in template.workers if w.returncode is None] + [worker]  # ended ones go
     return worker

@@ -4,6 +4,7 @@ environment and standard streams as at its start, its exit status reaches the la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -181,3 +182,59 @@ def test_ended_workers_hold_no_descriptors_in_the_launcher(monkeypatch, tmp_path
         cycle(i)
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def _named(comm: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and Path(f"/proc/{pid}/comm").read_text().strip() == comm and not _gone(int(pid)):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_start_whose_template_died_before_the_pid_leaves_no_orphan(monkeypatch, tmp_path):
+    """The template forked the child but died before it reported the pid (simulated: the pid's
+    read fails once): the start is tried again on a fresh template, and the first child, never
+    given the go-ahead, ends before it runs, so one incarnation runs, not two."""
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe.json"))
+    real, calls = warm_start.forkserver.read_signed, []
+
+    def read_signed(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            real(fd)  # the pid came; the template "died" before we saw it
+            raise EOFError("unexpected EOF")
+        return real(fd)
+
+    monkeypatch.setattr(warm_start.forkserver, "read_signed", read_signed)
+    proc = warm_start.start(json.dumps({"worker_id": "probe-once"}))
+    try:
+        _report(tmp_path / "probe.json", proc)
+        time.sleep(1.0)  # time for an orphan to have started
+        assert _named("pd-probe-once") == [proc.pid]
+    finally:
+        proc.kill()
+
+
+def test_a_stopped_template_delays_a_start_by_the_timeout_not_forever(monkeypatch, tmp_path):
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    monkeypatch.setattr(warm_start, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "first.json"))
+    first = warm_start.start(json.dumps({"worker_id": "probe-first"}))
+    template = _report(tmp_path / "first.json", first)["parent"]
+    try:
+        os.kill(template, signal.SIGSTOP)
+        (tmp_path / "first.json").rename(tmp_path / "seen.json")  # the same environment: the same template
+        second = warm_start.start(json.dumps({"worker_id": "probe-second"}))
+        got = _report(tmp_path / "first.json", second)
+        assert got["parent"] != template and _gone(template)  # the stopped one was ended, a fresh one forked
+        assert first.poll() is None  # the first worker lives on without its template
+        second.kill()
+    finally:
+        first.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(template, signal.SIGKILL)
