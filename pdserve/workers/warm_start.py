@@ -20,8 +20,8 @@ Contract (`start(config_json, keys_fd)` -> `WorkerProcess`):
   watches the launcher itself (workers/lifeline.py), so it ends with the launcher, not with the
   template, and it has its own resource tracker (its shared memory goes when it dies);
 - a start is all or nothing: the child waits for the launcher's go-ahead, sent once its pid is
-  known; a template that dies or stalls during a start is ended and the start tried on a fresh
-  one (`start`);
+  known; a template that dies during a start, or stalls (`START_TIMEOUT_S` once warm,
+  `PRELOAD_TIMEOUT_S` while it imports), is ended and the start tried on a fresh one (`start`);
 - `WorkerProcess` answers what `subprocess.Popen` answered (pid, poll, wait, terminate, kill,
   returncode: negative for a signal, 255 where the template died first), from the worker's own
   pidfd, with the exit status the template reports.
@@ -52,7 +52,8 @@ PRELOAD = ["pdserve.workers.main"]  # what every worker imports before it reads 
 ENTRY = "pdserve.workers.main:main"  # what a forked worker runs (a test swaps in a stand-in)
 _STDIO = ("stdout", "stderr")
 STATUS_WAIT_S = 1.0  # how long an ended worker's status may take to come from its template
-START_TIMEOUT_S = 60.0  # how long a fork may take, a fresh template's preload included (a loaded 2-core machine)
+START_TIMEOUT_S = 10.0  # how long a warm template's fork may take (milliseconds when it is well)
+PRELOAD_TIMEOUT_S = 300.0  # the same for a fresh template, its imports included (a loaded 2-core machine)
 START_ATTEMPTS = 3  # a template that fails a start is ended, and the next attempt runs a fresh one
 
 
@@ -67,6 +68,7 @@ class _Template(forkserver.ForkServer):
         super().__init__()
         self.set_forkserver_preload(PRELOAD)
         self.workers: list[WorkerProcess] = []
+        self.warm_pid: int | None = None  # the template process that has forked once: its imports are done
 
     def idle(self) -> bool:
         self.workers = [w for w in self.workers if w.poll() is None]
@@ -128,14 +130,18 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             popen_forkserver.set_spawning_popen(None)
-        self.sentinel, w = _launching.template.connect_to_new_process(self._fds)
+        self.sentinel, w = _launching.template.connect_to_new_process(self._fds)  # (re)starts a dead template
         _parent_w = os.dup(w)  # the worker's sentinel of its launcher (as multiprocessing keeps it)
         self.finalizer = popen_forkserver.util.Finalize(self, popen_forkserver.util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        if not wait([self.sentinel], START_TIMEOUT_S):  # a stopped or wedged template: not forever
-            raise TimeoutError(f"the worker template did not fork within {START_TIMEOUT_S:g} s")
+        template = _launching.template
+        warm = template.warm_pid == template._forkserver_pid  # this very process forked before (not a relaunch)
+        limit = START_TIMEOUT_S if warm else PRELOAD_TIMEOUT_S  # a fresh one imports torch first
+        if not wait([self.sentinel], limit):  # a stopped or wedged template: not forever
+            raise TimeoutError(f"the worker template did not fork within {limit:g} s")
         self.pid = forkserver.read_signed(self.sentinel)
+        template.warm_pid = template._forkserver_pid
 
 
 class _Process(process.BaseProcess):
@@ -250,7 +256,7 @@ def supported() -> bool:
 
 def start(config_json: str, keys_fd: int | None = None) -> WorkerProcess:
     """Fork one worker from the template of the current environment (module contract). A
-    template that fails a start (died, stopped past `START_TIMEOUT_S`) is ended and the start
+    template that fails a start (died, or stalled past its time limit) is ended and the start
     tried again on a fresh one, `START_ATTEMPTS` in all; then it raises (a crash to the
     supervisor). A forked child runs only on the launcher's go-ahead, sent once its pid is known:
     a child whose start failed (its template died before it reported the pid) ends at once,
