@@ -3,7 +3,7 @@
 Why: a worker's imports (torch above all) cost 2.2-2.6 s of CPU on a 2-core AVX2 EPYC before it
 reads its config, and every start pays them: the cluster's first start, each restart of a killed
 or hung worker, each test's cluster. The template is a process that imported the worker's modules
-once (`multiprocessing`'s fork server, preloading `pdserve.workers.worker`); each worker is a fork
+once (`multiprocessing`'s fork server, preloading `pdserve.workers.main`); each worker is a fork
 of it, so a replacement is serving in the time its engine takes to build.
 
 Contract (`start(config_json, keys_fd)` -> `WorkerProcess`):
@@ -108,7 +108,7 @@ def _template_for(environ) -> _Template:
     template = _templates.get(key)
     if template is None:
         for other in [k for k, t in _templates.items() if t.idle()]:
-            _templates.pop(other)._stop()
+            _templates.pop(other).discard()  # (SIGKILL: closing its pipe would wait on a stopped one)
         template = _templates[key] = _Template()
     return template
 

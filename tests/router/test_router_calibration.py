@@ -13,6 +13,7 @@ import pytest
 from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
 from pdserve.latency.tp_collectives import CollectiveCosts
+from pdserve.model.cpu import ISA_CAPS
 from pdserve.model.default import resolve_model
 from pdserve.router.pricing import calibration
 from pdserve.router.pricing.calibration import cost_profile, fit_key, profile_points
@@ -132,6 +133,8 @@ def test_a_kept_fit_serves_later_starts_until_anything_it_depends_on_changes(pri
     """"auto" measures once and keeps the fit; a later start with the same key reads it; "refit"
     measures again and replaces it; another thread count, ISA cap or engine setting is another
     key; an unreadable file is measured again, never an error."""
+    for name in (*ISA_CAPS, "PDSERVE_MARCH"):  # from no cap (a run under the caps would start from them)
+        monkeypatch.delenv(name, raising=False)
     fits = []
 
     def fake_fit(engine, threads, model_dir, max_model_len, tp=1, sizes=()):
