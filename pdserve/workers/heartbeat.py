@@ -21,7 +21,6 @@ import time
 import zmq
 
 from pdserve.workers import lifeline
-
 from pdserve.workers import messages as m
 from pdserve.workers.control_keys import secure
 

@@ -2,8 +2,9 @@
 
 Contract: `LocalCluster` starts one OS process per worker, a fork of the warm template that
 imported the worker's modules once (workers/warm_start.py; `PDSERVE_WORKER_START=exec` starts a
-bare `python -m pdserve.workers.main` instead), so no state is inherited from the router process,
-each with an explicit torch thread count and, when asked, a CPU affinity set: on a small machine oversubscribed threads cost far more than they give.
+bare `python -m pdserve.workers.main` instead), so no state is inherited from the router
+process, each with an explicit torch thread count and, when asked, a CPU affinity set: on a small
+machine oversubscribed threads cost far more than they give.
 `dead()` reports each worker whose process exited, once per death; `restart(worker, epoch)` starts
 a dead one again under a new epoch (the supervisor decides when); `stop_hung(worker, grace_s)` ends
 a worker the router retired for missed heartbeats (SIGTERM and SIGCONT, SIGKILL after the grace),
