@@ -21,15 +21,19 @@ class _Impl:
             raise EOFError("unexpected EOF")  # what a template dying before its fork raises
 
 
-def _supervised(failures: int, policy: RestartPolicy, seconds: float) -> _Launcher:
+def _supervised(failures: int, policy: RestartPolicy, done) -> _Launcher:
     launcher = _Launcher(ServeConfig(restart=policy))
     launcher.impl = _Impl(failures)
     launcher.schedule.on_started("decode-0", 1, launcher.clock())
     launcher.schedule.on_death("decode-0", launcher.clock())
 
-    async def run():
+    async def run():  # until `done` holds (60 s at most: no bound on the machine's speed), then a little longer
         task = asyncio.create_task(launcher.supervise(poll_s=0.01))
-        await asyncio.sleep(seconds)
+        for _ in range(6000):
+            if done(launcher) or task.done():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # time for a start too many to show
         assert not task.done(), task  # still supervising
         task.cancel()
 
@@ -38,13 +42,14 @@ def _supervised(failures: int, policy: RestartPolicy, seconds: float) -> _Launch
 
 
 def test_a_failed_start_is_retried_after_the_backoff():
-    launcher = _supervised(2, RestartPolicy(first_delay_s=0.02, max_delay_s=0.05), 1.0)
+    launcher = _supervised(2, RestartPolicy(first_delay_s=0.02, max_delay_s=0.05), lambda la: len(la.impl.starts) >= 3)
     assert launcher.impl.starts == [("decode-0", 2), ("decode-0", 3), ("decode-0", 4)]  # two failures, then started
     life = launcher.schedule.lives["decode-0"]
     assert life.epoch == 4 and life.due_s is None and not life.failed
 
 
 def test_failed_starts_end_in_failed_at_the_crash_limit():
-    launcher = _supervised(100, RestartPolicy(first_delay_s=0.02, max_delay_s=0.02, max_crashes=3), 1.0)
+    launcher = _supervised(100, RestartPolicy(first_delay_s=0.02, max_delay_s=0.02, max_crashes=3),
+                           lambda la: bool(la.schedule.failed()))
     assert len(launcher.impl.starts) == 2  # the death, then two failed starts: three crashes
     assert launcher.schedule.failed() == ["decode-0"]

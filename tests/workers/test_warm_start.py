@@ -20,6 +20,7 @@ from pdserve.workers import warm_start
 
 REPO = str(Path(pdserve.__file__).resolve().parent.parent)
 PROBE = "tests.workers.warm_probe:main"
+pytestmark = pytest.mark.skipif(not warm_start.supported(), reason="no pidfds (Linux < 5.3): the launcher starts bare interpreters")
 
 
 def _report(path: Path, proc, timeout_s: float = 60.0) -> dict:
