@@ -17,7 +17,8 @@
 #   server derives from its profile (SERVE_SLOS=1 gives every server the derived SLOs as flags
 #   instead); the bench scores every arm against the derived SLOs.
 # Knobs (env): N (24), RATE (0.15), RUNS (3), WORKLOAD (mixed | short | long | turns), MODES ("always never
-# margin"; the summary's ratios need all three), PORT, SERVE_SLOS (0), EXTRA_SERVE_ARGS.
+# margin"; the summary's ratios need all three), PORT, SERVE_SLOS (0), EXTRA_SERVE_ARGS, SLOS ("TTFT_MS TPOT_MS":
+# fixed targets instead of step 2's calibration, so that studies of two code versions score alike).
 set -euo pipefail
 out=${1:?out dir}; model=${2:-small}; dtype=${3:-bfloat16}
 mkdir -p "$out"
@@ -50,7 +51,8 @@ PY
 # shellcheck source=scripts/study_server.sh
 source "$(dirname "$0")/study_server.sh"
 
-read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo 1536)")
+if [[ -n ${SLOS:-} ]]; then read -r TTFT TPOT <<< "$SLOS"  # fixed targets: runs of one machine compare
+else read -r TTFT TPOT < <(derive_slos "$([[ $WORKLOAD == short ]] && echo 80 || echo 1536)"); fi
 echo "{\"slo_ttft_ms\": $TTFT, \"slo_tpot_ms\": $TPOT, \"rate\": $RATE, \"n\": $N, \"workload\": \"$WORKLOAD\"}" | tee "$out/slos.json"
 
 serve_slos=(); [[ ${SERVE_SLOS:-0} == 1 ]] && serve_slos=(--slo-ttft-ms "$TTFT" --slo-tpot-ms "$TPOT")

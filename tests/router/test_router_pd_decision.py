@@ -48,9 +48,14 @@ def test_the_four_terms_have_their_spec_values():
     assert local_steps_s(FACTS, MARGIN, COST) == pytest.approx([0.55], abs=1e-12)
     assert terms.interference_saved_s == pytest.approx(8 * (0.522 - 0.072), abs=1e-12)
     assert terms.transfer_exposed_s == pytest.approx(0.0522, abs=1e-12)  # serialized: all of 1 ms + 51.2 kB / 1 MB/s
-    assert terms.route_delta_s == pytest.approx(0.256, abs=1e-12)  # P's 256 queued tokens
+    # P's 256 queued tokens and its 522 ms prefill put the first token at 0.778 s, within the 2 s target
+    assert terms.route_delta_s == 0.0
     assert terms.failure_penalty_s == pytest.approx(0.25 * 0.522, abs=1e-12)  # rate x recompute
-    assert net_margin_s(terms) == pytest.approx(3.6 - 0.0522 - 0.256 - 0.1305, abs=1e-12)
+    assert net_margin_s(terms) == pytest.approx(3.6 - 0.0522 - 0.1305, abs=1e-12)
+    # a 0.5 s TTFT target: the handed-off first token is 0.278 s late, the local one (0.55 s) 0.05 s
+    tight = margin_terms(FACTS, MARGIN, COST, 0.5, 0.1)
+    assert tight.route_delta_s == pytest.approx(0.778 - 0.5, abs=1e-12)
+    assert tight.interference_saved_s == pytest.approx(8 * (0.522 - 0.072) + 0.05, abs=1e-12)
 
 
 def test_a_layerwise_stream_exposes_only_its_last_layer():
@@ -63,7 +68,7 @@ def test_a_layerwise_stream_exposes_only_its_last_layer():
 def test_margin_disaggregates_a_long_prompt_beside_a_busy_decode_batch():
     decision = decide_pd(FACTS, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert decision.disaggregate and decision.reason == "margin"
-    assert decision.net_margin_s == pytest.approx(3.1613, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.4173, abs=1e-12)
     assert decision.ttft_gate and decision.tpot_gate  # 0.8302 s <= 2 s, 29 ms <= 100 ms
 
 
@@ -78,9 +83,15 @@ def test_a_short_prompt_whose_steps_stay_within_tpot_prefills_locally_beside_a_b
                        "transfer_bytes": 4800})
     decision = decide_pd(short, MARGIN, COST, 2.0, 0.1)  # one step of 28 + 58 ms <= 100 ms: no decode is late
     assert decision.terms.interference_saved_s == 0.0 and not decision.disaggregate
-    assert decide_pd(short, MARGIN, COST, 2.0, 0.08).disaggregate is False  # 6 ms x 8 late < transfer + queue + failures
-    assert decide_pd(PdFacts(**{**vars(short), "prefill_pending_tokens": 0, "failure_rate": 0.0}), MARGIN, COST,
-                     2.0, 0.07).disaggregate  # 16 ms x 8 late > the 5.8 ms transfer
+    # an 80 ms target: 6 ms x 8 late > the 5.8 ms transfer + 14.5 ms of expected failures; P's queue
+    # (256 tokens, 0.314 s to the first token) is within the 2 s TTFT target and costs nothing
+    tight = decide_pd(short, MARGIN, COST, 2.0, 0.08)
+    assert tight.disaggregate and tight.terms.route_delta_s == 0.0
+    # a 0.2 s TTFT target: handed off, the first token is 0.114 s late, more than the 48 ms the
+    # decodes lose; the TTFT gate does not veto (the local route makes decodes late too): the margin keeps it
+    late_p = decide_pd(short, MARGIN, COST, 0.2, 0.08)
+    assert late_p.terms.route_delta_s == pytest.approx(0.314 - 0.2, abs=1e-12)
+    assert not late_p.disaggregate and late_p.reason == "margin" and late_p.ttft_gate
 
 
 def test_the_local_ttft_beyond_its_target_counts_as_interference():
@@ -91,12 +102,22 @@ def test_the_local_ttft_beyond_its_target_counts_as_interference():
 
 
 def test_a_gate_vetoes_only_a_target_the_local_route_would_meet():
-    # 32 decodes at D make the margin large, but 5,000 tokens queued at P put the remote first token
-    # at 5.57 s, past the 2 s target, while a local prefill starts at once and ends in 0.636 s
-    busy_p = PdFacts(**{**vars(FACTS), "decode_batch": 32, "prefill_pending_tokens": 5000})
+    # 5,000 tokens queued at P put the remote first token at 5.57 s, past the 2 s target, while a
+    # local prefill starts at once and ends in 0.55 s: beside an idle D, the local route meets every
+    # target and the TTFT gate fails (the margin, 3.522 s of lateness against nothing saved, agrees)
+    idle_busy_p = PdFacts(**{**vars(FACTS), "decode_batch": 0, "prefill_pending_tokens": 5000})
+    decision = decide_pd(idle_busy_p, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert not decision.disaggregate and decision.ttft_gate is False and decision.tpot_gate
+    assert decision.terms.route_delta_s == pytest.approx(5.522 - 2.0, abs=1e-12)
+    # beside 32 decodes the local route makes each 0.474 s late (one 574 ms gap against a 100 ms
+    # target): it meets no target the handoff misses, so no gate vetoes and the margin hands it off,
+    # 15.168 s of the decodes' lateness against the request's own 3.522 s (a study's failure: the
+    # old gate kept such prompts local, every running decode then missed its TPOT)
+    busy_p = PdFacts(**{**vars(idle_busy_p), "decode_batch": 32})
     decision = decide_pd(busy_p, MARGIN, COST, ttft_slo_s=2.0, tpot_slo_s=0.1)
-    assert not decision.disaggregate and decision.reason == "gate" and decision.ttft_gate is False
-    assert decision.net_margin_s > 0 and decision.tpot_gate
+    assert decision.disaggregate and decision.reason == "margin" and decision.ttft_gate and decision.tpot_gate
+    assert decision.terms.interference_saved_s == pytest.approx(32 * 0.474, abs=1e-9)
+    assert decision.net_margin_s == pytest.approx(32 * 0.474 - 3.522 - 0.0522 - 0.1305, abs=1e-9)
     # the same TTFT overrun when D is as late (a local prefill waits behind 6,000 queued tokens): no veto
     both_late = PdFacts(**{**vars(busy_p), "decode_pending_tokens": 6000})
     assert decide_pd(both_late, MARGIN, COST, 2.0, 0.1).ttft_gate
@@ -255,7 +276,7 @@ def test_routes_headed_to_d_count_in_the_batch_a_local_prefill_delays():
     assert margin_terms(routed, MARGIN, COST, 2.0, 0.1) == margin_terms(FACTS, MARGIN, COST, 2.0, 0.1)
     decision = decide_pd(routed, MARGIN, COST, 2.0, 0.1)
     assert decision.disaggregate and decision.delayed_batch == 8
-    assert decision.net_margin_s == pytest.approx(3.1613, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(3.4173, abs=1e-12)
     assert decision.trace_fields()["pd_delayed_batch"] == 8
     # the report's batch counts when it is the larger (grants not yet applied, routes not yet seen)
     assert PdFacts(**{**vars(FACTS), "decode_routed": 3}).delayed_batch == 8
@@ -312,18 +333,19 @@ def test_a_handoff_does_not_escape_the_prompt_work_queued_at_d():
     decision = decide_pd(short, MARGIN, COST, ttft_slo_s=10.0, tpot_slo_s=0.04)
     own_late = (2.0 - landed) - 72 * (0.04 - 0.021)
     gap = 0.021 + 0.074 - 0.04  # the one routed decode's gap beside the local prefill, past the 40 ms target
-    assert decision.terms.route_delta_s == pytest.approx(-landed, abs=1e-12)  # not the whole -2 s
+    assert decision.terms.route_delta_s == 0.0  # handed off, its first token (81.4 ms) is within the 10 s target
     assert decision.terms.interference_saved_s == pytest.approx(gap - own_late, abs=1e-12)
-    assert decision.net_margin_s == pytest.approx(gap - own_late - 0.0074 + landed, abs=1e-12)
+    assert decision.net_margin_s == pytest.approx(gap - own_late - 0.0074, abs=1e-12)
     assert not decision.disaggregate and decision.reason == "margin" and decision.ttft_gate
     # D's queue drained before the K/V lands (a long prompt's own prefill at P): nothing is met
     long = PdFacts(**{**vars(short), "prompt_tokens": 2500, "local_compute_tokens": 2500,
                       "remote_compute_tokens": 2500, "transfer_bytes": 250_000})
     terms = margin_terms(long, MARGIN, COST, 10.0, 0.04)
-    assert terms.route_delta_s == pytest.approx(-2.0, abs=1e-12)
+    assert terms.route_delta_s == 0.0
     assert decide_pd(long, MARGIN, COST, 10.0, 0.04).disaggregate
     # the TTFT gate reads the handed-off request's own clock, not P's queue less D's
-    busy_p = PdFacts(**{**vars(short), "prefill_pending_tokens": 11_000})
+    # (with no decode at D for a local prefill to make late)
+    busy_p = PdFacts(**{**vars(short), "prefill_pending_tokens": 11_000, "decode_routed": 0})
     assert decide_pd(busy_p, MARGIN, COST, 10.0, 0.04).ttft_gate is False  # 11.08 s > max(10 s, 2.095 s); less D's 2 s: 9.08
 
 

@@ -85,23 +85,27 @@ def test_two_tp_sizes_in_one_pool_get_their_own_terms_and_the_policy_reads_them(
 
 def test_the_pd_decision_prices_the_chosen_pair_at_its_workers_sizes():
     workers = {"p2": (Role.PREFILL, 2), "d2": (Role.DECODE, 2)}  # a decode worker at TP 2 (e.g. a role change)
-    router = _router(workers, {"p2": (200, 0), "d2": (300, 6)})
+    tight = PdPolicy(mode="margin", ttft_slo_s=0.5, tpot_slo_s=100.0)  # a 0.5 s first token
+    router = _router(workers, {"p2": (200, 0), "d2": (300, 6)}, pd=tight)
     request = RouteRequest("r", 512, 16)
     plan = router.route(request)
     cost = PRICING.pair(2, 2)
     facts = facts_for(request, 0, 0, True, 6, 200, 0.0, cost, 300, 0.0)
-    assert plan.pd == decide_pd(facts, MARGIN, cost, 100.0, 100.0)
-    # route delta: P's 200 queued tokens less D's 300, both at TP 2 (0.508 ms a token); transfer
-    # 1 ms + 51.2 kB at 1 MB/s exposed; nothing else: net -0.0014 s, so the prefill stays on d2
+    assert plan.pd == decide_pd(facts, tight, cost, 0.5, 100.0)
+    # at TP 2 (0.508 ms a token) both first tokens are within 0.5 s: handed off, P's 200 queued tokens
+    # and the 512-token prefill (0.377 s); local, D's 300 and the same prefill beside its 6 decodes;
+    # transfer 1 ms + 51.2 kB at 1 MB/s exposed: net -0.0522 s, so the prefill stays on d2
     assert local_wait_s(facts, cost) == pytest.approx(300 * 5.08e-4, rel=1e-14)  # D's queued prompts at its TP 2
-    assert plan.pd.terms.route_delta_s == pytest.approx(-100 * 5.08e-4, rel=1e-12)
-    assert plan.pd.net_margin_s == pytest.approx(-0.0014, rel=1e-9) and not plan.pd.disaggregate
+    assert plan.pd.terms.route_delta_s == 0.0 and plan.pd.terms.interference_saved_s == 0.0
+    assert plan.pd.net_margin_s == pytest.approx(-0.0522, rel=1e-9) and not plan.pd.disaggregate
     assert (plan.prefill_id, plan.decode_id) == ("d2", "d2")
     assert plan.predicted_ttft_s == pytest.approx(0.015 + 812 * 5.08e-4, rel=1e-12)  # 300 queued + 512 at d2's TP 2
     assert plan.predicted_tpot_s == pytest.approx(0.025 + 7 * 7.58e-4, rel=1e-12)
-    # priced at the role sizes (TP 1: 1 ms a token) the delta is -0.1 s and the margin would disaggregate
-    flat = decide_pd(facts, MARGIN, PRICING.pair(1, 1), 100.0, 100.0)
-    assert flat.disaggregate and flat.net_margin_s == pytest.approx(0.0478, rel=1e-9)
+    # priced at the role sizes (TP 1: 1 ms a token) both are late, the local one (0.848 s) more than
+    # the handed-off one (0.722 s): the margin would disaggregate
+    flat = decide_pd(facts, tight, PRICING.pair(1, 1), 0.5, 100.0)
+    assert flat.terms.route_delta_s == pytest.approx(0.222, rel=1e-9)
+    assert flat.disaggregate and flat.net_margin_s == pytest.approx(0.0738, rel=1e-9)
     assert router.pair_cost(router.snapshot(), 0, 0) is cost
     assert router.worker_cost("d2") is PRICING.worker(2)
 

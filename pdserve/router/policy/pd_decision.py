@@ -46,9 +46,12 @@ machine at start or by `pdserve profile`: router/pricing/calibration.py) and the
     exposed transfer    the K/V bytes the handoff moves, transfer_s(bytes, same host), less what
                         the layer-wise stream hides behind P's prefill (handoff/streaming.py's
                         visible-time recurrence over `stream_layers` equal layers)
-    route delta         P's queue wait, queue_s(P's pending prompt tokens), minus the part of the
-                        wait a local prefill has at D, queue_s(D's pending prompt tokens), that the
-                        handed-off request escapes: what drains before its K/V lands at D
+    route delta         the request's own first token past its TTFT target on the handed-off
+                        route before the transfer: P's queue, queue_s(P's pending prompt tokens),
+                        and its prefill of u_P (the ledger's `ttft_late_s`). A wait the target
+                        absorbs costs nothing, as it costs goodput nothing; the local route's own
+                        lateness (D's queued prompt work and the steps) is in the interference term,
+                        so both routes are priced in the same unit: seconds past a target
     failure penalty     the observed transfer-failure rate x the recompute cost (the whole prompt's
                         chunked prefill)
 
@@ -60,7 +63,10 @@ Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + it
 exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
 mixed steps); TPOT passes when D's next decode step decode_step_s(B + 1) is within the TPOT
 target or no longer than the local route's longest mixed step. A gate vetoes disaggregation only
-where it would miss a target the local prefill meets: both routes decode at D.
+where it would miss a target the local prefill meets: both routes decode at D, and a local prefill
+that puts any running decode past its TPOT target (the decodes' part of the interference,
+`local_decodes_late_s`) meets no veto from the TTFT gate: one late first token is not worth more
+than the decodes it would make late, and the margin weighs the two.
 """
 
 
@@ -74,10 +80,12 @@ from pdserve.ledger.margin import (
     SLO_SCALE,
     DecodeBudget,
     MarginTerms,
+    decodes_late_s,
     net_margin_s,
     profile_slo_s,
     should_enable_pd,
     slo_interference_s,
+    ttft_late_s,
 )
 from pdserve.router.messages import RouteRequest
 from pdserve.router.policy import demand
@@ -238,19 +246,29 @@ def remote_ttft_s(facts: PdFacts, policy: PdPolicy, cost: CostModel) -> float:
     return float(cost.queue_s(facts.prefill_pending_tokens)) + remote_prefill_s(facts, policy, cost) + exposed_s(facts, policy, cost)
 
 
+def local_decodes_late_s(facts: PdFacts, cost: CostModel, tpot_slo_s: float, steps: list[float]) -> float:
+    """Seconds past their TPOT targets the local route's mixed `steps` put on D's running decodes
+    (the ledger's `decodes_late_s`; 0: the local prefill meets every one of their targets)."""
+    return decodes_late_s(facts.delayed_batch, steps, tpot_slo_s, facts.arrival_rate_rps, running_step_s(facts, cost),
+                          facts.decode_tokens, facts.measured_tpot_s, facts.budgets, facts.itl_p90_s)
+
+
 def margin_terms(facts: PdFacts, policy: PdPolicy, cost: CostModel, ttft_slo_s: float, tpot_slo_s: float,
-                 steps: list[float] | None = None) -> MarginTerms:
-    """The four terms; `steps`: the local route's mixed steps when the caller has them already."""
+                 steps: list[float] | None = None, decodes_late: float | None = None) -> MarginTerms:
+    """The four terms; `steps`, `decodes_late`: the local route's mixed steps and what they put on
+    D's decodes (`local_decodes_late_s`) when the caller has them already."""
     steps = local_steps_s(facts, policy, cost) if steps is None else steps
-    wait_s, landed_s = local_wait_s(facts, cost), remote_ttft_s(facts, policy, cost)
+    if decodes_late is None:
+        decodes_late = local_decodes_late_s(facts, cost, tpot_slo_s, steps)
+    wait_s, exposed = local_wait_s(facts, cost), exposed_s(facts, policy, cost)
+    before_transfer_s = float(cost.queue_s(facts.prefill_pending_tokens)) + remote_prefill_s(facts, policy, cost)
     return MarginTerms(
         interference_saved_s=slo_interference_s(facts.delayed_batch, steps, tpot_slo_s, ttft_slo_s, wait_s,
                                                 facts.arrival_rate_rps, running_step_s(facts, cost), facts.decode_tokens,
-                                                own_stall_s=max(0.0, wait_s - landed_s),
-                                                measured_tpot_s=facts.measured_tpot_s, budgets=facts.budgets,
-                                                itl_p90_s=facts.itl_p90_s),
-        transfer_exposed_s=exposed_s(facts, policy, cost),
-        route_delta_s=float(cost.queue_s(facts.prefill_pending_tokens)) - min(wait_s, landed_s),
+                                                own_stall_s=max(0.0, wait_s - before_transfer_s - exposed),
+                                                measured_tpot_s=facts.measured_tpot_s, decodes_late=decodes_late),
+        transfer_exposed_s=exposed,
+        route_delta_s=ttft_late_s(before_transfer_s, ttft_slo_s),
         failure_penalty_s=facts.failure_rate * sum(cost.chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)),
     )
 
@@ -275,10 +293,13 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
     if policy.mode == "always":
         return PINNED["always"]
     steps = local_steps_s(facts, policy, cost)  # once: the terms and the gates read the same steps
-    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps)
+    decodes_late = local_decodes_late_s(facts, cost, tpot_slo_s, steps)
+    terms = margin_terms(facts, policy, cost, ttft_slo_s, tpot_slo_s, steps, decodes_late)
     remote_tpot_s = float(cost.decode_step_s(facts.delayed_batch + 1))
-    # each gate: the disaggregated route meets the target, or does no worse than the local route
-    ttft_gate = remote_ttft_s(facts, policy, cost) <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
+    # each gate: the disaggregated route meets the target, or does no worse than the local route,
+    # or the local route misses a target too: a running decode's (then the margin alone decides)
+    ttft_gate = (remote_ttft_s(facts, policy, cost) <= max(ttft_slo_s, local_wait_s(facts, cost) + sum(steps))
+                 or decodes_late > 0.0)
     tpot_gate = remote_tpot_s <= max(tpot_slo_s, max(steps, default=0.0))
     enable = should_enable_pd(terms, policy.safety_margin_s, ttft_gate, tpot_gate)
     margin_ok = net_margin_s(terms) > policy.safety_margin_s
