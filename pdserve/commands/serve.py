@@ -99,7 +99,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "`pdserve profile` fit; none: placeholders")
     p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
                    help="TTFT target: drives the P/D margin decision and the slo/prefix policies' admission; "
-                        "default: derived per request from the measured profile (5x the prompt's idle prefill; "
+                        "default: derived per request from the measured profile (5x the idle prefill of the prompt or of "
+                        "the recent median prompt, the longer; "
                         "admission then refuses past 30 s)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
                    help="TPOT (and per-token gap) target: drives the P/D margin decision (how much stall a running "

@@ -36,7 +36,8 @@ SLO_SCALE = 5.0  # profile-derived targets: this multiple of the idle time (Dist
 
 def profile_slo_s(idle_s: float) -> float:
     """A target derived from the measured profile when the user gives none: `SLO_SCALE` x the
-    idle time (TTFT: the prompt's whole prefill on an idle worker; TPOT: a decode step at batch 1)."""
+    idle time (TTFT: the whole prefill on an idle worker of the prompt or of the workload's median
+    prompt, the longer; TPOT: a decode step at batch 1)."""
     return SLO_SCALE * idle_s
 
 

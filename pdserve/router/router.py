@@ -68,7 +68,7 @@ from pdserve.router.policy.pd_decision import PdDecision, decide_pd, decision_sl
 from pdserve.router.policy.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.pricing.cost import CostModel
-from pdserve.router.pricing.decode_clocks import ArrivalRate
+from pdserve.router.pricing.decode_clocks import ArrivalRate, PromptLengths
 from pdserve.router.pricing.link_rates import LinkRates
 from pdserve.router.splitwise.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.state.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
@@ -114,6 +114,7 @@ class Router:
         self._transfers: Counter[str] = Counter()  # "ended", "failed": the observed failure rate
         self._clock = clock
         self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
+        self.prompts = PromptLengths()  # and the recent median prompt (its default TTFT target)
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
         self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
         self._decode_clocks: dict[str, tuple[tuple[DecodeBudget, ...], float]] = {}  # per decode worker: budgets, p90 ITL
@@ -202,6 +203,7 @@ class Router:
         if isinstance(result, Refusal) and self.disaggregation and self._mixed.present(self._registry):
             result = self._choose(self.snapshot(overflow=True), request, name)  # mixed workers before a refusal
         self.arrivals.observe(self._clock())  # after the decision: it read the rate of the arrivals before it
+        self.prompts.observe(request.prompt_tokens)
         if isinstance(result, Refusal):
             self._route_total[(name, result.reason.value)] += 1
             return RouteRejection(request.request_id, name, result.reason, result.retry_after_s, result.detail)
@@ -416,7 +418,7 @@ class Router:
                           self.arrivals.rate(self._clock()),
                           sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])),  # live routes to D
                           self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0), budgets, itl_p90_s)
-        return decide_pd(facts, cfg.pd, cost, *decision_slos(request, facts, cfg.pd, cost))
+        return decide_pd(facts, cfg.pd, cost, *decision_slos(request, facts, cfg.pd, cost, self.prompts.median()))
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         for change in self._kv.retire(retired.worker_id, retired.role_epoch):  # its blocks vanish with its epoch

@@ -199,3 +199,37 @@ def test_the_router_reads_d_s_decode_clocks():
     assert gap.pd.terms.interference_saved_s == pytest.approx(0.11, abs=1e-9)
     router.complete("gap")
     router.assert_no_leaks()
+
+
+def test_a_short_prompt_s_default_ttft_target_is_the_workload_s_median_prompt():
+    """Without SLO flags a short prompt was held to 5x its own idle prefill (0.37 s for 200 tokens
+    here), so a prefill worker busy with long prompts made every short one look late there: the
+    margin kept them local, and their chunks stalled D's decodes (the decision study's turns
+    workload, RATE=0.6 on an AVX2 machine). A goodput benchmark holds every request to one target;
+    the default now derives it at the workload's recent median prompt when that is the longer."""
+    router = pair_router("jsq", PdPolicy("margin"))
+    router.report_load("p0", 1, WorkerLoad(2000, 0, 1000))  # 2 s of prompts queued at P
+    d_prefill = COST.at_decode_worker()
+    first = router.route(RouteRequest("short0", prompt_tokens=200, expected_output_tokens=1))
+    assert first.pd.ttft_slo_s == pytest.approx(5 * 0.21, abs=1e-12)  # no traffic yet: its own prompt
+    # handed off its first token is 2.21 s away, 1.16 s late; local, the one 200-token chunk opens a
+    # 238 ms gap for each of the 8 decodes, 133 ms past the 105 ms TPOT target: 1.064 s in all
+    assert first.pd.terms.route_delta_s == pytest.approx(2.21 - 1.05, abs=1e-12)
+    assert first.pd.terms.interference_saved_s == pytest.approx(8 * 0.133, abs=1e-12)
+    assert first.colocated and not first.pd.disaggregate
+    router.complete("short0")
+    for i in range(4):  # the workload's long prompts
+        router.route(RouteRequest(f"long{i}", prompt_tokens=1024, expected_output_tokens=1))
+        router.complete(f"long{i}")
+    assert router.prompts.median() == 1024
+    short = router.route(RouteRequest("short1", prompt_tokens=200, expected_output_tokens=1))
+    target = 5 * sum(d_prefill.chunked_prefill_s(1024, 0, 512))
+    assert short.pd.ttft_slo_s == pytest.approx(target, abs=1e-12) and target == pytest.approx(5.22, abs=1e-12)
+    assert short.pd.terms.route_delta_s == 0.0  # 2.21 s is within the workload's 5.22 s
+    assert not short.colocated and short.pd.disaggregate and short.pd.reason == "margin"
+    # a prompt longer than the median keeps its own target
+    long = router.route(RouteRequest("long9", prompt_tokens=4096, expected_output_tokens=1))
+    assert long.pd.ttft_slo_s == pytest.approx(5 * sum(d_prefill.chunked_prefill_s(4096, 0, 512)), abs=1e-12)
+    for request_id in ("short1", "long9"):
+        router.complete(request_id)
+    router.assert_no_leaks()

@@ -56,8 +56,8 @@ machine at start or by `pdserve profile`: router/pricing/calibration.py) and the
                         chunked prefill)
 
 Targets (`decision_slos`): the request's own, else `--slo-ttft-ms` / `--slo-tpot-ms`, else
-derived from the profile: `SLO_SCALE` x the prompt's idle prefill and x an idle decode step
-(the ledger's `profile_slo_s`).
+derived from the profile: `SLO_SCALE` x the idle prefill of the prompt or of the workload's recent
+median prompt (the longer) and x an idle decode step (the ledger's `profile_slo_s`).
 
 Gates: TTFT passes when the disaggregated route's predicted TTFT (P's queue + its chunked prefill of u_P +
 exposed transfer) is within the TTFT target or no later than the local route's (D's queue + its
@@ -310,7 +310,7 @@ def decide_pd(facts: PdFacts | None, policy: PdPolicy, cost: CostModel, ttft_slo
 
 def slo_line(policy: PdPolicy, cost: CostModel) -> str:
     """The startup line that says which targets the margin decides with."""
-    ttft = f"{SLO_SCALE:g}x the prompt's idle prefill (profile)"
+    ttft = f"{SLO_SCALE:g}x the idle prefill of the prompt or of the recent median prompt, the longer (profile)"
     if policy.ttft_slo_s is not None:
         ttft = f"{policy.ttft_slo_s * 1e3:g} ms"
     tpot = f"{policy.tpot_slo_s * 1e3:g} ms" if policy.tpot_slo_s is not None else (
@@ -320,14 +320,18 @@ def slo_line(policy: PdPolicy, cost: CostModel) -> str:
             f"{policy.safety_margin_s * 1e3:g} ms (--slo-ttft-ms / --slo-tpot-ms / --pd-safety-margin-ms)")
 
 
-def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost: CostModel) -> tuple[float, float]:
+def decision_slos(request: RouteRequest, facts: PdFacts, policy: PdPolicy, cost: CostModel,
+                  reference_tokens: int = 0) -> tuple[float, float]:
     """(TTFT, TPOT) targets the margin reads: the request's own, else the user's flags, else
-    derived from the profile (the ledger's `profile_slo_s`): of the whole prompt's prefill on an
-    idle worker, and of one decode step at batch 1 at this request's context."""
+    derived from the profile (the ledger's `profile_slo_s`): of the prefill on an idle worker of
+    the prompt or of `reference_tokens` (the workload's recent median prompt, the router's
+    `PromptLengths`), the longer, so a short prompt is held to the workload's target, as goodput
+    is scored; and of one decode step at batch 1 at this request's context."""
     ttft_s = request.ttft_slo_s if request.ttft_slo_s is not None else policy.ttft_slo_s
     tpot_s = request.tpot_slo_s if request.tpot_slo_s is not None else policy.tpot_slo_s
     if ttft_s is None:
-        ttft_s = profile_slo_s(sum(cost.at_decode_worker().chunked_prefill_s(facts.prompt_tokens, 0, policy.chunk_tokens)))
+        tokens = max(facts.prompt_tokens, reference_tokens)
+        ttft_s = profile_slo_s(sum(cost.at_decode_worker().chunked_prefill_s(tokens, 0, policy.chunk_tokens)))
     if tpot_s is None:
         tpot_s = profile_slo_s(float(cost.decode_step_at(1, facts.prompt_tokens + facts.decode_tokens / 2)))
     return ttft_s, tpot_s

@@ -6,7 +6,8 @@ only, from its second decode token on: the first gap holds the handoff or the lo
 `p90_s(worker)` is the batch's p90 inter-token latency (0 with no gap yet). `decode_budgets`
 gives each live request decoding at a worker its own `DecodeBudget` (tokens so far, the time
 since its first token, max_tokens left). Both reach the router once per heartbeat
-(`Router.note_decode_clocks`); nothing here decides.
+(`Router.note_decode_clocks`); nothing here decides. Beside them, what the decision reads of the
+recent traffic: `ArrivalRate` (requests per second) and `PromptLengths` (the median prompt).
 """
 
 from __future__ import annotations
@@ -77,3 +78,24 @@ class ArrivalRate:
     def rate(self, now_s: float) -> float:
         self._decay_to(now_s)
         return self._value
+
+
+# ---- the workload's recent prompt lengths (the P/D decision's default TTFT target reads them) ----
+class PromptLengths:
+    """The last `window` prompts' lengths in tokens; `median()` is the workload's typical prompt,
+    which the default TTFT target is derived at (pd_decision.decision_slos): a short prompt is held
+    to the workload's target, as a goodput benchmark holds every request to one, not to a fraction
+    of a second its own idle prefill would suggest. 0 before any prompt."""
+
+    def __init__(self, window: int = 256):
+        self._lengths: deque[int] = deque(maxlen=window)
+        self._median: int | None = 0
+
+    def observe(self, prompt_tokens: int) -> None:
+        self._lengths.append(prompt_tokens)
+        self._median = None  # recomputed on the next read
+
+    def median(self) -> int:
+        if self._median is None:
+            self._median = int(np.median(np.fromiter(self._lengths, float)))
+        return self._median
