@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, every cause
         self.num_priority_preemptions = 0  # of which a waiting prompt displaced token work
+        self._cached_when_queued: dict[str, int] = {}  # request id -> prompt tokens its prefix cache held at add
 
     def add(self, seq: Sequence) -> None:
         seq.queued_s = self.clock()
@@ -63,6 +64,10 @@ class Scheduler:
             self.running.append(seq)
         else:
             self.waiting.append(seq)
+            if not needs_prompt_logits(seq):  # what admission will find cached: not prompt work to queue
+                tokens = seq.tokens
+                hit = self.blocks.match_prefix(self.blocks.hashes_for(tokens, seq.params.tenant), tokens)
+                self._cached_when_queued[seq.request_id] = min(hit, (len(tokens) - 1) // self.blocks.block_size) * self.blocks.block_size
 
     def remove(self, seq: Sequence) -> None:
         """Detach a sequence (finished, aborted or prefilled) and drop its block references."""
@@ -70,6 +75,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._cached_when_queued.pop(seq.request_id, None)
         self.release_blocks(seq)
 
     def release_blocks(self, seq: Sequence) -> None:
@@ -79,7 +85,11 @@ class Scheduler:
 
     @property
     def num_pending_prompt_tokens(self) -> int:
-        return sum(s.num_uncomputed for s in self.waiting) + sum(
+        """Prompt tokens still to compute: a waiting sequence's less the prefix its cache held when
+        it was queued (the router's queue price, so a queue of follow-up turns whose history is
+        cached here is not priced as whole prompts), plus the running prefills' rest."""
+        cached = self._cached_when_queued
+        return sum(max(0, s.num_uncomputed - cached.get(s.request_id, 0)) for s in self.waiting) + sum(
             s.num_uncomputed for s in self.running if not s.is_decoding
         )
 

@@ -220,3 +220,22 @@ def test_tokens_do_not_depend_on_batch_mates(gqa_ckpt, engine_factory, dtype, co
         mates[:3] + [p] + mates[3:], [SamplingParams(max_tokens=30 + i, ignore_eos=True) for i in range(3)] + [params]
         + [SamplingParams(max_tokens=25, ignore_eos=True)] * 4)
     assert crowd[3].output_ids == alone
+
+
+def test_queued_prompt_work_leaves_out_what_the_prefix_cache_holds(gqa_ckpt, engine_factory):
+    """The worker reports `num_pending_prompt_tokens` and the router prices its queue from it (the
+    P/D decision's route delta, the policies' queue terms). A queued follow-up turn whose history is
+    cached here was counted as its whole prompt: in the P/D decision study the prefill worker's
+    queue of follow-ups was priced at 3-4x its real drain time."""
+    eng = engine_factory(gqa_ckpt)
+    history = prompts(1, lengths=(40,))[0]
+    eng.generate([history], GREEDY)  # two full 16-token blocks of it now cached
+    follow_up = history + [3, 4, 5, 6, 7]  # 45 tokens, 32 of them cached
+    eng.add_request("turn2", follow_up, GREEDY)
+    eng.add_request("cold", prompts(1, lengths=(33,))[0][::-1], GREEDY)  # nothing cached
+    assert eng.scheduler.num_pending_prompt_tokens == (45 - 32) + 33
+    whole = eng.blocks.match_prefix(eng.blocks.hashes_for(history), history)
+    assert whole == 2
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.num_pending_prompt_tokens == 0 and not eng.scheduler._cached_when_queued
