@@ -65,9 +65,9 @@ class Scheduler:
         else:
             self.waiting.append(seq)
             if not needs_prompt_logits(seq):  # what admission will find cached: not prompt work to queue
-                tokens = seq.tokens
+                tokens, bs = seq.tokens, self.blocks.block_size
                 hit = self.blocks.match_prefix(self.blocks.hashes_for(tokens, seq.params.tenant), tokens)
-                self._cached_when_queued[seq.request_id] = min(hit, (len(tokens) - 1) // self.blocks.block_size) * self.blocks.block_size
+                self._cached_when_queued[seq.request_id] = min(hit, (len(tokens) - 1) // bs) * bs  # as _admit's limit
 
     def remove(self, seq: Sequence) -> None:
         """Detach a sequence (finished, aborted or prefilled) and drop its block references."""
