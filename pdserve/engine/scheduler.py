@@ -64,10 +64,11 @@ class Scheduler:
             self.running.append(seq)
         else:
             self.waiting.append(seq)
-            if not needs_prompt_logits(seq):  # what admission will find cached: not prompt work to queue
-                tokens, bs = seq.tokens, self.blocks.block_size
+            tokens = seq.tokens
+            limit = self._prefix_limit(seq, tokens)
+            if limit and self.blocks.enable_prefix_cache:  # what admission will find cached is not queued work
                 hit = self.blocks.match_prefix(self.blocks.hashes_for(tokens, seq.params.tenant), tokens)
-                self._cached_when_queued[seq.request_id] = min(hit, (len(tokens) - 1) // bs) * bs  # as _admit's limit
+                self._cached_when_queued[seq.request_id] = min(hit, limit) * self.blocks.block_size
 
     def remove(self, seq: Sequence) -> None:
         """Detach a sequence (finished, aborted or prefilled) and drop its block references."""
@@ -213,14 +214,17 @@ class Scheduler:
         seq.block_table += self.blocks.allocate(self._blocks_needed(seq, rows), owner=seq.request_id)
         return rows
 
+    def _prefix_limit(self, seq: Sequence, tokens: list[int]) -> int:
+        """Leading blocks a sequence may take from the prefix cache: all but the one holding its last
+        row (at least one row is computed, for the logits); none while prompt logprobs are owed (a
+        cached block has no logits: positions still to be scored are computed)."""
+        return 0 if needs_prompt_logits(seq) else (len(tokens) - 1) // self.blocks.block_size
+
     def _admit(self, seq: Sequence, budget: int, first: bool) -> int:
         """Look up the prefix cache for a waiting sequence, then fit its first chunk."""
         tokens = seq.tokens
         hashes = self.blocks.hashes_for(tokens, seq.params.tenant)
-        limit = (len(tokens) - 1) // self.blocks.block_size  # always compute >= 1 row for logits
-        if needs_prompt_logits(seq):
-            limit = 0  # a cached block has no logits: positions still to be scored are computed
-        hit_blocks = self.blocks.acquire_prefix(hashes, tokens, limit, owner=seq.request_id)
+        hit_blocks = self.blocks.acquire_prefix(hashes, tokens, self._prefix_limit(seq, tokens), owner=seq.request_id)
         seq.block_table = hit_blocks
         seq.block_hashes = hashes[: len(hit_blocks)]
         seq.num_computed = len(hit_blocks) * self.blocks.block_size
