@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.bench_arms import import_contexts
-from pdserve.engine.benchmark import _prompts
+from pdserve.engine.speed.bench_arms import import_contexts
+from pdserve.engine.speed.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model import paged_decode

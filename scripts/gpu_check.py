@@ -21,8 +21,8 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_abi import KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_abi import KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.default import DEFAULT_SPECS, DefaultModelSpec, ensure_default_model, write_checkpoint
 
@@ -158,7 +158,7 @@ def handoff_figure(spec: DefaultModelSpec, mib: int = 128) -> dict:
 
 
 def _ipc_source(conn, shape) -> None:
-    from pdserve.handoff.cuda_ipc import export_pool
+    from pdserve.handoff.transports.cuda_ipc import export_pool
     pool = torch.randn(shape, device="cuda").to(torch.bfloat16)
     torch.cuda.synchronize()
     conn.send(export_pool(pool))
@@ -169,7 +169,7 @@ def ipc_figure(spec: DefaultModelSpec, mib: int = 128) -> dict:
     """Two processes on the GPU: the destination maps the source pool through CUDA IPC and copies
     `mib` MiB of granted blocks; against a device-to-device copy of the same bytes in one process."""
     import multiprocessing as mp
-    from pdserve.handoff.cuda_ipc import attach_pool, copy_granted
+    from pdserve.handoff.transports.cuda_ipc import attach_pool, copy_granted
     abi = KvAbi(spec.layers, spec.kv_heads, spec.head_dim, 16, "bfloat16")
     blocks = (mib << 20) // abi.bytes_per_block
     shape = (spec.layers, 2, blocks + 8, 16, spec.kv_heads, spec.head_dim)

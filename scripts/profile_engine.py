@@ -13,8 +13,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pdserve.engine.bench_arms import import_contexts
-from pdserve.engine.benchmark import _prompts
+from pdserve.engine.speed.bench_arms import import_contexts
+from pdserve.engine.speed.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
 from pdserve.model.config import load_config
 from pdserve.model.cpu import summary as cpu_summary
@@ -44,9 +44,9 @@ from pdserve.router.runahead.runahead import make_runahead
 from pdserve.router.splitwise.splitwise import PoolController, Thresholds
 from pdserve.router.tetri.reserve_mode import load_policy
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
-from pdserve.workers.launch import LaunchConfig, LocalCluster
-from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.launch import LaunchConfig, LocalCluster
+from pdserve.workers.process.supervisor import RestartPolicy, RestartSchedule
+from pdserve.workers.process.tp_rank import TpShape
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ServeConfig:
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv/kv_index.py; LRU past it)
-    tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/tp_rank.py)
+    tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/process/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead/runahead.py)
     runahead_min_tokens: int = 1024  # the shortest prompt a chain prefills
     kv_sharing: bool = True  # cross-worker prefix fetch and its routing credit; --no-kv-sharing turns it off
@@ -255,7 +255,7 @@ class _Launcher:
                               tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint),
                               lendable=cfg.mode == "splitwise")
         if cfg.ray:
-            from pdserve.workers.ray_launch import RayCluster
+            from pdserve.workers.process.ray_launch import RayCluster
 
             self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs, control_keys=control_keys)
         else:

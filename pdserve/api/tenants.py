@@ -9,7 +9,7 @@ Contract: a client cannot pick another tenant's cache.
     cached K/V only when they carry the same salt.
   - Otherwise the default tenant.
 The tenant travels in `SamplingParams.tenant` to every worker and picks the prefix-cache chain
-root there (engine/block_manager.py `root_for`) and in the router's block hashes. Keys are never
+root there (engine/kv/block_manager.py `root_for`) and in the router's block hashes. Keys are never
 logged; they are compared in constant time.
 FILE: a JSON object {"KEY": "TENANT", ...}, or lines "KEY TENANT" (# comments allowed).
 """
@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.api.errors import ApiError
-from pdserve.engine.block_manager import DEFAULT_TENANT
+from pdserve.engine.kv.block_manager import DEFAULT_TENANT
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

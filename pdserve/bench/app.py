@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from pdserve.bench.client import EndpointConfig, scripted_eos_ignored
+from pdserve.bench.http.client import EndpointConfig, scripted_eos_ignored
 from pdserve.bench.goodput import GoodputResult, SearchPlan, next_rate_any, result
 from pdserve.bench.metrics import Attainment, Slo, attainment, select_window, summarize
 from pdserve.bench.records import RequestRecord

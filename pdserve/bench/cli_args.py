@@ -23,7 +23,7 @@ from pdserve.bench.workload import WorkloadConfig
 
 if TYPE_CHECKING:  # the HTTP client and the API's schema load with `pdserve bench`, not with simulate or plan
     from pdserve.bench.app import BenchConfig, BenchOutcome
-    from pdserve.bench.client import EndpointConfig
+    from pdserve.bench.http.client import EndpointConfig
 
 SHOWN = (
     "denominator", "completed", "failed", "request_throughput", "output_throughput",
@@ -35,7 +35,7 @@ SHOWN = (
 
 def endpoint_config(args: argparse.Namespace, base_url: str, model: str | None) -> EndpointConfig:
     """The endpoint, discovering the model when not given."""
-    from pdserve.bench.client import EndpointConfig, discover_model
+    from pdserve.bench.http.client import EndpointConfig, discover_model
 
     model = model or asyncio.run(discover_model(base_url))
     return EndpointConfig(

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.client import (API_PATHS, EndpointConfig, StreamTimer, classify_error, make_transport_for, request_body,
+from pdserve.bench.http.client import (API_PATHS, EndpointConfig, StreamTimer, classify_error, make_transport_for, request_body,
                                   request_headers)
 from pdserve.bench.metrics import percentile
 from pdserve.bench.prompts import PromptStyle, text_for_tokens
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.sse import parse_sse_line
+from pdserve.bench.http.sse import parse_sse_line
 from pdserve.bench.workload import BenchRequest, Segment
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pdserve.bench.app import BenchConfig, RateRun, fresh_content, measure_rate, metadata
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.http.client import EndpointConfig
 from pdserve.bench.goodput import next_rate_any, result
 from pdserve.bench.metrics import summarize
 from pdserve.bench.report import goodput_fields, ratios, sweep_point

@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.bench.client import EndpointConfig, make_transport_for, send_request
+from pdserve.bench.http.client import EndpointConfig, make_transport_for, send_request
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.transport import Transport
+from pdserve.bench.http.transport import Transport
 from pdserve.bench.workload import BenchRequest
 from pdserve.loop import run as run_loop
 from pdserve.heap import frozen_heap

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from pdserve.bench import stampedsock
+from pdserve.bench.http import stampedsock
 from pdserve.bench.arrivals import ArrivalSpec
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.http.client import EndpointConfig
 from pdserve.bench.lengths import fixed
 from pdserve.bench.runner import run_requests
 from pdserve.bench.standin import StandinConfig, StandinProcess

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pdserve.loop import run as run_loop
-from pdserve.bench.stampedsock import StampedStream
+from pdserve.bench.http.stampedsock import StampedStream
 from pdserve.heap import frozen_heap
 
 _REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}

@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.benchmark import BenchSpec, run_bench
+    from pdserve.engine.speed.benchmark import BenchSpec, run_bench
 
     batches = tuple(int(b) for b in args.batches.split(","))
     spec = BenchSpec(model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,

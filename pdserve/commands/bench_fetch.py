@@ -26,16 +26,16 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.host_tier import HostTier
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.host_tier import HostTier
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.destination import ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint
 from pdserve.handoff.reservations import PooledDestinationBlocks
 from pdserve.handoff.trace import NullSink
 from pdserve.workers import messages as m
-from pdserve.workers.fetch import FetchSide
+from pdserve.workers.prefix_fetch.fetch import FetchSide
 from pdserve.workers.handoff_io import HandoffListener, HandoffSender, prompt_digest
 
 SMALL_ABI = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")

@@ -237,7 +237,7 @@ def _measure_events(num_prefill: int, num_decode: int, policy: str, decisions: i
 
 
 def _report(flow, rng: random.Random, worker_ids: tuple[str, ...]) -> tuple[str, object]:
-    """A random worker's next report, in the form its heartbeat carries (engine/kv_events.py)."""
+    """A random worker's next report, in the form its heartbeat carries (engine/kv/kv_events.py)."""
     from pdserve.router.synthetic import engine_report
 
     worker_id = rng.choice(worker_ids)

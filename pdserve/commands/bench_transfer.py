@@ -179,9 +179,9 @@ class _Rig:
     def __init__(self, abi, num_tokens: int, blocks_per_chunk: int):
         import torch
 
-        from pdserve.engine.kv_abi import CacheIdentity
-        from pdserve.engine.kv_pool import KvPool
-        from pdserve.handoff.capability import Verifier
+        from pdserve.engine.kv.kv_abi import CacheIdentity
+        from pdserve.engine.kv.kv_pool import KvPool
+        from pdserve.handoff.trust.capability import Verifier
         from pdserve.handoff.kvbytes import pool_bytes
         from pdserve.router.process.capabilities import CapabilityIssuer
 
@@ -205,8 +205,8 @@ class _Rig:
 def _authorize(rig: _Rig, kind: str, manifest) -> bytes:
     """A transfer's capability as the runtime makes and checks it outside the link: the router
     signs it, the source verifies it before sending (the destination checks the link's manifest)."""
-    from pdserve.handoff.capability import PULL, PUSH
-    from pdserve.handoff.guard import source_expectation
+    from pdserve.handoff.trust.capability import PULL, PUSH
+    from pdserve.handoff.trust.guard import source_expectation
     from pdserve.workers.messages import TransferPlan
 
     f = manifest.fence
@@ -273,7 +273,7 @@ def handoff_s(rig: _Rig, kind: str, check: bool = False, capabilities: bool = Fa
 
 def capability_costs(num_blocks: int = 128, n: int = 2000) -> tuple[float, float]:
     """Median microseconds of one signature and of one check of a capability for `num_blocks`."""
-    from pdserve.handoff.capability import PUSH, Expectation, Verifier
+    from pdserve.handoff.trust.capability import PUSH, Expectation, Verifier
     from pdserve.router.process.capabilities import CapabilityIssuer
     from pdserve.workers.messages import TransferPlan
 
@@ -356,7 +356,7 @@ def _capability_figures(s: dict[str, list[float]], big_bytes: int, small_bytes: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.kv_abi import KvAbi
+    from pdserve.engine.kv.kv_abi import KvAbi
 
     big_abi = KvAbi(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 64 KiB/token
     small_abi = KvAbi(num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")

@@ -4,7 +4,7 @@ request ended.
 Prints one JSON object: requests completed / ended with an explicit error / hung / silently cut,
 kills, stops and restarts, whether every killed worker (and every one stopped past the heartbeat
 timeout) came back under a newer epoch, workers FAILED by the crash-loop limit, and the pools or
-router holds left unreleased (see pdserve/api/chaos.py). Exit status 1 when any request hung or
+router holds left unreleased (see pdserve/api/exercises/chaos.py). Exit status 1 when any request hung or
 was cut, anything leaked, or a struck worker did not come back.
 """
 
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.api.chaos import ChaosSpec, run_chaos
+    from pdserve.api.exercises.chaos import ChaosSpec, run_chaos
     from pdserve.commands.serve import serve_config
 
     try:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.commands.serve import serve_config
-    from pdserve.api.demo import DemoSpec, run_demo
+    from pdserve.api.exercises.demo import DemoSpec, run_demo
 
     try:
         config = serve_config(args, port=0)

@@ -9,7 +9,7 @@ pd_decision, reserve ("static" | "dynamic": then `predictor` names the
 predictor file, or `--predictor` gives it), predictor, prefill_runahead (0 or 1: off; K >= 2: a
 KV-Runahead chain of K prefill workers, which the file's prefill count must cover), and per-role parallelism prefill_tp,
 prefill_pp, decode_tp, decode_pp, tp, pp (1): the TP sizes become `--prefill-tp`, `--decode-tp`
-and `--tp` (workers of N ranks, workers/tp_rank.py; the model's heads must split N ways, checked
+and `--tp` (workers of N ranks, workers/process/tp_rank.py; the model's heads must split N ways, checked
 when a worker starts). `check_runnable` refuses what this runtime cannot
 run, naming what is missing (pipeline parallelism, a runahead chain longer than the prefill pool); `apply(args, config, explicit)` sets every argparse destination the file names unless
 the user typed that flag, whatever its value (`explicit_flags` re-reads the command line with
@@ -31,7 +31,7 @@ ARG_OF = {"model": "model", "dtype": "dtype", "compute_dtype": "compute_dtype", 
           "pd_decision": "pd_decision", "reserve": "reserve", "predictor": "predictor", "decode_choice": "decode_choice",
           "prefill_runahead": "prefill_runahead", "prefill_tp": "prefill_tp", "decode_tp": "decode_tp", "tp": "tp"}
 PARALLEL_KEYS = ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "tp", "pp")
-TP_KEYS = ("prefill_tp", "decode_tp", "tp")  # run by workers of N ranks (workers/tp_rank.py)
+TP_KEYS = ("prefill_tp", "decode_tp", "tp")  # run by workers of N ranks (workers/process/tp_rank.py)
 
 
 class ConfigError(ValueError):

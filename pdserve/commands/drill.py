@@ -1,7 +1,7 @@
 """`pdserve drill`: disable, enable and roll back disaggregation under steady load; report how
 every request ended and how long each admin operation took.
 
-Prints one JSON object (see pdserve/api/drill.py). Exit status 1 when an admin call failed, any
+Prints one JSON object (see pdserve/api/exercises/drill.py). Exit status 1 when an admin call failed, any
 request hung or was cut, or anything leaked.
 """
 
@@ -28,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.api.chaos import ChaosSpec
-    from pdserve.api.drill import healthy, run_drill
+    from pdserve.api.exercises.chaos import ChaosSpec
+    from pdserve.api.exercises.drill import healthy, run_drill
     from pdserve.commands.serve import serve_config
 
     try:

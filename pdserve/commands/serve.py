@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
-from pdserve.workers.tp_rank import add_tp_flags, shape_from_args
+from pdserve.workers.process.tp_rank import add_tp_flags, shape_from_args
 
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 DEFAULTS = None  # filled lazily from ServeConfig so that argument parsing stays light
@@ -125,7 +125,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "(each worker reuses only its own prefix cache; no host tier)")
     p.add_argument("--host-kv-mb", type=int, default=0, metavar="MB",
                    help="per worker, a host-memory tier for evicted prefix blocks (promoted back on a hit; "
-                        "engine/host_tier.py); 0: none")
+                        "engine/kv/host_tier.py); 0: none")
     p.add_argument("--max-tenant-roots", type=int, default=EngineConfig.max_tenant_roots, metavar="N",
                    help="per worker, tenants (an API key's or a cache_salt's) whose prefix-cache chain root is "
                         "kept, least recently used first out (an evicted one is computed again)")
@@ -181,7 +181,7 @@ def prompt_priority(args: argparse.Namespace) -> PromptPriority | None:
 
 def serve_config(args: argparse.Namespace, port: int | None = None):
     from pdserve.api.server import ServeConfig
-    from pdserve.workers.supervisor import RestartPolicy
+    from pdserve.workers.process.supervisor import RestartPolicy
 
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype,

@@ -33,8 +33,8 @@ def _listeners() -> tuple[socket.socket, socket.socket, str]:
 
 
 def serve(conn, abi, num_blocks: int, identity, public_key_hex: str | None = None) -> None:
-    from pdserve.engine.kv_pool import KvPool
-    from pdserve.handoff.capability import verifier_from_hex
+    from pdserve.engine.kv.kv_pool import KvPool
+    from pdserve.handoff.trust.capability import verifier_from_hex
     from pdserve.handoff.endpoint import DecodeEndpoint
     from pdserve.handoff.reservations import PooledDestinationBlocks
     from pdserve.handoff.trace import NullSink
@@ -89,9 +89,9 @@ def _receiver(kind: str, tcp: socket.socket, unix: socket.socket, endpoint):
 
 
 def _handoff(conn, endpoint, link, request, want_digest: bool, verifier, kind: str) -> None:
-    from pdserve.handoff.capability import PULL, PUSH
+    from pdserve.handoff.trust.capability import PULL, PUSH
     from pdserve.handoff.driver import DriveConfig, serve_destination
-    from pdserve.handoff.guard import LinkGuard
+    from pdserve.handoff.trust.guard import LinkGuard
     from pdserve.handoff.kvbytes import chunk_checksum
 
     reservation = endpoint.reserve(request)

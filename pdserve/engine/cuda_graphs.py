@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.model.attention import AttnMetadata
 from pdserve.model.llama import LlamaModel
 

@@ -22,15 +22,15 @@ from contextlib import nullcontext
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager, chain_hash
+from pdserve.engine.kv.block_manager import BlockManager, chain_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequest
-from pdserve.engine.host_tier import HostTier
+from pdserve.engine.kv.host_tier import HostTier
 from pdserve.engine.fork import Groups, sequence_key, share_prompt, wants_fork
 from pdserve.engine.handoff_side import HandoffSide
 from pdserve.engine.logprobs import TokenLogprobs, requested_logprobs, score_prompt_rows
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
-from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_pool import TORCH_DTYPES, KvPool
 from pdserve.engine.outputs import ImportReservation, PrefillProgress, RequestOutput, sequence_output
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine import tp_group

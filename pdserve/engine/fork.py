@@ -19,8 +19,8 @@ Contract:
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.engine.sequence import Sequence, SeqStatus
 
 

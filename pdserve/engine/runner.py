@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.engine.scheduler import StepPlan, needs_prompt_logits
 from pdserve.engine.sequence import Sequence
 from pdserve.model.attention import AttnMetadata, DecodeBatch, DecodeGroup, PrefillSlice

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.prefill_buckets import length_bucket, next_admission
 from pdserve.engine.prompt_priority import PromptPriority, is_fresh_prompt, pick_displaced
 from pdserve.engine.sequence import Sequence, SeqMode, SeqStatus

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.engine.kv_abi import KvAbi
-from pdserve.engine.kv_pool import TORCH_DTYPES, KvPool
+from pdserve.engine.kv.kv_abi import KvAbi
+from pdserve.engine.kv.kv_pool import TORCH_DTYPES, KvPool
 from pdserve.engine.tp_tally import CollectiveTally
 from pdserve.model.config import load_config
 from pdserve.model.loader import load_state_dict

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from pdserve.engine.kv_abi import CacheIdentity
+from pdserve.engine.kv.kv_abi import CacheIdentity
 from pdserve.handoff.directory import DecodeDirectory, PublishedHandle, PublishResult
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, SealFrame

@@ -27,7 +27,7 @@ from typing import Callable
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkAck, ChunkFrame, ManifestFrame, PublishAck
-from pdserve.handoff.guard import LinkGuard
+from pdserve.handoff.trust.guard import LinkGuard
 from pdserve.handoff.source import SourceTransfer
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.base import ChunkPayload, LinkClosed, ReceiverLink, SenderLink

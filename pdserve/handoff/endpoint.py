@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from pdserve.engine.kv_abi import CacheIdentity
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_abi import CacheIdentity
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.destination import DestinationTransfer, ReserveRequest
 from pdserve.handoff.directory import DecodeDirectory, PublishedHandle
 from pdserve.handoff.errors import HandoffError, RejectReason

@@ -4,7 +4,7 @@ Contract: every refusal in the handoff protocol raises `HandoffError` with a `Re
 callers and tests branch on `.reason`, never on message text. Reasons are grouped by the fence
 they belong to (identity, tensor ABI, coverage, bytes, ordering, ownership, transport,
 capabilities). Every `capability_*` reason is a denial by the memory owner's capability check
-(handoff/capability.py) and is counted in `pdserve_capability_denials_total{reason}`.
+(handoff/trust/capability.py) and is counted in `pdserve_capability_denials_total{reason}`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RejectReason(str, Enum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     SUPERSEDED = "superseded"
     CANCELLED = "cancelled"
-    # transfer capabilities (handoff/capability.py): denied before any memory is touched
+    # transfer capabilities (handoff/trust/capability.py): denied before any memory is touched
     CAPABILITY_MISSING = "capability_missing"
     CAPABILITY_MALFORMED = "capability_malformed"
     CAPABILITY_FORGED = "capability_forged"

@@ -21,7 +21,7 @@ from pdserve.handoff.manifest import HandoffManifest, IdentityFence
 
 class ManifestFrame(msgspec.Struct, frozen=True, tag=True):
     manifest: HandoffManifest
-    capability: bytes | None = None  # the router's signed permission (handoff/capability.py), on a link's first manifest
+    capability: bytes | None = None  # the router's signed permission (handoff/trust/capability.py), on a link's first manifest
 
 
 class ChunkFrame(msgspec.Struct, frozen=True, tag=True):

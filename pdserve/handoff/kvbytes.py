@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import torch
 
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_pool import KvPool
 
 try:  # optional: ~10x faster than CRC-32 when present
     import xxhash as _xxhash

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 
 FIXED_HEADER_BYTES = 64 << 10  # fence, identity, ABI, shard layout and capability: strings of bounded size
 CHUNK_SPEC_BYTES = 256  # one encoded ChunkSpec (field names, a short chunk id, seven integers) or seal entry

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.shard_map import ShardLayout
 

@@ -1,6 +1,6 @@
 """Shard layouts of K/V across tensor-parallel ranks, and the head-to-rank map of a handoff.
 
-Contract: the K/V ABI (engine/kv_abi.py) and its digest describe the LOGICAL pool
+Contract: the K/V ABI (engine/kv/kv_abi.py) and its digest describe the LOGICAL pool
 [L, 2, N, B, H_kv, D], whatever the worker's tensor-parallel size; a pool shared by TP ranks keeps
 that byte layout and rank r reads and writes only K/V heads [r * H_kv/tp, (r + 1) * H_kv/tp)
 (engine/tp_group.py). So two workers of different TP sizes pass each other's identity fence, and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason
 
 

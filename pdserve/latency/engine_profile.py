@@ -12,7 +12,7 @@ whole point: a profile taken that way had a 3-row step cheaper than a 2-row one 
 the server's numerics flags (dtype, compute dtype, batch invariance). The fit is
 `profiled.fit_profile`; the JSON records the engine config, the thread count and every raw
 point; K/V capacity is that of a serving worker with `kv_cache_mb` of pool in the engine's own
-K/V dtype. Timing mirrors `pdserve.engine.benchmark`.
+K/V dtype. Timing mirrors `pdserve.engine.speed.benchmark`.
 """
 
 from __future__ import annotations

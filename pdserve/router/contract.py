@@ -79,7 +79,7 @@ class WorkerView:
     state: str
     load: dict[str, int] = field(default_factory=dict)
     cpu: dict = field(default_factory=dict)  # kind, features, math paths, product plan (model/cpu.py)
-    tp: int = 1  # tensor-parallel ranks of the worker (workers/tp_rank.py)
+    tp: int = 1  # tensor-parallel ranks of the worker (workers/process/tp_rank.py)
 
 
 class Backend(Protocol):

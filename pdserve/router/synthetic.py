@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pdserve.engine.kv_events import BlockEvent, BlockEventKind, KvReport, KvTier
+from pdserve.engine.kv.kv_events import BlockEvent, BlockEventKind, KvReport, KvTier
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv.kv_index import KvDelta
 from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.latency.geometry import ModelSpec
 from pdserve.router.messages import RouteRequest
 from pdserve.router.policy.pd_decision import PdDecision, PdFacts, PdPolicy, decide_pd, facts_for, served_pd

@@ -2,7 +2,7 @@
 
 Contract: `WorkerConfig` is frozen and crosses the process boundary as JSON (`encode_config` /
 `decode_config`, msgspec). This module imports no torch and no engine, so the router's process
-(workers/launch.py) builds worker command lines without loading either (workers/worker.py runs them).
+(workers/process/launch.py) builds worker command lines without loading either (workers/worker.py runs them).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class WorkerConfig:
     layerwise_threshold_tokens: int = 256
     exit_with_parent: bool = False  # local processes: stop when the router process is gone
     lease_s: float = 30.0  # unrenewed K/V leases expire after this long (handoff/leases.py)
-    capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/capability.py)
+    capability_key: str | None = None  # the router's public key (hex): transfers need its capability (handoff/trust/capability.py)
     capability_key_epoch: int = 1  # its key epoch (a rollback's revocation moves to the next one)
     kv_events_endpoint: str | None = None  # publish vLLM-format KV events here (workers/kv_publisher.py)
     kv_events_replay_endpoint: str | None = None  # their replay socket

@@ -8,7 +8,7 @@ and finds its number in `PDSERVE_CONTROL_KEYS_FD`, which holds nothing secret. `
 the keys once and closes the pipe, so after start-up they live only in the worker's memory: not in
 /proc/PID/environ (a process's initial environment, which no later edit changes), not in an open
 descriptor, and not in processes the worker starts (TP ranks). A Ray worker gets them as an
-argument of its actor's constructor (workers/ray_launch.py). `secure(sock, keys)` makes a DEALER
+argument of its actor's constructor (workers/process/ray_launch.py). `secure(sock, keys)` makes a DEALER
 a CURVE client of the router (before it connects).
 """
 

@@ -26,7 +26,7 @@ b"S" (shm staging, when the pool is private) or b"T" (tcp), then frames.
 Capabilities (docs/security.md): with a `Verifier` (the router's public key from the launch
 config), the sender checks the plan's capability before it opens a link (its memory is read, its
 bytes leave the process) and sends it in the link's first manifest; the listener lands nothing
-before that manifest's capability verified against its own reservation (handoff/guard.py), and
+before that manifest's capability verified against its own reservation (handoff/trust/guard.py), and
 then only the admitted transfer's chunks inside the capability's blocks. A denial ends the
 transfer with its `capability_*` reason on the side that denied (and, told by a refused
 `PublishAck`, on the source), reported through `on_done` like any failed transfer.
@@ -43,16 +43,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pdserve.engine.kv_abi import CacheIdentity
-from pdserve.engine.kv_pool import KvPool
-from pdserve.handoff.capability import PULL, PUSH, Verifier
+from pdserve.engine.kv.kv_abi import CacheIdentity
+from pdserve.engine.kv.kv_pool import KvPool
+from pdserve.handoff.trust.capability import PULL, PUSH, Verifier
 from pdserve.handoff.credits import ByteCredits
 from pdserve.handoff.destination import DestinationTransfer
 from pdserve.handoff.driver import DriveConfig, answer_frame, await_peer_close, drive_source
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import Frame, ManifestFrame
-from pdserve.handoff.guard import LinkGuard, source_expectation
+from pdserve.handoff.trust.guard import LinkGuard, source_expectation
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.limits import DEFAULT_IO_TIMEOUT_S, link_limits
 from pdserve.handoff.manifest import HandoffManifest, IdentityFence, PromptSpan, build_manifest

@@ -7,7 +7,7 @@ makes a worker look dead, and ends the process's serving when the router process
 and reserved blocks, the last applied grant, lease reclaims, local prefills, preemptions, the
 host tier's counters; a TP worker's collective seconds per phase since the last beat,
 engine/tp_tally.py) and its prefix cache's block events since the last beat
-(engine/kv_events.py; the whole key set when the router asked for a resync or an epoch begins).
+(engine/kv/kv_events.py; the whole key set when the router asked for a resync or an epoch begins).
 `integrity_ok` runs the pool check only while the engine is idle and reports the last verdict
 while it is busy.
 """

@@ -2,7 +2,7 @@
 
 Contract (vLLM's `ZmqEventPublisher`, so its subscribers work unchanged): each batch is one
 multipart message [topic, sequence number as 8 big-endian bytes, msgpack `KVEventBatch`
-(engine/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
+(engine/kv/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
 are kept for replay: a ROUTER socket answers a request [start sequence, 8 big-endian bytes] with
 one [sequence, payload] reply per kept message from that number on, then [-1, empty payload]
 as the end marker. `publish(sink)` runs on the worker's engine thread; replay requests are
@@ -17,7 +17,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from pdserve.engine.vllm_events import VllmEventSink
+from pdserve.engine.kv.vllm_events import VllmEventSink
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 

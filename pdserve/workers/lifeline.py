@@ -1,7 +1,7 @@
 """Whether the process that launched this worker is still there (workers/heartbeat.py asks).
 
 A worker started as a bare interpreter is its launcher's child: the launcher is gone when the
-worker's parent changes. A fork of the warm template (workers/warm_start.py) is the template's
+worker's parent changes. A fork of the warm template (workers/process/warm_start.py) is the template's
 child, and the template may outlive the launcher for a moment or be stopped: such a worker
 watches the launcher itself through a pidfd (`watch`), which turns readable when it ends.
 """

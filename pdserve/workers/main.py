@@ -1,5 +1,5 @@
 """Worker process entry point: `python -m pdserve.workers.main CONFIG_JSON`, or `main([CONFIG_JSON])`
-in a fork of the warm template (workers/warm_start.py: the local launcher's way).
+in a fork of the warm template (workers/process/warm_start.py: the local launcher's way).
 
 The launcher passes a `WorkerConfig` as JSON (msgspec), so a worker inherits nothing from its
 launcher but the environment and its standard output and error: no pickled state, no import of

@@ -17,7 +17,7 @@ at once, router -> holder H: FetchPin -> FetchPinned (H pins the prefix's blocks
 device blocks and host-tier slots, read in place); router -> H: FetchServe(plan naming those
 (segment, slot) pairs, bound into its capability); H -> W over a handoff link; both send FetchDone.
 Prefix cache: each Heartbeat carries the block events since the previous one (`kv`, a numbered
-KvReport: engine/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
+KvReport: engine/kv/kv_events.py); a gap in the numbers makes the router send ResyncKv, answered
 by the next Heartbeat with the whole key set marked as a resync (router/kv/kv_index.py).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.kv_events import KvReport
+from pdserve.engine.kv.kv_events import KvReport
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.tp_tally import CollectiveReport
@@ -49,7 +49,7 @@ class TransferPlan(msgspec.Struct, frozen=True):
     dest_address: tuple[str, int]  # handoff listener (host, port)
     dest_shm_name: str | None = None
     dest_num_blocks: int = 0
-    capability: bytes | None = None  # the router's signed permission for this transfer (handoff/capability.py)
+    capability: bytes | None = None  # the router's signed permission for this transfer (handoff/trust/capability.py)
     src_slots: tuple[tuple[int, int], ...] = ()  # prefix fetch: the holder's (segment, slot) per transferred block
 
 
@@ -124,7 +124,7 @@ class ChangeRole(msgspec.Struct, frozen=True, tag=True):
 
 class CapabilityKey(msgspec.Struct, frozen=True, tag=True):
     """The router's new capability public key (a revocation): capabilities of older key epochs
-    stop verifying at once (handoff/capability.py `Verifier.install`)."""
+    stop verifying at once (handoff/trust/capability.py `Verifier.install`)."""
 
     public_key_hex: str
     key_epoch: int
@@ -132,7 +132,7 @@ class CapabilityKey(msgspec.Struct, frozen=True, tag=True):
 
 class RouteEpoch(msgspec.Struct, frozen=True, tag=True):
     """The router retired every route epoch below `route_epoch` (a rollback): capabilities issued
-    under an older one stop verifying at once (handoff/capability.py `Verifier.advance_route`)."""
+    under an older one stop verifying at once (handoff/trust/capability.py `Verifier.advance_route`)."""
 
     route_epoch: int
 
@@ -150,7 +150,7 @@ class ResyncKv(msgspec.Struct, frozen=True, tag=True):
 
 class FetchReserve(msgspec.Struct, frozen=True, tag=True):
     """Cross-worker prefix fetch, at the destination: hold blocks for the whole blocks of
-    `prompt_ids` this worker lacks, to be read from `holder` (workers/fetch.py)."""
+    `prompt_ids` this worker lacks, to be read from `holder` (workers/prefix_fetch/fetch.py)."""
 
     fetch_id: str
     prompt_ids: tuple[int, ...]  # the prefix to hold, whole blocks
@@ -203,9 +203,9 @@ class Register(msgspec.Struct, frozen=True, tag=True):
     cpu: dict = msgspec.field(default_factory=dict)  # the engine's numerics report (model/cpu.py)
     handoff_address: tuple[str, int] | None = None
     shm_name: str | None = None
-    fetch_address: tuple[str, int] | None = None  # the prefix-fetch listener (workers/fetch.py)
+    fetch_address: tuple[str, int] | None = None  # the prefix-fetch listener (workers/prefix_fetch/fetch.py)
     tp: int = 1  # tensor-parallel ranks of this worker (engine/tp_group.py)
-    host_shm_name: str | None = None  # the host tier's segment (engine/host_tier.py): prefix fetches read it in place
+    host_shm_name: str | None = None  # the host tier's segment (engine/kv/host_tier.py): prefix fetches read it in place
 
 
 class Load(msgspec.Struct, frozen=True):
@@ -224,7 +224,7 @@ class Load(msgspec.Struct, frozen=True):
     num_preemptions: int = 0  # engine preemptions since start, every cause (engine/scheduler.py)
     num_priority_preemptions: int = 0  # of which a waiting prompt displaced a decode (engine/prompt_priority.py)
     cached_blocks: int = 0  # unreferenced blocks still in the prefix cache (evictable)
-    host_blocks: int = 0  # host tier (engine/host_tier.py): blocks it holds, of `host_capacity`
+    host_blocks: int = 0  # host tier (engine/kv/host_tier.py): blocks it holds, of `host_capacity`
     host_capacity: int = 0  # 0: no host tier
     host_hits: int = 0  # blocks promoted back on a hit (since the worker started)
     host_evictions: int = 0  # blocks the host tier itself evicted (since start)
@@ -243,7 +243,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     epoch: int
     load: Load
-    kv: KvReport | None = None  # prefix cache events since the previous heartbeat (engine/kv_events.py)
+    kv: KvReport | None = None  # prefix cache events since the previous heartbeat (engine/kv/kv_events.py)
 
 
 class TokenItem(msgspec.Struct, frozen=True, omit_defaults=True):  # fields left at their defaults (no logprobs, n = 1) are not sent

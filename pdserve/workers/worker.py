@@ -35,8 +35,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
-from pdserve.engine.vllm_events import VllmEventSink
-from pdserve.handoff.capability import verifier_from_hex
+from pdserve.engine.kv.vllm_events import VllmEventSink
+from pdserve.handoff.trust.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
@@ -46,8 +46,8 @@ from pdserve.workers.config import WorkerConfig
 from pdserve.workers.control_keys import ControlKeys, secure
 from pdserve.workers.control_keys import from_env as control_keys_from_env
 from pdserve.workers.decode_side import DecodeSide
-from pdserve.workers.fetch import FetchSide
-from pdserve.workers.fetch_control import fetch_control_loop, fetch_socket
+from pdserve.workers.prefix_fetch.fetch import FetchSide
+from pdserve.workers.prefix_fetch.fetch_control import fetch_control_loop, fetch_socket
 from pdserve.workers.heartbeat import heartbeat, heartbeat_loop
 from pdserve.workers.kv_publisher import KvEventPublisher
 from pdserve.workers.local_prefill import LocalPrefills

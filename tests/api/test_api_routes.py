@@ -36,7 +36,7 @@ def test_health_models_metrics_workers(server, client):
     workers = httpx.get(server.url + "/workers").json()
     assert len(workers) == 1 and workers[0]["role"] == "colocated" and workers[0]["state"] == "serving"
     assert set(workers[0]) == {"id", "role", "host", "pid", "epoch", "state", "load", "cpu", "tp"}
-    assert workers[0]["tp"] == 1  # tensor-parallel ranks (workers/tp_rank.py)
+    assert workers[0]["tp"] == 1  # tensor-parallel ranks (workers/process/tp_rank.py)
     cpu = workers[0]["cpu"]
     assert cpu["kind"] in ("avx2", "avx512", "avx512-bf16", "avx512-amx", "other") and set(cpu["features"]) == {
         "avx2", "avx512f", "avx512_bf16", "amx_bf16"}

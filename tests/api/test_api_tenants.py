@@ -1,4 +1,4 @@
-"""Tenant isolation of the prefix cache (api/tenants.py, engine/block_manager.py `root_for`):
+"""Tenant isolation of the prefix cache (api/tenants.py, engine/kv/block_manager.py `root_for`):
 a client cannot pick another tenant; identical prompts of two tenants never share cached K/V,
 while one tenant's repeat hits; the tokens are the same either way."""
 
@@ -12,7 +12,7 @@ import pytest
 from pdserve.api.app import create_app
 from pdserve.api.errors import ApiError
 from pdserve.api.tenants import TenantResolver, load_api_keys
-from pdserve.engine.block_manager import DEFAULT_TENANT
+from pdserve.engine.kv.block_manager import DEFAULT_TENANT
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams

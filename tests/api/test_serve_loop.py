@@ -41,7 +41,7 @@ def test_serve_cli_runs_on_uvloop_and_streams_without_torch_in_its_process():
         assert "cpu=" in ready  # the workers' CPU report, formatted here
         mapped = Path(f"/proc/{proc.pid}/maps").read_text()
         children = _children(proc.pid)  # the fit's child is gone: the workers' template and multiprocessing's
-        commands = {c: _command(c) for c in children}  # resource tracker remain (workers/warm_start.py)
+        commands = {c: _command(c) for c in children}  # resource tracker remain (workers/process/warm_start.py)
         templates = [c for c, cmd in commands.items() if "forkserver" in cmd]
         assert len(children) == 2 and len(templates) == 1 and any("resource_tracker" in c for c in commands.values()), commands
         workers = _children(templates[0])  # the one replica, a fork of the template

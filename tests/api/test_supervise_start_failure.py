@@ -1,4 +1,4 @@
-"""A worker start that raises (the warm template died twice during it, workers/warm_start.py)
+"""A worker start that raises (the warm template died twice during it, workers/process/warm_start.py)
 is a crash of that incarnation: the supervisor logs it, keeps supervising, starts the worker
 again after the backoff, and marks it FAILED at the crash limit instead of retrying forever.
 Before, the exception ended the supervisor's task silently and no worker was started again."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.api.server import ServeConfig, _Launcher
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 
 
 class _Impl:

@@ -12,7 +12,7 @@ from pdserve.api.protocol import SCRIPTED_EOS_HEADER
 from pdserve.bench.app import BenchConfig, measure_rate
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.cli_args import endpoint_config
-from pdserve.bench.client import EndpointConfig, request_body, request_headers
+from pdserve.bench.http.client import EndpointConfig, request_body, request_headers
 from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo
 from pdserve.bench.standin import StandinConfig, StandinProcess

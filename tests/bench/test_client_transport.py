@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pdserve.bench import stampedsock
-from pdserve.bench.rawhttp import RawHttpClient
+from pdserve.bench.http import stampedsock
+from pdserve.bench.http.rawhttp import RawHttpClient
 from pdserve.bench.standin import StandinConfig, StandinProcess
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdserve.bench import closed_loop
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.http.client import EndpointConfig
 from pdserve.bench.closed_loop import ClosedLoopConfig, run_closed_loop, summarize_turns
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.bench.httpparse import ResponseParser
+from pdserve.bench.http.httpparse import ResponseParser
 
 BODY = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n"
 CHUNKED = (

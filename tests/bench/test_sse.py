@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.bench.client import StreamTimer, request_body, EndpointConfig
-from pdserve.bench.sse import parse_sse_line
+from pdserve.bench.http.client import StreamTimer, request_body, EndpointConfig
+from pdserve.bench.http.sse import parse_sse_line
 from pdserve.bench.workload import WorkloadConfig, build_workload
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.bench.app import BenchConfig, measure_rate
 from pdserve.bench.arrivals import ArrivalSpec
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.http.client import EndpointConfig
 from pdserve.bench.goodput import SearchPlan
 from pdserve.bench.lengths import fixed
 from pdserve.bench.metrics import Slo

@@ -8,14 +8,14 @@ import stat
 import sys
 
 from pdserve.cli import build_parser
-from pdserve.engine import vllm_peer
-from pdserve.engine.bench_arms import VllmArm
-from pdserve.engine.benchmark import BenchSpec, _prompts, arm_order, interleaved_tok_s, ratios
+from pdserve.engine.speed import vllm_peer
+from pdserve.engine.speed.bench_arms import VllmArm
+from pdserve.engine.speed.benchmark import BenchSpec, _prompts, arm_order, interleaved_tok_s, ratios
 
 
 FAKE_PEER = """
 import json, sys
-from pdserve.engine.vllm_peer import REPLY
+from pdserve.engine.speed.vllm_peer import REPLY
 args = sys.argv[1:]
 open(args[args.index("--record") + 1], "w").write(json.dumps(args))
 print("INFO a vLLM log line on stdout")
@@ -58,7 +58,7 @@ def test_vllm_arm_speaks_the_peer_protocol_and_is_interleaved(tmp_path):
 
 
 def test_a_vllm_that_cannot_start_is_an_error_not_a_figure(tmp_path):
-    from pdserve.engine.benchmark import _start_vllm
+    from pdserve.engine.speed.benchmark import _start_vllm
 
     python = _fake_python(tmp_path, 'echo "ImportError: no vllm here" >&2; exit 3\n')
     got = _start_vllm(BenchSpec(prompt_len=8, batches=(1,), repeats=1, vllm_python=python), "/ckpt", 1)
@@ -111,7 +111,7 @@ def test_every_arm_follows_every_other_arm_equally_often():
 
 
 def test_arms_are_timed_back_to_back_in_every_repeat_in_rotated_order():
-    from pdserve.engine.benchmark import DECODE_STEPS
+    from pdserve.engine.speed.benchmark import DECODE_STEPS
 
     log: list = []
     arms = [_FakeArm("a", 0.5, log), _FakeArm("b", 0.25, log)]

@@ -1,4 +1,4 @@
-"""The host-memory tier (engine/host_tier.py) under a tiny engine with a small device pool:
+"""The host-memory tier (engine/kv/host_tier.py) under a tiny engine with a small device pool:
 evicted prefix blocks are demoted (DEMOTED events) instead of forgotten, a later prompt with that
 prefix promotes them back (PROMOTED) with K/V bitwise equal to a recompute and the same tokens,
 the tier evicts its own least recent block when full (REMOVED, tier HOST), a resync reports both
@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvTier
 from pdserve.engine.sequence import SamplingParams
 
 BASE = EngineConfig(model="tiny", num_blocks=20, num_threads=1)

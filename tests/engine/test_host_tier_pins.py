@@ -1,4 +1,4 @@
-"""Host-tier pins (engine/host_tier.py) on a bare two-slot tier: a pinned slot is never the LRU
+"""Host-tier pins (engine/kv/host_tier.py) on a bare two-slot tier: a pinned slot is never the LRU
 victim (eviction skips it and takes it once released), a tier whose used slots are all pinned
 lets a demoted block pass through, a promotion or discard of a pinned block parks its slot until
 the last pin drops (the bytes a reader maps never change), and the tier's segment is shared
@@ -17,9 +17,9 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.host_tier import HostTier
-from pdserve.engine.kv_abi import KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.host_tier import HostTier
+from pdserve.engine.kv.kv_abi import KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 
 ABI = KvAbi(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 H = [bytes([i]) * 16 for i in range(8)]  # block hashes

@@ -1,4 +1,4 @@
-"""Block events (engine/kv_events.py) mirror the prefix cache exactly; the chain root covers the
+"""Block events (engine/kv/kv_events.py) mirror the prefix cache exactly; the chain root covers the
 model, the K/V ABI and (as a seam) the tenant."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, root_hash
+from pdserve.engine.kv.block_manager import BlockManager, root_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
-from pdserve.engine.kv_events import BlockEventKind, BlockEventLog
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_events import BlockEventKind, BlockEventLog
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router.kv.kv_index import KvDelta, KvIndex, KvOutcome, hash_key
 

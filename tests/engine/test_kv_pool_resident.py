@@ -10,11 +10,11 @@ import uuid
 import numpy as np
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_abi import KvAbi
-from pdserve.engine.kv_pool import POPULATE_EXTENT, KvPool
+from pdserve.engine.kv.kv_abi import KvAbi
+from pdserve.engine.kv.kv_pool import POPULATE_EXTENT, KvPool
 from pdserve.engine.sequence import SamplingParams
 
 ABI = KvAbi(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")  # a block's slab: one page

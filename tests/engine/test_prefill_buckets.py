@@ -3,7 +3,7 @@ and without buckets (the queue head always goes first; short prompts share a ste
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.prefill_buckets import length_bucket, next_admission, validate_bounds
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams, Sequence

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.prompt_priority import PromptPriority, pick_displaced
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams, Sequence, SeqStatus

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdserve.api.tenants import TenantResolver
-from pdserve.engine.block_manager import DEFAULT_MAX_TENANT_ROOTS, DEFAULT_TENANT, BlockManager, root_hash
+from pdserve.engine.kv.block_manager import DEFAULT_MAX_TENANT_ROOTS, DEFAULT_TENANT, BlockManager, root_hash
 from pdserve.engine.config import EngineConfig
 
 IDENTITY = "test-identity"

@@ -1,4 +1,4 @@
-"""A K/V move between two processes on one GPU through CUDA IPC (handoff/cuda_ipc.py): the
+"""A K/V move between two processes on one GPU through CUDA IPC (handoff/transports/cuda_ipc.py): the
 destination maps the source's pool once and copies only granted blocks, bit for bit; an ungranted
 block is refused. Skipped, with the reason, where no CUDA device is present."""
 
@@ -9,7 +9,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from pdserve.handoff.cuda_ipc import attach_pool, copy_granted
+from pdserve.handoff.transports.cuda_ipc import attach_pool, copy_granted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI is CPU-only): "
                                 "scripts/gpu_check.sh runs this on a lent GPU")
@@ -18,7 +18,7 @@ SHAPE = (3, 2, 40, 16, 2, 64)  # [L, 2, N, B, H, D]
 
 
 def source(conn) -> None:
-    from pdserve.handoff.cuda_ipc import export_pool
+    from pdserve.handoff.transports.cuda_ipc import export_pool
     pool = torch.randn(SHAPE, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
     torch.cuda.synchronize()
     conn.send(export_pool(pool))

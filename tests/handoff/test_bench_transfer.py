@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.cli import build_parser
 from pdserve.commands import bench_transfer as bench
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 
 
 def test_command_registers():

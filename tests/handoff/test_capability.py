@@ -1,4 +1,4 @@
-"""Transfer capabilities, the pure core (handoff/capability.py, router/process/capabilities.py): every
+"""Transfer capabilities, the pure core (handoff/trust/capability.py, router/process/capabilities.py): every
 denial has its reason, nothing but a fully valid token passes, a nonce is spent only by a token
 that passed every other check, and the verdicts agree with the ledger's reference rule."""
 
@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from pdserve.handoff.capability import (
+from pdserve.handoff.trust.capability import (
     EQUALITY_FIELDS,
     PULL,
     PUSH,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason as R
 from pdserve.handoff.transports.base import TrafficCounter
 from pdserve.handoff.states import ChunkState, ChunkTable, TxnState, check_txn_move

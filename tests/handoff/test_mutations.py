@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.handoff.errors import HandoffError, RejectReason as R
 from pdserve.handoff.frames import ManifestFrame
 from pdserve.handoff.states import ChunkState, ChunkTable, TxnState

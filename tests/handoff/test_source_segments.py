@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.kv_abi import KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_abi import KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.kvbytes import (checksum_views, chunk_checksum, chunk_nbytes, chunk_views, copy_and_checksum,
                                      gather_chunk, pool_bytes)
 from pdserve.handoff.segments import SourceSegments

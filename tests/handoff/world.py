@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.credits import ByteCredits
 from pdserve.handoff.destination import ReserveRequest
 from pdserve.handoff.endpoint import DecodeEndpoint

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.engine.kv_events import BlockEventKind as K
-from pdserve.engine.kv_events import KvTier as T
+from pdserve.engine.kv.kv_events import BlockEventKind as K
+from pdserve.engine.kv.kv_events import KvTier as T
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import PhaseShares, TpScaling
 from pdserve.router import kernels

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvTier
 from pdserve.router.kv.kv_inbox import SLICE_REPORTS, KvInbox
 from pdserve.router.kv.kv_index import KvDelta, KvOutcome
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad

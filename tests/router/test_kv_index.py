@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv.kv_index import (
     BYTES_PER_ENTRY,

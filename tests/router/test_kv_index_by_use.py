@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv.kv_index import (
     BYTES_PER_ENTRY,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_events import BlockEventKind, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvTier
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv.kv_index import KvDelta, KvIndex, KvOutcome
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad

@@ -148,8 +148,8 @@ def test_a_prefix_p_fetches_counts_as_cached_at_p_in_the_decision():
     """The prefix policy with K/V sharing picks an idle P and fetches the history another prefill
     worker holds behind a long queue: the decision's compute set at P is what is left after the
     fetch (the choice's `PrefixTerms.hit_blocks`), not the whole prompt."""
-    from pdserve.engine.kv_events import BlockEventKind as K
-    from pdserve.engine.kv_events import KvTier as T
+    from pdserve.engine.kv.kv_events import BlockEventKind as K
+    from pdserve.engine.kv.kv_events import KvTier as T
     from pdserve.router.kv.kv_index import KvDelta
     from pdserve.router.policy.pd_decision import decide_pd, facts_for
 

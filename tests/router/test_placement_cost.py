@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from router_fixtures import ABI, MODEL, colocated
 
-from pdserve.engine.kv_events import BlockEventKind as K
-from pdserve.engine.kv_events import KvTier as T
+from pdserve.engine.kv.kv_events import BlockEventKind as K
+from pdserve.engine.kv.kv_events import KvTier as T
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.kv.fetch_plan import FETCH, RECOMPUTE, leading_run, plan_fetch
 from pdserve.router.kv.kv_index import KvDelta, KvIndex

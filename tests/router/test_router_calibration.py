@@ -18,7 +18,7 @@ from pdserve.model.default import resolve_model
 from pdserve.router.pricing import calibration
 from pdserve.router.pricing.calibration import cost_profile, fit_key, profile_points
 from pdserve.router.pricing.cost import CostModel
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.tp_rank import TpShape
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=32 << 20, max_num_batched_tokens=128)
 

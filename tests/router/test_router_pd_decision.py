@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.latency.profiled import ProfiledLatency
 from pdserve.ledger.margin import (
     DecodeBudget,
@@ -243,7 +243,7 @@ def test_margin_routes_read_the_observed_failure_rate():
 
 
 def test_a_fitted_profile_becomes_the_router_s_cost_model():
-    from pdserve.engine.kv_abi import KvAbi
+    from pdserve.engine.kv.kv_abi import KvAbi
 
     abi = KvAbi(2, 2, 8, 16, "float32")
     profile = {"kind": "profiled", "prefill_coef": [0.01, 1e-3, 2e-6], "decode_coef": [0.02, 1e-3, 1e-6]}

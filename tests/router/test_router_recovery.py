@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.block_manager import prompt_block_hashes, root_hash
-from pdserve.engine.kv_events import BlockEvent, BlockEventKind, KvReport
+from pdserve.engine.kv.block_manager import prompt_block_hashes, root_hash
+from pdserve.engine.kv.kv_events import BlockEvent, BlockEventKind, KvReport
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.contract import ErrorEvent, FinishEvent, Rejection
 from pdserve.router.router import Router

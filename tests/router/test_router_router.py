@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.errors import StaleEpochError, UnknownRequestError
 from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo, WorkerLoad

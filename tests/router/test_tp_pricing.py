@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.api.server import ServeConfig, router_for
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.latency.tp_collectives import CollectiveCosts
 from pdserve.latency.tp_scaling import (
     DEFAULT_COLLECTIVES,
@@ -26,7 +26,7 @@ from pdserve.model.default import resolve_model
 from pdserve.router.pricing.cost import CostModel
 from pdserve.router.pricing.tp_pricing import measured_tp, role_sizes, scaling_for, tp_cost
 from pdserve.router.state.snapshot import prefill_coefficients
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.tp_rank import TpShape
 
 COSTS2 = CollectiveCosts(tp=2, pinned=True, allreduce_s=1.0e-3, allreduce_s_per_byte=1.0e-9, step_sync_s=2.0e-3)
 SCALING = TpScaling(PhaseShares(0.0), PhaseShares(0.02), threads=2, num_layers=8, row_bytes=1024, collectives=(COSTS2,))

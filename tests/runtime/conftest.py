@@ -10,7 +10,7 @@ from pdserve.api.backend import ErrorEvent, FinishEvent, GenerationRequest, Toke
 from pdserve.api.server import ServeConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=48 << 20)
 # A local engine the workers' tokens are compared with computes on the workers' thread count

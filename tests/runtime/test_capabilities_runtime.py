@@ -54,7 +54,7 @@ def test_a_worker_restarted_across_a_key_rotation_gets_the_new_key_when_it_regis
     import os
     import signal
 
-    from pdserve.workers.supervisor import RestartPolicy
+    from pdserve.workers.process.supervisor import RestartPolicy
     from tests.runtime.test_hung_workers import until
     from tests.runtime.test_supervision import wait_epoch
 

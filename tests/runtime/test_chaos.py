@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.api.chaos import ChaosSpec, classify_stream, run_chaos
+from pdserve.api.exercises.chaos import ChaosSpec, classify_stream, run_chaos
 from pdserve.commands.chaos import healthy
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 from tests.runtime.conftest import config
 
 
@@ -46,7 +46,7 @@ def test_three_kills_and_stops_under_load_1p2d():
 
 
 def test_sse_lines_split_only_where_sse_does():
-    from pdserve.bench.sse import sse_lines
+    from pdserve.bench.http.sse import sse_lines
 
     async def chunks():
         for part in (b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}\r', b'\ndata: [DO', b"NE]\n\n", b"tail"):

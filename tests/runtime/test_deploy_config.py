@@ -13,7 +13,7 @@ from pdserve.api.server import cluster
 from pdserve.cli import build_parser
 from pdserve.commands import deploy_config
 from pdserve.commands.serve import serve_config, with_config_file
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.tp_rank import TpShape
 
 
 def write(tmp_path, **config) -> str:

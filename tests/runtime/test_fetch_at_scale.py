@@ -2,7 +2,7 @@
 colocated, round robin: after the first conversation on colocated-0, every other request lands on
 colocated-1, which lacks the history): concurrent requests for one prefix to one destination make
 exactly one fetch, the others wait on it (router/kv/fetch_runner.py), and its messages go to the
-workers' fetch sockets (workers/fetch_control.py); a fetch held up longer than
+workers' fetch sockets (workers/prefix_fetch/fetch_control.py); a fetch held up longer than
 the workers' lease lands because the router renews fetch leases as it renews request leases; a
 request that joined a fetch which then fails recomputes its prefix."""
 

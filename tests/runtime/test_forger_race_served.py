@@ -75,7 +75,7 @@ def _revoked_looking_manifest(reference, transfer_id: str) -> bytes:
     (0): its claims are read before the signature is checked, so a bad signature reads as revoked."""
     import msgspec
 
-    from pdserve.handoff.capability import Claims, new_nonce, new_signing_key, sign
+    from pdserve.handoff.trust.capability import Claims, new_nonce, new_signing_key, sign
     from pdserve.handoff.frames import ManifestFrame, encode_frame
     from pdserve.handoff.trace import TraceSink
     from pdserve.handoff.transports.channels import _LEN

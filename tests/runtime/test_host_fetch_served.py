@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pdserve.api.server import cluster
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_events import KvTier
+from pdserve.engine.kv.kv_events import KvTier
 from pdserve.engine.sequence import SamplingParams
 from tests.runtime.conftest import TINY, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_fetch_runtime import BPB_TINY, HISTORY, _metric

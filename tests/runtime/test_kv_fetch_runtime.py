@@ -15,7 +15,7 @@ from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_events import KvTier
+from pdserve.engine.kv.kv_events import KvTier
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router.pricing.cost import CostModel
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline

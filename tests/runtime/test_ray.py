@@ -20,8 +20,8 @@ from pdserve.api.server import ServeConfig, cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.ray_launch import RayCluster, group_workers
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.ray_launch import RayCluster, group_workers
+from pdserve.workers.process.tp_rank import TpShape
 from tests.runtime.conftest import WORKER_THREADS, wait_baseline
 from tests.runtime.test_tp_served import followers
 

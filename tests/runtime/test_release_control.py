@@ -208,8 +208,8 @@ def test_rollback_acts_in_the_spec_order_on_the_workers_and_every_request_finish
 
 
 def test_a_short_drill_under_steady_load_ends_every_request_and_leaks_nothing():
-    from pdserve.api.chaos import ChaosSpec
-    from pdserve.api.drill import healthy, run_drill
+    from pdserve.api.exercises.chaos import ChaosSpec
+    from pdserve.api.exercises.drill import healthy, run_drill
 
     """The admin calls at 3, 6 and 9 s of a 12 s load: the rollback, the slowest (0.1 s on 2 idle
     cores, 3 s on 2 cores shared with other work: the prefill worker drains before it turns
@@ -234,7 +234,7 @@ def test_a_prefill_worker_retired_during_the_rollback_comes_back_colocated():
     import signal
 
     from pdserve.router.process.release import ReleaseController
-    from pdserve.workers.supervisor import RestartPolicy
+    from pdserve.workers.process.supervisor import RestartPolicy
 
     async def main():
         async with cluster(config(restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0))) as (backend, launcher):

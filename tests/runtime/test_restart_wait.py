@@ -13,7 +13,7 @@ from pdserve.api.backend import ErrorEvent, FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.test_supervision import wait_epoch
 

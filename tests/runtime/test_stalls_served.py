@@ -35,7 +35,7 @@ from pdserve.api.backend import FinishEvent
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 from tests.runtime.conftest import (
     WORKER_THREADS,
     collect,

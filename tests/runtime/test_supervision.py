@@ -8,7 +8,7 @@ import time
 from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
 
 FAST = RestartPolicy(first_delay_s=0.2, max_delay_s=1.0)

@@ -19,8 +19,8 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
-from pdserve.workers.tp_rank import TpShape
+from pdserve.workers.process.supervisor import RestartPolicy
+from pdserve.workers.process.tp_rank import TpShape
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
 

@@ -40,6 +40,6 @@ def test_simulate_loads_neither_the_http_client_nor_the_api_schema(tmp_path):
             f"argv = ['simulate', '--latency-model', {str(model)!r}, '--mode', 'disaggregated', '--rate', '20', "
             "'--num-requests', '50', '--input-len', '256', '--output-len', '16', '--json']; "
             "out = io.StringIO(); contextlib.redirect_stdout(out).__enter__(); assert main(argv) == 0; "
-            "loaded = sorted(m for m in ('fastapi', 'pydantic', 'httpx', 'pdserve.bench.client', 'pdserve.api.protocol', "
+            "loaded = sorted(m for m in ('fastapi', 'pydantic', 'httpx', 'pdserve.bench.http.client', 'pdserve.api.protocol', "
             "'torch') if m in sys.modules); assert not loaded, loaded; assert '\"completed\": 50' in out.getvalue()")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -100,7 +100,7 @@ def test_validate_runs_the_tiny_model_and_stops_every_process(monkeypatch):
     assert row["measured_saturated"] is True
     assert [p["rate"] for p in row["sweep"]] == [4.0, 8.0]
     # the server's own process group held the worker, and nothing of it survives the stop
-    assert any(c.startswith("pd-colocated-0 ") for c in seen["before"]), seen["before"]  # its name (workers/warm_start.py)
+    assert any(c.startswith("pd-colocated-0 ") for c in seen["before"]), seen["before"]  # its name (workers/process/warm_start.py)
     assert seen["after"] == []
 
 

@@ -17,11 +17,11 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KvPool
-from pdserve.handoff.capability import Verifier, peek
+from pdserve.engine.kv.kv_pool import KvPool
+from pdserve.handoff.trust.capability import Verifier, peek
 from pdserve.handoff.errors import UNAUTHENTICATED, RejectReason
 from pdserve.handoff.frames import ManifestFrame, StagingHello
-from pdserve.handoff.guard import LinkGuard
+from pdserve.handoff.trust.guard import LinkGuard
 from pdserve.handoff.kvbytes import pool_bytes
 from pdserve.handoff.states import TxnState
 from pdserve.handoff.transports.base import ChunkPayload

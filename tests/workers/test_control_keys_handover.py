@@ -1,4 +1,4 @@
-"""How a local worker gets its control-plane keys (workers/control_keys.py, workers/launch.py):
+"""How a local worker gets its control-plane keys (workers/control_keys.py, workers/process/launch.py):
 through `LocalCluster`'s real spawn, a child process standing in for the worker takes its keys as
 a worker does, while the test reads the child's /proc/PID/environ, which every process of the
 serving user can read for the worker's whole life. The keys used to sit there."""
@@ -16,8 +16,8 @@ import pytest
 import pdserve
 from pdserve.engine.config import EngineConfig
 from pdserve.router.process.control_auth import ControlAuth
-from pdserve.workers import launch, warm_start
-from pdserve.workers.launch import LaunchConfig, LocalCluster
+from pdserve.workers.process import launch, warm_start
+from pdserve.workers.process.launch import LaunchConfig, LocalCluster
 
 REPO = str(Path(pdserve.__file__).resolve().parent.parent)  # the code under test, in the child too
 # The stand-in worker (tests/workers/keys_probe.py): takes its keys as Worker.__init__ does,

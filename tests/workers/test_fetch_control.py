@@ -1,4 +1,4 @@
-"""The fetch control thread (workers/fetch_control.py): a worker answers the router's fetch
+"""The fetch control thread (workers/prefix_fetch/fetch_control.py): a worker answers the router's fetch
 messages on its own `#fetch` socket while its main loop does not poll (as during an engine step),
 and drops what is not a fetch message there."""
 
@@ -11,7 +11,7 @@ import zmq
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers import messages as m
-from pdserve.workers.fetch_control import fetch_control_loop, fetch_socket
+from pdserve.workers.prefix_fetch.fetch_control import fetch_control_loop, fetch_socket
 from tests.workers.test_prefix_fetch import Node, prompt
 
 

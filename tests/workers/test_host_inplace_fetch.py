@@ -1,4 +1,4 @@
-"""Prefix fetches that read a holder's host tier in place (workers/fetch_holder.py, issue 19
+"""Prefix fetches that read a holder's host tier in place (workers/prefix_fetch/fetch_holder.py, issue 19
 part 4), between in-process fetch sides over real sockets, the shm pull transport and
 capabilities: host slots fetched in place land bitwise equal to the same prefix fetched from a
 holder's device pool (and to a recompute) with no promotion at the holder, over shm pull and TCP; the tier's eviction
@@ -23,12 +23,12 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.handoff.capability import Verifier
+from pdserve.handoff.trust.capability import Verifier
 from pdserve.handoff.trace import TraceSink
 from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.workers import messages as m
-from pdserve.workers.fetch import FetchSide
-from pdserve.workers.fetch_holder import DEVICE, HOST
+from pdserve.workers.prefix_fetch.fetch import FetchSide
+from pdserve.workers.prefix_fetch.fetch_holder import DEVICE, HOST
 from pdserve.workers.handoff_io import HandoffSender
 from tests.workers.test_prefix_fetch import BS, TINY, DyingLink, Node, block_bytes, prompt
 

@@ -1,4 +1,4 @@
-"""A prefix fetch between two in-process workers' fetch sides (workers/fetch.py) over real
+"""A prefix fetch between two in-process workers' fetch sides (workers/prefix_fetch/fetch.py) over real
 sockets and the shm pull transport: the fetched K/V is bitwise the K/V a third engine computes
 for the same prefix, is inserted into the destination's prefix cache, and a request served after
 it decodes the same tokens as one that recomputed; a tenant's fetch never matches another
@@ -22,7 +22,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.handoff.frames import ManifestFrame
 from pdserve.handoff.trace import TraceSink
 from pdserve.workers import messages as m
-from pdserve.workers.fetch import FetchSide
+from pdserve.workers.prefix_fetch.fetch import FetchSide
 from pdserve.workers.handoff_io import HandoffSender
 
 TINY = EngineConfig(model="tiny", kv_cache_bytes=8 << 20, num_threads=1)

@@ -15,7 +15,7 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.workers.supervisor import RestartPolicy
+from pdserve.workers.process.supervisor import RestartPolicy
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
 
 ENGINE = EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=48 << 20, max_num_batched_tokens=64)

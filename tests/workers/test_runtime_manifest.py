@@ -10,8 +10,8 @@ import asyncio
 import msgspec
 import pytest
 
-from pdserve.engine.kv_abi import CacheIdentity, KvAbi
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.manifest import ledger_fixture
 from pdserve.handoff.trace import TraceSink
 from pdserve.ledger.checks import CheckFailed, run_check

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.workers.supervisor import RestartPolicy, RestartSchedule
+from pdserve.workers.process.supervisor import RestartPolicy, RestartSchedule
 
 
 def test_backoff_doubles_to_its_bound_and_each_restart_takes_the_next_epoch():

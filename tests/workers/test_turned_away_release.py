@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.handoff.capability import peek  # noqa: F401  (capabilities module loads)
+from pdserve.handoff.trust.capability import peek  # noqa: F401  (capabilities module loads)
 from pdserve.handoff.errors import RejectReason
 from pdserve.router.process.capabilities import CapabilityIssuer
 from tests.workers.test_capability_enforcement import PROMPT, open_pair, signed

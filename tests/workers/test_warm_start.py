@@ -1,4 +1,4 @@
-"""Local workers are forks of a warm template (workers/warm_start.py): each sees the launcher's
+"""Local workers are forks of a warm template (workers/process/warm_start.py): each sees the launcher's
 environment and standard streams as at its start, its exit status reaches the launcher as
 `subprocess` reported it, and nothing outlives a launcher killed with SIGKILL."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import pdserve
-from pdserve.workers import warm_start
+from pdserve.workers.process import warm_start
 
 REPO = str(Path(pdserve.__file__).resolve().parent.parent)
 PROBE = "tests.workers.warm_probe:main"
@@ -79,7 +79,7 @@ def test_a_fork_sees_the_launchers_environment_and_streams_and_reports_its_exit(
 LAUNCHER = f"""
 import json, os, sys, time
 sys.path.insert(0, {REPO!r})
-from pdserve.workers import warm_start
+from pdserve.workers.process import warm_start
 warm_start.ENTRY = {PROBE!r}
 proc = warm_start.start(json.dumps({{"worker_id": "probe"}}))
 print(proc.pid, flush=True)

@@ -23,7 +23,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_pool import KvPool
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, Frame, PublishAck, StagingHello, StagingOffer
 from pdserve.handoff.kvbytes import (checksum_and_gather, chunk_nbytes, copy_chunk, gather_chunk, pool_bytes,

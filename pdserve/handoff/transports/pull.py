@@ -28,7 +28,7 @@ from multiprocessing import shared_memory
 import msgspec
 import numpy as np
 
-from pdserve.handoff.capability import Claims
+from pdserve.handoff.trust.capability import Claims
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame, SourceBlockGrant, SourcePoolHello
 from pdserve.handoff.kvbytes import copy_and_checksum
 from pdserve.handoff.segments import SourceSegments

@@ -27,7 +27,7 @@ destination's reservation counts what already landed as its own hit, so only the
 moves) or prefills it (`fetch_joined_blocks`, `fetch_rest` on its trace line); otherwise it runs
 its own fetch. A joined fetch that failed leaves the request to recompute, as a waiter of the
 whole prefix does.
-Leases: both sides hold a fetch under a lease (workers/fetch.py, fetch_holder.py); `lease_ids`
+Leases: both sides hold a fetch under a lease (workers/prefix_fetch/fetch.py, fetch_holder.py); `lease_ids`
 names each running fetch on its destination and holder, and the router renews them with the
 live requests' leases (router/process/frontend_upkeep.py `renewals`), so a fetch that takes
 longer than one lease (a slow link, a busy holder) is bounded only by its own deadline here
@@ -59,7 +59,7 @@ from pdserve.router.kv.fetch_plan import (
 )
 from pdserve.router.pricing.kv_rates import KvRates
 from pdserve.workers import messages as m
-from pdserve.workers.fetch_control import FETCH_SUFFIX
+from pdserve.workers.prefix_fetch.fetch_control import FETCH_SUFFIX
 
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RESERVE_TIMEOUT_S = 5.0
@@ -239,7 +239,7 @@ class FetchRunner:
                 await self._send(wid, m.FetchAbort(job.fetch_id))
 
     async def _send(self, worker_id: str, msg) -> None:
-        """To the worker's fetch socket (handled off its engine-step thread: workers/fetch_control.py),
+        """To the worker's fetch socket (handled off its engine-step thread: workers/prefix_fetch/fetch_control.py),
         else, while that socket is not connected, to its main socket."""
         if not await self.backend._send(worker_id + FETCH_SUFFIX, msg):
             await self.backend._send(worker_id, msg)

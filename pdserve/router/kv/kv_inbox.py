@@ -1,6 +1,6 @@
 """Block-event reports queued at the router process's edge and applied off the routing path.
 
-A heartbeat's block events (engine/kv_events.py) are not applied by the message handler that
+A heartbeat's block events (engine/kv/kv_events.py) are not applied by the message handler that
 receives them: `put` queues the report (O(1)) and the applier (frontend_upkeep.apply_kv_events, an
 event-loop task) applies the queue in slices between the router's other work. So a route never
 waits behind a burst of heartbeats' index writes: at most behind one slice.

@@ -1,7 +1,7 @@
 """The cluster K/V index: which worker holds which prefix block, built from block events.
 
 Contract:
-- Each worker reports its prefix cache as numbered block events (engine/kv_events.py) in its
+- Each worker reports its prefix cache as numbered block events (engine/kv/kv_events.py) in its
   heartbeats. `apply(worker, epoch, delta)` applies a report whose numbers continue the last one
   applied for that worker epoch; a report that skips numbers (or a worker epoch with no baseline
   yet) changes nothing and answers RESYNC_NEEDED: the caller asks the worker for a resync (the
@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
-from pdserve.engine.kv_events import BlockEventKind, KvReport, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, KvReport, KvTier
 
 DEFAULT_MAX_ENTRIES = 1 << 19  # 128 workers x 4,096 blocks
 BYTES_PER_ENTRY = 108  # estimate (see the contract); checked against tracemalloc in tests

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.handoff.streaming import exposed_transfer_s, layerwise_visible_times
 from pdserve.ledger.margin import (
     SLO_SCALE,

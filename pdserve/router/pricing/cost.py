@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 
 Num = TypeVar("Num")  # float or numpy array; the formulas below work on both
 

@@ -11,7 +11,7 @@ segments those index (`src_segments`: the holder's registered device and host-ti
 Every capability binds the router's current route epoch (`route_epoch`, read at issue; a
 rollback advances it and the owners refuse older ones). `rotate()` revokes every outstanding
 capability: a new key under the next key epoch (workers must be given the new public
-key with `Verifier.install`). The format and the check live in handoff/capability.py.
+key with `Verifier.install`). The format and the check live in handoff/trust/capability.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 
 import msgspec
 
-from pdserve.handoff.capability import (
+from pdserve.handoff.trust.capability import (
     DEFAULT_TTL_S,
     PULL,
     PUSH,

@@ -14,7 +14,7 @@ dropped:
     decode      the body is not a worker -> router message
     identity    the message names another worker than its key's, or its routing id does (a
                 worker speaks from its main socket, its heartbeat socket `#hb` and its fetch
-                socket `#fetch`: workers/fetch_control.py)
+                socket `#fetch`: workers/prefix_fetch/fetch_control.py)
     epoch       a Register under another epoch than the key's (a role change advances it: `advance`)
 Before any message: every connection that fails its handshake (no CURVE, not ZMTP, a refused
 key) counts once as `handshake` when it closes (control_handshakes.py, from the socket monitor),
@@ -34,7 +34,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from pdserve.workers import messages as m
 from pdserve.workers.control_keys import ControlKeys
-from pdserve.workers.fetch_control import FETCH_SUFFIX
+from pdserve.workers.prefix_fetch.fetch_control import FETCH_SUFFIX
 
 HEARTBEAT_SUFFIX = "#hb"  # a worker's heartbeat socket's routing id (workers/heartbeat.py)
 

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.engine.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
+from pdserve.engine.kv.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
 from pdserve.router.errors import UnknownRequestError
@@ -91,7 +91,7 @@ class ClusterBackend:
         self.is_dead = is_dead
         self.transport = transport
         self.admission_wait_s = admission_wait_s
-        self.restarts = restarts  # the launcher starts dead workers again (workers/supervisor.py)
+        self.restarts = restarts  # the launcher starts dead workers again (workers/process/supervisor.py)
         self.away: set[str] = set()  # workers lost and not registered again yet
         self.registered: dict[str, m.Register] = {}
         self.origin_roles: dict[str, str] = {}  # the role each worker was launched in

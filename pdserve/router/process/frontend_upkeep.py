@@ -118,7 +118,7 @@ def worker_view(backend, reg: m.Register) -> WorkerView:
     if load is not None:  # TetriInfer admission: the reservation mode and p2c's heavy/light routes here
         heavy, light = backend.router.heavy_light(reg.worker_id)
         load_dict.update(reserve_mode=backend.tetri.mode, heavy_decodes=heavy, light_decodes=light)
-    if load is not None:  # the K/V tiers (engine/host_tier.py): blocks by state
+    if load is not None:  # the K/V tiers (engine/kv/host_tier.py): blocks by state
         load_dict["kv_tiers"] = {"device": {"used": load.num_blocks - load.free_blocks, "cached": load.cached_blocks},
                                  "host": {"used": load.host_blocks, "capacity": load.host_capacity,
                                           "hits": load.host_hits, "evictions": load.host_evictions,

@@ -187,7 +187,7 @@ class RuntimeMetrics:
         self.fallbacks = Counter("pdserve_fallback", "Decode-start fallbacks by outcome (router/process/recovery.py)", ["outcome"], registry=r)
         self.publication_rejects = Counter("pdserve_kv_publication_rejects", "Stale or duplicate publications refused", ["reason"], registry=r)
         self.capability_denials = Counter("pdserve_capability_denials",
-                                          "Transfers denied by a capability check, by reason (handoff/capability.py)",
+                                          "Transfers denied by a capability check, by reason (handoff/trust/capability.py)",
                                           ["reason"], registry=r)
         for reason in CAPABILITY_DENIALS:  # every reason is exposed, at 0 until a denial
             self.capability_denials.labels(reason.value)
@@ -203,7 +203,7 @@ class RuntimeMetrics:
         self.hung_workers = Counter("pdserve_hung_workers", "Workers retired for missed heartbeats and ended "
                                     "(restarted like a dead worker)", registry=r)
         self.workers_failed = Gauge("pdserve_workers_failed", "Workers past the restart crash-loop limit (1: FAILED, "
-                                    "not started again; workers/supervisor.py)", ["worker"], registry=r)
+                                    "not started again; workers/process/supervisor.py)", ["worker"], registry=r)
         self.reroute_limits = Counter("pdserve_reroute_limit", "Requests ended with max_reroutes: their route broke "
                                       "once more after --max-reroutes moves", registry=r)
         self.control_rejects = Counter("pdserve_control_rejects", "Control-socket connections and messages dropped, "

@@ -36,7 +36,7 @@ Each step that tells workers something waits for every live worker's acknowledge
 does not answer is retired (ended and
 restarted under a new epoch, as a hung worker is), and the step's detail gives each worker's own
 time of the action: ADVANCE_ROUTE_EPOCH sends the new route epoch (capabilities bind it and the
-memory owner refuses an older one, handoff/capability.py), REVOKE_CAPABILITIES the new key, and
+memory owner refuses an older one, handoff/trust/capability.py), REVOKE_CAPABILITIES the new key, and
 the drain cancels each unpublished transfer at its source and, only once the source acknowledged,
 at its destination, which frees the reserved blocks (the spec's order: never free a destination
 under a transfer still running).

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from pdserve.api.server import ServeConfig, cluster, model_name
-from pdserve.bench.sse import sse_lines
+from pdserve.bench.http.sse import sse_lines
 from pdserve.ports import free_local_port
 
 CLASSES = ("completed", "error", "hung", "cut")

@@ -4,7 +4,7 @@ Contract: `fetch_control_loop(worker)` runs on its own thread with its own socke
 `<worker id>#fetch`, the worker's CURVE key, like the heartbeat socket: workers/heartbeat.py).
 The router sends FetchReserve, FetchPin, FetchServe and FetchAbort there (router/kv/fetch_runner.py,
 falling back to the worker's main socket while this one is not connected); each is handled by the
-worker's current `FetchSide.handle` (workers/fetch.py), which takes only the worker lock, and the
+worker's current `FetchSide.handle` (workers/prefix_fetch/fetch.py), which takes only the worker lock, and the
 reply goes back on this socket. The engine releases that lock during every model forward, so a
 holder or destination in the middle of a long step answers a fetch within one forward's
 bookkeeping instead of after the step (and its queued messages). Messages this thread cannot

@@ -26,8 +26,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pdserve.bench.httpparse import ResponseParser
-from pdserve.bench.stampedsock import StampedStream, connect
+from pdserve.bench.http.httpparse import ResponseParser
+from pdserve.bench.http.stampedsock import StampedStream, connect
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`pdserve drill`: the release drill — disable, enable, then roll back disaggregation under load.
 
 Contract: `run_drill(config, spec)` serves `config` (a disaggregated cluster) with the admin
-endpoints on a free local port and sends the chaos load (api/chaos.py: seeded streaming requests,
+endpoints on a free local port and sends the chaos load (api/exercises/chaos.py: seeded streaming requests,
 each classified completed / error / hung / cut) for `spec.duration_s`. At a quarter of the time it
 POSTs /admin/disaggregation {"enabled": false}, at half {"enabled": true}, at three quarters
 /admin/rollback, each over HTTP with the admin token, and records the answer and how long it
@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import httpx
 
-from pdserve.api.chaos import ChaosSpec, Tally, _load, _router_clean, _settle
+from pdserve.api.exercises.chaos import ChaosSpec, Tally, _load, _router_clean, _settle
 from pdserve.api.server import ServeConfig, cluster, model_name
 from pdserve.ports import free_local_port
 

@@ -17,7 +17,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Protocol
 
-from pdserve.bench.rawhttp import RawHttpClient, RawResponse
+from pdserve.bench.http.rawhttp import RawHttpClient, RawResponse
 
 HTTP_CLIENTS = ("raw", "httpx")
 

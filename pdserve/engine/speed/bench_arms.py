@@ -27,7 +27,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.engine.vllm_peer import REPLY
+from pdserve.engine.speed.vllm_peer import REPLY
 
 
 def import_contexts(engine: Engine, prompts: list[list[int]], max_steps: int, tag: str = "d") -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.bench_arms import PdserveArm, TransformersArm, VllmArm
+from pdserve.engine.speed.bench_arms import PdserveArm, TransformersArm, VllmArm
 from pdserve.engine.config import EngineConfig
 from pdserve.model.cpu import cpu_has_native_bf16
 

@@ -2,7 +2,7 @@
 
 Contract: the block manager records one event per change of its prefix cache: STORED when a
 full block's chain hash enters the cache, REMOVED when it leaves (eviction, or the host tier's
-own eviction, tier HOST). With a host tier (engine/host_tier.py) an evicted block is DEMOTED
+own eviction, tier HOST). With a host tier (engine/kv/host_tier.py) an evicted block is DEMOTED
 (tier HOST) instead, and PROMOTED (tier DEVICE) when a hit copies it back. Every recorded event
 takes the next sequence number (the first is 1) for the life of the log: one log per block
 manager, so the numbers run on across a worker's role epochs.
@@ -27,18 +27,18 @@ EVENTS_PER_REPORT = 4096  # the most events one report carries before a resync r
 class BlockEventKind(enum.IntEnum):
     STORED = 1
     REMOVED = 2
-    DEMOTED = 3  # evicted from the device pool into the host tier (engine/host_tier.py)
+    DEMOTED = 3  # evicted from the device pool into the host tier (engine/kv/host_tier.py)
     PROMOTED = 4  # back from the host tier on a hit
 
 
 class KvTier(enum.IntEnum):
     DEVICE = 0  # the engine's K/V pool
-    HOST = 1  # the host-memory tier (engine/host_tier.py)
+    HOST = 1  # the host-memory tier (engine/kv/host_tier.py)
 
 
 class BlockEvent(msgspec.Struct, frozen=True, array_like=True):
     kind: BlockEventKind
-    block_hash: bytes  # the chain hash (engine/block_manager.py)
+    block_hash: bytes  # the chain hash (engine/kv/block_manager.py)
     tier: KvTier = KvTier.DEVICE
 
 

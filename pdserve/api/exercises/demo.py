@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from pdserve.api.server import ServeConfig, cluster
-from pdserve.bench.sse import sse_lines
+from pdserve.bench.http.sse import sse_lines
 from pdserve.ports import free_local_port
 
 

@@ -9,7 +9,7 @@ block (hash and token ids) and makes it the most recent; `promote(hash, block)` 
 device block and drops it here (a hit moves the block back; it lives in one tier at a time).
 The pool lives in a named shared-memory segment when the device pool does (`<device name>-host`,
 owner-only like the device pool), so a same-host peer's prefix fetch reads host slots in place
-(workers/fetch_holder.py). Pins: `pin(hash, tokens)` returns the block's slot and holds it for a
+(workers/prefix_fetch/fetch_holder.py). Pins: `pin(hash, tokens)` returns the block's slot and holds it for a
 fetch until `unpin(slot)`. A pinned slot is never the LRU victim and never reused: a promotion or
 `discard` of a pinned block drops its hash from the tier as usual but parks the slot in `draining`
 until its last pin drops, so bytes a peer is reading never change under it. Every slot is free,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 
-from pdserve.engine.kv_pool import KvPool
+from pdserve.engine.kv.kv_pool import KvPool
 
 CALIBRATION_BLOCKS = 8
 

@@ -3,7 +3,7 @@
 Contract (every call that touches the block manager or the host tier runs under the worker lock):
     FetchPin(prompt, tenant, n) -> `pin`: the prefix's leading n blocks are pinned where they are,
     under the fetch's lease: device-cached blocks take a reference (no eviction while read), the
-    rest, from the first device miss on, are host-tier slots pinned in place (engine/host_tier.py:
+    rest, from the first device miss on, are host-tier slots pinned in place (engine/kv/host_tier.py:
     neither the tier's LRU eviction nor a promotion reuses a pinned slot). Fewer than n ->
     FetchPinned(ok=False, "holder_miss") (or "holder_busy": reviving a device block would eat
     capacity reserved for others) and nothing stays pinned; else FetchPinned with the (segment,
@@ -63,7 +63,7 @@ def holder_sources(engine) -> SourceSegments:
 def pin_in_place(manager, hashes: list[bytes], tokens, n: int, revive_ok) -> HolderPins | str:
     """Pin the leading `n` blocks where they are, or the reason none stay pinned."""
     k = min(manager.match_prefix(hashes, tokens), n)
-    device = revive_ok(manager, hashes, tokens, k)  # workers/fetch.py pin_prefix: no promotion at limit k
+    device = revive_ok(manager, hashes, tokens, k)  # workers/prefix_fetch/fetch.py pin_prefix: no promotion at limit k
     if device is None:
         return "holder_busy"
     host, bs = [], manager.block_size

@@ -34,7 +34,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from pdserve.engine.kv_abi import KvAbi
+from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.shm import AttachedSegment, attach
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -13,12 +13,12 @@ Destination (router -> FetchReserve):
     dropped (the blocks stay cached, evictable) -> FetchDone(side="destination", published)
     FetchAbort, a failed link or an expired lease -> the unpublished reservation returns its
     blocks through the endpoint's one abort path; nothing is registered, nothing read.
-Holder (router -> FetchPin, then FetchServe(plan)): workers/fetch_holder.py pins the prefix's
+Holder (router -> FetchPin, then FetchServe(plan)): workers/prefix_fetch/fetch_holder.py pins the prefix's
     blocks where they are (device blocks; host-tier slots, read in place by the peer) under a
     lease, serves the plan's (segment, slot) pairs and drops the pins when the sender ends.
 Every call that touches the block manager runs under the worker lock; `tables()` lists the
 blocks a fetch pins so the engine's integrity check counts them (Engine.external_tables).
-The router's fetch messages reach `handle` on the fetch control thread (workers/fetch_control.py,
+The router's fetch messages reach `handle` on the fetch control thread (workers/prefix_fetch/fetch_control.py,
 its own socket), so reserve, pin, serve and abort wait only for the worker lock, which the engine
 releases during each forward, never for the engine step itself; `handle` returns the reply and
 the caller sends it on its own socket (the main loop handles the same messages when the router
@@ -39,7 +39,7 @@ from pdserve.handoff.limits import io_timeout_for_lease
 from pdserve.handoff.reservations import Reservation
 from pdserve.handoff.states import TxnState
 from pdserve.workers import messages as m
-from pdserve.workers.fetch_holder import FetchHolder
+from pdserve.workers.prefix_fetch.fetch_holder import FetchHolder
 from pdserve.workers.handoff_io import HandoffListener, prompt_digest
 
 log = logging.getLogger("pdserve.worker")

@@ -19,7 +19,7 @@ Contract:
     `Verifier.verify` is checked against before the link is opened (with a fetch holder's own
     pinned (segment, slot) pairs, which must be exactly the capability's); a denial ends the transfer
     there, before the source's memory is revealed to anyone.
-Verification itself is handoff/capability.py; this module only knows the protocol's objects.
+Verification itself is handoff/trust/capability.py; this module only knows the protocol's objects.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from pdserve.handoff.capability import Claims, Expectation, Verifier
+from pdserve.handoff.trust.capability import Claims, Expectation, Verifier
 from pdserve.handoff.endpoint import DecodeEndpoint, GrantedLanding
 from pdserve.handoff.errors import HandoffError, RejectReason
 from pdserve.handoff.frames import ChunkFrame, Frame, ManifestFrame

@@ -1,7 +1,7 @@
 """Start worker processes on this machine (the default deployment).
 
 Contract: `LocalCluster` starts one OS process per worker, a fork of the warm template that
-imported the worker's modules once (workers/warm_start.py; `PDSERVE_WORKER_START=exec` starts a
+imported the worker's modules once (workers/process/warm_start.py; `PDSERVE_WORKER_START=exec` starts a
 bare `python -m pdserve.workers.main` instead), so no state is inherited from the router
 process, each with an explicit torch thread count and, when asked, a CPU affinity set: on a small
 machine oversubscribed threads cost far more than they give.
@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
-from pdserve.workers import warm_start
+from pdserve.workers.process import warm_start
 from pdserve.workers.config import WorkerConfig, encode_config
 from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
 from pdserve.workers.control_keys import ControlKeys, pipe_for
-from pdserve.workers.tp_rank import TpShape, worker_cores, worker_engine, worker_width
+from pdserve.workers.process.tp_rank import TpShape, worker_cores, worker_engine, worker_width
 
 
 START_ENV = "PDSERVE_WORKER_START"  # "fork" (the default: the warm template) or "exec"
@@ -44,7 +44,7 @@ class LaunchConfig:
     heartbeat_s: float = 0.25
     lease_s: float = 30.0
     capability_key: str | None = None  # the router's public key (hex), given to every worker
-    tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/tp_rank.py)
+    tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/process/tp_rank.py)
     kv_events: tuple[str | None, str | None] = (None, None)  # vLLM KV events: base endpoint, replay base
     lendable: bool = False  # splitwise mode: every worker can be lent to the other pool (workers/roles.py)
 
@@ -106,7 +106,7 @@ class LocalCluster:
                 cmd = [sys.executable, "-m", "pdserve.workers.main", encode_config(cfg)]
                 self.procs[cfg.worker_id] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
                                                              pass_fds=() if keys_fd is None else (keys_fd,))
-            else:  # a fork of the warm template (workers/warm_start.py)
+            else:  # a fork of the warm template (workers/process/warm_start.py)
                 self.procs[cfg.worker_id] = warm_start.start(encode_config(cfg), keys_fd)
         finally:
             if keys_fd is not None:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
-from pdserve.engine.kv_events import BlockEventKind, BlockEventLog, KvReport, KvTier
+from pdserve.engine.kv.kv_events import BlockEventKind, BlockEventLog, KvReport, KvTier
 
 DEFAULT_TENANT = "default"
 DEFAULT_MAX_TENANT_ROOTS = 1024  # tenants whose chain root a worker keeps (an LRU; serve --max-tenant-roots)
@@ -95,7 +95,7 @@ class BlockManager:
         self.num_prefix_hits = 0
         self.num_evictions = 0
         self.events = BlockEventLog()  # numbered changes of `cached`'s key set (kv_events.py)
-        self.vllm_events = None  # engine/vllm_events.VllmEventSink when a worker publishes vLLM's KV events
+        self.vllm_events = None  # engine/kv/vllm_events.VllmEventSink when a worker publishes vLLM's KV events
         self.host = None  # a HostTier (host_tier.py) the engine attaches with --host-kv-mb; None: evictions forget
 
     # ---- capacity -------------------------------------------------------------------------

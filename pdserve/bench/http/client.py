@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from pdserve.api.protocol import SCRIPTED_EOS_HEADER  # the server side of the hook
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.sse import StreamEvent, parse_sse_line
-from pdserve.bench.transport import Transport, make_transport
+from pdserve.bench.http.sse import StreamEvent, parse_sse_line
+from pdserve.bench.http.transport import Transport, make_transport
 from pdserve.bench.workload import BenchRequest
 
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

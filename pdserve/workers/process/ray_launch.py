@@ -26,8 +26,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.workers.control_keys import ControlKeys
-from pdserve.workers.launch import LaunchConfig, worker_configs
-from pdserve.workers.tp_rank import worker_width
+from pdserve.workers.process.launch import LaunchConfig, worker_configs
+from pdserve.workers.process.tp_rank import worker_width
 from pdserve.workers.worker import WorkerConfig, serve_worker
 
 log = logging.getLogger("pdserve.ray")
