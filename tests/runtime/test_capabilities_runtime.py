@@ -14,7 +14,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.handoff.errors import CAPABILITY_DENIALS
-from tests.router.test_router_metrics import sample
+from tests.router.process.test_router_metrics import sample
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
 
 

@@ -71,7 +71,7 @@ def test_a_follow_up_whose_history_only_d_holds_is_prefilled_there_from_its_cach
     turn2 = lines["turn2"]
     assert turn2["prompt_tokens"] == 1040 and turn2["pd_decision"] == "local" and turn2["decode"] == turn2["prefill"]
     # the pair's hits the decision read (jsq's choice too): D's 64 cached blocks, 16 tokens to compute
-    # (the margin's arithmetic over them: tests/router/test_pd_sees_caches_and_defaults.py)
+    # (the margin's arithmetic over them: tests/router/policy/test_pd_sees_caches_and_defaults.py)
     assert turn2["decode_hit_blocks"] == 64
     assert turn2["cached_tokens"] == 1024 and event.cached_tokens == 1024
 

@@ -18,7 +18,7 @@ from pdserve.handoff.errors import CAPABILITY_DENIALS
 from pdserve.ledger.checks import load_fixture, run_check
 from pdserve.ledger.checks.runtime_release import with_exposed_metrics
 from pdserve.ledger.trace import parse_jsonl
-from tests.router.test_router_metrics import sample
+from tests.router.process.test_router_metrics import sample
 from tests.runtime.conftest import collect, config, prompt, wait_baseline
 
 

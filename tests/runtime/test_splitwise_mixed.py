@@ -2,7 +2,7 @@
 takes prompt work and hands its K/V off to the decode worker while the prompt pool is pressed,
 receives K/V from the prefill worker and decodes while the token pool is pressed, and runs a
 request whole when both phases choose it. The offer (which pools are pressed) is set by the test
-in place of the pool controller's latch (unit-tested in tests/router/test_mixed_pool.py), and
+in place of the pool controller's latch (unit-tested in tests/router/splitwise/test_mixed_pool.py), and
 round robin makes each choice exact. Every request's greedy tokens equal a single engine's; the
 pools end at baseline and the router's ledger is empty."""
 

@@ -1,4 +1,4 @@
-"""A stand-in worker for tests/workers/test_control_keys_handover.py: takes its keys as
+"""A stand-in worker for tests/workers/process/test_control_keys_handover.py: takes its keys as
 Worker.__init__ does, writes what it found to $PROBE_OUT, then waits to be ended."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A worker's handoff threads (workers/handoff_io.py) under link faults, in-process over real
 sockets: every failure ends the transfer on the side that sees it and is reported through that
 side's `on_done` (which the worker turns into a TransferDone for the router; the router then tells
-the other side to abort: tests/router/test_router_recovery.py). Faults come from test-only
+the other side to abort: tests/router/process/test_router_recovery.py). Faults come from test-only
 subclasses, never from the production path: a source whose link cannot open, a listener that
 hangs up at once, a source whose link stalls after the manifest.
 """

@@ -17,7 +17,7 @@ from pdserve.handoff.trace import TraceSink
 from pdserve.ledger.checks import CheckFailed, run_check
 from pdserve.workers import messages as m
 from pdserve.workers.handoff_io import HandoffSender
-from tests.router.test_router_frontend import PROMPT, Harness, collect
+from tests.router.process.test_router_frontend import PROMPT, Harness, collect
 from tests.router.router_fixtures import MODEL
 
 KV_ABI = KvAbi(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""A stand-in worker for tests/workers/test_warm_start.py: reports what a forked worker sees
+"""A stand-in worker for tests/workers/process/test_warm_start.py: reports what a forked worker sees
 (its environment, argv, parent, process name), says hello on stderr, then lives until its parent
 goes, as a worker does (workers/heartbeat.py), or until $PROBE_LIFE_S passes; it holds a shared
 memory segment meanwhile, as a worker holds its K/V pool."""

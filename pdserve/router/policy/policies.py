@@ -34,7 +34,7 @@ priced at its promotion time (`_prefix_priced`, prefix_terms.py; the rates are `
 Ties break toward the lower prefill slot, then the lower decode slot. With the compiled kernels,
 an `slo` or `prefix` decision (without placement costs) whose capacity gates admit every slot without any hit runs the lookup,
 the hit caps and the pair search in one call (`_prefix_fused`); it decides exactly as the general
-path does (tests/router/test_router_fused.py and the double-loop reference).
+path does (tests/router/policy/test_router_fused.py and the double-loop reference).
 """
 
 from __future__ import annotations

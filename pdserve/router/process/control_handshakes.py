@@ -1,7 +1,7 @@
 """Which connections to the router's control socket failed their handshake, judged from the socket
 monitor's events: one count per failed connection, none for a worker's.
 
-Contract: libzmq (4.3, as pyzmq ships it; `tests/router/test_control_handshakes.py` checks each
+Contract: libzmq (4.3, as pyzmq ships it; `tests/router/process/test_control_handshakes.py` checks each
 case on a real socket) reports an accepted TCP connection as `ACCEPTED(fd)`, then one outcome,
 then `DISCONNECTED(fd)` when it closes:
     HANDSHAKE_SUCCEEDED         CURVE with a key the ZAP handler admitted (a worker)

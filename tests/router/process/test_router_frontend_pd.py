@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from pdserve.router.policy.pd_decision import PdPolicy
 from pdserve.workers import messages as m
-from tests.router.test_router_frontend import PROMPT, Harness, collect, finish
+from tests.router.process.test_router_frontend import PROMPT, Harness, collect, finish
 
 
 def harness(mode: str, prefill: list[str], decode: list[str]) -> Harness:

@@ -12,7 +12,7 @@ import zmq
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers import messages as m
 from pdserve.workers.prefix_fetch.fetch_control import fetch_control_loop, fetch_socket
-from tests.workers.test_prefix_fetch import Node, prompt
+from tests.workers.prefix_fetch.test_prefix_fetch import Node, prompt
 
 
 class ThreadedNode(Node):

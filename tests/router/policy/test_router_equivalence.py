@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_fixtures import entry
-from router_reference import reference_cost_aware
+from tests.router.router_fixtures import entry
+from tests.router.router_reference import reference_cost_aware
 
 from pdserve.router.messages import Role, RouteRequest
 from pdserve.router.policy.plan import predicted_clocks

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.workers import messages as m
-from tests.router.test_router_frontend import Harness
+from tests.router.process.test_router_frontend import Harness
 
 
 def test_a_key_rotation_waits_for_every_worker_and_retires_the_silent_one():

@@ -67,7 +67,7 @@ def test_the_prompt_floor_counts_uncached_tokens():
     router.assert_no_leaks()
 
 
-# `pdserve profile --model small` on one core (tests/router/test_router_pd_agrees_with_planner.py)
+# `pdserve profile --model small` on one core (tests/router/policy/test_router_pd_agrees_with_planner.py)
 PROFILE = {"kind": "profiled", "prefill_coef": [0.06, 2.5e-3, 4e-6], "decode_coef": [0.06, 1e-3, 3e-5],
            "kv_bytes_per_token": 12288, "kv_capacity_tokens": (512 << 20) // 12288,
            "meta": {"model": "small", "dtype": "bfloat16", "threads": 1, "block_size": 16}}

@@ -9,7 +9,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from router_fixtures import colocated
+from tests.router.router_fixtures import colocated
 
 from pdserve.router.kv.fetch_plan import (
     FETCH,

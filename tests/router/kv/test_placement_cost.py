@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from router_fixtures import ABI, MODEL, colocated
+from tests.router.router_fixtures import ABI, MODEL, colocated
 
 from pdserve.engine.kv.kv_events import BlockEventKind as K
 from pdserve.engine.kv.kv_events import KvTier as T

@@ -136,7 +136,7 @@ def test_bad_stage_sizes_and_counts_are_refused():
 
 
 # measured at TP 1 (1 thread): prefill 10 ms + 1 ms a row; TP 2: compute x 0.5, 8 all_reduces of
-# 1 ms + 2 ms sync = 10 ms a step, 8 x 1000 B x 1 ns = 8 us a row (tests/router/test_tp_worker_pricing.py)
+# 1 ms + 2 ms sync = 10 ms a step, 8 x 1000 B x 1 ns = 8 us a row (tests/router/pricing/test_tp_worker_pricing.py)
 BASE = CostModel(prefill_s_per_token=1e-3, prefill_overhead_s=0.01, kv_bytes_per_token=100, block_size_tokens=16)
 COSTS2 = CollectiveCosts(tp=2, pinned=True, allreduce_s=1e-3, allreduce_s_per_byte=1e-9, step_sync_s=2e-3)
 PRICING = TpPricing(BASE, TpScaling(PhaseShares(0.0), PhaseShares(0.5), 1, num_layers=4, row_bytes=1000,

@@ -25,7 +25,7 @@ from pdserve.workers import messages as m
 
 # measured at TP 1: prefill 10 ms + 1 ms/token, decode 20 ms + 1 ms/seq; 4 layers: K = 8 all_reduces a step of
 # B = 1000-byte rows; the profile's TP 2: 1 ms a call, 1 ns/byte, 2 ms sync (the pricing test's fixtures)
-from tests.router.test_tp_worker_pricing import BASE, PRICING
+from tests.router.pricing.test_tp_worker_pricing import BASE, PRICING
 
 # the profile's o at TP 2: 8 x 1 ms + 2 ms = 10 ms a step, 8 x 1000 x 1 ns = 8 us a row
 PROFILE_SLOPE = 8e-6

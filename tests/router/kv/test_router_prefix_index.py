@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_reference import reference_cost_aware
+from tests.router.router_reference import reference_cost_aware
 
 from pdserve.router.kv.prefix_index import PrefixIndex, leading_hit_blocks
 from pdserve.router.policy.plan import predicted_clocks

@@ -21,7 +21,7 @@ from pdserve.router.contract import ErrorEvent, FinishEvent, Rejection
 from pdserve.router.router import Router
 from pdserve.workers import messages as m
 from tests.router.router_fixtures import ABI, MODEL
-from tests.router.test_router_frontend import PROMPT, Harness, collect
+from tests.router.process.test_router_frontend import PROMPT, Harness, collect
 
 
 def harness(prefill, decode, ttft_slo_s: float = 30.0, prefix_identity: str = "") -> Harness:

@@ -14,7 +14,7 @@ from pdserve.ledger.checks.runtime_release import REQUIRED_METRICS, exposed_metr
 from pdserve.router.process.inflight import RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.workers import messages as m
-from tests.router.test_router_frontend import PROMPT, Harness, collect, finish
+from tests.router.process.test_router_frontend import PROMPT, Harness, collect, finish
 
 
 def sample(text: str, name: str, labels: str = "") -> float | None:

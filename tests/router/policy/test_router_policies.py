@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from router_fixtures import colocated, pd
+from tests.router.router_fixtures import colocated, pd
 
 from pdserve.router.messages import RejectReason, RouteRequest
 from pdserve.router.policy.policies import (

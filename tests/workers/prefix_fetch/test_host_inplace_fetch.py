@@ -30,7 +30,7 @@ from pdserve.workers import messages as m
 from pdserve.workers.prefix_fetch.fetch import FetchSide
 from pdserve.workers.prefix_fetch.fetch_holder import DEVICE, HOST
 from pdserve.workers.handoff_io import HandoffSender
-from tests.workers.test_prefix_fetch import BS, TINY, DyingLink, Node, block_bytes, prompt
+from tests.workers.prefix_fetch.test_prefix_fetch import BS, TINY, DyingLink, Node, block_bytes, prompt
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True, seed=3)
 BPB = Engine(TINY).abi.bytes_per_block
