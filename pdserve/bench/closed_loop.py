@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.http.client import (API_PATHS, EndpointConfig, StreamTimer, classify_error, make_transport_for, request_body,
-                                  request_headers)
+from pdserve.bench.http.client import (API_PATHS, EndpointConfig, StreamTimer, classify_error,
+                                       make_transport_for, request_body, request_headers)
 from pdserve.bench.metrics import percentile
 from pdserve.bench.prompts import PromptStyle, text_for_tokens
 from pdserve.bench.records import RequestRecord
