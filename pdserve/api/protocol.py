@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.api.backend import GenerationRequest
 from pdserve.api.chat_template import chat_prompt_ids
@@ -51,9 +51,33 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class StrictBody(BaseModel):
-    """A request body: unknown fields ignored, types strict."""
+    """A request body: unknown fields ignored, types strict, every string valid Unicode."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON's `\\ud800` escapes decode to lone UTF-16 surrogates, which no tokenizer, wire
+        message or response can encode: refused here as the field's 400, before anything reads them."""
+        for text in _strings(value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"holds a lone UTF-16 surrogate at character {exc.start} "
+                                 "(an unpaired \\ud800-\\udfff escape); send valid Unicode") from None
+        return value
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings a field's value holds directly (nested bodies validate their own fields)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, str)]
+    if isinstance(value, dict):
+        return [v for item in value.items() for v in item if isinstance(v, str)]
+    return []
 
 
 class StreamOptions(StrictBody):

@@ -24,7 +24,30 @@ from pdserve.ports import free_local_port
 from tests.runtime.conftest import WORKER_THREADS, config, prompt, wait_baseline
 
 
+LONE_SURROGATES = [  # raw JSON: each escape decodes to an unpaired UTF-16 surrogate, not encodable as UTF-8
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "ok", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "ok", "max_tokens": 2}', "model"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": "\\udc00"}',
+     "stop"),
+    ("/tokenize", b'{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+]
+
+
+def _lone_surrogates(port: int) -> list[tuple[int, dict]]:
+    """Each body of `LONE_SURROGATES` as the server answers it: (status, error object)."""
+    answers = []
+    for path, body, _ in LONE_SURROGATES:
+        resp = httpx.post(f"http://127.0.0.1:{port}{path}", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+        answers.append((resp.status_code, resp.json().get("error")))
+    return answers
+
+
 def _client_calls(port: int) -> dict:
+    surrogates = _lone_surrogates(port)  # first: the calls below show the server kept serving
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
     ids = list(prompt(300, 4))  # long enough for layer-wise streaming
     extra = {"ignore_eos": True, "return_token_ids": True}
@@ -35,7 +58,7 @@ def _client_calls(port: int) -> dict:
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
                                           max_tokens=8, extra_body={"ignore_eos": True})
     workers = httpx.get(f"http://127.0.0.1:{port}/workers").json()
-    return {"ids": ids, "plain": plain, "chunks": chunks, "chat": chat, "workers": workers}
+    return {"ids": ids, "plain": plain, "chunks": chunks, "chat": chat, "workers": workers, "surrogates": surrogates}
 
 
 def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_path):
@@ -67,6 +90,10 @@ def test_openai_client_against_the_disaggregated_cluster_and_trace_contract(tmp_
     assert "".join(ch.text for c in r["chunks"] for ch in c.choices) == plain.choices[0].text
     assert r["chunks"][-1].usage.completion_tokens == 12
     assert r["chat"].choices[0].message.role == "assistant" and r["chat"].usage.completion_tokens == 8
+    # a lone surrogate in any string field is the field's 400, before a tokenizer or a wire message meets it
+    for (path, _, param), (status, error) in zip(LONE_SURROGATES, r["surrogates"], strict=True):
+        assert status == 400 and error["param"] == param, (path, param, status, error)
+        assert error["type"] == "invalid_request_error" and "lone UTF-16 surrogate" in error["message"], error
 
     # every transaction in the workers' real traces obeys the transfer-trace contract
     lines = [line for path in sorted(glob.glob(os.path.join(trace_dir, "*-0.jsonl"))) for line in open(path)]
