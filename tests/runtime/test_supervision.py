@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.api.backend import FinishEvent
+from pdserve.api.backend import ErrorEvent, FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.sequence import SamplingParams
 from pdserve.workers.process.supervisor import RestartPolicy
@@ -51,5 +51,34 @@ def test_no_restart_leaves_the_dead_worker_out():
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)  # well past the first backoff: nothing came back
             assert launcher.num_restarts == 0 and all(w.id != "decode-1" for w in backend.workers())
+
+    asyncio.run(main())
+
+
+def test_an_n_request_whose_decode_worker_dies_mid_output_ends_as_the_server_s_fault():
+    """kill -9 the decode worker while an n = 2 request streams, with a second decode worker
+    alive to recompute on: the choices cannot resume there (the engine resumes one sequence's
+    output), so the request ends with the worker's loss (`worker_lost`, a 503), not the engine's
+    refusal read as the client's 400; the other decode worker then serves an n = 2 request whole,
+    and nothing leaks."""
+    params = SamplingParams(max_tokens=400, ignore_eos=True, n=2)
+
+    async def main():
+        async with cluster(config(num_decode=2)) as (backend, launcher):
+            running = asyncio.create_task(collect(backend, "n2", prompt(24, 7), params))
+            deadline = time.monotonic() + 60
+            while not ((live := backend.live.get("n2")) and len(live.output_ids) >= 4):
+                assert time.monotonic() < deadline and not running.done()
+                await asyncio.sleep(0.01)
+            victim = live.decode_id
+            launcher.kill(victim)
+            tokens, event = await asyncio.wait_for(running, 120)
+            assert isinstance(event, ErrorEvent) and event.code == "worker_lost", event
+            assert 0 < len(tokens) < 2 * 400
+            ids, done = await collect(backend, "after", prompt(24, 8), SamplingParams(max_tokens=6, ignore_eos=True, n=2))
+            assert isinstance(done, FinishEvent) and len(ids) == 12
+            assert all(w.id != victim for w in backend.workers())
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
 
     asyncio.run(main())

@@ -56,6 +56,7 @@ from pdserve.router.state.reservations import HoldRequest
 from pdserve.workers import messages as m
 
 MAX_REROUTES = "max_reroutes"
+WORKER_LOST = "worker_lost"  # a server fault (503), never the client's (api/errors.py)
 RESTART_WAIT = "restart_wait"  # the fallback outcome of a request waiting for a decode worker being restarted
 RESTART_POLL_S = 0.05
 DECODE_ROLES = frozenset({"decode", "colocated", "mixed"})
@@ -102,6 +103,10 @@ async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -
         await fail(backend, live, f"the request's route broke after {moves(live)} reroutes (--max-reroutes "
                                   f"{backend.max_reroutes}); last cause: {cause}", MAX_REROUTES)
         return decision
+    if action is DecodeStartAction.FAIL and decision.reason == WORKER_LOST:
+        await fail(backend, live, f"the worker serving this request's {live.req.params.n} choices was lost after they "
+                                  f"began ({cause}); n > 1 choices cannot resume on another worker", WORKER_LOST)
+        return decision
     if action is DecodeStartAction.FAIL:
         await fail(backend, live, "no live decode worker can continue this request", decision.reason)
         return decision
@@ -116,9 +121,15 @@ def moves(live: InFlight) -> int:
 
 
 def _capped(backend, live: InFlight, decision: DecodeStartDecision) -> DecodeStartDecision:
-    """A move past the request's reroute budget becomes a FAIL naming it."""
-    if decision.action in (DecodeStartAction.REROUTE, DecodeStartAction.RECOMPUTE) and moves(live) >= backend.max_reroutes:
+    """A move past the request's reroute budget becomes a FAIL naming it. So does a move of an
+    n > 1 request whose choices have output: the engine resumes from one sequence's output only
+    (engine.add_request), so the move would end in a refusal the client reads as its own fault."""
+    if decision.action not in (DecodeStartAction.REROUTE, DecodeStartAction.RECOMPUTE):
+        return decision
+    if moves(live) >= backend.max_reroutes:
         return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
+    if live.req.params.n > 1 and live.output_ids:
+        return DecodeStartDecision(DecodeStartAction.FAIL, reason=WORKER_LOST)
     return decision
 
 
