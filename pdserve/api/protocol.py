@@ -70,11 +70,13 @@ class StrictBody(BaseModel):
 
 
 def _strings(value: Any) -> list[str]:
-    """The strings a field's value holds directly (nested bodies validate their own fields)."""
+    """The strings a field's value holds directly (nested bodies validate their own fields). A list
+    that does not start with a string is one of token ids, or a shape the field's own check refuses:
+    a prompt of 100,000 ids is not walked again."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, str)]
+        return [v for v in value if isinstance(v, str)] if value and isinstance(value[0], str) else []
     if isinstance(value, dict):
         return [v for item in value.items() for v in item if isinstance(v, str)]
     return []
