@@ -183,6 +183,7 @@ class ParsedRequest:
 
 
 SCRIPTED_EOS_HEADER = "x-pdserve-scripted-eos-tokens"  # the benchmark's stand-in EOS (engine/sequence.py)
+MAX_SCRIPTED_EOS = 2**31 - 1  # past any context; the worker messages carry it as a 64-bit integer
 
 
 def with_scripted_eos(parsed: ParsedRequest, headers) -> ParsedRequest:
@@ -190,9 +191,11 @@ def with_scripted_eos(parsed: ParsedRequest, headers) -> ParsedRequest:
     value = headers.get(SCRIPTED_EOS_HEADER)
     if value is None:
         return parsed
-    if not value.strip().isdigit() or int(value) < 1:
-        raise bad_request(f"{SCRIPTED_EOS_HEADER} must be a positive integer, got {value!r}", param=SCRIPTED_EOS_HEADER)
-    return replace(parsed, params=replace(parsed.params, scripted_eos_tokens=int(value)))
+    text = value.strip()  # ASCII digits only: '²' is a digit to str.isdigit, not to int()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SCRIPTED_EOS:
+        raise bad_request(f"{SCRIPTED_EOS_HEADER} must be an integer from 1 to {MAX_SCRIPTED_EOS}, got {value!r}",
+                          param=SCRIPTED_EOS_HEADER)
+    return replace(parsed, params=replace(parsed.params, scripted_eos_tokens=int(text)))
 
 
 # ---- entry points -------------------------------------------------------------------------

@@ -19,6 +19,8 @@ def test_pdserve_honours_the_header_and_not_a_body_field(client, backend):
         assert (ended["usage"]["completion_tokens"], ended["choices"][0]["finish_reason"]) == (4, "stop")
         ignored = http.post("/v1/completions", json={**body, "scripted_eos_tokens": 4}).json()
         assert ignored["usage"]["completion_tokens"] == 12  # the old body field is no API any more
-        bad = http.post("/v1/completions", json=body, headers={SCRIPTED_EOS_HEADER: "zero"})
-        assert bad.status_code == 400 and SCRIPTED_EOS_HEADER in bad.json()["error"]["message"]
+        # not ASCII digits ('²' is one to str.isdigit, as latin-1 decodes the byte), or past a 64-bit wire integer
+        for value in ("zero", b"\xb2", b"\xb9\xb3", "99999999999999999999999999", "0"):
+            bad = http.post("/v1/completions", json=body, headers={SCRIPTED_EOS_HEADER: value})
+            assert bad.status_code == 400 and SCRIPTED_EOS_HEADER in bad.json()["error"]["message"], (value, bad.text)
     wait_idle(backend)
