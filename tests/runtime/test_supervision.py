@@ -82,3 +82,26 @@ def test_an_n_request_whose_decode_worker_dies_mid_output_ends_as_the_server_s_f
             backend.router.assert_no_leaks()
 
     asyncio.run(main())
+
+
+def test_an_n_request_does_not_wait_for_a_restart_it_could_not_resume_on():
+    """The same with the only decode worker killed and restarts on: the request ends `worker_lost`
+    at once rather than waiting for the new worker (where it could only be refused) or ending as
+    `kv_not_visible`."""
+    params = SamplingParams(max_tokens=400, ignore_eos=True, n=2)
+
+    async def main():
+        async with cluster(config(restart=FAST)) as (backend, launcher):
+            running = asyncio.create_task(collect(backend, "n2", prompt(24, 9), params))
+            deadline = time.monotonic() + 60
+            while not ((live := backend.live.get("n2")) and len(live.output_ids) >= 4):
+                assert time.monotonic() < deadline and not running.done()
+                await asyncio.sleep(0.01)
+            launcher.kill(live.decode_id)
+            _, event = await asyncio.wait_for(running, 120)
+            assert isinstance(event, ErrorEvent) and event.code == "worker_lost", event
+            await wait_epoch(backend, "decode-0", 2)
+            await wait_baseline(backend)
+            backend.router.assert_no_leaks()
+
+    asyncio.run(main())

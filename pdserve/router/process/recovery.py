@@ -121,11 +121,17 @@ def moves(live: InFlight) -> int:
 
 
 def _capped(backend, live: InFlight, decision: DecodeStartDecision) -> DecodeStartDecision:
-    """A move past the request's reroute budget becomes a FAIL naming it. So does a move of an
-    n > 1 request whose choices have output: the engine resumes from one sequence's output only
-    (engine.add_request), so the move would end in a refusal the client reads as its own fault."""
-    if decision.action not in (DecodeStartAction.REROUTE, DecodeStartAction.RECOMPUTE):
+    """An n > 1 request whose choices have output continues only where it is (ENQUEUE, WAIT): the
+    engine resumes from one sequence's output only (engine.add_request), so a move, or a wait for a
+    restarted worker that could only end in one, ends it as the worker's loss, not as a refusal the
+    client would read as its own fault. Any other move past the reroute budget becomes a FAIL naming it."""
+    if decision.action in (DecodeStartAction.ENQUEUE, DecodeStartAction.WAIT):
         return decision
+    if live.req.params.n > 1 and live.output_ids:
+        return DecodeStartDecision(DecodeStartAction.FAIL, reason=WORKER_LOST)
+    if decision.action is not DecodeStartAction.FAIL and moves(live) >= backend.max_reroutes:
+        return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
+    return decision
     if moves(live) >= backend.max_reroutes:
         return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
     if live.req.params.n > 1 and live.output_ids:
