@@ -269,8 +269,21 @@ class _Launcher:
         schedule as it is reported."""
         gone = [] if self.impl is None else self.impl.dead()
         for wid in gone:
-            self.schedule.on_death(wid, self.clock())
+            epoch = self.schedule.lives[wid].epoch if wid in self.schedule.lives else 1
+            due = self.schedule.on_death(wid, self.clock())
+            log.warning("%s (epoch %d) %s; %s", wid, epoch, self.impl.exit_reason(wid), self._next_step(wid, due))
         return gone
+
+    def _next_step(self, worker_id: str, due: float | None) -> str:
+        """What the supervisor does after a death, in the log's words."""
+        policy, life = self.config.restart, self.schedule.lives[worker_id]
+        if life.failed:
+            return (f"FAILED: {len(life.deaths_s)} deaths within {policy.crash_window_s:g} s (--max-crashes "
+                    f"{policy.max_crashes}); not started again")
+        if due is None:
+            return "not restarted (--no-restart)"
+        return (f"restarting in {due - self.clock():.1f} s (death {len(life.deaths_s)} of {policy.max_crashes} "
+                f"within {policy.crash_window_s:g} s)")
 
     async def supervise(self, poll_s: float = 0.1) -> None:
         """Start every dead worker whose backoff elapsed again, under its next epoch; end a restart
@@ -302,6 +315,8 @@ class _Launcher:
         Only the incarnation running that epoch is ended (a restarted one is not the hung one)."""
         life = self.schedule.lives.get(worker_id)
         if self.impl is not None and life is not None and life.epoch == epoch and life.due_s is None:
+            log.warning("%s (epoch %d) sent no heartbeat for %g s: retired as hung, ending its process", worker_id,
+                        epoch, self.config.heartbeat_timeout_s)
             asyncio.get_running_loop().run_in_executor(None, self.impl.stop_hung, worker_id, grace_s)
 
     def failed(self) -> list[str]:

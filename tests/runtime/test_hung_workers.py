@@ -49,7 +49,7 @@ async def serves_then_settles(backend, seed: int) -> None:
     backend.router.assert_no_leaks()
 
 
-def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_requests_finish():
+def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_requests_finish(caplog):
     params = SamplingParams(max_tokens=300, ignore_eos=True)  # ~7 s of decode on 2 cores: in flight when the worker stops
 
     async def main():
@@ -74,6 +74,10 @@ def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_reques
             assert launcher.pid(victim) != pid and launcher.num_restarts == 1
             assert "pdserve_hung_workers_total 1.0" in backend.metrics_text().decode()
             await serves_then_settles(backend, seed=9)
+            # the log says why the worker was ended and that it is coming back
+            said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{victim} (epoch 1)")]
+            assert said[0] == f"{victim} (epoch 1) sent no heartbeat for 2 s: retired as hung, ending its process", said
+            assert said[1].startswith(f"{victim} (epoch 1) killed by SIG") and "; restarting in " in said[1], said
 
     asyncio.run(main())
 

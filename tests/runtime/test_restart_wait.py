@@ -43,7 +43,7 @@ async def kill_while_streaming(backend, launcher, rid: str, ids) -> tuple[list[i
     return await asyncio.wait_for(task, 120)
 
 
-def test_a_request_waits_for_its_only_decode_worker_to_restart_and_one_that_is_not_coming_back_ends_it():
+def test_a_request_waits_for_its_only_decode_worker_to_restart_and_one_that_is_not_coming_back_ends_it(caplog):
     reference = Engine(replace(TINY, num_threads=WORKER_THREADS))
     ids_1, ids_2 = prompt(24, 1), prompt(24, 2)
 
@@ -61,5 +61,10 @@ def test_a_request_waits_for_its_only_decode_worker_to_restart_and_one_that_is_n
             assert "decode-0" in launcher.failed() and len(tokens) < PARAMS.max_tokens
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
+        # the operator's log says how each death happened and what the supervisor does about it
+        deaths = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode-0 (epoch")]
+        assert deaths[0].startswith("decode-0 (epoch 1) killed by SIGKILL; restarting in "), deaths
+        assert deaths[1] == ("decode-0 (epoch 2) killed by SIGKILL; FAILED: 2 deaths within 600 s (--max-crashes 2); "
+                             "not started again"), deaths
 
     asyncio.run(main())

@@ -78,6 +78,18 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
     return configs
 
 
+def describe_exit(returncode: int | None) -> str:
+    """A process's return code in words: 'killed by SIGKILL', 'exited with code 1'."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 class LocalCluster:
     def __init__(self, launch: LaunchConfig, router_address: str,
                  control_keys: Callable[[str, int], ControlKeys] | None = None):
@@ -132,6 +144,10 @@ class LocalCluster:
         gone = [wid for wid, p in self.procs.items() if p.poll() is not None and wid not in self._reported]  # each death once
         self._reported.update(gone)
         return gone
+
+    def exit_reason(self, worker_id: str) -> str:
+        """How the worker's process ended, for the log: a signal by name, else the exit code."""
+        return describe_exit(self.procs[worker_id].poll())
 
     def pid(self, worker_id: str) -> int:
         return self.procs[worker_id].pid

@@ -178,6 +178,10 @@ class RayCluster:
             _log_end(wid, ref)
         return gone
 
+    def exit_reason(self, worker_id: str) -> str:
+        """The actor's end, for the log (the line `dead()` wrote says why, when Ray knows)."""
+        return "its actor ended"
+
     def pid(self, worker_id: str) -> int:
         return self.placements[worker_id].pid
 
