@@ -4,7 +4,7 @@ Contract: mounted only when the server is given an admin token (`--admin-token-f
 $PDSERVE_ADMIN_TOKEN, never argv: commands/serve.py); every call must carry
 `Authorization: Bearer T` (compared in constant time; a missing or wrong token answers 401 with
 the OpenAI error body, and the token is never logged). The token is checked before the body is
-read (api/http_guard.py): an unauthenticated call answers 401 whatever its body. The backend must run a router
+read (api/edge/http_guard.py): an unauthenticated call answers 401 whatever its body. The backend must run a router
 (`pdserve serve`); the work itself is router/process/release.py's:
 
     GET  /admin/state                                   release state, disaggregation, route epoch
@@ -50,7 +50,7 @@ class RollbackBody(AdminBody):
 
 
 def check_admin_token(header: str, token: str) -> None:
-    """Raise 401 unless `header` is `Bearer <token>` (http_guard.py runs it before the body is read)."""
+    """Raise 401 unless `header` is `Bearer <token>` (edge/http_guard.py runs it before the body is read)."""
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'",

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.api.backend import Backend, ErrorEvent
 from pdserve.api import openapi_doc
 from pdserve.api.errors import from_event_code, install_error_handlers
-from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, HttpGuard
+from pdserve.api.edge.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, HttpGuard
 from pdserve.api.openapi_doc import METRICS_RESPONSE, errors
 from pdserve.api.lifecycle import ClientDisconnected, RequestStream, until_disconnected
 from pdserve.api.choices import Choices
@@ -58,7 +58,7 @@ def create_app(backend: Backend, admin_token: str | None = None, max_logprobs: i
     logprobs a request may ask for (serve --max-logprobs). With `api_keys` (key -> tenant), every
     /v1 route and /tokenize, /detokenize need a key, and generation runs in its tenant
     (tenants.py). Credentials and the body limit are checked before any route reads the body
-    (http_guard.py)."""
+    (edge/http_guard.py)."""
     app = FastAPI(title="pdserve", summary="Prefill/decode disaggregated LLM serving")
     app.state.backend = backend
     app.state.max_logprobs = max_logprobs

@@ -10,7 +10,7 @@ is FAILED and stays down); the router learns of the death through `launcher.dead
 incarnation when it registers. A worker the router retires for missed heartbeats (hung, e.g.
 SIGSTOP) is ended by the launcher (SIGKILL after a grace) and so restarted like a dead one; so is
 a restart that did not register within the policy's `register_timeout_s` (it sends no heartbeat).
-`serve(config)` runs uvicorn on top.
+`serve(config)` runs uvicorn on top, its connections under `config.http_limits` (api/edge/connections.py).
 The model checkpoint is resolved (and the embedded default generated) once, before any worker
 starts, so workers never race to write it.
 """
@@ -24,7 +24,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.api.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pdserve.api.edge.limits import EdgeLimits
+from pdserve.api.edge.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
@@ -92,7 +93,8 @@ class ServeConfig:
     # (placeholders; tests) (router/pricing/calibration.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for (api/protocol.py; more is a 400)
     admin_token: str | None = None  # mounts /admin/* (api/admin.py) behind this bearer token (a file or the environment)
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/http_guard.py)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger HTTP bodies answer 413 (api/edge/http_guard.py)
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)  # connection cap, head and body deadlines (api/edge/limits.py)
     kv_index_max_entries: int = 524_288  # the router's cluster K/V index bound (router/kv/kv_index.py; LRU past it)
     tp: TpShape = field(default_factory=TpShape)  # tensor-parallel ranks per role (workers/process/tp_rank.py)
     prefill_runahead: int = 0  # K >= 2: long prompts prefilled by a chain of K prefill workers (router/runahead/runahead.py)
@@ -374,6 +376,7 @@ async def serve(config: ServeConfig) -> None:
     import uvicorn
 
     from pdserve.api.app import create_app
+    from pdserve.api.edge.connections import edge_protocol
 
     async with cluster(config) as (backend, _):
         from pdserve.api.tenants import load_api_keys
@@ -381,7 +384,8 @@ async def serve(config: ServeConfig) -> None:
         keys = load_api_keys(config.api_keys) if config.api_keys else None
         app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys,
                          max_request_body_bytes=config.max_request_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                               http=edge_protocol(config.http_limits)))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
               f"{cpu_summary(_workers_cpu(backend))}", flush=True)
         if config.mode != "colocated":

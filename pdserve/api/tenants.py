@@ -1,7 +1,7 @@
 """Which tenant a request belongs to, so that K/V is reused only within a tenant.
 
 Contract: a client cannot pick another tenant's cache.
-  - With `--api-keys FILE` every generation request (and every other keyed route: http_guard.py)
+  - With `--api-keys FILE` every generation request (and every other keyed route: edge/http_guard.py)
     must carry `Authorization: Bearer KEY` with a key the file names (else 401, the OpenAI error
     body); its tenant is the key's. A request's
     `cache_salt` then salts within that tenant.
@@ -58,7 +58,7 @@ class TenantResolver:
         return bool(self._keys)
 
     def authenticate(self, authorization: str | None) -> None:
-        """Raise 401 unless the header carries a configured key (http_guard.py: before the body is read)."""
+        """Raise 401 unless the header carries a configured key (edge/http_guard.py: before the body is read)."""
         self._key_tenant(authorization)
 
     def tenant(self, authorization: str | None, cache_salt: str | None) -> str:

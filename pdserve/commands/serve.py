@@ -139,7 +139,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help=f"deprecated: the token is visible in `ps`; use --admin-token-file or ${ADMIN_TOKEN_ENV}")
     p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
                    help="HTTP request bodies above N bytes answer 413, checked while the body streams in "
-                        "(default 4 MiB: api/http_guard.py)")
+                        "(default 4 MiB: api/edge/http_guard.py)")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="the most top logprobs a request may ask for (completions logprobs, chat top_logprobs); more is a 400")
     p.add_argument("--no-restart", action="store_true",
@@ -216,6 +216,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=admin_token(args),
         **({"max_request_body_bytes": args.max_request_body_bytes} if getattr(args, "max_request_body_bytes", None) else {}),
+        http_limits=edge_limits(args),
         max_logprobs=getattr(args, "max_logprobs", 20), api_keys=getattr(args, "api_keys", None),
         kv_index_max_entries=getattr(args, "kv_index_max_entries", 524_288),
         prefill_runahead=getattr(args, "prefill_runahead", 0), runahead_min_tokens=getattr(args, "runahead_min_tokens", 1024),
@@ -294,12 +295,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--config", default=None, metavar="FILE.json",
                    help="a serve configuration (`pdserve plan --emit-config`); flags set here override it")
+    add_edge_args(p)
     p.set_defaults(func=run, serve_parser=p)
+
+
+def add_edge_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP edge's connection limits (api/edge/limits.py, enforced by api/edge/connections.py);
+    defaults mirror `EdgeLimits`."""
+    from pdserve.api.edge import limits as edge
+
+    p.add_argument("--max-connections", type=int, default=edge.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open HTTP connections (streams and idle keep-alives included); one more answers 503 "
+                        "at once and is closed. The soft open-file limit is raised to N + "
+                        f"{edge.FD_RESERVE} at start (default {edge.DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--request-header-timeout-s", type=float, default=edge.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="a request's head (request line and headers) must arrive within S seconds of the "
+                        "connection's opening (or of its first byte on a kept-alive connection); else 408 and close "
+                        f"(default {edge.DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--request-body-timeout-s", type=float, default=edge.DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="a request's body must arrive within S seconds of its head; else 408 and close, "
+                        f"before any route runs (default {edge.DEFAULT_BODY_TIMEOUT_S:g})")
+
+
+def edge_limits(args: argparse.Namespace):
+    """`EdgeLimits` from the flags (their defaults for commands that serve no HTTP edge of their own)."""
+    from pdserve.api.edge.limits import EdgeLimits
+
+    base = EdgeLimits()
+    return EdgeLimits(getattr(args, "max_connections", base.max_connections),
+                      getattr(args, "request_header_timeout_s", base.header_timeout_s),
+                      getattr(args, "request_body_timeout_s", base.body_timeout_s))
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from pdserve.api.edge.limits import fit_fd_limit
     from pdserve.api.server import serve
     from pdserve.loop import run as run_loop
 
@@ -308,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         config = serve_config(args)
         config.shape()
         check_predictor(config)
+        fit_fd_limit(config.http_limits)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

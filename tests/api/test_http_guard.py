@@ -1,4 +1,4 @@
-"""The HTTP edge's guard (api/http_guard.py) over the scripted backend, and where `pdserve serve`
+"""The HTTP edge's guard (api/edge/http_guard.py) over the scripted backend, and where `pdserve serve`
 reads the admin token from (commands/serve.py): a file or the environment, argv only deprecated."""
 
 from __future__ import annotations

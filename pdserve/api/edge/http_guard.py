@@ -9,7 +9,7 @@ which read the model's tokenizer and template: tenants.py), so an unauthenticate
 /metrics, /workers and the OpenAPI pages (no body read, no model output: docs/security.md). Then the body
 limit: a declared `Content-Length` above `max_body_bytes` answers 413 at once; a body without one
 (chunked) is counted while it streams in and answers 413 at the first byte past the limit, not
-after reading it all. Every answer is the OpenAI error body (errors.py).
+after reading it all. Every answer is the OpenAI error body (api/errors.py).
 """
 
 from __future__ import annotations
