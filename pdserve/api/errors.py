@@ -103,7 +103,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return bad_request(str(exc)).response()
+        return bad_request(str(exc), param=exc.param, code=exc.code).response()
 
     @app.exception_handler(Rejection)
     async def _rejected(_: Request, exc: Rejection) -> JSONResponse:

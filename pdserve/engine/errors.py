@@ -7,7 +7,13 @@ class EngineError(Exception):
 
 
 class InvalidRequest(EngineError, ValueError):
-    """The request cannot be served as given (bad parameters, prompt too long, ...)."""
+    """The request cannot be served as given (bad parameters, prompt too long, ...). `param` and
+    `code`, when known, name the offending request field and an error code for the API's 400."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class IllegalTransition(EngineError, RuntimeError):

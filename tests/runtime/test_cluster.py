@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.api.backend import ErrorEvent, FinishEvent, Rejection
+from pdserve.api.backend import ErrorEvent, FinishEvent
 from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams
 from tests.runtime.conftest import TINY, WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.shared_cluster import SharedCluster
@@ -224,13 +225,14 @@ def test_invalid_requests_are_refused_before_routing(request):
     serve(request, config(), main)
 
 
-def test_no_decode_capacity_is_an_early_rejection():
+def test_a_request_no_decode_worker_could_ever_hold_is_an_early_400():
+    """Not a 503 (clients retry those): even an idle cluster could never hold it (frontend_start.py)."""
     async def main():
         tight = EngineConfig(model="tiny", num_blocks=8)
         async with cluster(config(engine=tight)) as (backend, _):
-            with pytest.raises(Rejection) as info:
+            with pytest.raises(InvalidRequest, match="could never fit") as info:
                 await collect(backend, "huge", prompt(200, 1), SamplingParams(max_tokens=1000, ignore_eos=True))
-            assert info.value.status == 503 and info.value.retry_after_s > 0
+            assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
             await wait_baseline(backend)
             backend.router.assert_no_leaks()
 

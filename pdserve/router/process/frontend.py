@@ -49,7 +49,9 @@ from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.router.process.control_acks import ControlAcks
 from pdserve.router.process.control_auth import ControlAuth
 from pdserve.router.process.control_handshakes import MONITOR_EVENTS, HandshakeTally
-from pdserve.router.process.frontend_start import ADMISSION_POLL_S, AdmissionRetry, admission_waits, start
+from pdserve.router.process.frontend_start import (
+    ADMISSION_POLL_S, AdmissionRetry, admission_waits, refuse_never_fitting, start, worst_case_blocks,
+)
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.router.process.serving_metrics import register_serving_metrics
@@ -246,6 +248,8 @@ class ClusterBackend:
             raise InvalidRequest(f"prompt has {len(req.prompt_ids)} tokens; the context holds {self.max_model_len}")
         if self.vocab_size and any(t < 0 or t >= self.vocab_size for t in req.prompt_ids):
             raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})")
+        if self.vocab_size and any(t >= self.vocab_size for t in req.params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
 
     # ---- routing --------------------------------------------------------------------------
     async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
@@ -254,6 +258,9 @@ class ClusterBackend:
         prefill work) when the wait runs out or no route can exist."""
         req = live.req
         hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
+        pools = self._decode_pools()
+        if pools and not self.away:  # with a worker away, the largest pool may be the one missing: waits below
+            refuse_never_fitting(req, self._block_size, self.max_model_len, max(pools))  # a 400: it never fits
         if self.tetri.mode == "dynamic" and self.loads and not self._could_ever_fit(req):  # its hold could never grow to it
             self._reject(RouteRejection(req.request_id, self.router.config.policy, RejectReason.NO_DECODE_CAPACITY,
                                         self.router.config.retry_after_s, "max_tokens could never fit a decode worker"))
@@ -309,11 +316,12 @@ class ClusterBackend:
     def _could_ever_fit(self, req: GenerationRequest) -> bool:
         """False when even an empty decode worker could not hold the request at its worst case
         (max_tokens, under --reserve dynamic too: its hold may grow that far): waiting is pointless."""
-        n, most = req.params.n, req.params.max_tokens
-        need = -(-(min(len(req.prompt_ids) + most, self.max_model_len) + (n - 1) * (most + self._block_size))
-                 // self._block_size)
-        pools = [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated", "mixed")]
-        return bool(pools) and need <= max(pools)
+        pools = self._decode_pools()
+        return bool(pools) and worst_case_blocks(req, self._block_size, self.max_model_len) <= max(pools)
+
+    def _decode_pools(self) -> list[int]:
+        """The K/V blocks of each registered worker that decodes."""
+        return [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated", "mixed")]
 
     def _reject(self, result: RouteRejection) -> None:
         self.metrics.early_rejections.labels(result.reason.value).inc()

@@ -8,7 +8,8 @@ transfer plan the capability issuer signed for that reservation (or a KV-Runahea
 it). A worker of the route lost meanwhile raises `RouteLost` (the admission routes again), a
 capacity refusal at D raises `CapacityShort` (it waits in admission), any other refusal
 rejects the request; a reservation abandoned after it was sent is aborted at D so its blocks
-come back.
+come back. Before any route, `refuse_never_fitting` answers a 400 for a request whose worst case
+exceeds the largest decode worker's whole pool: waiting cannot help, so it is no 503.
 """
 
 from __future__ import annotations
@@ -99,6 +100,30 @@ def route_alive(backend, plan: RoutePlan) -> bool:
 # again until its deadline).
 ADMISSION_POLL_S = 0.02
 WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that completions will free
+
+
+def worst_case_blocks(req, block_size: int, max_model_len: int) -> int:
+    """K/V blocks a request holds on one decode worker at its worst case: sequence 0's prompt +
+    max_tokens (within the context), and for each other of its n choices max_tokens plus the
+    partial prompt block its fork copies."""
+    n, most = req.params.n, req.params.max_tokens
+    return -(-(min(len(req.prompt_ids) + most, max_model_len) + (n - 1) * (most + block_size)) // block_size)
+
+
+def refuse_never_fitting(req, block_size: int, max_model_len: int, largest_pool: int) -> None:
+    """Raise a 400 (InvalidRequest) when the request's worst case exceeds the whole pool of the
+    largest decode worker: no wait or retry could ever place it, so it is no 503 (which clients
+    retry). The caller decides only over a complete set of workers (none away)."""
+    need = worst_case_blocks(req, block_size, max_model_len)
+    if need <= largest_pool:
+        return
+    n, most = req.params.n, req.params.max_tokens
+    asked = f"{n} choices of up to {most} tokens each" if n > 1 else f"up to {most} tokens"
+    raise InvalidRequest(
+        f"The request could never fit a decode worker: a {len(req.prompt_ids)}-token prompt with {asked} needs "
+        f"{need} K/V blocks of {block_size} tokens; the largest decode worker holds {largest_pool}. "
+        f"Lower {'n or max_tokens' if n > 1 else 'max_tokens'} or shorten the prompt.",
+        param="n" if n > 1 else "max_tokens", code="context_length_exceeded")
 
 
 def admission_waits(reason: str, restarts: bool, away: set[str]) -> bool:

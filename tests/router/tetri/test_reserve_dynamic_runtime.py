@@ -12,11 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.api.backend import FinishEvent, Rejection
+from pdserve.api.backend import FinishEvent
 from pdserve.api.server import cluster
 from pdserve.cli import main as cli_main
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.default import resolve_model
 from pdserve.predictor.manifest import PredictorError
@@ -71,7 +72,7 @@ def test_outgrown_holds_grow_then_preempt_by_recompute_with_exact_tokens_and_no_
             assert 'pdserve_requests_total{result="completed"} 5.0' in text
             assert "pdserve_early_rejections_total{" not in text
             assert {w.load.get("reserve_mode") for w in backend.workers()} == {"dynamic"}
-            with pytest.raises(Rejection, match="could never fit"):  # its hold could never grow to max_tokens here
+            with pytest.raises(InvalidRequest, match="could never fit"):  # its hold could never grow to max_tokens here
                 await collect(backend, "huge", prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True))
 
     asyncio.run(main())
