@@ -7,10 +7,17 @@ then check what types cannot (served model name, unsupported features, prompt le
 (400, or 404 for an unknown model) naming the offending parameter.
 
 Supported beyond OpenAI: `top_k` (0 or -1 disables), `ignore_eos`, `return_token_ids` (each
-choice then carries `token_ids`, the output ids); chat also takes vLLM's `add_generation_prompt`
-(default true) and `chat_template_kwargs` (extra variables for the checkpoint's template). Accepted but ignored: `user`. Rejected with
-400 when set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and
-frequency penalties, logit_bias, tools/functions, non-text response formats and content parts.
+choice then carries `token_ids`, the output ids), vLLM's `min_tokens`, `stop_token_ids` and
+`repetition_penalty` (api/extensions.py states their semantics); chat also takes vLLM's
+`add_generation_prompt` (default true) and `chat_template_kwargs` (extra variables for the
+checkpoint's template). Accepted but ignored: `user`, and any field this server does not know
+(as vLLM, which only logs them). Rejected with 400 `unsupported_parameter` naming the field when
+set to a non-default value: best_of > 1 (as vLLM's current engine), suffix, presence and frequency
+penalties, logit_bias, tools/functions, non-text response formats and content parts, and every
+other vLLM extension (`extensions.REFUSED`: min_p, length_penalty, use_beam_search,
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, truncate_prompt_tokens, priority, guided_* and structured
+outputs, logits_processors, ...; `add_special_tokens` other than the endpoint's default).
 Defaults follow OpenAI: max_tokens 16, temperature 1.0, top_p 1.0; an omitted max_tokens never
 asks for more than the context has left (max_model_len - prompt tokens). A given max_tokens (chat:
 max_completion_tokens, else max_tokens) that does not fit beside the prompt is a 400
@@ -38,9 +45,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.api import extensions
 from pdserve.api.backend import GenerationRequest
 from pdserve.api.chat_template import chat_prompt_ids
 from pdserve.api.errors import ApiError, bad_request
+from pdserve.api.extensions import VllmExtensions
 from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sequence import SamplingParams
 
@@ -86,8 +95,9 @@ class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _CommonRequest(StrictBody):
-    """Fields shared by both endpoints; None means "use the default" as in OpenAI's API."""
+class _CommonRequest(StrictBody, VllmExtensions):
+    """Fields shared by both endpoints (vLLM's extensions: api/extensions.py); None means "use
+    the default" as in OpenAI's API."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with completions' echo
@@ -105,6 +115,7 @@ class _CommonRequest(StrictBody):
     presence_penalty: Finite | None = None
     frequency_penalty: Finite | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: salts prefix caching
 
@@ -138,7 +149,6 @@ class ChatCompletionRequest(_CommonRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -201,7 +211,7 @@ def with_scripted_eos(parsed: ParsedRequest, headers) -> ParsedRequest:
 # ---- entry points -------------------------------------------------------------------------
 def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequest:
     check_model(body.model, served)
-    _reject_unsupported(_common_unsupported(body) + _completion_unsupported(body))
+    _reject_unsupported(_common_unsupported(body) + _completion_unsupported(body) + extensions.problems(body, "completions"))
     _check_logprobs_k(body.logprobs, served, "logprobs")
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
@@ -215,7 +225,7 @@ def parse_completion(body: CompletionRequest, served: ServedModel) -> ParsedRequ
 
 def parse_chat(body: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
     check_model(body.model, served)
-    _reject_unsupported(_common_unsupported(body) + _chat_unsupported(body))
+    _reject_unsupported(_common_unsupported(body) + _chat_unsupported(body) + extensions.problems(body, "chat"))
     if body.top_logprobs and not body.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
     k = (body.top_logprobs or 0) if body.logprobs else None
@@ -278,6 +288,8 @@ def _common_unsupported(body: _CommonRequest) -> list[tuple[str, str]]:
         problems.append(("logit_bias", "logit_bias is not supported"))
     if body.stream_options is not None and not body.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        problems.append(("response_format", "only the text response format is supported"))
     return problems
 
 
@@ -296,8 +308,6 @@ def _chat_unsupported(body: ChatCompletionRequest) -> list[tuple[str, str]]:
         problems.append(("tools", "tools and function calling are not supported"))
     if body.function_call not in (None, "none"):
         problems.append(("function_call", "function calling is not supported"))
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        problems.append(("response_format", "only the text response format is supported"))
     return problems
 
 
@@ -351,6 +361,7 @@ def _finish(body: _CommonRequest, served: ServedModel, prompt_ids: list[int], as
     """`asked`: the request's max_tokens (None when omitted) and the field that carried it."""
     _check_length(prompt_ids, served, prompt_param)
     max_tokens = _output_budget(len(prompt_ids), served.max_model_len, *asked)
+    extensions.check_min_tokens(body.min_tokens, max_tokens, asked[1])
     drop_output = max_tokens == 0  # the prompt alone: one token is sampled and dropped
     params = _sampling_params(body, 1 if drop_output else max_tokens, logprobs)
     stream = bool(body.stream)
@@ -397,6 +408,7 @@ def _sampling_params(body: _CommonRequest, max_tokens: int, logprobs: int | None
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         n=body.n or 1,
+        **extensions.sampling_fields(body),
     )
     try:
         params.validate()

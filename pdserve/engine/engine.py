@@ -28,6 +28,7 @@ from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.kv.host_tier import HostTier
 from pdserve.engine.fork import Groups, sequence_key, share_prompt, wants_fork
 from pdserve.engine.handoff_side import HandoffSide
+from pdserve.engine import logits_processors
 from pdserve.engine.logprobs import TokenLogprobs, requested_logprobs, score_prompt_rows
 from pdserve.engine.kv.kv_abi import CacheIdentity, KvAbi
 from pdserve.engine.kv.kv_pool import TORCH_DTYPES, KvPool
@@ -146,6 +147,8 @@ class Engine(HandoffSide):
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
 
     def add_request(
         self,
@@ -247,13 +250,14 @@ class Engine(HandoffSide):
         score_prompt_rows(batch.prompt_rows, logits[num_sampled:])
         logits = logits[:num_sampled]  # [R, V]
         indices = [len(s.output_ids) for s in batch.sampled]
-        tokens = sample(logits, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
+        processed = logits_processors.process(logits, batch.sampled, self.stops.eos_ids)  # [R, V]: min_tokens, penalty
+        tokens = sample(processed, [s.params for s in batch.sampled], [s.seed for s in batch.sampled], indices)
         outputs = []
         for r, (seq, tok) in enumerate(zip(batch.sampled, tokens)):
             if seq.finished:  # aborted while the forward ran (other threads): no token
                 continue
             if wants_fork(seq):
-                outputs += self._fork(seq, logits[r], tok)
+                outputs += self._fork(seq, logits[r], processed[r], tok)
             else:
                 outputs.append(self._postprocess(seq, tok, requested_logprobs(seq.params.logprobs, logits[r : r + 1], [tok])))
         return outputs
@@ -304,11 +308,12 @@ class Engine(HandoffSide):
         return sequence_output(seq, token, new_text, done, reason, prefilled, logprobs, forks or (), with_prompt)
 
     # ---- n > 1 (fork.py) ------------------------------------------------------------------
-    def _fork(self, seq: Sequence, row, token0: int) -> list[RequestOutput]:
-        """row: [V] raw logits of the prompt's last position -> the first token of each of the n
-        sequences; sequence 0 (`seq`, which sampled `token0`) reports first, then the others."""
+    def _fork(self, seq: Sequence, row, processed_row, token0: int) -> list[RequestOutput]:
+        """row: [V] raw logits of the prompt's last position (logprobs read them), processed_row:
+        the same after the request's logits processors (sampling reads it) -> the first token of each
+        of the n sequences; sequence 0 (`seq`, which sampled `token0`) reports first, then the others."""
         n, params = seq.params.n, seq.params
-        tokens = [token0] + [sample_one(row, params, sequence_seed(seq.seed, i), 0) for i in range(1, n)]
+        tokens = [token0] + [sample_one(processed_row, params, sequence_seed(seq.seed, i), 0) for i in range(1, n)]
         scored = requested_logprobs(params.logprobs, row.expand(n, -1), tokens)  # [n, V] rows: one per sequence
         lps = [(lp,) for lp in scored] if scored else [()] * n
         if seq.mode is SeqMode.PREFILL_ONLY:

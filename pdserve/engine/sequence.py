@@ -40,6 +40,10 @@ class SamplingParams:
     # there (a random-weight model never does; a trace's recorded length stands in). Nothing that
     # routes or reserves reads it: max_tokens stays the request's bound (engine/stops.py)
     scripted_eos_tokens: int | None = None
+    # vLLM's: EOS and stop_token_ids are never sampled (nor stop strings matched) before this many
+    # output tokens (engine/logits_processors.py, engine/stops.py)
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0  # vLLM's, over prompt + output tokens; > 1 penalizes repeats
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -50,6 +54,12 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not _is_count(self.min_tokens) or self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not all(_is_count(t) for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
         for name in ("logprobs", "prompt_logprobs"):
@@ -65,6 +75,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class SeqStatus(enum.Enum):
@@ -108,6 +122,7 @@ class Sequence:
     text: str = ""
     num_released_chars: int = 0  # leading chars of `text` already reported to the caller
     text_cut: bool = False  # a stop string ended the text
+    stop_search_from: int = 0  # a stop string must end past this many chars: the first min_tokens outputs' text
     index: int = 0  # which of the request's n output sequences this is (engine/fork.py)
     group: str = ""  # the caller's request id; "" means `request_id` (every sequence of an n = 1 request)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token from position 1, as computed

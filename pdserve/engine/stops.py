@@ -4,7 +4,10 @@
 Contract: `update(seq, token)` is called once per sampled token, after it was appended to
 `seq.output_ids`; it returns the newly completed text and a finish reason or None. Stop strings
 are matched on the detokenized output; the text is cut before the stop string (the token ids
-keep every sampled token). EOS text never appears in the output text.
+keep every sampled token). A stop token (EOS unless ignore_eos, or one of stop_token_ids) that
+ends the sequence never appears in the text, as vLLM's (without include_stop_str_in_output).
+min_tokens (vLLM's): no stop token, scripted EOS or stop string ends a sequence before it has
+min_tokens output tokens, and a stop string must end in text past the first min_tokens tokens'.
 """
 
 from __future__ import annotations
@@ -33,25 +36,34 @@ class StopChecker:
         if detok is not None:
             seq.text += detok.push(token)
             seq.num_released_chars = len(seq.text)
+            self._note_min_tokens_text(seq, len(detok.ids))
 
     def update(self, seq: Sequence, token: int) -> tuple[str, str | None]:
         """-> (text released by this token, finish reason or None)."""
-        params = seq.params
-        is_eos = token in self.eos_ids and not params.ignore_eos
-        if not is_eos:
+        params, num_output = seq.params, len(seq.output_ids)
+        may_stop = num_output >= params.min_tokens  # vLLM's check_stop: nothing stops before min_tokens
+        is_stop_token = may_stop and ((token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids)
+        if not is_stop_token:
             self._push_text(seq, token)
+            self._note_min_tokens_text(seq, num_output)
         reason = None
-        if is_eos or token in params.stop_token_ids:
+        if is_stop_token:
             reason = "stop"
-        elif params.stop and self._cut_at_stop(seq):
+        elif params.stop and num_output > params.min_tokens and self._cut_at_stop(seq):
             reason = "stop"
-        elif params.scripted_eos_tokens is not None and len(seq.output_ids) >= params.scripted_eos_tokens:
+        elif params.scripted_eos_tokens is not None and may_stop and num_output >= params.scripted_eos_tokens:
             reason = "stop"  # the benchmark's stand-in for an EOS at the trace's length (sequence.py)
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None and not (params.stop and seq.text_cut):
             self._flush_detokenizer(seq)  # bytes held back for an incomplete character end the text
         return self._release(seq, final=reason is not None), reason
+
+    @staticmethod
+    def _note_min_tokens_text(seq: Sequence, num_output: int) -> None:
+        """While the output has at most min_tokens tokens, no stop string may end in its text."""
+        if num_output <= seq.params.min_tokens:
+            seq.stop_search_from = len(seq.text)
 
     def _flush_detokenizer(self, seq: Sequence) -> None:
         detok = self._detok.get(seq.request_id)
@@ -78,7 +90,8 @@ class StopChecker:
     def _cut_at_stop(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)
         start = max(0, seq.num_released_chars - longest)
-        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        hits = [i for i in (seq.text.find(s, max(start, seq.stop_search_from - len(s) + 1)) for s in seq.params.stop)
+                if i >= 0]
         if not hits:
             return False
         seq.text = seq.text[: min(hits)]

@@ -24,7 +24,7 @@ def hold_params(params: SamplingParams, reserve_tokens: int) -> SamplingParams:
     place of max_tokens (never more than max_tokens); unchanged when no hold is given."""
     if reserve_tokens <= 0 or reserve_tokens >= params.max_tokens:
         return params
-    return replace(params, max_tokens=reserve_tokens)
+    return replace(params, max_tokens=reserve_tokens, min_tokens=min(params.min_tokens, reserve_tokens))
 
 
 @dataclass
