@@ -173,11 +173,18 @@ async def _mixed_first_scenario():
         return lent_while_room, lent_when_full, tokens, {line["request_id"]: line for line in backend.trace.recent}
 
 
-def test_a_pressed_token_pool_takes_the_mixed_worker_before_it_borrows_a_prefill_worker():
+def test_a_pressed_token_pool_takes_the_mixed_worker_before_it_borrows_a_prefill_worker(monkeypatch):
+    from pdserve.router.splitwise import splitwise
+
+    seen, least_loaded = [], splitwise._least_loaded
+    monkeypatch.setattr(splitwise, "_least_loaded", lambda load, lent: seen.append(dict(load)) or least_loaded(load, lent))
     lent_while_room, lent_when_full, tokens, lines = asyncio.run(_mixed_first_scenario())
     assert lent_while_room == []  # before: prefill-0 was lent at the observation that latched the offer
     assert (lines["hold"]["decode"], lines["hold2"]["decode"]) == ("decode-0", "mixed-0")
-    assert lent_when_full == ["prefill-0"]  # the least loaded prefill worker, once mixed-0's K/V is in use
+    # the least loaded prefill worker by the queues the controller read, once mixed-0's K/V is in use
+    # (prefill-0 when both are idle; prefill-1 where prefill-0's report of hold2's prefill was not yet in)
+    assert set(seen[0]) == {"prefill-0", "prefill-1"}
+    assert lent_when_full == [min(seen[0], key=lambda w: (seen[0][w], w))]
     alone = Engine(EngineConfig(model="tiny", num_blocks=256, num_threads=WORKER_THREADS))
     want = [list(out.output_ids) for out in alone.generate(
         [list(PROMPTS[0]), list(PROMPTS[1])], [replace(HOLDING, max_tokens=len(t)) for t in tokens])]
