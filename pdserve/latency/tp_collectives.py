@@ -111,24 +111,31 @@ def _bursts(call, bursts: int, calls: int) -> list[float]:
 
 class _Products:
     """A rank's share of one layer's products at `rows` rows: call(half) runs the attention half
-    (q|k|v, then o_proj) or the MLP half (gate|up, then down_proj) and returns the [rows, d] partial."""
+    (q|k|v, then o_proj) or the MLP half (gate|up, then down_proj) and returns the [rows, d] partial.
+    The products run as the engine's bf16 products do on this CPU (numerics.choose_plan: on the
+    AVX2 kind its own kernel, where torch's bf16 GEMM is some 40x slower at 512 rows)."""
 
     def __init__(self, shape: LayerShape, tp: int, rows: int):
         import torch
 
+        from pdserve.model.numerics import choose_plan, prepare
+
         bf16, d = torch.bfloat16, shape.hidden
+        shapes = (((shape.q_dim + 2 * shape.kv_dim) // tp, d), (d, shape.q_dim // tp),  # [N, K] as F.linear
+                  (2 * shape.intermediate // tp, d), (d, shape.intermediate // tp))
+        plan = choose_plan(bf16, False, shapes).plan
+        self.qkv, self.o, self.gate_up, self.down = (prepare(torch.full(s, 1e-3, dtype=bf16), plan) for s in shapes)
         self.x = torch.ones(rows, d, dtype=bf16)  # [rows, d]
-        self.qkv = torch.full((d, (shape.q_dim + 2 * shape.kv_dim) // tp), 1e-3, dtype=bf16)  # [d, (q + 2kv)/N]
-        self.o = torch.full((shape.q_dim // tp, d), 1e-3, dtype=bf16)  # [q/N, d]
-        self.gate_up = torch.full((d, 2 * shape.intermediate // tp), 1e-3, dtype=bf16)  # [d, 2ff/N]
-        self.down = torch.full((shape.intermediate // tp, d), 1e-3, dtype=bf16)  # [ff/N, d]
+        self.q_cols, self.ff_cols = shape.q_dim // tp, shape.intermediate // tp
         self.half = 0
 
     def __call__(self):
+        from pdserve.model.numerics import linear
+
         self.half ^= 1
         if self.half:
-            return (self.x @ self.qkv)[:, : self.o.shape[0]] @ self.o  # [rows, d]
-        return (self.x @ self.gate_up)[:, : self.down.shape[0]] @ self.down  # [rows, d]
+            return linear(linear(self.x, self.qkv)[:, : self.q_cols], self.o)  # [rows, d]
+        return linear(linear(self.x, self.gate_up)[:, : self.ff_cols], self.down)  # [rows, d]
 
 
 def _shaped(shape: LayerShape, tp: int, rows: int, bursts: int, calls: int) -> list[float]:
