@@ -126,7 +126,7 @@ def run_pdserve(case: Case, extra: tuple[str, ...] = ()) -> dict:
 def _phases(argv: list[str], dis: dict) -> dict:
     """Each phase of the disaggregated plan: its score per instance (simulated, held to its
     sustained rate), its capacity (`candidates.prefill_bound`: one prompt per stage interval;
-    `decode_bound`: the largest batch meeting TPOT, the K/V and --max-seqs), and that capacity
+    `decode_bound`: the best rate of a batch meeting TPOT, the K/V and --max-seqs), and that capacity
     under aiconfigurator's latency corrections (the step x1.08 or x1.1, so the TPOT batch shrinks
     too), for the attribution."""
     import dataclasses

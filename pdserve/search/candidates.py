@@ -11,10 +11,11 @@ with PP up to `MAX_PP` stages. The bounds are per instance:
   (one prompt by default: 1 / S), S its first-stage interval (`prefill_stage_s`: D/pp plus any
   serial part); and an M/D/1 estimate (solve D + R S^2 / (2(1 - R S)) = tau_f) that centres the
   simulated sweep;
-- decode: zero when a lone sequence misses the TPOT gate; otherwise the sustained rate
-  B / ((O - 1) * step(B)) at the TPOT batch B (`tpot_batch`): the largest batch whose step at the
-  steady context meets tau_o within `--max-seqs` and the K/V (a steady batch holds each sequence
-  at its prompt plus half its output, weighted by its decode steps: `WorkloadShape.decode_context`);
+- decode: zero when a lone sequence misses the TPOT gate; otherwise the sustained rate, the
+  largest b / ((O - 1) * step(b)) for b up to the TPOT batch B (`tpot_batch`): the largest batch
+  whose step at the steady context meets tau_o within `--max-seqs` and the K/V (a steady batch
+  holds each sequence at its prompt plus half its output, weighted by its decode steps:
+  `WorkloadShape.decode_context`); usually b = B, a smaller b where the step jumps at a tile;
 - colocated: min of the two phase capacities (an estimate: the phases taking turns).
 
 Bounds are capacities (no queueing): a candidate whose bound per GPU is below the best simulated
@@ -178,11 +179,14 @@ def tpot_batch(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: in
 
 
 def decode_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> float:
-    """Sustained rps of one decode instance: its TPOT batch, one token per sequence a step."""
+    """Sustained rps of one decode instance: the best rate of any batch up to its TPOT batch, one
+    token per sequence a step. A loaded pool settles at the smallest batch whose rate reaches the
+    arrivals, so where the step jumps (a GEMM tile boundary) a smaller batch carries more."""
     batch = tpot_batch(model, shape, slo, max_seqs)
     if batch == 0:
         return 0.0
-    return batch / (max(shape.mean_output - 1, 1) * model.decode_step_s(batch, batch * shape.decode_context))
+    steps = max(shape.mean_output - 1, 1)
+    return max(b / (steps * model.decode_step_s(b, b * shape.decode_context)) for b in range(1, batch + 1))
 
 
 def colocated_bound(model: LatencyModel, shape: WorkloadShape, slo: Slo, max_seqs: int) -> tuple[float, float]:

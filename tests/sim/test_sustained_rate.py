@@ -101,3 +101,30 @@ def test_a_batched_prefill_sustains_its_largest_batch_within_the_ttft():
     assert prefill_bound(_BatchedPrefill(), shape, slo, max_batch=1_000_000)[0] == pytest.approx(45 / 0.5)
     assert prefill_bound(_BatchedPrefill(), shape, slo, max_batch=8)[0] == pytest.approx(8 / 0.13)
     assert prefill_bound(_BatchedPrefill(), shape, slo, 1_000, max_batch_tokens=2_000)[0] == pytest.approx(20 / 0.25)
+
+
+@dataclass(frozen=True)
+class _TiledDecode(LatencyModel):
+    """A decode step of 10 ms up to 128 sequences and 20 ms past them (a GEMM tile boundary)."""
+
+    def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
+        return 0.001
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return 0.010 if batch <= 128 else 0.020
+
+    def mixed_step_s(self, *args) -> float:
+        return 0.010
+
+    def to_dict(self) -> dict:
+        return {"kind": "test"}
+
+
+def test_the_decode_bound_is_the_best_rate_within_the_tpot_batch():
+    # 200 sequences meet a 25 ms TPOT but carry 200 / 0.020 = 10,000 tokens/s; 128 carry 12,800. A pool
+    # under load settles at the smallest batch whose rate reaches the arrivals, so it sustains 128's rate
+    shape = WorkloadShape(mean_prompt=100.0, mean_output=11.0, max_tokens=111, decode_context=105.5)
+    slo = Slo(ttft_s=1.0, tpot_s=0.025)
+    model = _TiledDecode()
+    assert tpot_batch(model, shape, slo, 200) == 200
+    assert decode_bound(model, shape, slo, 200) == pytest.approx(128 / (10 * 0.010))
