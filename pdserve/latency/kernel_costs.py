@@ -59,11 +59,12 @@ class GemmCurve:
 
     def kernel_s(self, flops: float, nbytes: float) -> float:
         """Any kernel of `flops` and `nbytes` on this curve (the attention fits use it directly)."""
+        memory = self._memory_s(nbytes) + self.kernel_floor_s
         if flops <= 0:
-            return self.kernel_floor_s + self._memory_s(nbytes)
+            return memory
         ramp = 1.0 + (self.compute_half_flops / flops) ** self.compute_ramp_exponent
         compute = flops * ramp / (self.peak_flops_per_s * self.compute_efficiency_max)
-        return max(compute, self._memory_s(nbytes) + self.kernel_floor_s)
+        return compute if compute > memory else memory
 
     def _memory_s(self, nbytes: float) -> float:
         memory = nbytes / (self.peak_bytes_per_s * self.memory_efficiency)

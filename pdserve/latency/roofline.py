@@ -68,6 +68,7 @@ class RooflineLatency(LatencyModel):
     pp: int = 1
     _coef: tuple = field(init=False, repr=False, compare=False)
     _rows_memo: dict = field(init=False, repr=False, compare=False)
+    _attn: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -89,6 +90,9 @@ class RooflineLatency(LatencyModel):
         )
         object.__setattr__(self, "_coef", coef)
         object.__setattr__(self, "_rows_memo", {})
+        # attention_s's per-layer, per-rank constants (the simulator's hottest call): F_attn(1), K/V bytes
+        # per token, the layers x ranks they are spread over
+        object.__setattr__(self, "_attn", (attention_flops(g, 1), g.kv_bytes_per_token, g.layers * self.tp))
 
     @property
     def hop_links(self) -> tuple[int, int]:
@@ -152,11 +156,11 @@ class RooflineLatency(LatencyModel):
             return attn if attn > kv else kv
         if pairs <= 0 and kv_tokens <= 0:
             return 0.0  # no rows of this class: no kernel
-        g = self.model.geometry
+        flops_per_pair, kv_bytes, spread = self._attn
         curve = curves.context if phase == "context" else curves.generation
-        flops = attention_flops(g, 1) * pairs / (g.layers * self.tp)  # one layer, one rank's heads
-        nbytes = g.kv_bytes_per_token * kv_tokens / (g.layers * self.tp)
-        return g.layers * curve.kernel_s(flops, nbytes)
+        flops = flops_per_pair * pairs / spread  # one layer, one rank's heads
+        nbytes = kv_bytes * kv_tokens / spread
+        return self.model.geometry.layers * curve.kernel_s(flops, nbytes)
 
     def prefill_batch_s(self, new_tokens: Sequence[int], cached_tokens: Sequence[int]) -> float:
         rows = sum(new_tokens)
