@@ -315,6 +315,9 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-body-timeout-s", type=float, default=edge.DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="a request's body must arrive within S seconds of its head; else 408 and close, "
                         f"before any route runs (default {edge.DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--response-write-timeout-s", type=float, default=edge.DEFAULT_WRITE_TIMEOUT_S, metavar="S",
+                   help="a connection whose client reads none of its answer for S seconds (the server's "
+                        f"send buffers full) is dropped (default {edge.DEFAULT_WRITE_TIMEOUT_S:g})")
 
 
 def edge_limits(args: argparse.Namespace):
@@ -324,7 +327,8 @@ def edge_limits(args: argparse.Namespace):
     base = EdgeLimits()
     return EdgeLimits(getattr(args, "max_connections", base.max_connections),
                       getattr(args, "request_header_timeout_s", base.header_timeout_s),
-                      getattr(args, "request_body_timeout_s", base.body_timeout_s))
+                      getattr(args, "request_body_timeout_s", base.body_timeout_s),
+                      getattr(args, "response_write_timeout_s", base.write_timeout_s))
 
 
 def run(args: argparse.Namespace) -> int:

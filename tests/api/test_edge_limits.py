@@ -15,7 +15,8 @@ from tests.api.served_cli import ROOT, TINY_SERVE
 
 @pytest.mark.parametrize("kw, flag", [({"max_connections": 0}, "--max-connections"),
                                       ({"header_timeout_s": 0.0}, "--request-header-timeout-s"),
-                                      ({"body_timeout_s": -1.0}, "--request-body-timeout-s")])
+                                      ({"body_timeout_s": -1.0}, "--request-body-timeout-s"),
+                                      ({"write_timeout_s": 0.0}, "--response-write-timeout-s")])
 def test_a_bad_limit_names_its_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         EdgeLimits(**kw)

@@ -1,6 +1,6 @@
-"""The HTTP edge's connection limits enforced below the ASGI app: a cap on open connections and
-deadlines for each request's head and body, so clients that connect and then send slowly, or not
-at all, cannot hold the server's file descriptors.
+"""The HTTP edge's connection limits enforced below the ASGI app: a cap on open connections,
+deadlines for each request's head and body, and one for an answer that cannot move, so clients that
+connect and then send slowly, or not at all, or never read, cannot hold the server's file descriptors.
 
 Contract: `edge_protocol(limits)` is the uvicorn `http` protocol for `pdserve serve`: uvicorn's
 h11 protocol with `EdgeLimits` (limits.py) enforced:
@@ -12,7 +12,12 @@ h11 protocol with `EdgeLimits` (limits.py) enforced:
 - a request body must be complete within `body_timeout_s` of its head; else 408 and close. The
   app's pending `receive` returns `http.disconnect`, so no route runs and nothing reaches the
   router. When the app already answered (a 401, or a route that reads no body) the connection is
-  only closed.
+  only closed;
+- an answer the client does not read: once uvicorn pauses writing (its buffer past the high-water
+  mark, the kernel's send buffer full) and does not resume within `write_timeout_s`, the connection
+  is aborted (close() would wait for the unread bytes forever); the app's blocked send returns and
+  its disconnect watch aborts the request. It runs only while the writes stay paused: a client
+  that reads its answer as it comes never meets it.
 Every answer is the OpenAI error body (api/errors.py) with `Connection: close`. An idle kept-alive
 connection is closed after uvicorn's `timeout_keep_alive` (5 s), as before.
 Why here: uvicorn 0.55 arms no timer on a fresh connection, cancels its keep-alive timer at the
@@ -54,6 +59,7 @@ class EdgeProtocol(H11Protocol):
         self.deadline: asyncio.TimerHandle | None = None
         self.phase: str | None = None  # "head" | "body" while a deadline runs
         self.refused = False
+        self.stall: asyncio.TimerHandle | None = None  # armed while uvicorn paused writing (the client reads nothing)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -77,7 +83,28 @@ class EdgeProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stall is None:
+            self.stall = self.loop.call_later(self.limits.write_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for write_timeout_s while its answer waited: drop the connection
+        (abort: close() would wait for the unread bytes forever); the app sees a disconnect."""
+        self.stall = None
+        self.transport.abort()
 
     def _follow(self) -> None:
         """Arm, keep or drop the deadline for where the client's side of the exchange stands."""
