@@ -94,8 +94,10 @@ def _neutral(value: Any, neutral: Any) -> bool:
 
 
 def sampling_fields(body: VllmExtensions) -> dict[str, Any]:
-    """The honoured extensions as SamplingParams keywords."""
-    return {"min_tokens": body.min_tokens, "stop_token_ids": tuple(body.stop_token_ids or ()),
+    """The honoured extensions as SamplingParams keywords. stop_token_ids keeps each id once (in
+    first-seen order): a body may repeat ids ~10^6 times within the 4 MiB limit, and every decode
+    step reads the list (engine/stops.py, engine/logits_processors.py)."""
+    return {"min_tokens": body.min_tokens, "stop_token_ids": tuple(dict.fromkeys(body.stop_token_ids or ())),  # each once
             "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty}
 
 

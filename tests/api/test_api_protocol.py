@@ -43,6 +43,13 @@ def test_fields_map_to_sampling_params():
     assert parsed.to_generation("cmpl-1") == GenerationRequest("cmpl-1", (1, 2), parsed.params)
 
 
+def test_stop_token_ids_are_kept_once_each():
+    """A body may repeat an id ~10^6 times within the 4 MiB limit; each decode step reads the list
+    (engine/stops.py, engine/logits_processors.py), so each id is kept once, in first-seen order."""
+    parsed = completion(stop_token_ids=[7, 3, 7] * 100_000, min_tokens=2)
+    assert parsed.params.stop_token_ids == (7, 3)
+
+
 def test_single_prompt_in_a_list_is_unwrapped():
     assert completion(prompt=["ab"]).prompt_ids == (97, 98)
     assert completion(prompt=[[7, 8]]).prompt_ids == (7, 8)
