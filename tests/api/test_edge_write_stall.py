@@ -1,11 +1,13 @@
 """A client that sends a request and then reads none of a large answer (api/edge/connections.py):
 once the server's send buffers are full and no byte leaves for --response-write-timeout-s, the
 connection is dropped, so the app's blocked send returns and the connection's slot and file
-descriptor come back. Before, such a client held both forever (and SIGTERM waited on it)."""
+descriptor come back. Before, such a client held both forever (and SIGTERM waited on it). A client
+that reads slowly, so that writes stay paused for many timeouts in a row, keeps its answer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -13,48 +15,89 @@ import uvicorn
 
 from pdserve.api.edge.connections import edge_protocol
 from pdserve.api.edge.limits import EdgeLimits
-from pdserve.ports import free_local_port
 
 WRITE_TIMEOUT_S = 1.0
 ANSWER_BYTES = 64 << 20  # far past any kernel's send and receive buffers on loopback
-CHUNK = b"x" * (64 << 10)
+CHUNK = b"x" * (1 << 20)  # a paused write leaves ~1 MiB buffered: a slow reader takes seconds to drain it
+
+
+class Served:
+    """uvicorn with the edge protocol on a free port, its one route answering ANSWER_BYTES."""
+
+    def __init__(self) -> None:
+        self.done: float | None = None  # when the app's last send returned
+        # a fixed send buffer (accepted sockets inherit it; no autotuning to MiBs): the kernel reports
+        # the socket writable again once half of it drained, so a slow reader moves the answer often
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="off", interface="asgi3",
+                                                    http=edge_protocol(EdgeLimits(write_timeout_s=WRITE_TIMEOUT_S))))
+
+    async def app(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for _ in range(ANSWER_BYTES // len(CHUNK)):
+            await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        self.done = time.monotonic()
+
+    async def __aenter__(self) -> Served:
+        self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.should_exit = True
+        await self.serving
+
+    def client(self, receive_buffer: int) -> socket.socket:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        client.connect(("127.0.0.1", self.port))
+        client.sendall(b"GET / HTTP/1.1\r\nHost: pdserve\r\n\r\n")
+        return client
 
 
 def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout():
     async def main():
-        sent = {"done": None}
+        async with Served() as served:
+            client = served.client(4096)  # and never reads
+            try:
+                start = time.monotonic()
+                while served.done is None and time.monotonic() - start < 30:
+                    await asyncio.sleep(0.05)
+                assert served.done is not None, "the app's send is still blocked on a client that reads nothing"
+                for _ in range(100):  # the dropped connection leaves the server's set
+                    if not served.server.server_state.connections:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not served.server.server_state.connections
+            finally:
+                client.close()
 
-        async def app(scope, receive, send):
-            if scope["type"] != "http":
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-            for _ in range(ANSWER_BYTES // len(CHUNK)):
-                await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            sent["done"] = time.monotonic()
+    asyncio.run(main())
 
-        port = free_local_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                               http=edge_protocol(EdgeLimits(write_timeout_s=WRITE_TIMEOUT_S))))
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.02)
-        client = socket.create_connection(("127.0.0.1", port))
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        try:
-            client.sendall(b"GET / HTTP/1.1\r\nHost: pdserve\r\n\r\n")  # and never reads
-            start = time.monotonic()
-            while sent["done"] is None and time.monotonic() - start < 30:
-                await asyncio.sleep(0.05)
-            assert sent["done"] is not None, "the app's send is still blocked on a client that reads nothing"
-            for _ in range(100):  # the dropped connection leaves the server's set
-                if not server.server_state.connections:
-                    break
-                await asyncio.sleep(0.05)
-            assert not server.server_state.connections
-        finally:
-            client.close()
-            server.should_exit = True
-            await serving
+
+def test_a_client_that_reads_slowly_keeps_its_answer_past_many_write_timeouts():
+    async def main():
+        async with Served() as served:
+            client = served.client(64 << 10)
+            client.setblocking(False)
+            try:
+                got, start = 0, time.monotonic()
+                while time.monotonic() - start < 4 * WRITE_TIMEOUT_S:  # ~128 KB/s: the writes stay paused
+                    await asyncio.sleep(0.25)
+                    with contextlib.suppress(BlockingIOError):
+                        chunk = client.recv(32 << 10)
+                        assert chunk, f"the server dropped a client that reads ({got} bytes read)"
+                        got += len(chunk)
+                assert served.done is None and len(served.server.server_state.connections) == 1
+            finally:
+                client.close()
 
     asyncio.run(main())

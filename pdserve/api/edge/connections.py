@@ -13,11 +13,13 @@ h11 protocol with `EdgeLimits` (limits.py) enforced:
   app's pending `receive` returns `http.disconnect`, so no route runs and nothing reaches the
   router. When the app already answered (a 401, or a route that reads no body) the connection is
   only closed;
-- an answer the client does not read: once uvicorn pauses writing (its buffer past the high-water
-  mark, the kernel's send buffer full) and does not resume within `write_timeout_s`, the connection
-  is aborted (close() would wait for the unread bytes forever); the app's blocked send returns and
-  its disconnect watch aborts the request. It runs only while the writes stay paused: a client
-  that reads its answer as it comes never meets it.
+- an answer the client does not read: while uvicorn has paused writing (its buffer past the
+  high-water mark, the kernel's send buffer full), a `write_timeout_s` in which no byte of it left
+  aborts the connection (close() would wait for the unread bytes forever); the app's blocked send
+  returns and its disconnect watch aborts the request (nginx's `send_timeout`). A client that
+  keeps reading moves it: the kernel takes more each time half its send buffer drained (with
+  Linux's autotuned 4 MiB, ~35 KB/s over the default 60 s), and one whose writes never pause
+  never meets it.
 Every answer is the OpenAI error body (api/errors.py) with `Connection: close`. An idle kept-alive
 connection is closed after uvicorn's `timeout_keep_alive` (5 s), as before.
 Why here: uvicorn 0.55 arms no timer on a fresh connection, cancels its keep-alive timer at the
@@ -60,6 +62,7 @@ class EdgeProtocol(H11Protocol):
         self.phase: str | None = None  # "head" | "body" while a deadline runs
         self.refused = False
         self.stall: asyncio.TimerHandle | None = None  # armed while uvicorn paused writing (the client reads nothing)
+        self.stall_left = 0  # bytes buffered when `stall` was armed
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -89,7 +92,11 @@ class EdgeProtocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self.stall is None:
-            self.stall = self.loop.call_later(self.limits.write_timeout_s, self._stalled)
+            self._arm_stall()
+
+    def _arm_stall(self) -> None:
+        self.stall_left = self.transport.get_write_buffer_size()  # the app adds nothing while writes are paused
+        self.stall = self.loop.call_later(self.limits.write_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -101,9 +108,13 @@ class EdgeProtocol(H11Protocol):
             self.stall = None
 
     def _stalled(self) -> None:
-        """The client read nothing for write_timeout_s while its answer waited: drop the connection
-        (abort: close() would wait for the unread bytes forever); the app sees a disconnect."""
+        """No byte of the answer left for write_timeout_s: drop the connection (abort: close() would
+        wait for the unread bytes forever); the app sees a disconnect. Some left: the client reads,
+        however slowly, and gets another write_timeout_s (nginx's send_timeout)."""
         self.stall = None
+        if self.transport.get_write_buffer_size() < self.stall_left:
+            self._arm_stall()
+            return
         self.transport.abort()
 
     def _follow(self) -> None:
