@@ -12,7 +12,8 @@ Contract:
   prefix cache), so a fork never fails for memory.
 - On a prefill worker nothing is forked: the n first tokens are reported, and those whose
   sequence did not finish at the first token travel as `forks` ((index, token), ...) with the
-  handoff's first token; the decode worker forks those over the one imported prompt.
+  handoff's first token; the decode worker forks those over the one imported prompt, having
+  reserved ledger/kv.py's `fork_blocks` (what the router's decode hold counts too).
 - `Groups` tracks each request's live sequences by the caller's id: the request finishes when its
   last sequence does, and an abort reaches every sequence.
 """
@@ -32,17 +33,6 @@ def sequence_key(request_id: str, index: int) -> str:
 def wants_fork(seq: Sequence) -> bool:
     """This sample is the first of an n > 1 request's prompt: n tokens are drawn here."""
     return seq.params.n > 1 and seq.index == 0 and not seq.output_ids
-
-
-def import_needs(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int, max_model_len: int) -> tuple[int, int, int]:
-    """(prompt blocks, growth blocks in all, growth blocks of one sequence) for n sequences decoding
-    over one imported prompt: each grows on its own, and every sequence but the first needs its
-    own copy of a partial last prompt block."""
-    prompt_blocks = -(-num_prompt_tokens // block_size)
-    final = min(num_prompt_tokens + max_tokens, max_model_len)
-    each = max(0, -(-final // block_size) - prompt_blocks)
-    partial = 1 if num_prompt_tokens % block_size else 0
-    return prompt_blocks, n * each + (n - 1) * partial, each
 
 
 class Groups:

@@ -11,10 +11,11 @@ imported blocks or `cancel_import` returns everything to the pool.
 from __future__ import annotations
 
 from pdserve.engine.errors import InvalidRequest
-from pdserve.engine.fork import import_needs, sequence_key, share_prompt
+from pdserve.engine.fork import sequence_key, share_prompt
 from pdserve.engine.outputs import ImportReservation, KvExport
 from pdserve.engine.sampler import sequence_seed
 from pdserve.engine.sequence import SamplingParams, Sequence, SeqMode, SeqStatus
+from pdserve.ledger.kv import fork_blocks
 
 
 class HandoffSide:
@@ -55,7 +56,7 @@ class HandoffSide:
 
     # ---- decode side of a handoff ---------------------------------------------------------
     def _import_needs(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> tuple[int, int, int]:
-        return import_needs(num_prompt_tokens, max_tokens, n, self.abi.block_size, self.max_model_len)
+        return fork_blocks(num_prompt_tokens, max_tokens, n, self.abi.block_size, self.max_model_len)
 
     def can_reserve_import(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> bool:
         prompt_blocks, growth, _ = self._import_needs(num_prompt_tokens, max_tokens, n)

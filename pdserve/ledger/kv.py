@@ -60,6 +60,17 @@ class HandoffSets:
     transfer_blocks: tuple[str, ...]
 
 
+def fork_blocks(prompt_tokens: int, max_tokens: int, n: int, block_size: int, max_model_len: int) -> tuple[int, int, int]:
+    """(prompt blocks, growth blocks in all, growth blocks of one sequence) for n sequences decoding
+    over one prompt (an n > 1 request): each grows on its own to min(prompt + max_tokens,
+    max_model_len), and every sequence but the first copies a partial last prompt block."""
+    prompt_blocks = -(-prompt_tokens // block_size)
+    final = min(prompt_tokens + max_tokens, max_model_len)
+    each = max(0, -(-final // block_size) - prompt_blocks)
+    partial = 1 if prompt_tokens % block_size else 0
+    return prompt_blocks, n * each + (n - 1) * partial, each
+
+
 def handoff_sets(
     prompt_blocks: Sequence[str],
     prefill_reusable: Sequence[str],

@@ -131,3 +131,15 @@ def test_geometry_rejects_nonpositive():
         BlockGeometry(0, 64, 160, 8, 2, 8, 2)
     with pytest.raises(ValueError):
         decode_work(TOY, [0])
+
+
+@pytest.mark.parametrize("args, blocks", [
+    ((32, 48, 2, 16, 1024), (2, 6, 3)),  # block-aligned prompt: nothing to copy at the fork
+    ((10, 20, 8, 16, 1024), (1, 15, 1)),  # 8 choices of 1 block each, 7 copies of the partial prompt block
+    ((100, 1000, 1, 16, 128), (7, 1, 1)),  # growth stops at max_model_len
+    ((128, 0, 3, 16, 1024), (8, 0, 0)),  # nothing to grow: no block, no copy of a full prompt
+])
+def test_fork_blocks_counts_what_the_decode_worker_reserves(args, blocks):
+    from pdserve.ledger.kv import fork_blocks
+
+    assert fork_blocks(*args) == blocks

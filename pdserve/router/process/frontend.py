@@ -311,7 +311,7 @@ class ClusterBackend:
     def output_demand(self, req: GenerationRequest) -> int:
         """Output tokens to hold room for: n x (max_tokens, or the predicted bound under --reserve
         dynamic: tetri_runtime.py), and the partial block each fork copies."""
-        return self.tetri.output_demand(req, self._block_size)
+        return self.tetri.output_demand(req, self._block_size, self.max_model_len)
 
     def _could_ever_fit(self, req: GenerationRequest) -> bool:
         """False when even an empty decode worker could not hold the request at its worst case

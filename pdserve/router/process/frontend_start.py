@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdserve.ledger.kv import fork_blocks
 from pdserve.engine.errors import InvalidRequest
 from pdserve.router.messages import RoutePlan
 from pdserve.router.process.inflight import InFlight
@@ -103,11 +104,12 @@ WAITABLE = {"no_decode_capacity", "no_transfer_buffer"}  # capacity that complet
 
 
 def worst_case_blocks(req, block_size: int, max_model_len: int) -> int:
-    """K/V blocks a request holds on one decode worker at its worst case: sequence 0's prompt +
-    max_tokens (within the context), and for each other of its n choices max_tokens plus the
-    partial prompt block its fork copies."""
-    n, most = req.params.n, req.params.max_tokens
-    return -(-(min(len(req.prompt_ids) + most, max_model_len) + (n - 1) * (most + block_size)) // block_size)
+    """K/V blocks a request holds on one decode worker at its worst case (max_tokens for each of its
+    n choices): the engine's own count (ledger/kv.py `fork_blocks`: the prompt once, each choice's
+    growth, a copy of a partial last prompt block for every choice but the first)."""
+    prompt_blocks, growth, _ = fork_blocks(len(req.prompt_ids), req.params.max_tokens, req.params.n, block_size,
+                                           max_model_len)
+    return prompt_blocks + growth
 
 
 def refuse_never_fitting(req, block_size: int, max_model_len: int, largest_pool: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdserve.ledger.kv import fork_blocks
 from pdserve.router.tetri.reserve_mode import OutputHold, ReservePolicy, outcome_bytes
 
 CACHE = 8192
@@ -44,9 +45,17 @@ class TetriRuntime:
                 self._holds.popitem(last=False)
         return hold
 
-    def output_demand(self, req, block_size: int) -> int:
-        n = req.params.n
-        return n * self.hold(req).tokens + (n - 1) * block_size
+    def output_demand(self, req, block_size: int, max_model_len: int) -> int:
+        """Tokens past the prompt the router's decode hold covers: the hold for one choice; for n
+        choices the decode worker's own block count (ledger/kv.py `fork_blocks`: each choice's
+        growth and the partial prompt block each fork copies), as tokens, so the router's blocks
+        (demand.decode_blocks) are the ones the worker reserves."""
+        n, tokens = req.params.n, self.hold(req).tokens
+        if n == 1:
+            return tokens
+        prompt = len(req.prompt_ids)
+        prompt_blocks, growth, _ = fork_blocks(prompt, tokens, n, block_size, max_model_len)
+        return (prompt_blocks + growth) * block_size - prompt
 
     def reserve_tokens(self, req) -> int:
         return self.hold(req).tokens if self.policy.mode == "dynamic" else 0
