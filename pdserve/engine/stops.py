@@ -42,7 +42,7 @@ class StopChecker:
         """-> (text released by this token, finish reason or None)."""
         params, num_output = seq.params, len(seq.output_ids)
         may_stop = num_output >= params.min_tokens  # vLLM's check_stop: nothing stops before min_tokens
-        is_stop_token = may_stop and ((token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids)
+        is_stop_token = may_stop and ((token in self.eos_ids and not params.ignore_eos) or token in params.stop_id_set)
         if not is_stop_token:
             self._push_text(seq, token)
             self._note_min_tokens_text(seq, num_output)
