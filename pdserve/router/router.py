@@ -196,6 +196,10 @@ class Router:
     def expire(self) -> list[Retirement]:
         return [self._on_retired(r) for r in self._registry.expire()]
 
+    def excuse_stall(self, seconds: float) -> None:
+        """The router did not run for `seconds`: no worker's heartbeat clock counts them."""
+        self._registry.excuse(seconds)
+
     # ----- requests -----
     def route(self, request: RouteRequest, policy: str | None = None) -> RoutePlan | RouteRejection:
         name = policy or self.config.policy

@@ -3,7 +3,8 @@ load reports and `/workers` rows (split out of frontend.py; each function takes 
 `ClusterBackend`).
 
 Contract: `watchdog` runs for the backend's life: every 0.1 s it retires workers whose process
-is gone or whose heartbeats stopped (their requests move on through frontend_events; a hung one
+is gone or whose heartbeats stopped (time the router itself did not run, a tick more than
+STALL_S late, is excused: router.excuse_stall) (their requests move on through frontend_events; a hung one
 is handed to the launcher to be ended and so restarted, `on_worker_hung`), and every
 `lease_renew_s` it renews the K/V leases of live requests. `revoke_capabilities` rotates the
 router's capability key, hands the new public key to every worker and waits for each one's
@@ -21,6 +22,7 @@ one row of GET /workers (`failed_view` the row of a worker the supervisor gave u
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 
@@ -35,11 +37,22 @@ from pdserve.router.process import frontend_events as ev
 from pdserve.router.process.inflight import InFlight
 from pdserve.workers import messages as m
 
+log = logging.getLogger(__name__)
+WATCH_S = 0.1  # the watchdog's period
+STALL_S = 0.5  # a tick this much past its period: the router itself was not running
+
 
 async def watchdog(backend) -> None:
-    next_renewal = time.monotonic() + backend.lease_renew_s
+    last = time.monotonic()
+    next_renewal = last + backend.lease_renew_s
     while True:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(WATCH_S)
+        now = time.monotonic()
+        stalled, last = now - last - WATCH_S, now
+        if stalled > STALL_S:  # stopped (SIGSTOP, a suspended VM) or its event loop held: the workers' silence
+            backend.router.excuse_stall(stalled)  # over that time is the router's, not theirs
+            log.warning("the router did not run for %.1f s (its process stopped or its event loop blocked); "
+                        "workers' heartbeats are not counted missing over that time", stalled)
         await backend.reap_lost_workers()
         if time.monotonic() >= next_renewal:
             next_renewal = time.monotonic() + backend.lease_renew_s

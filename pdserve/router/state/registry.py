@@ -157,6 +157,14 @@ class Registry:
         self._current(worker_id, role_epoch)
         return self._retire(worker_id, "deregistered")
 
+    def excuse(self, seconds: float) -> None:
+        """The router itself did not run for `seconds` (its process stopped, its event loop held):
+        that time is no worker's silence, so every worker's last heartbeat moves that much later
+        (never past now). Heartbeats sent meanwhile are still queued for the router to read."""
+        now = self._clock()
+        for worker_id, entry in self._entries.items():
+            self._entries[worker_id] = replace(entry, last_seen_s=min(now, entry.last_seen_s + seconds))
+
     def expire(self) -> list[RetiredWorker]:
         """Retire every worker not heard from within the heartbeat timeout."""
         deadline_s = self._clock() - self._timeout_s
