@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.ledger.kv import fork_blocks
 from pdserve.engine.errors import InvalidRequest
+from pdserve.ledger.kv import fork_blocks
 from pdserve.router.messages import RoutePlan
 from pdserve.router.process.inflight import InFlight
 from pdserve.workers import messages as m
