@@ -24,12 +24,12 @@ CHUNK = b"x" * (1 << 20)  # a paused write leaves ~1 MiB buffered: a slow reader
 class Served:
     """uvicorn with the edge protocol on a free port, its one route answering ANSWER_BYTES."""
 
-    def __init__(self) -> None:
+    def __init__(self, send_buffer: int = 64 << 10) -> None:
         self.done: float | None = None  # when the app's last send returned
         # a fixed send buffer (accepted sockets inherit it; no autotuning to MiBs): the kernel reports
         # the socket writable again once half of it drained, so a slow reader moves the answer often
         self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
@@ -94,6 +94,29 @@ def test_a_client_that_reads_slowly_keeps_its_answer_past_many_write_timeouts():
                     await asyncio.sleep(0.25)
                     with contextlib.suppress(BlockingIOError):
                         chunk = client.recv(32 << 10)
+                        assert chunk, f"the server dropped a client that reads ({got} bytes read)"
+                        got += len(chunk)
+                assert served.done is None and len(served.server.server_state.connections) == 1
+            finally:
+                client.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_reads_slower_than_half_the_kernel_buffer_per_timeout_keeps_its_answer():
+    """The kernel reports the socket writable only once half its send buffer drained (Linux
+    autotunes it to 4 MiB): a client reading 16 KB/s drains no such half within a timeout, but
+    bytes do leave the kernel's send queue, and that is progress too (nginx's send_timeout)."""
+    async def main():
+        async with Served(send_buffer=1 << 20) as served:  # the kernel doubles it: ~1 MiB to drain per wakeup
+            client = served.client(4096)
+            client.setblocking(False)
+            try:
+                got, start = 0, time.monotonic()
+                while time.monotonic() - start < 4 * WRITE_TIMEOUT_S:
+                    await asyncio.sleep(0.25)
+                    with contextlib.suppress(BlockingIOError):
+                        chunk = client.recv(4096)
                         assert chunk, f"the server dropped a client that reads ({got} bytes read)"
                         got += len(chunk)
                 assert served.done is None and len(served.server.server_state.connections) == 1

@@ -16,10 +16,11 @@ h11 protocol with `EdgeLimits` (limits.py) enforced:
 - an answer the client does not read: while uvicorn has paused writing (its buffer past the
   high-water mark, the kernel's send buffer full), a `write_timeout_s` in which no byte of it left
   aborts the connection (close() would wait for the unread bytes forever); the app's blocked send
-  returns and its disconnect watch aborts the request (nginx's `send_timeout`). A client that
-  keeps reading moves it: the kernel takes more each time half its send buffer drained (with
-  Linux's autotuned 4 MiB, ~35 KB/s over the default 60 s), and one whose writes never pause
-  never meets it.
+  returns and its disconnect watch aborts the request (nginx's `send_timeout`). A byte leaving
+  counts whether it leaves uvicorn's buffer or the kernel's send queue (SIOCOUTQ: the kernel wakes
+  the writer only once half its autotuned 4 MiB drained, which a client reading under ~35 KB/s
+  never managed within 60 s), so a client that keeps reading, however slowly, keeps its answer, and
+  one whose writes never pause never meets it.
 Every answer is the OpenAI error body (api/errors.py) with `Connection: close`. An idle kept-alive
 connection is closed after uvicorn's `timeout_keep_alive` (5 s), as before.
 Why here: uvicorn 0.55 arms no timer on a fresh connection, cancels its keep-alive timer at the
@@ -31,7 +32,11 @@ first byte of the next head and never re-arms it, has no body deadline, and its
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import struct
+import termios
 from http import HTTPStatus
 
 import h11
@@ -95,7 +100,7 @@ class EdgeProtocol(H11Protocol):
             self._arm_stall()
 
     def _arm_stall(self) -> None:
-        self.stall_left = self.transport.get_write_buffer_size()  # the app adds nothing while writes are paused
+        self.stall_left = self._unsent()  # the app adds nothing while writes are paused
         self.stall = self.loop.call_later(self.limits.write_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
@@ -112,10 +117,21 @@ class EdgeProtocol(H11Protocol):
         wait for the unread bytes forever); the app sees a disconnect. Some left: the client reads,
         however slowly, and gets another write_timeout_s (nginx's send_timeout)."""
         self.stall = None
-        if self.transport.get_write_buffer_size() < self.stall_left:
+        if self._unsent() < self.stall_left:
             self._arm_stall()
             return
         self.transport.abort()
+
+    def _unsent(self) -> int:
+        """Bytes of the answer not yet taken by the client: uvicorn's buffer and the kernel's send
+        queue (SIOCOUTQ). The kernel wakes a paused writer only once half its send buffer drained
+        (~2 MiB autotuned), so a slow reader's progress shows in its queue long before the buffer's."""
+        queued = 0
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return self.transport.get_write_buffer_size() + queued
 
     def _follow(self) -> None:
         """Arm, keep or drop the deadline for where the client's side of the exchange stands."""
