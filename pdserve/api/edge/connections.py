@@ -128,9 +128,10 @@ class EdgeProtocol(H11Protocol):
         (~2 MiB autotuned), so a slow reader's progress shows in its queue long before the buffer's."""
         queued = 0
         sock = self.transport.get_extra_info("socket")
-        if sock is not None:
+        outq = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ; elsewhere uvicorn's buffer alone
+        if sock is not None and outq is not None:
             with contextlib.suppress(OSError, ValueError):
-                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), outq, b"\0\0\0\0"))[0]
         return self.transport.get_write_buffer_size() + queued
 
     def _follow(self) -> None:
