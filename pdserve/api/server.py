@@ -317,8 +317,8 @@ class _Launcher:
         Only the incarnation running that epoch is ended (a restarted one is not the hung one)."""
         life = self.schedule.lives.get(worker_id)
         if self.impl is not None and life is not None and life.epoch == epoch and life.due_s is None:
-            log.warning("%s (epoch %d) sent no heartbeat for %g s: retired as hung, ending its process", worker_id,
-                        epoch, self.config.heartbeat_timeout_s)
+            log.warning("%s (epoch %d) sent no heartbeat for %g s of the router's running time (--heartbeat-timeout-s): "
+                        "retired as hung, ending its process", worker_id, epoch, self.config.heartbeat_timeout_s)
             asyncio.get_running_loop().run_in_executor(None, self.impl.stop_hung, worker_id, grace_s)
 
     def failed(self) -> list[str]:

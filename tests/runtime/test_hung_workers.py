@@ -76,7 +76,8 @@ def test_a_stopped_decode_worker_is_retired_killed_and_replaced_while_its_reques
             await serves_then_settles(backend, seed=9)
             # the log says why the worker was ended and that it is coming back
             said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{victim} (epoch 1)")]
-            assert said[0] == f"{victim} (epoch 1) sent no heartbeat for 2 s: retired as hung, ending its process", said
+            assert said[0] == (f"{victim} (epoch 1) sent no heartbeat for 2 s of the router's running time "
+                               "(--heartbeat-timeout-s): retired as hung, ending its process"), said
             assert said[1].startswith(f"{victim} (epoch 1) killed by SIG") and "; restarting in " in said[1], said
 
     asyncio.run(main())
