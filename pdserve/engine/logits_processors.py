@@ -42,7 +42,8 @@ def wants_processing(params: SamplingParams, num_output: int) -> bool:
 
 def stop_token_ids(params: SamplingParams, eos_ids: frozenset[int]) -> list[int]:
     """The ids that would end the sequence if sampled (vLLM's `all_stop_token_ids`)."""
-    return sorted(params.stop_id_set if params.ignore_eos else params.stop_id_set | eos_ids)
+    ids = frozenset(params.stop_token_ids)
+    return sorted(ids if params.ignore_eos else ids | eos_ids)
 
 
 def suppress(row: torch.Tensor, ids: list[int]) -> None:

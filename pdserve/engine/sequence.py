@@ -16,7 +16,6 @@ RUNNING with the prompt already computed and the first token already sampled.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -76,12 +75,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @functools.cached_property
-    def stop_id_set(self) -> frozenset[int]:
-        """stop_token_ids as a set, built once: a step's stop check and min_tokens mask read it
-        (a request may list every id of the vocabulary)."""
-        return frozenset(self.stop_token_ids)
 
 
 def _is_count(value) -> bool:

@@ -22,13 +22,21 @@ class StopChecker:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}  # each sequence's stop_token_ids, a set built once
 
     def start(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
             self._detok[seq.request_id] = self.tokenizer.detokenizer()
+        if seq.params.stop_token_ids:  # a request may list every id of the vocabulary: not scanned per step
+            self._stop_ids[seq.request_id] = frozenset(seq.params.stop_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+        self._stop_ids.pop(request_id, None)
+
+    def _is_stop_id(self, seq: Sequence, token: int) -> bool:
+        ids = self._stop_ids.get(seq.request_id)
+        return token in ids if ids is not None else token in seq.params.stop_token_ids
 
     def skip_first(self, seq: Sequence, token: int) -> None:
         """Prime the detokenizer with a token sampled elsewhere (the prefill worker)."""
@@ -42,7 +50,7 @@ class StopChecker:
         """-> (text released by this token, finish reason or None)."""
         params, num_output = seq.params, len(seq.output_ids)
         may_stop = num_output >= params.min_tokens  # vLLM's check_stop: nothing stops before min_tokens
-        is_stop_token = may_stop and ((token in self.eos_ids and not params.ignore_eos) or token in params.stop_id_set)
+        is_stop_token = may_stop and ((token in self.eos_ids and not params.ignore_eos) or self._is_stop_id(seq, token))
         if not is_stop_token:
             self._push_text(seq, token)
             self._note_min_tokens_text(seq, num_output)
