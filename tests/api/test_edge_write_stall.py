@@ -83,22 +83,27 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout():
     asyncio.run(main())
 
 
+async def _read_slowly_and_keep_the_answer(served, receive_buffer: int, chunk_bytes: int) -> None:
+    """Read `chunk_bytes` every 0.25 s for 4 write timeouts: the server never drops the client."""
+    client = served.client(receive_buffer)
+    client.setblocking(False)
+    try:
+        got, start = 0, time.monotonic()
+        while time.monotonic() - start < 4 * WRITE_TIMEOUT_S:
+            await asyncio.sleep(0.25)
+            with contextlib.suppress(BlockingIOError):
+                chunk = client.recv(chunk_bytes)
+                assert chunk, f"the server dropped a client that reads ({got} bytes read)"
+                got += len(chunk)
+        assert served.done is None and len(served.server.server_state.connections) == 1
+    finally:
+        client.close()
+
+
 def test_a_client_that_reads_slowly_keeps_its_answer_past_many_write_timeouts():
     async def main():
         async with Served() as served:
-            client = served.client(64 << 10)
-            client.setblocking(False)
-            try:
-                got, start = 0, time.monotonic()
-                while time.monotonic() - start < 4 * WRITE_TIMEOUT_S:  # ~128 KB/s: the writes stay paused
-                    await asyncio.sleep(0.25)
-                    with contextlib.suppress(BlockingIOError):
-                        chunk = client.recv(32 << 10)
-                        assert chunk, f"the server dropped a client that reads ({got} bytes read)"
-                        got += len(chunk)
-                assert served.done is None and len(served.server.server_state.connections) == 1
-            finally:
-                client.close()
+            await _read_slowly_and_keep_the_answer(served, 64 << 10, 32 << 10)  # ~128 KB/s: the writes stay paused
 
     asyncio.run(main())
 
@@ -109,18 +114,6 @@ def test_a_client_that_reads_slower_than_half_the_kernel_buffer_per_timeout_keep
     bytes do leave the kernel's send queue, and that is progress too (nginx's send_timeout)."""
     async def main():
         async with Served(send_buffer=1 << 20) as served:  # the kernel doubles it: ~1 MiB to drain per wakeup
-            client = served.client(4096)
-            client.setblocking(False)
-            try:
-                got, start = 0, time.monotonic()
-                while time.monotonic() - start < 4 * WRITE_TIMEOUT_S:
-                    await asyncio.sleep(0.25)
-                    with contextlib.suppress(BlockingIOError):
-                        chunk = client.recv(4096)
-                        assert chunk, f"the server dropped a client that reads ({got} bytes read)"
-                        got += len(chunk)
-                assert served.done is None and len(served.server.server_state.connections) == 1
-            finally:
-                client.close()
+            await _read_slowly_and_keep_the_answer(served, 4096, 4096)
 
     asyncio.run(main())
