@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, WorkerLoad
 from pdserve.router.state.registry import WorkerEntry, WorkerState
 from pdserve.router.state.snapshot import Snapshot, make_snapshot
 
@@ -32,3 +32,10 @@ def pd(prefill: list[dict], decode: list[dict]) -> Snapshot:
 
 def colocated(workers: list[dict]) -> Snapshot:
     return make_snapshot([entry(f"w{i}", Role.COLOCATED, **kw) for i, kw in enumerate(workers)], [], colocated=True)
+
+
+def route(router, rid: str) -> RoutePlan:
+    """Route a 64-token prompt with 16 output tokens and no cached blocks; it must be placed."""
+    plan = router.route(RouteRequest(rid, 64, 16, ()))
+    assert isinstance(plan, RoutePlan), plan
+    return plan

@@ -10,16 +10,11 @@ import pytest
 
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.errors import IllegalTransitionError
-from pdserve.router.messages import (
-    Role,
-    RoutePlan,
-    RouteRequest,
-    WorkerInfo,
-    WorkerLoad,
-)
+from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 from pdserve.router.policy.pd_decision import PdPolicy
 from pdserve.router.router import Router
 from pdserve.router.state.registry import WorkerState
+from tests.router.router_fixtures import route
 
 LOAD = WorkerLoad(0, 0, 1000)
 ROLE = {"p": Role.PREFILL, "d": Role.DECODE, "m": Role.MIXED}
@@ -31,12 +26,6 @@ def router(*workers: str, policy: str = "round_robin") -> Router:
         r.register(WorkerInfo(wid, "h0", ROLE[wid[0]], 1, 1000, "m", "abi"))
         r.report_load(wid, 1, LOAD)
     return r
-
-
-def route(r: Router, rid: str) -> RoutePlan:
-    plan = r.route(RouteRequest(rid, 64, 16, ()))
-    assert isinstance(plan, RoutePlan), plan
-    return plan
 
 
 def pools(r: Router) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -12,6 +12,7 @@ from pdserve.router.messages import Role, RoutePlan, RouteRequest, WorkerInfo, W
 from pdserve.router.policy.pd_decision import PdPolicy
 from pdserve.router.router import Router
 from pdserve.router.state.registry import WorkerState, transition
+from tests.router.router_fixtures import route
 
 LOAD = WorkerLoad(0, 0, 1000)
 
@@ -22,12 +23,6 @@ def router(roles: dict[str, Role], pd: str = "always") -> Router:
         r.register(WorkerInfo(wid, "h0", role, 1, 1000, "m", "abi"))
         r.report_load(wid, 1, LOAD)
     return r
-
-
-def route(r: Router, rid: str) -> RoutePlan:
-    plan = r.route(RouteRequest(rid, 64, 16, ()))
-    assert isinstance(plan, RoutePlan), plan
-    return plan
 
 
 def test_a_draining_worker_gets_no_new_route_and_keeps_its_state_on_reports():
