@@ -149,3 +149,25 @@ def test_the_key_check_and_the_body_limit_still_answer_first(port):
     status, error = error_of(until_closed(oversized, 5.0)[0])
     assert status == 413 and error["code"] == "request_too_large"
     completes(port)
+
+
+def requests_by_result(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith('pdserve_requests_total{result="')}
+
+
+def test_a_client_that_closes_after_its_request_aborts_it_before_any_answer(port):
+    """The client's FIN is its disconnect, as nginx's proxy takes it: a non-streamed request whose
+    client closed is aborted at once (its K/V freed), not generated to the end for nobody. (An
+    edge that kept the connection open for a half-closing client's answer lost this: a FIN does not
+    say whether the client still reads.)"""
+    before = requests_by_result(port)
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}).encode()
+    connect(port, head(len(body)) + body).close()  # the request and the FIN together
+    deadline = time.monotonic() + 60
+    while (after := requests_by_result(port)).get("aborted", 0) == before.get("aborted", 0):
+        assert time.monotonic() < deadline, "the closed client's request was never aborted"
+        time.sleep(0.05)
+    assert after.get("length", 0) == before.get("length", 0)  # ended by the abort, not by max_tokens
+    completes(port)
