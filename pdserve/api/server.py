@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -247,6 +248,7 @@ class _Launcher:
         self.impl = None
         self.schedule = RestartSchedule(config.restart)
         self.clock = time.monotonic
+        self.stopping = False  # the server is stopping: a death is not restarted (`begin_stop`)
 
     def start(self, router_address: str, capability_key: str | None = None, control_keys=None) -> None:
         """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/process/control_auth.py)."""
@@ -272,6 +274,9 @@ class _Launcher:
         gone = [] if self.impl is None else self.impl.dead()
         for wid in gone:
             epoch = self.schedule.lives[wid].epoch if wid in self.schedule.lives else 1
+            if self.stopping:  # e.g. SIGTERM to the whole process group (systemd, `timeout`): it reached the workers too
+                log.info("%s (epoch %d) %s: stopped with the server", wid, epoch, self.impl.exit_reason(wid))
+                continue
             due = self.schedule.on_death(wid, self.clock())
             log.warning("%s (epoch %d) %s; %s", wid, epoch, self.impl.exit_reason(wid), self._next_step(wid, due))
         return gone
@@ -287,12 +292,19 @@ class _Launcher:
         return (f"restarting in {due - self.clock():.1f} s (death {len(life.deaths_s)} of {policy.max_crashes} "
                 f"within {policy.crash_window_s:g} s)")
 
+    def begin_stop(self) -> None:
+        """The server received its stop signal: from now on a worker's death is the stop's, logged
+        as such and not restarted (the signal may have reached the workers' process group too)."""
+        self.stopping = True
+
     async def supervise(self, poll_s: float = 0.1) -> None:
         """Start every dead worker whose backoff elapsed again, under its next epoch; end a restart
-        that did not register in time (the schedule then starts it again)."""
+        that did not register in time (the schedule then starts it again). Nothing once stopping."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(poll_s)
+            if self.stopping:
+                continue
             for wid, epoch in self.schedule.due(self.clock()):
                 try:
                     await loop.run_in_executor(None, self.impl.restart, wid, epoch)
@@ -359,6 +371,13 @@ def _with_resolved_model(engine: EngineConfig) -> EngineConfig:
     return replace(engine, model=str(resolve_model(engine.model)))
 
 
+def _begin_stop(backend: ClusterBackend, launcher: _Launcher) -> None:
+    """The server got its stop signal: no worker is started again, and no request waits for one
+    (a request whose worker died with the stop fails now instead of at its restart wait's end)."""
+    launcher.begin_stop()
+    backend.restarts = False
+
+
 def _workers_cpu(backend: ClusterBackend) -> dict:
     """A registered worker's CPU report (model/cpu.py): this process loads no torch to make its own."""
     return next(iter(backend.registered.values())).cpu
@@ -377,17 +396,20 @@ async def serve(config: ServeConfig) -> None:
 
     from pdserve.api.app import create_app
     from pdserve.api.edge.connections import edge_protocol
+    from pdserve.api.edge.stop import StoppingServer
 
-    async with cluster(config) as (backend, _):
+    async with cluster(config) as (backend, launcher):
         from pdserve.api.tenants import load_api_keys
 
         keys = load_api_keys(config.api_keys) if config.api_keys else None
         app = create_app(backend, admin_token=config.admin_token, max_logprobs=config.max_logprobs, api_keys=keys,
                          max_request_body_bytes=config.max_request_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                               http=edge_protocol(config.http_limits)))
+        server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                               http=edge_protocol(config.http_limits)),
+                                 functools.partial(_begin_stop, backend, launcher))
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
               f"{cpu_summary(_workers_cpu(backend))}", flush=True)
         if config.mode != "colocated":
             print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()
+

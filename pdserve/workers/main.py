@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the router shuts workers down
     # with a typed Shutdown message instead, and a worker whose router is gone exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The worker's own resource tracker unlinks its shared memory when it dies (kill -9, a SIGTERM
+    # to the whole process group): by design, so the tracker's "leaked shared_memory objects"
+    # warning is not printed (it starts with these interpreter flags at the first segment).
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     serve_worker(decode_config(args[0]))
     exit_closed()
 
