@@ -51,32 +51,58 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+class _Held(msgspec.Struct, gc=False):
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    media: set[str]  # the tiers holding the block now
+
+
 class VllmEventSink:
-    """Events of one block manager in vLLM's shape; remembers each cached block's parent and
-    tokens so a demotion to the host tier can be told as a store there (bounded by the cache)."""
+    """Events of one block manager in vLLM's shape; remembers each held block's parent, tokens and
+    tiers so a move between tiers can be told as a store there. A block is forgotten when it leaves
+    its last tier, so the memory is bounded by the device pool plus the host tier."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.pending: list[KVCacheEvent] = [AllBlocksCleared()]
-        self._known: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+        self._known: dict[bytes, _Held] = {}
+
+    def _store(self, block_hash: bytes, medium: str) -> None:
+        held = self._known.get(block_hash)
+        if held is None:  # not seen stored (a caller's slip): told without its parent and tokens
+            held = self._known[block_hash] = _Held(None, (), set())
+        held.media.add(medium)
+        self.pending.append(BlockStored([block_hash], held.parent, list(held.tokens), self.block_size, None, medium))
+
+    def _remove(self, block_hash: bytes, medium: str, forget: bool = True) -> None:
+        self.pending.append(BlockRemoved([block_hash], medium))
+        held = self._known.get(block_hash)
+        if held is not None:
+            held.media.discard(medium)
+            if forget and not held.media:
+                del self._known[block_hash]
 
     def stored(self, block_hash: bytes, parent: bytes | None, tokens: tuple[int, ...], medium: str = DEVICE_MEDIUM) -> None:
-        self._known[block_hash] = (parent, tokens)
-        self.pending.append(BlockStored([block_hash], parent, list(tokens), self.block_size, None, medium))
+        self._known[block_hash] = _Held(parent, tuple(tokens), self._media(block_hash))
+        self._store(block_hash, medium)
 
     def removed(self, block_hash: bytes, medium: str = DEVICE_MEDIUM) -> None:
-        self.pending.append(BlockRemoved([block_hash], medium))
-        if medium == HOST_MEDIUM or block_hash not in self._known:
-            self._known.pop(block_hash, None)
+        self._remove(block_hash, medium)
 
     def demoted(self, block_hash: bytes) -> None:
-        self.pending.append(BlockRemoved([block_hash], DEVICE_MEDIUM))
-        parent, tokens = self._known.get(block_hash, (None, ()))
-        self.pending.append(BlockStored([block_hash], parent, list(tokens), self.block_size, None, HOST_MEDIUM))
+        self._remove(block_hash, DEVICE_MEDIUM, forget=False)
+        self._store(block_hash, HOST_MEDIUM)
 
     def promoted(self, block_hash: bytes) -> None:
-        parent, tokens = self._known.get(block_hash, (None, ()))
-        self.pending.append(BlockStored([block_hash], parent, list(tokens), self.block_size, None, DEVICE_MEDIUM))
+        self._store(block_hash, DEVICE_MEDIUM)
+
+    def _media(self, block_hash: bytes) -> set[str]:
+        held = self._known.get(block_hash)
+        return held.media if held is not None else set()
+
+    def held(self) -> dict[bytes, set[str]]:
+        """Each block the sink remembers and the tiers its events put it in."""
+        return {h: set(held.media) for h, held in self._known.items()}
 
     def take(self) -> KVEventBatch | None:
         if not self.pending:
