@@ -94,7 +94,7 @@ class ClusterBackend:
         self.transport = transport
         self.admission_wait_s = admission_wait_s
         self.restarts = restarts  # the launcher starts dead workers again (workers/process/supervisor.py)
-        self.away: set[str] = set()  # workers lost and not registered again yet
+        self.away: set[str] = set()  # workers lost and not routable again yet (registered and reported load)
         self.registered: dict[str, m.Register] = {}
         self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
         self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's
@@ -217,10 +217,13 @@ class ClusterBackend:
         self.live[req.request_id] = live
         try:
             await self._admit(live)
-        except BaseException:
+        except BaseException as error:
             self.live.pop(req.request_id, None)
             live.done = True
             self._abandon(live)
+            if isinstance(error, asyncio.CancelledError):  # the client left during admission (a fetch, say)
+                self.metrics.requests.labels("aborted").inc()
+                self.trace.write(live.record("abort"))
             raise
         try:
             while True:
@@ -395,8 +398,7 @@ class ClusterBackend:
         self.loads.pop(reg.worker_id, None)  # a new epoch has reported no load yet: never show the old one's
         self.itl.forget(reg.worker_id)
         ev.forget_live_collectives(self, reg.worker_id)  # nor the old one's live collective gauges
-        self.origin_roles.setdefault(reg.worker_id, reg.role)
-        self.away.discard(reg.worker_id)
+        self.origin_roles.setdefault(reg.worker_id, reg.role)  # still away until its first load report (LIVE)
         self._block_size = reg.block_size
         self._prefix_identity = reg.prefix_identity or None
         if old is not None and retirement is not None:

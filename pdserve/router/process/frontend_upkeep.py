@@ -150,6 +150,7 @@ def report_load(backend, hb: m.Heartbeat) -> None:
     load = WorkerLoad(hb.load.pending_prompt_tokens, hb.load.active_decode, hb.load.free_blocks,
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
+    backend.away.discard(hb.worker_id)  # routable from its first report (registry: LIVE), not its registration
     backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
     budgets = decode_budgets(backend.live.values(), hb.worker_id, time.monotonic())
     backend.router.note_decode_clocks(hb.worker_id, budgets, backend.itl.p90_s(hb.worker_id))

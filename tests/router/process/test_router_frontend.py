@@ -176,3 +176,37 @@ def test_owned_request_still_recovers_when_its_worker_dies(victim_role):
         await finish(h, task)
 
     asyncio.run(main())
+
+
+def test_a_restarted_worker_is_waited_for_until_its_first_load_report_not_only_its_registration():
+    """1P1D, restarts on: the prefill worker dies and its restart registers. Until its first load
+    report it is not routable (registry: REGISTERED, not LIVE), so it is still away: a request in
+    that window waits in admission and is routed once the report comes. Before, registration alone
+    ended the wait, and such a request answered 503 `no_route` (helper-40: 3 to 7 requests per kill
+    of prefill-0 on a served 1P1D cluster)."""
+
+    async def main():
+        h = Harness(["p0"], ["d0"])
+        h.backend.restarts = True
+        await h.kill("p0")
+        h.epochs["p0"] = 2
+        h.backend._on_register(m.Register("p0", 2, "h0", "prefill", 0, 1000, 16, MODEL, ABI, 64, 4096,
+                                          handoff_address=("127.0.0.1", 1)))
+        task = asyncio.create_task(collect(h.backend, "r"))
+        for _ in range(50):  # admission polls: give it time to have answered, were it to answer
+            await asyncio.sleep(0.01)
+        assert not task.done(), task.result()
+        h.report("p0", applied=0)
+        wid, reserve = await h.next_sent(m.ReserveKv, steps=5000)
+        assert wid == "d0"
+        await h.deliver(m.Reserved("d0", 1, "r", reserve.transfer_id, True, None, (0, 1), 0, "res"))
+        wid, prefill = await h.next_sent(m.Prefill, steps=5000)
+        assert wid == "p0"
+        first = m.TokenItem("r", (7,), "", False, None, len(PROMPT), 0, prefilled=True)
+        await h.deliver(m.Tokens("p0", 2, (first,)))  # the restarted incarnation's epoch
+        await h.next_sent(m.StartDecode)
+        await h.deliver(m.TransferDone("d0", 1, "r", reserve.transfer_id, reserve.generation, "destination", True))
+        await h.deliver(m.Tokens("d0", 1, (m.TokenItem("r", (8, 9, 10, 11), "", True, "length", len(PROMPT), 0),)))
+        await finish(h, task)
+
+    asyncio.run(main())
