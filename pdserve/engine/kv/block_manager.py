@@ -43,6 +43,7 @@ import numpy as np
 
 from pdserve.engine.errors import OutOfBlocks, PoolIntegrityError
 from pdserve.engine.kv.kv_events import BlockEventKind, BlockEventLog, KvReport, KvTier
+from pdserve.engine.kv.vllm_events import HOST_MEDIUM
 
 DEFAULT_TENANT = "default"
 DEFAULT_MAX_TENANT_ROOTS = 1024  # tenants whose chain root a worker keeps (an LRU; serve --max-tenant-roots)
@@ -254,11 +255,12 @@ class BlockManager:
             return
         self.cached[block_hash] = block
         self.block_key[block] = (block_hash, tokens)
-        if self.host is not None:
-            self.host.discard(block_hash)
+        sink = self.vllm_events
+        if self.host is not None and self.host.discard(block_hash) and sink is not None:
+            sink.removed(block_hash, HOST_MEDIUM)  # the router's index reads the STORED below as the move
         self.events.record(BlockEventKind.STORED, block_hash)
-        if self.vllm_events is not None:
-            self.vllm_events.stored(block_hash, parent, tokens)
+        if sink is not None:
+            sink.stored(block_hash, parent, tokens)
 
     def _uncache(self, block: int) -> None:
         key = self.block_key.pop(block, None)
@@ -277,7 +279,7 @@ class BlockManager:
             if evicted is not None:
                 self.events.record(BlockEventKind.REMOVED, evicted, KvTier.HOST)
                 if sink is not None:
-                    sink.removed(evicted, "CPU")
+                    sink.removed(evicted, HOST_MEDIUM)
 
     def cached_hashes(self) -> set[bytes]:
         return set(self.cached)

@@ -122,11 +122,13 @@ class HostTier:
         self._release_slot(slot)
         self.num_hits += 1
 
-    def discard(self, block_hash: bytes) -> None:
-        """The device cached this hash again (recomputed): one tier holds a block at a time."""
+    def discard(self, block_hash: bytes) -> bool:
+        """The device cached this hash again (recomputed): one tier holds a block at a time.
+        True when the tier held it (the caller records its removal from here)."""
         entry = self.lru.pop(block_hash, None)
         if entry is not None:
             self._release_slot(entry[0])
+        return entry is not None
 
     def pin(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         """Hold the exact block's slot for a fetch that reads it in place; None: not here."""

@@ -2,13 +2,16 @@
 (llm-d's KV-cache manager, Dynamo's KV router) can follow a pdserve worker.
 
 Contract: the block manager calls `stored` when a full block's chain hash enters the cache,
-`removed` when it leaves the device pool and `demoted` / `promoted` when the host tier takes or
-returns it. Each call appends vLLM events (msgspec structs, array-like and tagged by class name, as
-vllm.distributed.kv_events declares them) to `pending`; `take()` hands them out as one
-`KVEventBatch`. Block hashes are pdserve's chain hashes (bytes); `parent_block_hash` is None for a
-chain's first block; `medium` is "GPU" for the device pool (vLLM's name for it, also on a CPU
-worker) and "CPU" for the host tier. A worker's first batch starts with `AllBlocksCleared` (its
-cache starts empty), so a subscriber that joins a restarted worker drops what it held.
+`removed` when it leaves a tier for good (evicted from the device pool without a host tier, evicted
+from the host tier, or the host tier's copy dropped because the device cached the block again), and
+`demoted` / `promoted` when it moves to the host tier or back (a removal from one medium, then a
+store on the other: a block lives in one tier at a time). Each call appends vLLM events (msgspec
+structs, array-like and tagged by class name, as vllm.distributed.kv_events declares them) to
+`pending`; `take()` hands them out as one `KVEventBatch`. Block hashes are pdserve's chain hashes
+(bytes); `parent_block_hash` is None for a chain's first block; `medium` is "GPU" for the device
+pool (vLLM's name for it, also on a CPU worker) and "CPU" for the host tier. A worker's first batch
+starts with `AllBlocksCleared` (its cache starts empty), so a subscriber that joins a restarted
+worker drops what it held.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ class VllmEventSink:
             if forget and not held.media:
                 del self._known[block_hash]
 
-    def stored(self, block_hash: bytes, parent: bytes | None, tokens: tuple[int, ...], medium: str = DEVICE_MEDIUM) -> None:
+    def stored(self, block_hash: bytes, parent: bytes | None, tokens: tuple[int, ...],
+               medium: str = DEVICE_MEDIUM) -> None:
         self._known[block_hash] = _Held(parent, tuple(tokens), self._media(block_hash))
         self._store(block_hash, medium)
 
@@ -94,6 +98,7 @@ class VllmEventSink:
         self._store(block_hash, HOST_MEDIUM)
 
     def promoted(self, block_hash: bytes) -> None:
+        self._remove(block_hash, HOST_MEDIUM, forget=False)
         self._store(block_hash, DEVICE_MEDIUM)
 
     def _media(self, block_hash: bytes) -> set[str]:
