@@ -46,6 +46,7 @@ from pdserve.router.runahead.runahead import make_runahead
 from pdserve.router.splitwise.splitwise import PoolController, Thresholds
 from pdserve.router.tetri.reserve_mode import load_policy
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
+from pdserve.workers.kv_publisher import check_endpoints
 from pdserve.workers.process.launch import LaunchConfig, LocalCluster
 from pdserve.workers.process.supervisor import RestartPolicy, RestartSchedule
 from pdserve.workers.process.tp_rank import TpShape
@@ -122,6 +123,8 @@ class ServeConfig:
         if self.reserve == "dynamic" and not self.predictor:
             raise ValueError("--reserve dynamic needs --predictor P.json (train one: `pdserve predictor train TRACE.jsonl`)")
         self._check_runahead()
+        if self.kv_events_endpoint is not None:  # the per-worker port ranges (workers/kv_publisher.py)
+            check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint, len(self.shape().roles()))
 
     def _check_runahead(self) -> None:
         k = self.prefill_runahead

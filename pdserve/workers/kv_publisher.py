@@ -22,13 +22,39 @@ from pdserve.engine.kv.vllm_events import VllmEventSink
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def endpoint_for(base: str, index: int) -> str:
-    """Worker `index`'s endpoint: `base`'s port plus the index (one socket per worker, as vLLM
-    offsets data-parallel ranks), e.g. tcp://127.0.0.1:5557 -> tcp://127.0.0.1:5558 for index 1."""
+def _split(base: str) -> tuple[str, int]:
     head, _, port = base.rpartition(":")
     if not head or not port.isdigit():
         raise ValueError(f"a KV-events endpoint is tcp://HOST:PORT, got {base!r}")
-    return f"{head}:{int(port) + index}"
+    return head, int(port)
+
+
+def endpoint_for(base: str, index: int) -> str:
+    """Worker `index`'s endpoint: `base`'s port plus the index (one socket per worker, as vLLM
+    offsets data-parallel ranks), e.g. tcp://127.0.0.1:5557 -> tcp://127.0.0.1:5558 for index 1."""
+    head, port = _split(base)
+    return f"{head}:{port + index}"
+
+
+def check_endpoints(endpoint: str | None, replay_endpoint: str | None, num_workers: int) -> None:
+    """Refuse (ValueError), before any worker starts, endpoints whose per-worker ports (base ..
+    base + num_workers - 1) run past 65535 or whose two ranges share a port: a worker that cannot
+    bind dies at start and would only show as a worker that never registered. Ports are compared
+    whatever the hosts (a wildcard host binds every interface)."""
+    ports = {}
+    for flag, base in (("--kv-events-endpoint", endpoint), ("--kv-events-replay-endpoint", replay_endpoint)):
+        if base is not None:
+            first = _split(base)[1]
+            ports[flag] = range(first, first + num_workers)
+            if not 0 < first or first + num_workers - 1 > 65535:
+                raise ValueError(f"{flag} {base}: its {num_workers} workers need ports {first}..{first + num_workers - 1}, "
+                                 f"outside 1..65535")
+    if len(ports) == 2:
+        pub, rep = ports.values()
+        if pub.start < rep.stop and rep.start < pub.stop:
+            raise ValueError(f"--kv-events-endpoint ports {pub.start}..{pub.stop - 1} and --kv-events-replay-endpoint "
+                             f"ports {rep.start}..{rep.stop - 1} overlap (worker i binds each base port + i): put the "
+                             f"two bases at least {num_workers} apart")
 
 
 class KvEventPublisher:
