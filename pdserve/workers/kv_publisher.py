@@ -5,8 +5,9 @@ multipart message [topic, sequence number as 8 big-endian bytes, msgpack `KVEven
 (engine/kv/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
 are kept for replay: a ROUTER socket answers a request [start sequence, 8 big-endian bytes] with
 one [sequence, payload] reply per kept message from that number on, then [-1, empty payload]
-as the end marker. `publish(sink)` runs on the worker's engine thread; replay requests are
-served by a daemon thread under a lock shared with `publish`.
+as the end marker (a request it cannot read gets the end marker alone). `publish(sink)` runs on
+the worker's engine thread; replay requests are served by a daemon thread under a lock shared
+with `publish`.
 """
 
 from __future__ import annotations
@@ -96,19 +97,25 @@ class KvEventPublisher:
             try:
                 if not poller.poll(100):
                     continue
-                frames = self._replay.recv_multipart()
+                self._answer(self._replay.recv_multipart())
             except zmq.ZMQError:
                 break
-            if len(frames) < 2 or len(frames[-1]) != 8:
-                continue  # not a replay request: ignored, the thread goes on
-            client, start = frames[0], int.from_bytes(frames[-1], "big")
-            envelope = (client, b"") if len(frames) == 3 else (client,)
+        self._replay.close(0)  # this thread owns the socket: closed here, never from another thread
+
+    def _answer(self, frames: list[bytes]) -> None:
+        """Reply to [identity, (empty delimiter: a REQ client), start as 8 big-endian bytes] with
+        the kept batches from `start` on, then the end marker. Any other request gets the end
+        marker alone (vLLM's replay drops it unanswered, leaving its client waiting for good)."""
+        delimited = len(frames) >= 3 and frames[1] == b""
+        envelope, request = (frames[:2], frames[2:]) if delimited else (frames[:1], frames[1:])
+        kept = []
+        if len(request) == 1 and len(request[0]) == 8:
+            start = int.from_bytes(request[0], "big")
             with self._lock:
                 kept = [(s, p) for s, p in self._buffer if s >= start]
-            for seq, payload in kept:
-                self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((*envelope, END_OF_REPLAY, b""))
-        self._replay.close(0)  # this thread owns the socket: closed here, never from another thread
+        for seq, payload in kept:
+            self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*envelope, END_OF_REPLAY, b""))
 
     def close(self) -> None:
         self._running = False
