@@ -5,7 +5,11 @@ multipart message [topic, sequence number as 8 big-endian bytes, msgpack `KVEven
 (engine/kv/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
 are kept for replay: a ROUTER socket answers a request [start sequence, 8 big-endian bytes] with
 one [sequence, payload] reply per kept message from that number on, then [-1, empty payload]
-as the end marker (a request it cannot read gets the end marker alone). `publish(sink)` runs on
+as the end marker (a request it cannot read gets the end marker alone). Numbers restart at 0 with
+each worker process, as vLLM's do, and batch 0 opens with AllBlocksCleared; since a subscriber
+that reconnects to a restarted worker misses what was sent before its subscription arrived (PUB/SUB
+drops it), each subscription (the socket is an XPUB) turns the next batch into a snapshot:
+AllBlocksCleared, then a BlockStored per held block and tier. `publish(sink)` runs on
 the worker's engine thread; replay requests are served by a daemon thread under a lock shared
 with `publish`.
 """
@@ -62,7 +66,8 @@ class KvEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000):
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that hears each (re)subscription
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's, not only a topic's first
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)
         self._topic = topic.encode()
@@ -79,7 +84,10 @@ class KvEventPublisher:
             threading.Thread(target=self._serve_replay, daemon=True, name="kv-events-replay").start()
 
     def publish(self, sink: VllmEventSink) -> None:
-        """Send the sink's pending events as one batch (nothing when there are none)."""
+        """Send the sink's pending events as one batch (nothing when there are none); the whole
+        state instead when a subscriber subscribed since the previous call."""
+        if self._subscribed():
+            sink.snapshot()
         batch = sink.take()
         if batch is None:
             return
@@ -89,6 +97,13 @@ class KvEventPublisher:
             self._seq += 1
             self._buffer.append((seq, payload))
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _subscribed(self) -> bool:
+        """Whether a subscription arrived (b"\\x01" + topic); unsubscriptions are ignored."""
+        joined = False
+        while self._pub.poll(0):
+            joined |= self._pub.recv()[:1] == b"\x01"
+        return joined
 
     def _serve_replay(self) -> None:
         poller = zmq.Poller()

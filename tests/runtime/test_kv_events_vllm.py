@@ -1,9 +1,9 @@
 """`pdserve serve --kv-events-endpoint`: each worker publishes its prefix-cache block events in
 vLLM's KV-events wire format, so a subscriber written for vLLM follows pdserve workers unchanged.
 The subscriber here declares vLLM's schema itself (as vLLM's examples/online_serving/
-kv_events_subscriber.py does) instead of importing pdserve's, and uses the replay socket for
-what it joined too late to see; replayed from the start, the events hold what the worker's tiers
-hold."""
+kv_events_subscriber.py does) instead of importing pdserve's; it gets a snapshot when it
+subscribes and uses the replay socket for what it joined too late to see. Replayed from the start,
+the events hold what the worker's tiers hold."""
 
 from __future__ import annotations
 
@@ -99,15 +99,19 @@ def test_workers_publish_vllm_kv_events_a_vllm_subscriber_can_follow():
     async def scenario():
         async with cluster(config(mode="colocated", replicas=2, kv_events_endpoint=pub,
                                   kv_events_replay_endpoint=rep)) as (backend, _):
-            for i in range(2):
+            live = []
+            for i in range(2):  # joined after the workers' opening batch: a subscription gets a snapshot
                 sub = ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.connect(f"tcp://127.0.0.1:{base + i}")
                 subs.append(sub)
+                assert sub.poll(10_000)
+                topic, seq, payload = sub.recv_multipart()
+                live.append((i, int.from_bytes(seq, "big"), DECODE.decode(payload)))
+                assert live[-1][2].events == [AllBlocksCleared()]  # nothing cached yet
             tokens, end = await collect(backend, "r1", ids, SamplingParams(max_tokens=2, ignore_eos=True))
             assert len(tokens) == 2, end
             await wait_baseline(backend)
-            live = []
             for i, sub in enumerate(subs):
                 while sub.poll(1500):
                     topic, seq, payload = sub.recv_multipart()

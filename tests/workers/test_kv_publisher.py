@@ -1,18 +1,21 @@
 """The vLLM KV-events publisher's edges (workers/kv_publisher.py): `pdserve serve` refuses
-endpoint flags whose per-worker port ranges collide before any worker starts, and the replay
-socket answers every request, a malformed one with the end marker alone."""
+endpoint flags whose per-worker port ranges collide before any worker starts, the replay socket
+answers every request (a malformed one with the end marker alone), and a subscriber that joins,
+or rejoins a restarted worker, gets a snapshot that clears what it held."""
 
 from __future__ import annotations
 
 import socket
+import time
 
+import msgspec
 import pytest
 import zmq
 
 import pdserve.api.server as server
 from pdserve.api.server import ServeConfig
 from pdserve.cli import main
-from pdserve.engine.kv.vllm_events import VllmEventSink
+from pdserve.engine.kv.vllm_events import AllBlocksCleared, BlockStored, KVEventBatch, VllmEventSink
 from pdserve.workers.kv_publisher import END_OF_REPLAY, KvEventPublisher
 
 PUB, REP = "--kv-events-endpoint", "--kv-events-replay-endpoint"
@@ -104,3 +107,72 @@ def test_a_malformed_replay_request_is_answered_with_the_end_marker(publisher, f
 def test_a_req_client_asking_wrongly_gets_its_one_reply(publisher):
     _, endpoint = publisher
     assert ask(endpoint, (b"zz",), zmq.REQ) == [[END_OF_REPLAY, b""]]
+
+
+def apply(media: dict[bytes, set[str]], batch: KVEventBatch) -> None:
+    for e in batch.events:
+        if isinstance(e, AllBlocksCleared):
+            media.clear()
+        elif isinstance(e, BlockStored):
+            media.setdefault(e.block_hashes[0], set()).add(e.medium)
+        else:
+            media.get(e.block_hashes[0], set()).discard(e.medium)
+            if not media.get(e.block_hashes[0], True):
+                del media[e.block_hashes[0]]
+
+
+def follow(sub: zmq.Socket, publisher: KvEventPublisher, sink: VllmEventSink, media: dict, wait_s: float) -> list[int]:
+    """Publish as the worker's loop does (every ~2 ms) while applying what `sub` receives."""
+    seqs, decode = [], msgspec.msgpack.Decoder(KVEventBatch)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        publisher.publish(sink)
+        while sub.poll(2):
+            _, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            apply(media, decode.decode(payload))
+    return seqs
+
+
+def rebind(endpoint: str) -> KvEventPublisher:
+    """The restarted worker's publisher (a closed socket releases its port asynchronously)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return KvEventPublisher(endpoint)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def test_a_subscriber_learns_of_a_restart_it_joined_too_late_to_see():
+    """A worker restart: the new process binds the same port and publishes its opening
+    AllBlocksCleared (sequence 0) before the subscriber has reconnected, so PUB/SUB drops it for
+    that subscriber. The subscription is answered with a snapshot (AllBlocksCleared, then every
+    block held), so the subscriber drops the old process's blocks and holds the new one's."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    old, old_sink = KvEventPublisher(endpoint), VllmEventSink(16)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RECONNECT_IVL, 500)  # it comes back well after the new process's first batch
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.5)  # subscribed before the old process's first batch: it sees the whole history
+    media: dict[bytes, set[str]] = {}
+    old_sink.stored(b"old-1", None, tuple(range(16)))
+    old_sink.stored(b"old-2", b"old-1", tuple(range(16, 32)))
+    old_sink.demoted(b"old-1")
+    follow(sub, old, old_sink, media, 1.0)
+    assert media == {b"old-1": {"CPU"}, b"old-2": {"GPU"}}
+    old.close()  # the worker dies
+    new, new_sink = rebind(endpoint), VllmEventSink(16)
+    try:
+        new.publish(new_sink)  # sequence 0, AllBlocksCleared: no subscriber connected yet
+        new_sink.stored(b"new-1", None, tuple(range(16)))
+        seqs = follow(sub, new, new_sink, media, 2.0)
+    finally:
+        new.close()
+        sub.close(0)
+    assert media == {b"new-1": {"GPU"}}
+    assert 0 not in seqs  # the new process's opening clear was lost to this subscriber

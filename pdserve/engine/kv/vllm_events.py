@@ -10,8 +10,8 @@ structs, array-like and tagged by class name, as vllm.distributed.kv_events decl
 `pending`; `take()` hands them out as one `KVEventBatch`. Block hashes are pdserve's chain hashes
 (bytes); `parent_block_hash` is None for a chain's first block; `medium` is "GPU" for the device
 pool (vLLM's name for it, also on a CPU worker) and "CPU" for the host tier. A worker's first batch
-starts with `AllBlocksCleared` (its cache starts empty), so a subscriber that joins a restarted
-worker drops what it held.
+starts with `AllBlocksCleared` (its cache starts empty); `snapshot()` turns the next batch into the
+whole state (the publisher asks for one when a subscriber subscribes: workers/kv_publisher.py).
 """
 
 from __future__ import annotations
@@ -100,6 +100,15 @@ class VllmEventSink:
     def promoted(self, block_hash: bytes) -> None:
         self._remove(block_hash, HOST_MEDIUM, forget=False)
         self._store(block_hash, DEVICE_MEDIUM)
+
+    def snapshot(self) -> None:
+        """Replace what is pending by the whole state: AllBlocksCleared, then a BlockStored per
+        held block and tier (for a subscriber that just joined: applied over anything, it leaves
+        exactly what the tiers hold, so a subscriber that held what it had already seen ends the
+        same)."""
+        self.pending = [AllBlocksCleared()] + [
+            BlockStored([h], held.parent, list(held.tokens), self.block_size, None, medium)
+            for h, held in self._known.items() for medium in sorted(held.media, reverse=True)]
 
     def _media(self, block_hash: bytes) -> set[str]:
         held = self._known.get(block_hash)

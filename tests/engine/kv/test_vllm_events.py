@@ -81,5 +81,7 @@ def test_the_events_follow_the_host_tier_through_promotions_and_discards():
     assert host.num_hits > 0 and host.num_evictions > 0  # promotions and the tier's own evictions
     assert removed_from_host > host.num_evictions  # and drops that are neither: promotions, discards
     assert sink.held() == {**{h: {"CPU"} for h in host.lru}, **{h: {"GPU"} for h in blocks.cached}}
+    sink.snapshot()  # what a subscriber that just joined gets: on its own, the same tiers
+    assert replayed_tiers([encoder.encode(sink.take())]) == (set(blocks.cached), set(host.lru))
     engine.check_integrity()
     engine.assert_no_leaks()
