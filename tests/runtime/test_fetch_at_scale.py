@@ -19,6 +19,7 @@ from pdserve.api.server import cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.router.kv import fetch_runner
 from pdserve.workers import messages as m
 from tests.runtime.conftest import WORKER_THREADS, collect, config, prompt, wait_baseline
 from tests.runtime.test_kv_index_runtime import until
@@ -91,10 +92,13 @@ def test_concurrent_requests_for_one_prefix_make_one_fetch_and_tokens_match():
         assert tokens == list(alone.generate([list(p)], PARAMS)[0].output_ids)
 
 
-def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it():
+def test_a_fetch_held_longer_than_the_lease_lands_because_the_router_renews_it(monkeypatch):
     """Leases of 0.6 s; the router holds the holder's FetchServe back for 2 s after both sides
     took the fetch's lease (the destination's reservation, the holder's pins): renewed every
-    0.2 s, neither expires and the six blocks land; unrenewed, both sides drop the fetch."""
+    0.2 s, neither expires and the six blocks land; unrenewed, both sides drop the fetch. The
+    fetch's own deadline (which bounds the whole fetch) is raised past the hold."""
+    monkeypatch.setattr(fetch_runner, "MIN_DEADLINE_S", 20.0)
+
     async def main():
         cfg = config(mode="colocated", replicas=2, policy="round_robin", lease_s=0.6)
         async with cluster(cfg) as (backend, _):

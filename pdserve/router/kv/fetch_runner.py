@@ -11,10 +11,16 @@ decision and its terms on the trace line, and when the fetch pays:
     (segment, slot) pairs of the blocks moved; the holder's link lands, validates and publishes at
     the destination, which inserts the blocks into its prefix cache -> FetchDone (both sides)
 and returns once the destination's FetchDone came, the fetch failed, the holder left the
-registry (died, or re-registered under another epoch) or the deadline passed; in the last three
+registry (died, or re-registered under another epoch) or the deadline passed (one deadline for
+the whole fetch, reserve to land: `MIN_DEADLINE_S` + 10x its prediction); in the last three
 cases both are told FetchAbort (unpublished blocks and the holder's pins return) and the request simply
 recomputes (its own prefix-cache lookup finds only what really landed). `prepare` never raises
 for a fetch failure. `--no-kv-sharing` (enabled=False) plans nothing.
+A fetch runs in a task of its own; the request that started it and those that joined it wait
+on it. A waiter cancelled (its client left) leaves it to the others; when the last one leaves,
+the fetch is cancelled and both sides are told FetchAbort at once (`fetch_failure: abandoned`,
+`pdserve_kv_fetches_total{result="abandoned"}`), not left to their leases. The destination
+still keeps aborted blocks until its transport's last granted write ended (docs/serving.md §5).
 One fetch per (prefix, destination) in flight: while a fetch moves blocks to a destination, a
 later request whose planned fetch ends on one of those blocks (the chain hash names its whole
 prefix and tenant) waits for that fetch instead of starting its own, then prefills over what it
@@ -30,13 +36,13 @@ whole prefix does.
 Leases: both sides hold a fetch under a lease (workers/prefix_fetch/fetch.py, fetch_holder.py); `lease_ids`
 names each running fetch on its destination and holder, and the router renews them with the
 live requests' leases (router/process/frontend_upkeep.py `renewals`), so a fetch that takes
-longer than one lease (a slow link, a busy holder) is bounded only by its own deadline here
-(`MIN_DEADLINE_S` + 10x its prediction).
+longer than one lease (a slow link, a busy holder) is bounded only by its own deadline here.
 Rates (router/pricing/kv_rates.py): each holder's FetchDone measures the fetch link, each landed fetch's
 wall time the per-fetch overhead, the workers' loads their host tiers' copy rate; `prepare` and
 every FetchDone hand the router the cost model with them (`Router.kv_cost`, the prefix policy's
 fetch and host-tier terms), and the fetch plan uses the same one.
 Metrics: `pdserve_kv_fetch_bytes_total`, `pdserve_kv_fetch_seconds`, `pdserve_kv_fetches_total{result}`
+(landed, failed, abandoned)
 (the prefix-hit tokens a fetch brought are counted with the request's
 cached tokens by router/process/serving_metrics.py, from the trace's `fetch_landed_blocks`).
 """
@@ -44,7 +50,9 @@ cached tokens by router/process/serving_metrics.py, from the trace's `fetch_land
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -62,9 +70,10 @@ from pdserve.workers import messages as m
 from pdserve.workers.prefix_fetch.fetch_control import FETCH_SUFFIX
 
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-RESERVE_TIMEOUT_S = 5.0
-MIN_DEADLINE_S = 2.0  # a fetch gets at least this long (plus 10x its prediction) before it is abandoned
+MIN_DEADLINE_S = 2.0  # a fetch (reserve, pin, serve, land) gets this long plus 10x its prediction
 POLL_S = 0.02
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,12 +88,15 @@ class _Fetch:
     started_s: float = field(default_factory=time.monotonic)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Running:
-    """A fetch under way to one destination, as its waiters see it."""
+    """A fetch under way to one destination, as its waiters see it (the request that started it
+    is one of them)."""
 
     landed: asyncio.Future  # the blocks it landed (0: it failed)
     done_at_s: float  # when it is predicted to land (monotonic)
+    task: asyncio.Task | None = None  # the fetch, run apart from any one request's task
+    waiters: int = 0
 
 
 class FetchRunner:
@@ -139,7 +151,7 @@ class FetchRunner:
         running = self._inflight.get((dest, keys[terms.remote_blocks - 1]))
         if running is not None:  # the fetch of this prefix to this worker is under way: wait for it
             self.waits.inc()
-            landed = await asyncio.shield(running.landed)  # one waiter cancelled must not cancel the others' future
+            landed = await self._await_landed(live, running)
             live.note(fetch_joined=True, fetch_landed_blocks=min(landed, terms.fetch_blocks))
             return
         earlier, rest = await self._join_shorter(live, dest, keys, terms)
@@ -163,7 +175,7 @@ class FetchRunner:
         if rest is None:
             return 0, None
         self.waits.inc()
-        landed = min(await asyncio.shield(running.landed), covered - terms.local_blocks)
+        landed = min(await self._await_landed(live, running), covered - terms.local_blocks)
         decision = rest.decision if landed else RECOMPUTE
         live.note(fetch_joined=True, fetch_joined_blocks=covered, fetch_rest=decision, fetch_landed_blocks=landed)
         return landed, rest if landed else replace(rest, decision=decision)
@@ -175,14 +187,37 @@ class FetchRunner:
         moved = keys[terms.local_blocks:terms.remote_blocks]
         for key in moved:
             self._inflight.setdefault((dest, key), own)
+        own.task = asyncio.create_task(self._fetch(live, dest, terms, earlier))
+        own.task.add_done_callback(functools.partial(self._ended, own, dest, moved))
+        await self._await_landed(live, own)
+
+    def _ended(self, own: _Running, dest: str, moved: tuple[int, ...], task: asyncio.Task) -> None:
+        """The fetch's task ended (landed, failed, or cancelled by its last waiter leaving, even
+        before it started): its blocks are no longer in flight, its waiters get what landed."""
+        for key in moved:
+            if self._inflight.get((dest, key)) is own:
+                del self._inflight[(dest, key)]
         landed = 0
+        if task.cancelled():
+            self.fetches.labels("abandoned").inc()
+        elif task.exception() is not None:
+            log.error("prefix fetch to %s failed", dest, exc_info=task.exception())  # its waiters recompute
+        else:
+            landed = task.result()
+        own.landed.set_result(landed)
+
+    async def _await_landed(self, live, running: _Running) -> int:
+        """The blocks `running` landed. A waiter cancelled (its client left) leaves the fetch to the
+        others; the last one to leave abandons it, so both sides return its blocks now, not at
+        their leases' expiry."""
+        running.waiters += 1
         try:
-            landed = await self._fetch(live, dest, terms, earlier)
+            return await asyncio.shield(running.landed)
         finally:
-            for key in moved:
-                if self._inflight.get((dest, key)) is own:
-                    del self._inflight[(dest, key)]
-            own.landed.set_result(landed)
+            running.waiters -= 1
+            if not running.waiters and not running.landed.done():
+                live.note(fetch_failure="abandoned")
+                running.task.cancel()
 
     async def _fetch(self, live, dest: str, terms: FetchTerms, earlier: int = 0) -> int:
         """Run one planned fetch, note and count it; the blocks it landed."""
@@ -203,34 +238,45 @@ class FetchRunner:
         return landed
 
     async def _run(self, live, dest: str, terms: FetchTerms) -> int:
-        """Blocks landed at `dest` (0: the fetch failed and the request recomputes)."""
-        b, loop = self.backend, asyncio.get_running_loop()
-        bs = b._block_size
+        """Blocks landed at `dest` (0: the fetch failed and the request recomputes). One deadline
+        bounds the whole fetch (reserve, pin, serve, land): `MIN_DEADLINE_S` + 10x its prediction."""
+        loop = asyncio.get_running_loop()
         fetch_id = f"{live.engine_id}/fetch{next(self._ids)}"
         job = _Fetch(fetch_id, dest, terms.holder, loop.create_future(), loop.create_future(), loop.create_future())
         self.pending[fetch_id] = job
-        holder = b.registered[terms.holder]
-        prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * bs])
+        deadline = time.monotonic() + MIN_DEADLINE_S + 10 * terms.fetch_s
         try:
-            await self._send(dest, m.FetchReserve(fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
-            await self._send(terms.holder, m.FetchPin(fetch_id, prefix, live.req.tenant, terms.remote_blocks))
-            reserved = await self._wait(job.reserved, job, RESERVE_TIMEOUT_S)
-            pinned = await self._wait(job.pinned, job, RESERVE_TIMEOUT_S)
-            failure = _refused(reserved) or _refused(pinned)
-            plan = None if failure else self._plan(live, job, reserved, pinned)
-            if plan is None:  # refused, late, or a side left the registry meanwhile
-                live.note(fetch_failure=failure or "holder_lost")
-                await self._abort(job)
-                return 0
-            await self._send(terms.holder, m.FetchServe(prefix, plan))
-            done = await self._wait(job.landed, job, MIN_DEADLINE_S + 10 * terms.fetch_s)
-            if isinstance(done, m.FetchDone) and done.published:
-                return done.blocks
-            live.note(fetch_failure=done if isinstance(done, str) else done.reason or "aborted")
+            outcome = await self._steps(live, job, terms, deadline)
+            if isinstance(outcome, int):
+                return outcome
+            live.note(fetch_failure=outcome)
             await self._abort(job)
             return 0
+        except asyncio.CancelledError:  # its last waiter left: nobody waits for it any more
+            await self._abort(job)
+            raise
         finally:
             self.pending.pop(fetch_id, None)
+
+    async def _steps(self, live, job: _Fetch, terms: FetchTerms, deadline: float) -> int | str:
+        """Reserve and pin, serve, land: the blocks landed, or why the fetch failed."""
+        holder = self.backend.registered.get(terms.holder)
+        if holder is None:  # it left while this request waited on a joined fetch
+            return "holder_lost"
+        prefix = tuple(live.req.prompt_ids[: terms.remote_blocks * self.backend._block_size])
+        await self._send(job.dest, m.FetchReserve(job.fetch_id, prefix, live.req.tenant, terms.holder, holder.epoch))
+        await self._send(terms.holder, m.FetchPin(job.fetch_id, prefix, live.req.tenant, terms.remote_blocks))
+        reserved = await self._wait(job.reserved, job, deadline)
+        pinned = await self._wait(job.pinned, job, deadline)
+        failure = _refused(reserved) or _refused(pinned)
+        plan = None if failure else self._plan(live, job, reserved, pinned)
+        if plan is None:  # refused, late, or a side left the registry meanwhile
+            return failure or "holder_lost"
+        await self._send(terms.holder, m.FetchServe(prefix, plan))
+        done = await self._wait(job.landed, job, deadline)
+        if isinstance(done, m.FetchDone) and done.published:
+            return done.blocks
+        return done if isinstance(done, str) else done.reason or "aborted"
 
     async def _abort(self, job: _Fetch) -> None:
         """Both sides return what they hold for the fetch (a worker holding nothing ignores it)."""
@@ -258,13 +304,12 @@ class FetchRunner:
         return b.capabilities.issue(plan, job.holder, holder.epoch, dest.abi_hash, same_host and holder.shm_name is not None,
                                     dest.bytes_per_token * dest.block_size, segments)
 
-    async def _wait(self, future: asyncio.Future, job: _Fetch, timeout_s: float):
+    async def _wait(self, future: asyncio.Future, job: _Fetch, deadline: float):
         """The future's result; else why not: "holder_lost" once the holder (or the destination)
         left the registry under the epoch the fetch started with, "source_failed" when the holder
         reported its side failed, "timeout" at the deadline."""
         b = self.backend
         epochs = {w: b.registered[w].epoch for w in (job.dest, job.holder) if w in b.registered}
-        deadline = time.monotonic() + timeout_s
         while not future.done():
             if any(w not in b.registered or b.registered[w].epoch != e for w, e in epochs.items()) or len(epochs) < 2:
                 return "holder_lost"
