@@ -125,6 +125,20 @@ class ServeConfig:
         self._check_runahead()
         if self.kv_events_endpoint is not None:  # the per-worker port ranges (workers/kv_publisher.py)
             check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint, len(self.shape().roles()))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Numbers no deployment can run with, refused before any process starts."""
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.threads_per_worker < 1 or self.layerwise_threshold_tokens < 0 or self.max_logprobs < 0:
+            raise ValueError(f"--threads-per-worker must be >= 1, --layerwise-threshold and --max-logprobs >= 0, got "
+                             f"{self.threads_per_worker}, {self.layerwise_threshold_tokens}, {self.max_logprobs}")
+        for flag, seconds in (("--slo-ttft-ms", self.slo_ttft_s), ("--slo-tpot-ms", self.slo_tpot_s)):
+            if seconds is not None and not seconds > 0:
+                raise ValueError(f"{flag} must be > 0 (or left out: derived from the profile), got {seconds * 1e3:g}")
+        if not self.admission_wait_s >= 0:
+            raise ValueError(f"--admission-wait-s must be >= 0, got {self.admission_wait_s}")
 
     def _check_runahead(self) -> None:
         k = self.prefill_runahead

@@ -263,6 +263,18 @@ def length_buckets(text: str) -> tuple[int, ...]:
     return bounds
 
 
+def check_model(config) -> None:
+    """The checkpoint exists and reads, and each role's tensor-parallel size divides it (a
+    CheckpointError or TpShapeError, both ValueErrors), before any worker starts: a worker that
+    found out would exit and be restarted into the same error."""
+    from pdserve.model.config import check_tp, load_config  # neither imports torch (the serving process has none)
+    from pdserve.model.default import resolve_model
+
+    model = load_config(resolve_model(config.engine.model))
+    for role in config.shape().roles():
+        check_tp(model, config.tp.for_role(role.value))
+
+
 def check_predictor(config) -> None:
     """Refuse at start, before any worker, a predictor that is missing, malformed or trained for
     another model (router/tetri/reserve_mode.py; raises ValueError)."""
@@ -342,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         args = with_config_file(args)
         config = serve_config(args)
         config.shape()
+        check_model(config)
         check_predictor(config)
         fit_fd_limit(config.http_limits)
     except ValueError as exc:

@@ -30,3 +30,23 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N": weights, K/V pool and activations (model/gpu/ on CUDA)
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/cuda_graphs.py)
     tp_cores: tuple[int, ...] = ()  # rank r is pinned to tp_cores[r % len]; () = no pinning (1 thread each)
+
+    def __post_init__(self) -> None:
+        """Refuse sizes no engine can run with, naming the field and its flag (a ValueError: the
+        CLI prints it and exits 2 before any process starts)."""
+        at_least_one = {"block_size (--block-size)": self.block_size, "max_num_seqs (--max-num-seqs)": self.max_num_seqs,
+                        "max_num_batched_tokens (--max-num-batched-tokens)": self.max_num_batched_tokens,
+                        "max_tenant_roots (--max-tenant-roots)": self.max_tenant_roots, "tp (--tp)": self.tp}
+        if self.num_threads is not None:
+            at_least_one["num_threads (--threads-per-worker)"] = self.num_threads
+        if self.max_model_len is not None:
+            at_least_one["max_model_len"] = self.max_model_len
+        if self.num_blocks is not None:
+            at_least_one["num_blocks"] = self.num_blocks
+        elif self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes (--kv-cache-mb) must be > 0, got {self.kv_cache_bytes}")
+        for name, value in at_least_one.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.host_kv_bytes < 0:
+            raise ValueError(f"host_kv_bytes (--host-kv-mb) must be >= 0, got {self.host_kv_bytes}")

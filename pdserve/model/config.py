@@ -232,3 +232,17 @@ def _token_ids(value: Any, source: str) -> tuple[int, ...]:
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise CheckpointError(source, f"eos_token_id must be an int or a list of ints, got {value!r}")
     return tuple(ids)
+
+
+class TpShapeError(ValueError):
+    """The tensor-parallel size does not divide the model's heads or intermediate size."""
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Raise `TpShapeError` unless `tp` splits query heads, K/V heads and the MLP evenly."""
+    if tp < 1:
+        raise TpShapeError(f"tensor-parallel size must be >= 1, got {tp}")
+    for what, n in (("query heads", config.num_heads), ("K/V heads", config.num_kv_heads),
+                    ("intermediate size", config.intermediate_size)):
+        if n % tp:
+            raise TpShapeError(f"tensor-parallel size {tp} does not divide the model's {n} {what}")

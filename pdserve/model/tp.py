@@ -33,23 +33,9 @@ import torch
 import torch.distributed as dist
 
 from pdserve.model.attention import AttnMetadata
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, TpShapeError, check_tp  # noqa: F401 (re-exported)
 from pdserve.model.llama import LlamaModel
 from pdserve.model.numerics import Weight, linear
-
-
-class TpShapeError(ValueError):
-    """The tensor-parallel size does not divide the model's heads or intermediate size."""
-
-
-def check_tp(config: ModelConfig, tp: int) -> None:
-    """Raise `TpShapeError` unless `tp` splits query heads, K/V heads and the MLP evenly."""
-    if tp < 1:
-        raise TpShapeError(f"tensor-parallel size must be >= 1, got {tp}")
-    for what, n in (("query heads", config.num_heads), ("K/V heads", config.num_kv_heads),
-                    ("intermediate size", config.intermediate_size)):
-        if n % tp:
-            raise TpShapeError(f"tensor-parallel size {tp} does not divide the model's {n} {what}")
 
 
 def kv_head_range(config: ModelConfig, rank: int, tp: int) -> tuple[int, int]:

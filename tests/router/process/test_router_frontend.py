@@ -197,10 +197,10 @@ def test_a_restarted_worker_is_waited_for_until_its_first_load_report_not_only_i
             await asyncio.sleep(0.01)
         assert not task.done(), task.result()
         h.report("p0", applied=0)
-        wid, reserve = await h.next_sent(m.ReserveKv, steps=5000)
+        wid, reserve = await sent_within(h, m.ReserveKv, 30.0)  # the admission's next poll (ADMISSION_POLL_S)
         assert wid == "d0"
         await h.deliver(m.Reserved("d0", 1, "r", reserve.transfer_id, True, None, (0, 1), 0, "res"))
-        wid, prefill = await h.next_sent(m.Prefill, steps=5000)
+        wid, prefill = await h.next_sent(m.Prefill)
         assert wid == "p0"
         first = m.TokenItem("r", (7,), "", False, None, len(PROMPT), 0, prefilled=True)
         await h.deliver(m.Tokens("p0", 2, (first,)))  # the restarted incarnation's epoch
@@ -210,3 +210,12 @@ def test_a_restarted_worker_is_waited_for_until_its_first_load_report_not_only_i
         await finish(h, task)
 
     asyncio.run(main())
+
+
+async def sent_within(h: Harness, kind: type, timeout_s: float) -> tuple[str, object]:
+    """`Harness.next_sent` for a message sent after a timed poll: waits on the clock, not on steps."""
+    for _ in range(int(timeout_s / 0.01)):
+        if any(isinstance(msg, kind) for _, msg in h.sent):
+            return await h.next_sent(kind)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no {kind.__name__} sent within {timeout_s} s; sent: {h.sent}")
