@@ -113,9 +113,9 @@ class ReleaseController:
             raise ReleaseBusy("another admin operation is running")
         async with self._lock:
             target = "ACTIVE" if enabled else "PINNED"
-            if self.state == target:
-                return {"state": self.state, "role_changes": []}
-            if not allowed(self.state, target):
+            # in the target state already, the roles are reconciled again: a worker that a kill -9
+            # during the first attempt left in its old role is changed now (the retry is not a no-op)
+            if self.state != target and not allowed(self.state, target):
                 raise IllegalReleaseTransition(f"release state {self.state} -> {target} is not allowed")
             t0 = time.monotonic()
             if enabled:
@@ -123,10 +123,11 @@ class ReleaseController:
             try:
                 changes = await role_control.set_disaggregation(self.backend, enabled, self.drain_timeout_s)
             except role_control.RoleChangeFailed:
-                if not enabled:  # new requests run whole from the first step on: the release is pinned
+                if not enabled and self.state != target:  # new requests run whole from the first step on: pinned
                     self._move(target)
                 raise
-            self._move(target)
+            if self.state != target:
+                self._move(target)
             return {"state": self.state, "seconds": time.monotonic() - t0,
                     "role_changes": [c.__dict__ for c in changes]}
 

@@ -69,49 +69,89 @@ def holders(backend, worker_id: str) -> list[str]:
             if not live.done and worker_id in {live.prefill_id, live.decode_id, *live.owners}]
 
 
+class _Replaced(Exception):
+    """The worker's process died during the change and its supervisor started it again."""
+
+
 async def change_role(backend, worker_id: str, role: str, drain_timeout_s: float = 30.0,
-                      register_timeout_s: float = 30.0) -> RoleChange:
-    """Drain `worker_id` and switch it to `role` under its next epoch (module contract)."""
-    reg = await _past_registration(backend, worker_id, register_timeout_s)
-    if reg.role == role:
-        return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, 0.0)
-    t0 = time.monotonic()
+                      register_timeout_s: float = 30.0, attempts: int = 3) -> RoleChange:
+    """Drain `worker_id` and switch it to `role` under its next epoch (module contract). A worker
+    whose process dies during the change (kill -9, OOM) comes back from its supervisor: in `role`
+    when the death followed the ChangeRole (the launcher learns the target before it is sent), in
+    its old role when it preceded it; then the change runs again on the new incarnation, up to
+    `attempts` times in all."""
+    t0, origin = time.monotonic(), None
+    for _ in range(attempts):
+        reg = await _past_registration(backend, worker_id, register_timeout_s)
+        if reg.role == role:
+            if origin is None:  # nothing to change
+                return RoleChange(worker_id, role, role, reg.epoch, reg.epoch, 0.0, 0, time.monotonic() - t0)
+            backend.metrics.role_changes.labels(origin.role, role).inc()  # its restart came back in `role`
+            return RoleChange(worker_id, origin.role, role, origin.epoch, reg.epoch, 0.0, 0, time.monotonic() - t0)
+        origin = origin or reg
+        try:
+            return await _change_once(backend, worker_id, reg, role, drain_timeout_s, register_timeout_s, t0)
+        except _Replaced as exc:
+            log.warning("role change of %s to %s: %s; changing its new incarnation", worker_id, role, exc)
+    raise RoleChangeFailed(f"{worker_id} was replaced {attempts} times during its change to {role}")
+
+
+async def _change_once(backend, worker_id: str, reg, role: str, drain_timeout_s: float, register_timeout_s: float,
+                       t0: float) -> RoleChange:
+    started = time.monotonic()
     backend.router.drain(worker_id, reg.epoch)
-    while holders(backend, worker_id) and time.monotonic() - t0 < drain_timeout_s:
+    while holders(backend, worker_id) and time.monotonic() - started < drain_timeout_s:
+        if _incarnation(backend, worker_id) != reg.epoch:
+            raise _Replaced(f"epoch {reg.epoch} died while it drained")
         await asyncio.sleep(POLL_S)
-    drain_s, left = time.monotonic() - t0, len(holders(backend, worker_id))
+    drain_s, left = time.monotonic() - started, len(holders(backend, worker_id))
+    if _incarnation(backend, worker_id) != reg.epoch:
+        raise _Replaced(f"epoch {reg.epoch} died while it drained")
     epoch = reg.epoch + 1
     backend.control_auth.advance(worker_id, epoch)  # its key may register under the new epoch
-    await backend._send(worker_id, m.ChangeRole(role, epoch))
-    await _until_live(backend, worker_id, role, epoch, register_timeout_s)
-    backend.metrics.role_changes.labels(reg.role, role).inc()
+    # before the message: a restart after the switch comes back in `role` above `epoch`, never a
+    # second incarnation under `epoch` (the handoff's fences and capabilities bind epochs)
     backend.on_role_changed(worker_id, role, epoch)
-    return RoleChange(worker_id, reg.role, role, reg.epoch, epoch, drain_s, left, time.monotonic() - t0)
+    await backend._send(worker_id, m.ChangeRole(role, epoch))
+    now = await _until_live(backend, worker_id, role, epoch, register_timeout_s)  # above `epoch` if it was restarted
+    backend.metrics.role_changes.labels(reg.role, role).inc()
+    return RoleChange(worker_id, reg.role, role, reg.epoch, now, drain_s, left, time.monotonic() - t0)
+
+
+def _incarnation(backend, worker_id: str) -> int | None:
+    """The epoch the worker is registered under now (None while it is away)."""
+    reg = backend.registered.get(worker_id)
+    return None if reg is None else reg.epoch
 
 
 async def _past_registration(backend, worker_id: str, timeout_s: float):
     """The worker's registration once its first heartbeat made it LIVE: a worker that has just
-    registered (e.g. restarted by its supervisor) cannot be drained until then."""
+    registered (e.g. restarted by its supervisor) cannot be drained until then, and one its
+    supervisor is starting again is waited for."""
     deadline = time.monotonic() + timeout_s
     while True:
         reg = backend.registered.get(worker_id)
-        if reg is None:
+        if reg is None and not (backend.restarts and worker_id in backend.away):
             raise RoleChangeFailed(f"{worker_id} is not registered")
-        if backend.router.worker_state(worker_id) is not WorkerState.REGISTERED:
+        if reg is not None and backend.router.worker_state(worker_id) is not WorkerState.REGISTERED:
             return reg
         if time.monotonic() > deadline:
-            raise RoleChangeFailed(f"{worker_id} registered but sent no heartbeat within {timeout_s:.0f}s")
+            raise RoleChangeFailed(f"{worker_id} registered but sent no heartbeat within {timeout_s:.0f}s"
+                                   if reg is not None else f"{worker_id} is restarting and did not register within "
+                                   f"{timeout_s:.0f}s")
         await asyncio.sleep(POLL_S)
 
 
-async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s: float) -> None:
+async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s: float) -> int:
+    """The epoch the worker is LIVE under in `role` (`epoch`, or above it: it died after the switch
+    and its supervisor started it again in `role`)."""
     deadline = time.monotonic() + timeout_s
     while True:
         reg = backend.registered.get(worker_id)
         if reg is not None and reg.epoch >= epoch and backend.router.worker_state(worker_id) is WorkerState.LIVE:
-            if reg.role != role:  # it died meanwhile and its supervisor started it again in its old role
-                raise RoleChangeFailed(f"{worker_id} came back as {reg.role} under epoch {reg.epoch}, not as {role}")
-            return
+            if reg.role != role:  # it died before the switch and its supervisor started it again in its old role
+                raise _Replaced(f"it came back as {reg.role} under epoch {reg.epoch}")
+            return reg.epoch
         if time.monotonic() > deadline:
             raise RoleChangeFailed(f"{worker_id} did not register under epoch {epoch} within {timeout_s:.0f}s")
         await asyncio.sleep(POLL_S)
@@ -139,14 +179,13 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
     changes = []
     if not enabled:
         router.set_disaggregation(False)  # new requests run whole on decode workers from now on
-        for wid in origin_prefill_workers(backend):
-            if await _back(backend, wid, drain_timeout_s):
-                changes.append(await change_role(backend, wid, "colocated", drain_timeout_s))
-        return changes
     for wid in origin_prefill_workers(backend):
         if await _back(backend, wid, drain_timeout_s):
-            changes.append(await change_role(backend, wid, "prefill", drain_timeout_s))
-    router.set_disaggregation(True)
+            change = await change_role(backend, wid, "prefill" if enabled else "colocated", drain_timeout_s)
+            if change.from_role != change.to_role:  # one already in its role is not a change
+                changes.append(change)
+    if enabled:
+        router.set_disaggregation(True)
     return changes
 
 

@@ -108,9 +108,11 @@ class RestartSchedule:
         return stuck
 
     def note_epoch(self, worker_id: str, epoch: int) -> None:
-        """A live worker moved to a newer epoch (a role change): its next restart goes above it."""
+        """A live worker moved to a newer epoch (a role change): its next restart goes above it. A
+        dead one's restart keeps the epoch it was scheduled under (the router's message to the dead
+        process was never applied, and the supervisor may be starting it under that epoch now)."""
         life = self.lives.get(worker_id)
-        if life is not None and epoch > life.epoch:
+        if life is not None and life.due_s is None and epoch > life.epoch:
             life.epoch = epoch
 
     def waiting(self) -> list[str]:

@@ -115,3 +115,17 @@ def test_a_restart_that_never_registers_is_listed_once_after_the_timeout():
     s.mark_restarted("decode-0", 3, 15.5)
     s.on_registered("decode-0", 3, 20.0)
     assert s.unregistered(100.0) == []  # registered in time: the heartbeat watchdog's from here
+
+
+def test_a_role_change_epoch_raises_a_live_worker_s_next_restart_not_a_scheduled_one():
+    """note_epoch (the router told the worker to switch under a new epoch) lifts a live worker's
+    next restart above that epoch; while it is dead its restart keeps the epoch it was scheduled
+    under (the supervisor may be starting it under that epoch right now)."""
+    s = RestartSchedule(RestartPolicy(first_delay_s=0.5))
+    s.on_started("prefill-0", 1, now=0.0)
+    s.note_epoch("prefill-0", 2)
+    due = s.on_death("prefill-0", 1.0)
+    assert s.due(due) == [("prefill-0", 3)]  # above the role change's epoch 2, not a second epoch 2
+    s.note_epoch("prefill-0", 3)  # a ChangeRole sent to the dead process: never applied
+    assert s.due(due) == [("prefill-0", 3)]
+    s.mark_restarted("prefill-0", 3, due)  # before: raised "restart under epoch 3 was not scheduled"

@@ -1,0 +1,104 @@
+"""kill -9 of the prefill worker during a live disable of disaggregation, through `pdserve serve`
+(default restarts, admin token from the environment). The worker's supervisor starts it again in
+its launch role (prefill) under a new epoch; the disable must still end with it colocated, and
+every incarnation must run under its own epoch (the handoff's fences and capabilities bind
+epochs). Before: the disable answered 503 `role_change_failed` ("came back as prefill"), the
+release said PINNED while prefill-0 stayed a prefill worker that no request reached, and posting
+the disable again answered 200 and changed nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from pdserve.ports import free_local_port
+from tests.api.served_cli import ROOT, stop, wait_healthy
+
+TOKEN = "role-change-test"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _roles(base: str) -> dict[str, tuple[str, int, str]]:
+    return {w["id"]: (w["role"], w["epoch"], w["state"]) for w in httpx.get(base + "/workers", timeout=10).json()}
+
+
+def _until(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(what)
+
+
+def _pools_free(base: str) -> bool:
+    return all(w["load"]["free_blocks"] == w["load"]["num_blocks"] and w["load"]["reserved_blocks"] == 0
+               for w in httpx.get(base + "/workers", timeout=10).json())
+
+
+def test_a_prefill_worker_killed_during_a_live_disable_still_ends_colocated_under_a_fresh_epoch(tmp_path):
+    port, log_path = free_local_port(), tmp_path / "serve.log"
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_ADMIN_TOKEN": TOKEN}
+    with open(log_path, "w") as log:  # every request disaggregated: the stream below holds prefill-0's drain
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
+                                 "--pd-decision", "always", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_healthy(port, 180.0)
+        assert _roles(base)["prefill-0"] == ("prefill", 1, "live")
+        tokens: list[str] = []
+        body = {"model": "tiny", "prompt": "hello " * 40, "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as answer:
+                tokens.extend(line for line in answer.iter_lines() if line.startswith("data: "))
+
+        client = threading.Thread(target=stream)
+        client.start()
+        _until(lambda: len(tokens) >= 3, 60, "the stream did not start")
+        answers: list[httpx.Response] = []
+        disable = threading.Thread(target=lambda: answers.append(
+            httpx.post(base + "/admin/disaggregation", json={"enabled": False}, headers=ADMIN, timeout=120)))
+        disable.start()  # its drain waits for the stream, whose route holds prefill-0
+        _until(lambda: _roles(base)["prefill-0"][2] == "draining", 30, "prefill-0 did not drain")
+        (pid,) = (int(p) for p in subprocess.run(["pgrep", "-x", "pd-prefill-0"], capture_output=True,
+                                                 text=True).stdout.split())
+        os.kill(pid, signal.SIGKILL)
+        disable.join(120)
+        client.join(120)
+
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["state"] == "PINNED"
+        roles = _roles(base)
+        assert roles["prefill-0"][0::2] == ("colocated", "live") and roles["prefill-0"][1] >= 3, roles
+        chunks = [json.loads(line.removeprefix("data: ")) for line in tokens[:-1]]
+        assert tokens[-1] == "data: [DONE]" and not any("error" in c for c in chunks)  # not cut: it ran to its length
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+        again = httpx.post(base + "/admin/disaggregation", json={"enabled": False}, headers=ADMIN, timeout=120)
+        assert again.status_code == 200 and again.json()["state"] == "PINNED"
+        enabled = httpx.post(base + "/admin/disaggregation", json={"enabled": True}, headers=ADMIN, timeout=120)
+        assert enabled.status_code == 200 and enabled.json()["state"] == "ACTIVE"
+        assert _roles(base)["prefill-0"][0] == "prefill"
+        after = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 8,
+                                                            "ignore_eos": True}, timeout=60)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+        _until(lambda: _pools_free(base), 30, "a worker still holds blocks")
+    finally:
+        stop(proc)
+    text = log_path.read_text()
+    # each incarnation of prefill-0 announces itself once, with its epoch and role: epochs never repeat
+    epochs = [int(e) for e in re.findall(r"pdserve worker prefill-0 \(epoch (\d+), ", text)]
+    assert epochs == sorted(set(epochs)) and len(epochs) >= 3, epochs
+    assert "Traceback" not in text, text[-3000:]
