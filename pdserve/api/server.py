@@ -21,12 +21,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.api.edge.limits import EdgeLimits
 from pdserve.api.edge.http_guard import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pdserve.api.edge.limits import EdgeLimits
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.heap import frozen_heap
@@ -38,7 +37,12 @@ from pdserve.model.tokenizer import load_tokenizer
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.policy.pd_decision import PdPolicy, served_pd, slo_line
 from pdserve.router.pricing.calibration import AUTO, NONE, REFIT, cost_profile
-from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
+from pdserve.router.pricing.tp_pricing import (
+    TpPricing,
+    measured_tp,
+    role_sizes,
+    scaling_for,
+)
 from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.process.role_control import run_pool_controller
 from pdserve.router.router import Router
@@ -47,8 +51,8 @@ from pdserve.router.splitwise.splitwise import PoolController, Thresholds
 from pdserve.router.tetri.reserve_mode import load_policy
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
 from pdserve.workers.kv_publisher import check_endpoints
-from pdserve.workers.process.launch import LaunchConfig, LocalCluster
-from pdserve.workers.process.supervisor import RestartPolicy, RestartSchedule
+from pdserve.workers.process.launcher import Launcher
+from pdserve.workers.process.supervisor import RestartPolicy
 from pdserve.workers.process.tp_rank import TpShape
 
 log = logging.getLogger(__name__)
@@ -214,7 +218,7 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     trace = f"{config.trace_dir}/requests.jsonl" if config.trace_dir else None
     bind = "tcp://0.0.0.0:*" if config.ray else "tcp://127.0.0.1:*"
-    launcher = _launcher(config)
+    launcher = Launcher(config)
     supervisor = pools = None
     backend = ClusterBackend(router_for(config, model_dir), model_name(config), tokenizer, max_len, bind, mc.vocab_size, trace,
                              is_dead=launcher.dead, transport=config.transport, admission_wait_s=config.admission_wait_s,
@@ -231,8 +235,8 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     try:
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex,
                        backend.control_auth.issue)
-        await backend.wait_for_workers(len(config.shape().roles()), config.startup_timeout_s)
-        supervisor = asyncio.create_task(launcher.supervise())
+        supervisor = asyncio.create_task(launcher.supervise())  # a worker killed during start-up is started again
+        await _until_started(backend, launcher, len(config.shape().roles()), config.startup_timeout_s)
         if config.mode == "splitwise":
             controller = PoolController(config.pool_thresholds(), prompt_pool_may_empty=config.pd_decision != "always")
             pools = asyncio.create_task(run_pool_controller(backend, controller))
@@ -247,6 +251,27 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
 
 
+class WorkerStartFailed(TimeoutError):
+    """A worker died during start-up and will not be started again (--no-restart, or FAILED)."""
+
+
+async def _until_started(backend, launcher, count: int, timeout_s: float) -> None:
+    """Every worker registered and reported once, or raise as soon as one is down for good (its
+    exit and the supervisor's verdict are in the log above) instead of at the timeout."""
+    waiting = asyncio.ensure_future(backend.wait_for_workers(count, timeout_s))
+    try:
+        while not waiting.done():
+            lost = launcher.down_for_good()
+            if lost:
+                raise WorkerStartFailed(f"{', '.join(lost)} died during start-up and will not be started again "
+                                        f"({'FAILED: --max-crashes reached' if launcher.config.restart.enabled else '--no-restart'}; "
+                                        f"its exit is logged above)")
+            await asyncio.wait({waiting}, timeout=0.05)
+        waiting.result()
+    finally:
+        waiting.cancel()
+
+
 def _loop_name() -> str:
     """The running event loop's kind: uvloop (pdserve/loop.py) or asyncio's own."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
@@ -257,138 +282,7 @@ def model_name(config: ServeConfig) -> str:
     return spec if spec in ("tiny", "small") else spec.rstrip("/").split("/")[-1]
 
 
-class _Launcher:
-    """Defers building the worker launcher until the router's zmq address is known."""
-
-    def __init__(self, config: ServeConfig):
-        self.config = config
-        self.impl = None
-        self.schedule = RestartSchedule(config.restart)
-        self.clock = time.monotonic
-        self.stopping = False  # the server is stopping: a death is not restarted (`begin_stop`)
-
-    def start(self, router_address: str, capability_key: str | None = None, control_keys=None) -> None:
-        """`control_keys(worker_id, epoch)`: the router's CURVE key issuer (router/process/control_auth.py)."""
-        cfg = self.config
-        roles = tuple(role.value for role in cfg.shape().roles())
-        launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
-                              cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
-                              tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint),
-                              lendable=cfg.mode == "splitwise")
-        if cfg.ray:
-            from pdserve.workers.process.ray_launch import RayCluster
-
-            self.impl = RayCluster(launch, router_address, cfg.ray_address, cfg.ray_pack_pairs, control_keys=control_keys)
-        else:
-            self.impl = LocalCluster(launch, router_address, control_keys)
-        self.impl.start()
-        for wid in self.impl.worker_ids():
-            self.schedule.on_started(wid, 1, self.clock())
-
-    def dead(self) -> list[str]:
-        """Workers that died since the last call (each death once); each is put on the restart
-        schedule as it is reported."""
-        gone = [] if self.impl is None else self.impl.dead()
-        for wid in gone:
-            epoch = self.schedule.lives[wid].epoch if wid in self.schedule.lives else 1
-            if self.stopping:  # e.g. SIGTERM to the whole process group (systemd, `timeout`): it reached the workers too
-                log.info("%s (epoch %d) %s: stopped with the server", wid, epoch, self.impl.exit_reason(wid))
-                continue
-            due = self.schedule.on_death(wid, self.clock())
-            log.warning("%s (epoch %d) %s; %s", wid, epoch, self.impl.exit_reason(wid), self._next_step(wid, due))
-        return gone
-
-    def _next_step(self, worker_id: str, due: float | None) -> str:
-        """What the supervisor does after a death, in the log's words."""
-        policy, life = self.config.restart, self.schedule.lives[worker_id]
-        if life.failed:
-            return (f"FAILED: {len(life.deaths_s)} deaths within {policy.crash_window_s:g} s (--max-crashes "
-                    f"{policy.max_crashes}); not started again")
-        if due is None:
-            return "not restarted (--no-restart)"
-        return (f"restarting in {due - self.clock():.1f} s (death {len(life.deaths_s)} of {policy.max_crashes} "
-                f"within {policy.crash_window_s:g} s)")
-
-    def begin_stop(self) -> None:
-        """The server received its stop signal: from now on a worker's death is the stop's, logged
-        as such and not restarted (the signal may have reached the workers' process group too)."""
-        self.stopping = True
-
-    async def supervise(self, poll_s: float = 0.1) -> None:
-        """Start every dead worker whose backoff elapsed again, under its next epoch; end a restart
-        that did not register in time (the schedule then starts it again). Nothing once stopping."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(poll_s)
-            if self.stopping:
-                continue
-            for wid, epoch in self.schedule.due(self.clock()):
-                try:
-                    await loop.run_in_executor(None, self.impl.restart, wid, epoch)
-                except Exception:  # e.g. the warm template died twice during the start: a crash of this incarnation
-                    log.exception("%s: its start under epoch %d failed; counted as a crash", wid, epoch)
-                    self.schedule.mark_restarted(wid, epoch, self.clock())
-                    self.schedule.on_death(wid, self.clock())  # the backoff, then again (FAILED after --max-crashes)
-                    continue
-                self.schedule.mark_restarted(wid, epoch, self.clock())
-            for wid, epoch in self.schedule.unregistered(self.clock()):  # hung while loading: no heartbeat to miss
-                log.warning("%s (epoch %d) did not register within %g s of its restart: ending it", wid, epoch,
-                            self.config.restart.register_timeout_s)
-                loop.run_in_executor(None, self.impl.stop_hung, wid, 1.0)
-
-    def note_registered(self, worker_id: str, epoch: int) -> None:
-        """An incarnation registered: healthy from now (a long registration resets the backoff)."""
-        self.schedule.on_registered(worker_id, epoch, self.clock())
-
-    def retire_hung(self, worker_id: str, epoch: int, grace_s: float = 1.0) -> None:
-        """The router retired the worker's `epoch` for missed heartbeats: end its process off the
-        event loop (SIGKILL after `grace_s`); `dead()` then reports it and the schedule restarts it.
-        Only the incarnation running that epoch is ended (a restarted one is not the hung one)."""
-        life = self.schedule.lives.get(worker_id)
-        if self.impl is not None and life is not None and life.epoch == epoch and life.due_s is None:
-            log.warning("%s (epoch %d) sent no heartbeat for %g s of the router's running time (--heartbeat-timeout-s): "
-                        "retired as hung, ending its process", worker_id, epoch, self.config.heartbeat_timeout_s)
-            asyncio.get_running_loop().run_in_executor(None, self.impl.stop_hung, worker_id, grace_s)
-
-    def failed(self) -> list[str]:
-        """Workers past the crash-loop limit (supervisor.py): not started again."""
-        return self.schedule.failed()
-
-    def note_key(self, public_key_hex: str, key_epoch: int) -> None:
-        """The router revoked its capability key: restarts carry the new one."""
-        self.impl.set_capability_key(public_key_hex, key_epoch)
-
-    def note_role(self, worker_id: str, role: str, epoch: int) -> None:
-        """A worker changed role under `epoch`: a restart starts it in that role, above that epoch."""
-        self.impl.set_role(worker_id, role)
-        self.schedule.note_epoch(worker_id, epoch)
-
-    @property
-    def num_restarts(self) -> int:
-        return self.schedule.num_restarts
-
-    def kill(self, worker_id: str) -> None:
-        self.impl.kill(worker_id)
-
-    def pid(self, worker_id: str) -> int:
-        return self.impl.pid(worker_id)
-
-    def stop(self) -> None:
-        if self.impl is not None:
-            self.impl.stop()
-
-
-def _launcher(config: ServeConfig) -> _Launcher:
-    return _Launcher(config)
-
-
-def _with_resolved_model(engine: EngineConfig) -> EngineConfig:
-    from dataclasses import replace
-
-    return replace(engine, model=str(resolve_model(engine.model)))
-
-
-def _begin_stop(backend: ClusterBackend, launcher: _Launcher) -> None:
+def _begin_stop(backend: ClusterBackend, launcher: Launcher) -> None:
     """The server got its stop signal: no worker is started again, and no request waits for one
     (a request whose worker died with the stop fails now instead of at its restart wait's end)."""
     launcher.begin_stop()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.api.server import ServeConfig, _Launcher
+from pdserve.api.server import ServeConfig
+from pdserve.workers.process.launcher import Launcher
 from pdserve.workers.process.supervisor import RestartPolicy
 
 
@@ -21,8 +22,8 @@ class _Impl:
             raise EOFError("unexpected EOF")  # what a template dying before its fork raises
 
 
-def _supervised(failures: int, policy: RestartPolicy, done) -> _Launcher:
-    launcher = _Launcher(ServeConfig(restart=policy))
+def _supervised(failures: int, policy: RestartPolicy, done) -> Launcher:
+    launcher = Launcher(ServeConfig(restart=policy))
     launcher.impl = _Impl(failures)
     launcher.schedule.on_started("decode-0", 1, launcher.clock())
     launcher.schedule.on_death("decode-0", launcher.clock())

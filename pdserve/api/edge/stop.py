@@ -5,7 +5,7 @@ calls `on_stop()` first, then stops as uvicorn does (stops accepting, lets open 
 then re-raises the signal, so the process's exit status is the signal's).
 Why: a service manager's SIGTERM (systemd's control-group stop, `timeout`, `kill -- -PGID`)
 reaches the workers at the same time as the server. Told first, the supervisor takes their deaths
-as the stop's instead of restarting them (api/server.py `_Launcher.begin_stop`).
+as the stop's instead of restarting them (`Launcher.begin_stop`, workers/process/launcher.py).
 """
 
 from __future__ import annotations
