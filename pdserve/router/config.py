@@ -41,7 +41,8 @@ class ClusterShape:
     def __post_init__(self) -> None:
         counts = (self.num_prefill, self.num_decode, self.num_colocated, self.num_mixed)
         if min(counts) < 0:
-            raise ValueError(f"worker counts must be >= 0, got --prefill {counts[0]} --decode {counts[1]} --mixed {counts[3]}")
+            named = zip(("--prefill", "--decode", "--replicas", "--mixed"), counts)
+            raise ValueError("worker counts must be >= 0, got " + " ".join(f"{flag} {n}" for flag, n in named if n))
         if not sum(counts):
             raise ValueError("no workers: give at least one (--prefill/--decode, --mixed in splitwise mode, --replicas)")
         if self.mode is Mode.DISAGGREGATED and self.num_mixed and self.num_colocated:

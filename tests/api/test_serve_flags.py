@@ -27,6 +27,7 @@ BAD = [
     (("--tp", "3"), "tensor-parallel size 3 does not divide the model's 8 query heads"),
     (("--decode-tp", "3"), "tensor-parallel size 3 does not divide"),
     (("--model", "/nonexistent/checkpoint"), "model directory does not exist"),
+    (("--mode", "colocated", "--replicas", "-1"), "worker counts must be >= 0, got --replicas -1"),  # not "--prefill 0 ..."
 ]
 
 
