@@ -69,3 +69,28 @@ def test_one_waiter_cancelled_leaves_the_fetch_to_the_other_the_last_abandons_it
 
     asyncio.run(main())
 
+
+
+def test_a_fetch_whose_only_waiter_leaves_at_once_tells_every_side_it_reached_and_frees_its_keys():
+    """The request is cancelled in the loop turn after it created the fetch: whatever the fetch had
+    sent by then, each side it reached gets a FetchAbort, and its blocks are no longer in flight
+    (a later request owns a fresh fetch instead of joining a dead one)."""
+    async def main():
+        backend = _Backend()
+        runner = FetchRunner(backend)
+        first = asyncio.create_task(runner._own(_Live("r1"), "dest", KEYS, TERMS, 0))
+        await asyncio.sleep(0)  # _own ran up to its wait: the fetch's task exists
+        running = runner._inflight[("dest", KEYS[-1])]
+        first.cancel()
+        await asyncio.sleep(0.05)
+        assert running.task.cancelled() and running.landed.result() == 0
+        reached = {wid.removesuffix(FETCH_SUFFIX) for wid, msg in backend.sent if not isinstance(msg, m.FetchAbort)}
+        assert reached <= _aborted(backend) and not runner.pending and not runner._inflight
+        assert _abandoned(runner) == 1
+        later = asyncio.create_task(runner._own(_Live("r2"), "dest", KEYS, TERMS, 0))
+        await asyncio.sleep(0.05)
+        assert runner._inflight[("dest", KEYS[-1])] is not running  # its own fetch, not the dead one
+        later.cancel()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
