@@ -5,12 +5,16 @@ ROLLING_BACK and runs again from the top, illegal moves and concurrent operation
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.process import release, role_control
+from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
 from pdserve.router.router import Router
+
+LOAD = WorkerLoad(0, 0, 1000)
 
 
 class Backend:
@@ -157,38 +161,39 @@ def test_a_disable_posted_again_while_pinned_changes_the_workers_left_in_their_o
     assert [h[0] for h in control.history] == ["ACTIVE", "PINNED"]  # the reconcile is not a move
 
 
+class _LivePrefill(Backend):
+    """prefill-0 LIVE under epoch 1, restarts on; `_send` is the worker's side."""
+
+    def __init__(self, on_role_changed=lambda wid, role, epoch: None):
+        super().__init__()
+        self.router.register(WorkerInfo("prefill-0", "h0", Role.PREFILL, 1, 1000, "m", "abi"))
+        self.router.report_load("prefill-0", 1, LOAD)
+        self.registered["prefill-0"] = SimpleNamespace(role="prefill", epoch=1)
+        self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
+        counter = SimpleNamespace(inc=lambda: None)
+        self.metrics.role_changes = SimpleNamespace(labels=lambda *a: counter)
+        self.on_role_changed = on_role_changed
+        self.restarts, self.away = True, set()
+
+    def comes_back(self, wid: str, role: str, epoch: int) -> None:
+        self.router.register(WorkerInfo(wid, "h0", Role(role), epoch, 1000, "m", "abi"))
+        self.router.report_load(wid, epoch, LOAD)
+        self.registered[wid] = SimpleNamespace(role=role, epoch=epoch)
+
+
 def test_the_launcher_learns_the_new_role_and_epoch_before_the_worker_is_told():
     """A worker that switches and dies before the router sees it LIVE is restarted by its supervisor
     in the new role above the new epoch (never a second incarnation under that epoch): the launcher
     is told before the ChangeRole leaves."""
-    from types import SimpleNamespace
-
-    from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
-    from pdserve.workers import messages as m
-
-    load = WorkerLoad(0, 0, 1000)
     events = []
 
-    class Live(Backend):
-        def __init__(self):
-            super().__init__()
-            self.router.register(WorkerInfo("prefill-0", "h0", Role.PREFILL, 1, 1000, "m", "abi"))
-            self.router.report_load("prefill-0", 1, load)
-            self.registered["prefill-0"] = SimpleNamespace(role="prefill", epoch=1)
-            self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
-            counter = SimpleNamespace(inc=lambda: None)
-            self.metrics.role_changes = SimpleNamespace(labels=lambda *a: counter)
-            self.on_role_changed = lambda wid, role, epoch: events.append(("launcher", role, epoch))
-            self.restarts, self.away = True, set()
-
+    class Told(_LivePrefill):
         async def _send(self, wid, msg):
             events.append(("sent", msg.role, msg.epoch))
-            assert isinstance(msg, m.ChangeRole)
-            self.router.register(WorkerInfo(wid, "h0", Role(msg.role), msg.epoch, 1000, "m", "abi"))
-            self.router.report_load(wid, msg.epoch, load)
-            self.registered[wid] = SimpleNamespace(role=msg.role, epoch=msg.epoch)
+            self.comes_back(wid, msg.role, msg.epoch)
 
-    change = asyncio.run(role_control.change_role(Live(), "prefill-0", "colocated", 1.0, 5.0))
+    backend = Told(lambda wid, role, epoch: events.append(("launcher", role, epoch)))
+    change = asyncio.run(role_control.change_role(backend, "prefill-0", "colocated", 1.0, 5.0))
     assert events == [("launcher", "colocated", 2), ("sent", "colocated", 2)]
     assert (change.from_epoch, change.to_epoch) == (1, 2)
 
@@ -196,31 +201,12 @@ def test_the_launcher_learns_the_new_role_and_epoch_before_the_worker_is_told():
 def test_a_worker_that_comes_back_in_its_old_role_mid_change_is_changed_on_its_new_incarnation():
     """The ChangeRole reached a process already dead: its restart registers in the launch role under
     the epoch the supervisor chose. The change runs again on that incarnation (one epoch above it)."""
-    from types import SimpleNamespace
-
-    from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
-
-    load = WorkerLoad(0, 0, 1000)
     sent = []
 
-    class Replaced(Backend):
-        def __init__(self):
-            super().__init__()
-            self.router.register(WorkerInfo("prefill-0", "h0", Role.PREFILL, 1, 1000, "m", "abi"))
-            self.router.report_load("prefill-0", 1, load)
-            self.registered["prefill-0"] = SimpleNamespace(role="prefill", epoch=1)
-            self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
-            counter = SimpleNamespace(inc=lambda: None)
-            self.metrics.role_changes = SimpleNamespace(labels=lambda *a: counter)
-            self.on_role_changed = lambda wid, role, epoch: None
-            self.restarts, self.away = True, set()
-
+    class Replaced(_LivePrefill):
         async def _send(self, wid, msg):
             sent.append((msg.role, msg.epoch))
-            role, epoch = ("prefill", 2) if len(sent) == 1 else (msg.role, msg.epoch)  # the first: a restart
-            self.router.register(WorkerInfo(wid, "h0", Role(role), epoch, 1000, "m", "abi"))
-            self.router.report_load(wid, epoch, load)
-            self.registered[wid] = SimpleNamespace(role=role, epoch=epoch)
+            self.comes_back(wid, *(("prefill", 2) if len(sent) == 1 else (msg.role, msg.epoch)))  # first: a restart
 
     change = asyncio.run(role_control.change_role(Replaced(), "prefill-0", "colocated", 1.0, 5.0))
     assert sent == [("colocated", 2), ("colocated", 3)]
