@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.process import release, role_control
 from pdserve.router.messages import Role, WorkerInfo, WorkerLoad
+from pdserve.router.process import release, role_control
 from pdserve.router.router import Router
 
 LOAD = WorkerLoad(0, 0, 1000)
