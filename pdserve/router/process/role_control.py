@@ -131,6 +131,7 @@ async def _past_registration(backend, worker_id: str, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while True:
         reg = backend.registered.get(worker_id)
+        _refuse_failed(backend, worker_id)
         if reg is None and not (backend.restarts and worker_id in backend.away):
             raise RoleChangeFailed(f"{worker_id} is not registered")
         if reg is not None and backend.router.worker_state(worker_id) is not WorkerState.REGISTERED:
@@ -147,6 +148,7 @@ async def _until_live(backend, worker_id: str, role: str, epoch: int, timeout_s:
     and its supervisor started it again in `role`)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        _refuse_failed(backend, worker_id)
         reg = backend.registered.get(worker_id)
         if reg is not None and reg.epoch >= epoch and backend.router.worker_state(worker_id) is WorkerState.LIVE:
             if reg.role != role:  # it died before the switch and its supervisor started it again in its old role
@@ -162,10 +164,18 @@ async def _back(backend, worker_id: str, timeout_s: float) -> bool:
     restarts on): it comes back in its launch role, so skipping it would leave it there."""
     deadline = time.monotonic() + timeout_s
     while worker_id not in backend.registered and backend.restarts and worker_id in backend.away:
+        _refuse_failed(backend, worker_id)
         if time.monotonic() > deadline:
             raise RoleChangeFailed(f"{worker_id} is restarting and did not register within {timeout_s:.0f}s")
         await asyncio.sleep(POLL_S)
     return worker_id in backend.registered
+
+
+def _refuse_failed(backend, worker_id: str) -> None:
+    """A worker past its crash-loop limit is never started again: no change can finish on it."""
+    if worker_id in backend.failed_workers():
+        raise RoleChangeFailed(f"{worker_id} is FAILED (--max-crashes deaths within --crash-window-s): it is not "
+                               f"started again, so it cannot change role")
 
 
 def origin_prefill_workers(backend) -> list[str]:
@@ -177,13 +187,22 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
     """Live disable / enable (module contract); returns the role changes it made, in order."""
     router = backend.router
     changes = []
+    failed = [wid for wid in origin_prefill_workers(backend) if wid in backend.failed_workers()]
+    if enabled and failed:  # nothing changes: the prefill pool would lack workers that never come back
+        raise RoleChangeFailed(f"cannot enable disaggregation: {', '.join(failed)} FAILED (past --max-crashes) and "
+                               f"will not serve as prefill; the release stays as it is")
     if not enabled:
         router.set_disaggregation(False)  # new requests run whole on decode workers from now on
     for wid in origin_prefill_workers(backend):
+        if wid in failed:
+            continue
         if await _back(backend, wid, drain_timeout_s):
             change = await change_role(backend, wid, "prefill" if enabled else "colocated", drain_timeout_s)
             if change.from_role != change.to_role:  # one already in its role is not a change
                 changes.append(change)
+    if failed:  # disabled: the others changed and requests run whole; the FAILED ones serve nothing
+        raise RoleChangeFailed(f"disaggregation is off, but {', '.join(failed)} FAILED (past --max-crashes) and "
+                               f"serves no role")
     if enabled:
         router.set_disaggregation(True)
     return changes

@@ -21,6 +21,7 @@ class Backend:
     def __init__(self):
         self.router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi"))
         self.live, self.registered = {}, {}
+        self.failed_workers = lambda: []
         self.metrics = type("M", (), {"rollback_seconds": type("H", (), {"observe": lambda self, v: None})()})()
 
     async def revoke_capabilities(self, ack_timeout_s: float) -> dict:

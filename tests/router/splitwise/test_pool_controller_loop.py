@@ -43,6 +43,7 @@ class Backend:
                                        role_changes=Counter("changes", "", ["from_role", "to_role"], registry=registry))
         self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
         self.on_role_changed = lambda wid, role, epoch: None
+        self.failed_workers = lambda: []
 
     async def _send(self, worker_id: str, msg) -> bool:
         self.sent.append((worker_id, msg))  # the worker never registers again: a move that does not end
