@@ -147,3 +147,8 @@ def test_a_prefill_worker_that_fails_for_good_during_a_disable_is_named_at_once_
         after = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 8,
                                                             "ignore_eos": True}, timeout=60)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+        # the rollback completes: a worker that serves nothing needs no fallback role; it is named
+        rolled = httpx.post(base + "/admin/rollback", headers=ADMIN, timeout=120)
+        assert rolled.status_code == 200 and rolled.json()["state"] == "ROLLED_BACK", rolled.text
+        steps = {step["name"]: step["detail"] for step in rolled.json()["steps"]}
+        assert steps["ENABLE_COLOCATED_FALLBACK"] == {"role_changes": [], "failed": ["prefill-0"]}

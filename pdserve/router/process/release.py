@@ -160,8 +160,9 @@ async def _rollback_steps(backend, control: "ReleaseController") -> list[Step]:
     acks = await control_acks.broadcast(backend, lambda wid: advance, "route_epoch", str(router.route_epoch), ack_s)
     done(ROLLBACK_ORDER[1], route_epoch=router.route_epoch, installed_at_s=acks)
     done(ROLLBACK_ORDER[2], **await _drain_or_abort(backend, control.drain_window_s, ack_s))
-    changes = await role_control.set_disaggregation(backend, False, control.drain_timeout_s)
-    done(ROLLBACK_ORDER[3], role_changes=[f"{c.worker_id}:{c.from_role}->{c.to_role}@{c.to_epoch}" for c in changes])
+    changes = await role_control.set_disaggregation(backend, False, control.drain_timeout_s, failed_ok=True)
+    done(ROLLBACK_ORDER[3], role_changes=[f"{c.worker_id}:{c.from_role}->{c.to_role}@{c.to_epoch}" for c in changes],
+         failed=[w for w in role_control.origin_prefill_workers(backend) if w in backend.failed_workers()])
     router.handoff_enabled = False
     done(ROLLBACK_ORDER[4], handoff=False)
     done(ROLLBACK_ORDER[5], **await backend.revoke_capabilities(ack_s))

@@ -183,8 +183,11 @@ def origin_prefill_workers(backend) -> list[str]:
     return sorted(wid for wid, role in backend.origin_roles.items() if role == "prefill")
 
 
-async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30.0) -> list[RoleChange]:
-    """Live disable / enable (module contract); returns the role changes it made, in order."""
+async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30.0,
+                             failed_ok: bool = False) -> list[RoleChange]:
+    """Live disable / enable (module contract); returns the role changes it made, in order. A
+    FAILED prefill worker fails the call (RoleChangeFailed) unless `failed_ok` (the rollback: a
+    worker that serves nothing needs no fallback role)."""
     router = backend.router
     changes = []
     failed = [wid for wid in origin_prefill_workers(backend) if wid in backend.failed_workers()]
@@ -200,7 +203,7 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
             change = await change_role(backend, wid, "prefill" if enabled else "colocated", drain_timeout_s)
             if change.from_role != change.to_role:  # one already in its role is not a change
                 changes.append(change)
-    if failed:  # disabled: the others changed and requests run whole; the FAILED ones serve nothing
+    if failed and not failed_ok:  # disabled: the others changed and requests run whole; the FAILED ones serve nothing
         raise RoleChangeFailed(f"disaggregation is off, but {', '.join(failed)} FAILED (past --max-crashes) and "
                                f"serves no role")
     if enabled:

@@ -21,7 +21,7 @@ class Backend:
     def __init__(self):
         self.router = Router(RouterConfig(Mode.DISAGGREGATED, "m", "abi"))
         self.live, self.registered = {}, {}
-        self.failed_workers = lambda: []
+        self.failed_workers, self.origin_roles = (lambda: []), {}
         self.metrics = type("M", (), {"rollback_seconds": type("H", (), {"observe": lambda self, v: None})()})()
 
     async def revoke_capabilities(self, ack_timeout_s: float) -> dict:
@@ -29,7 +29,7 @@ class Backend:
 
 
 def failing(calls):
-    async def set_disaggregation(backend, enabled, drain_timeout_s):
+    async def set_disaggregation(backend, enabled, drain_timeout_s, failed_ok=False):
         calls.append(enabled)
         if len(calls) in (1, 3):  # the first disable, and the rollback's first try
             raise role_control.RoleChangeFailed("prefill-0 did not register under epoch 2")
@@ -68,7 +68,7 @@ def test_a_rollback_that_finds_staging_still_held_fails_stays_rolling_back_and_r
     top and completes once the hold is gone."""
     from pdserve.router.messages import Role, RouteRequest, WorkerInfo, WorkerLoad
 
-    async def flip(backend, enabled, drain_timeout_s):
+    async def flip(backend, enabled, drain_timeout_s, failed_ok=False):
         backend.router.set_disaggregation(enabled)
         return []
 
@@ -145,7 +145,7 @@ def test_a_disable_posted_again_while_pinned_changes_the_workers_left_in_their_o
     again runs the role changes again instead of answering that nothing is to be done."""
     calls = []
 
-    async def record(backend, enabled, drain_timeout_s):
+    async def record(backend, enabled, drain_timeout_s, failed_ok=False):
         calls.append(enabled)
         backend.router.set_disaggregation(enabled)
         return []
