@@ -143,6 +143,8 @@ class ServeConfig:
                 raise ValueError(f"{flag} must be > 0 (or left out: derived from the profile), got {seconds * 1e3:g}")
         if not self.admission_wait_s >= 0:
             raise ValueError(f"--admission-wait-s must be >= 0, got {self.admission_wait_s}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
     def _check_runahead(self) -> None:
         k = self.prefill_runahead
@@ -267,6 +269,10 @@ async def _until_started(backend, launcher, count: int, timeout_s: float) -> Non
                                         f"({'FAILED: --max-crashes reached' if launcher.config.restart.enabled else '--no-restart'}; "
                                         f"its exit is logged above)")
             await asyncio.wait({waiting}, timeout=0.05)
+        if isinstance(waiting.exception(), TimeoutError):
+            missing = [w for w in launcher.impl.worker_ids() if w not in backend.registered or w not in backend.loads]
+            raise WorkerStartFailed(f"{', '.join(missing)} did not register within {timeout_s:g} s of the start "
+                                    f"(--startup-timeout-s): still loading, or hung (e.g. stopped)")
         waiting.result()
     finally:
         waiting.cancel()

@@ -8,6 +8,14 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from pdserve.api.preflight import (
+    check_files,
+    check_listen,
+    check_machine,
+    check_model,
+    check_predictor,
+    finite_float,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.workers.process.tp_rank import add_tp_flags, shape_from_args
@@ -64,7 +72,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-priority", choices=["auto", "on", "off"], default="auto",
                    help="Splitwise mixed-machine rule: a fresh prompt that finds the batch full displaces one "
                         "young decode per step (engine/prompt_priority.py); auto = on in splitwise mode")
-    p.add_argument("--prompt-age-override-ms", type=float, default=PromptPriority.age_override_ms, metavar="MS",
+    p.add_argument("--prompt-age-override-ms", type=finite_float, default=PromptPriority.age_override_ms, metavar="MS",
                    help="prompt priority: decodes this old at their worker are never displaced")
     p.add_argument("--prompt-max-preemptions", type=int, default=PromptPriority.max_preemptions, metavar="N",
                    help="prompt priority: a request preempted N times is never displaced again")
@@ -78,7 +86,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "when it cannot")
     p.add_argument("--predictor", default=None, metavar="P.json",
                    help="output-length predictor (`pdserve predictor train`), trained for the served model")
-    p.add_argument("--admission-wait-s", type=float, default=30.0, metavar="S",
+    p.add_argument("--admission-wait-s", type=finite_float, default=30.0, metavar="S",
                    help="how long a request may wait in admission for K/V capacity before a 503")
     p.add_argument("--prefill-length-buckets", default="", metavar="0,128,512,...",
                    help="bucketed prefill admission (TetriInfer): after the queue head, a step admits prompts "
@@ -89,7 +97,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
                    help="prompts with fewer than N uncached tokens at their decode worker (its prefix cache "
                         "subtracted) always prefill there (applies first, with always or margin)")
-    p.add_argument("--pd-safety-margin-ms", type=float, default=0.0, metavar="MS",
+    p.add_argument("--pd-safety-margin-ms", type=finite_float, default=0.0, metavar="MS",
                    help="margin mode: hand off only when the net margin exceeds this (default 0)")
     p.add_argument("--pd-profile", default="auto", metavar="auto|refit|FILE.json|none",
                    help="the router's cost model (what the margin and colocated fetch decisions weigh): auto (default) "
@@ -97,12 +105,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "P/D decisions skip it), then keeps the fit under ~/.cache/pdserve/fits for later starts "
                         "with the same checkpoint, engine, threads, CPU and code; refit: measure again; FILE a "
                         "`pdserve profile` fit; none: placeholders")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+    p.add_argument("--slo-ttft-ms", type=finite_float, default=None, metavar="MS",
                    help="TTFT target: drives the P/D margin decision and the slo/prefix policies' admission; "
                         "default: derived per request from the measured profile (5x the idle prefill of the prompt or of "
                         "the recent median prompt, the longer; "
                         "admission then refuses past 30 s)")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+    p.add_argument("--slo-tpot-ms", type=finite_float, default=None, metavar="MS",
                    help="TPOT (and per-token gap) target: drives the P/D margin decision (how much stall a running "
                         "decode absorbs) and the slo/prefix policies' admission; default: derived from the measured "
                         "profile (5x an idle decode step; admission then refuses past 5 s)")
@@ -115,7 +123,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", help="place workers as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (with --ray)")
     p.add_argument("--ray-pack-pairs", action="store_true", help="keep prefill/decode pairs on one node (placement group)")
-    p.add_argument("--lease-s", type=float, default=30.0,
+    p.add_argument("--lease-s", type=finite_float, default=30.0,
                    help="K/V reserved or pinned for a request is reclaimed when the router stops renewing it this long")
     p.add_argument("--kv-index-max-entries", type=int, default=524_288, metavar="N",
                    help="bound of the router's cluster K/V index (block, worker) entries; least recently used "
@@ -147,10 +155,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-crashes", type=int, default=5, metavar="N",
                    help="a worker that dies N times within --crash-window-s is marked FAILED (/workers, metrics) "
                         "and not started again")
-    p.add_argument("--crash-window-s", type=float, default=120.0)
-    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+    p.add_argument("--crash-window-s", type=finite_float, default=120.0)
+    p.add_argument("--heartbeat-timeout-s", type=finite_float, default=10.0,
                    help="a worker silent this long (hung, e.g. SIGSTOP) is retired, ended (SIGKILL after a grace) "
                         "and restarted under its next epoch")
+    p.add_argument("--startup-timeout-s", type=finite_float, default=180.0, metavar="S",
+                   help="every worker registers within this long of the start, or the start fails naming those "
+                        "that did not (a large checkpoint may need more)")
     p.add_argument("--max-reroutes", type=int, default=2, metavar="K",
                    help="a request whose route broke is moved to another worker at most K times, then ends with "
                         "the explicit error max_reroutes")
@@ -212,6 +223,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         restart=RestartPolicy(enabled=not args.no_restart, max_crashes=getattr(args, "max_crashes", 5),
                               crash_window_s=getattr(args, "crash_window_s", 120.0)),
         lease_s=args.lease_s, heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 10.0),
+        startup_timeout_s=getattr(args, "startup_timeout_s", 180.0),
         max_reroutes=getattr(args, "max_reroutes", 2),
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         pd_profile=args.pd_profile, admin_token=admin_token(args),
@@ -263,29 +275,6 @@ def length_buckets(text: str) -> tuple[int, ...]:
     return bounds
 
 
-def check_model(config) -> None:
-    """The checkpoint exists and reads, and each role's tensor-parallel size divides it (a
-    CheckpointError or TpShapeError, both ValueErrors), before any worker starts: a worker that
-    found out would exit and be restarted into the same error."""
-    from pdserve.model.config import check_tp, load_config  # neither imports torch (the serving process has none)
-    from pdserve.model.default import resolve_model
-
-    model = load_config(resolve_model(config.engine.model))
-    for role in config.shape().roles():
-        check_tp(model, config.tp.for_role(role.value))
-
-
-def check_predictor(config) -> None:
-    """Refuse at start, before any worker, a predictor that is missing, malformed or trained for
-    another model (router/tetri/reserve_mode.py; raises ValueError)."""
-    if config.predictor is None:
-        return
-    from pdserve.model.default import resolve_model
-    from pdserve.router.tetri.reserve_mode import load_policy
-
-    load_policy(config.reserve, config.predictor, resolve_model(config.engine.model))
-
-
 def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
     """The admin token from --admin-token-file or $PDSERVE_ADMIN_TOKEN, never from argv (`ps` shows
     argv to every user); the deprecated --admin-token still works, with a warning."""
@@ -320,14 +309,14 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
                    help="open HTTP connections (streams and idle keep-alives included); one more answers 503 "
                         "at once and is closed. The soft open-file limit is raised to N + "
                         f"{edge.FD_RESERVE} at start (default {edge.DEFAULT_MAX_CONNECTIONS})")
-    p.add_argument("--request-header-timeout-s", type=float, default=edge.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+    p.add_argument("--request-header-timeout-s", type=finite_float, default=edge.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                    help="a request's head (request line and headers) must arrive within S seconds of the "
                         "connection's opening (or of its first byte on a kept-alive connection); else 408 and close "
                         f"(default {edge.DEFAULT_HEADER_TIMEOUT_S:g})")
-    p.add_argument("--request-body-timeout-s", type=float, default=edge.DEFAULT_BODY_TIMEOUT_S, metavar="S",
+    p.add_argument("--request-body-timeout-s", type=finite_float, default=edge.DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="a request's body must arrive within S seconds of its head; else 408 and close, "
                         f"before any route runs (default {edge.DEFAULT_BODY_TIMEOUT_S:g})")
-    p.add_argument("--response-write-timeout-s", type=float, default=edge.DEFAULT_WRITE_TIMEOUT_S, metavar="S",
+    p.add_argument("--response-write-timeout-s", type=finite_float, default=edge.DEFAULT_WRITE_TIMEOUT_S, metavar="S",
                    help="a connection whose client reads none of its answer for S seconds (the server's "
                         f"send buffers full) is dropped (default {edge.DEFAULT_WRITE_TIMEOUT_S:g})")
 
@@ -344,8 +333,6 @@ def edge_limits(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     from pdserve.api.edge.limits import fit_fd_limit
     from pdserve.api.server import serve
     from pdserve.loop import run as run_loop
@@ -356,12 +343,13 @@ def run(args: argparse.Namespace) -> int:
         config.shape()
         check_model(config)
         check_predictor(config)
+        check_machine(config)
+        check_files(config)
+        check_listen(config.host, config.port)
         fit_fd_limit(config.http_limits)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.trace_dir:
-        os.makedirs(args.trace_dir, exist_ok=True)
     try:
         run_loop(serve(config))  # uvloop where installed (pdserve/loop.py)
     except KeyboardInterrupt:

@@ -65,3 +65,30 @@ def test_a_worker_killed_during_start_up_is_restarted_or_fails_the_start_at_once
             assert "Traceback" not in text, text
     finally:
         stop(proc)
+
+
+def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_it(tmp_path):
+    """SIGSTOP before it registers: no heartbeat to miss and no death to see, so the start waits
+    --startup-timeout-s and then fails naming the worker that did not register (before: "1 of 2
+    workers registered in 180s", with no name and no flag to shorten the wait)."""
+    port, log_path = free_local_port(), tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
+                                 "--port", str(port), "--startup-timeout-s", "8"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-x", "pd-prefill-0", "-g", str(proc.pid)], capture_output=True,
+                                   text=True).stdout.split()
+            if found:
+                os.kill(int(found[0]), signal.SIGSTOP)
+                break
+            time.sleep(0.005)
+        assert proc.wait(60) == 1
+        text = log_path.read_text()
+        assert "error: prefill-0 did not register within 8 s of the start (--startup-timeout-s)" in text, text[-2000:]
+        assert "Traceback" not in text, text[-3000:]
+    finally:
+        stop(proc)

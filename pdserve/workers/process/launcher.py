@@ -17,15 +17,11 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from pdserve.engine.config import EngineConfig
 from pdserve.model.default import resolve_model
 from pdserve.workers.process.launch import LaunchConfig, LocalCluster
 from pdserve.workers.process.supervisor import RestartSchedule
-
-if TYPE_CHECKING:
-    from pdserve.api.server import ServeConfig
 
 log = logging.getLogger("pdserve.api.server")  # the supervisor's lines keep the serving log's name
 
@@ -33,7 +29,7 @@ log = logging.getLogger("pdserve.api.server")  # the supervisor's lines keep the
 class Launcher:
     """Defers building the worker launcher until the router's zmq address is known."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config):  # api/server.py's ServeConfig (workers/ imports nothing above it)
         self.config = config
         self.impl = None
         self.schedule = RestartSchedule(config.restart)

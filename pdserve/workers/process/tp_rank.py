@@ -47,9 +47,10 @@ def add_tp_flags(p: argparse.ArgumentParser) -> None:
 
 
 def shape_from_args(args: argparse.Namespace) -> TpShape:
-    tp = getattr(args, "tp", 1) or 1
+    tp = getattr(args, "tp", 1)
+    tp = 1 if tp is None else tp
     prefill, decode = getattr(args, "prefill_tp", None), getattr(args, "decode_tp", None)
-    return TpShape(prefill=prefill or tp, decode=decode or tp, other=tp)
+    return TpShape(prefill=tp if prefill is None else prefill, decode=tp if decode is None else decode, other=tp)
 
 
 def worker_width(threads: int, tp: int) -> int:
