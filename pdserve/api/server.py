@@ -37,12 +37,7 @@ from pdserve.model.tokenizer import load_tokenizer
 from pdserve.router.config import ClusterShape, Mode, RouterConfig
 from pdserve.router.policy.pd_decision import PdPolicy, served_pd, slo_line
 from pdserve.router.pricing.calibration import AUTO, NONE, REFIT, cost_profile
-from pdserve.router.pricing.tp_pricing import (
-    TpPricing,
-    measured_tp,
-    role_sizes,
-    scaling_for,
-)
+from pdserve.router.pricing.tp_pricing import TpPricing, measured_tp, role_sizes, scaling_for
 from pdserve.router.process.frontend import ClusterBackend
 from pdserve.router.process.role_control import run_pool_controller
 from pdserve.router.router import Router

@@ -8,14 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from pdserve.api.preflight import (
-    check_files,
-    check_listen,
-    check_machine,
-    check_model,
-    check_predictor,
-    finite_float,
-)
+from pdserve.api.preflight import check_files, check_listen, check_machine, check_model, check_predictor, finite_float
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.workers.process.tp_rank import add_tp_flags, shape_from_args
