@@ -89,8 +89,11 @@ def check_files(config) -> None:
             profile = json.loads(Path(config.pd_profile).read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"--pd-profile {config.pd_profile}: not JSON ({exc})") from None
-        if not isinstance(profile, dict):
-            raise ValueError(f"--pd-profile {config.pd_profile}: expected a `pdserve profile` JSON object")
+        for key in ("prefill_coef", "decode_coef"):  # what router/pricing/cost.py reads of a fit
+            coef = profile.get(key) if isinstance(profile, dict) else None
+            if not (isinstance(coef, list) and len(coef) == 3 and all(isinstance(x, (int, float)) for x in coef)):
+                raise ValueError(f"--pd-profile {config.pd_profile}: not a `pdserve profile` fit (no {key} of three "
+                                 f"numbers)")
     if config.trace_dir:
         os.makedirs(config.trace_dir, exist_ok=True)
 
@@ -99,12 +102,32 @@ def check_listen(host: str, port: int) -> None:
     """The HTTP address can be listened on (bound and released at once: uvicorn binds it once the
     workers are up); an address in use or not of this machine fails here, before any worker."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-            sock.bind(address)
+        _bind_once(host, port)
     except OSError as exc:
         raise OSError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
+
+
+def _bind_once(host: str, port: int) -> None:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn (and zmq) bind it
+        sock.bind(address)
+
+
+def check_kv_events(config) -> None:
+    """Each worker's KV-events sockets (base port + its index) can be bound on this machine."""
+    if config.ray or config.kv_events_endpoint is None:
+        return
+    from pdserve.workers.kv_publisher import endpoint_for
+
+    for flag, base in (("--kv-events-endpoint", config.kv_events_endpoint),
+                       ("--kv-events-replay-endpoint", config.kv_events_replay_endpoint)):
+        for i in range(len(config.shape().roles()) if base else 0):
+            host, _, port = endpoint_for(base, i).removeprefix("tcp://").rpartition(":")
+            try:
+                _bind_once("0.0.0.0" if host == "*" else host.strip("[]"), int(port))
+            except OSError as exc:
+                raise OSError(f"{flag} {base}: worker {i} cannot bind port {port}: {exc.strerror or exc}") from None
 
 
 def check_predictor(config) -> None:

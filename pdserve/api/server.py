@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -122,6 +123,8 @@ class ServeConfig:
         if self.reserve == "dynamic" and not self.predictor:
             raise ValueError("--reserve dynamic needs --predictor P.json (train one: `pdserve predictor train TRACE.jsonl`)")
         self._check_runahead()
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: give both")
         if self.kv_events_endpoint is not None:  # the per-worker port ranges (workers/kv_publisher.py)
             check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint, len(self.shape().roles()))
         self._check_ranges()
@@ -189,7 +192,11 @@ def router_for(config: ServeConfig, model_dir) -> Router:
     tp = config.tp  # each worker's steps at its TP size, the role sizes' pair as `cost` (router/pricing/tp_pricing.py)
     sizes = role_sizes(config.mode, tp.prefill, tp.decode, tp.other)
     served = tuple(tp.for_role(role.value) for role in config.shape().roles())  # "auto" times their collectives
-    profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0], served)
+    try:
+        profile = cost_profile(source, config.engine, config.threads_per_worker, model_dir, max_len, sizes[0], served)
+    except (ValueError, RuntimeError) as exc:  # e.g. a step budget too small for the fit's prompt points
+        raise StartFailed(f"the router's cost-model fit (--pd-profile {config.pd_profile}) failed: {exc}; "
+                          f"`--pd-profile none` serves without one") from None
     cost, pd = served_pd(abi, profile, config.engine.max_num_batched_tokens, config.pd_decision,
                          config.pd_min_prompt_tokens, config.layerwise_threshold_tokens, config.pd_safety_margin_s,
                          config.slo_ttft_s, config.slo_tpot_s)  # the planner's too
@@ -230,10 +237,12 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
     backend.tetri = TetriRuntime(backend, reserve)
     backend.start()
     try:
+        started = time.monotonic()  # --startup-timeout-s counts from here, the workers' launch included
         launcher.start(backend.address if not config.ray else _reachable(backend.address), backend.capabilities.public_key_hex,
                        backend.control_auth.issue)
         supervisor = asyncio.create_task(launcher.supervise())  # a worker killed during start-up is started again
-        await _until_started(backend, launcher, len(config.shape().roles()), config.startup_timeout_s)
+        await _until_started(backend, launcher, len(config.shape().roles()), config.startup_timeout_s,
+                             config.startup_timeout_s - (time.monotonic() - started))
         if config.mode == "splitwise":
             controller = PoolController(config.pool_thresholds(), prompt_pool_may_empty=config.pd_decision != "always")
             pools = asyncio.create_task(run_pool_controller(backend, controller))
@@ -248,14 +257,19 @@ async def cluster(config: ServeConfig) -> AsyncIterator[tuple[ClusterBackend, ob
         await asyncio.get_running_loop().run_in_executor(None, launcher.stop)
 
 
+class StartFailed(RuntimeError):
+    """The server could not start for a reason its message gives (the CLI prints it, exit 1)."""
+
+
 class WorkerStartFailed(TimeoutError):
     """A worker died during start-up and will not be started again (--no-restart, or FAILED)."""
 
 
-async def _until_started(backend, launcher, count: int, timeout_s: float) -> None:
-    """Every worker registered and reported once, or raise as soon as one is down for good (its
-    exit and the supervisor's verdict are in the log above) instead of at the timeout."""
-    waiting = asyncio.ensure_future(backend.wait_for_workers(count, timeout_s))
+async def _until_started(backend, launcher, count: int, timeout_s: float, left_s: float) -> None:
+    """Every worker registered and reported once within `left_s` (of the start's `timeout_s`), or
+    raise as soon as one is down for good (its exit and the supervisor's verdict are in the log
+    above) instead of at the timeout."""
+    waiting = asyncio.ensure_future(backend.wait_for_workers(count, max(0.0, left_s)))
     try:
         while not waiting.done():
             lost = launcher.down_for_good()

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from pdserve.api.preflight import check_files, check_listen, check_machine, check_model, check_predictor, finite_float
+from pdserve.api.preflight import (DEVICE, check_files, check_kv_events, check_listen, check_machine, check_model,
+                                   check_predictor, finite_float)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.workers.process.tp_rank import add_tp_flags, shape_from_args
@@ -197,6 +198,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
         max_tenant_roots=getattr(args, "max_tenant_roots", EngineConfig.max_tenant_roots),
     )
+    if not DEVICE.fullmatch(engine.device):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {engine.device!r}")
     if engine.device != "cpu" and args.mode != "colocated":
         raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "
                          "(CUDA IPC, or TCP through pinned host staging) is not built yet")
@@ -327,7 +330,7 @@ def edge_limits(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.api.edge.limits import fit_fd_limit
-    from pdserve.api.server import serve
+    from pdserve.api.server import StartFailed, serve
     from pdserve.loop import run as run_loop
 
     try:
@@ -339,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         check_machine(config)
         check_files(config)
         check_listen(config.host, config.port)
+        check_kv_events(config)
         fit_fd_limit(config.http_limits)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -347,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         run_loop(serve(config))  # uvloop where installed (pdserve/loop.py)
     except KeyboardInterrupt:
         pass
-    except TimeoutError as exc:
+    except (TimeoutError, StartFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -40,6 +40,9 @@ BAD = [
     (("--admin-token-file", "/nonexistent/token"), "No such file or directory"),  # tracebacks, each
     (("--api-keys", "/nonexistent/keys"), "No such file or directory"),
     (("--pd-profile", "/nonexistent/profile.json"), "No such file or directory"),
+    (("--kv-events-replay-endpoint", "garbage"), "--kv-events-replay-endpoint replays what --kv-events-endpoint"),
+    (("--kv-events-endpoint", "tcp://192.0.2.1:5555"), "worker 0 cannot bind port 5555"),  # crash-looped the workers
+    (("--device", "CPU"), "--device must be cpu, cuda or cuda:N, got 'CPU'"),
 ]
 
 
@@ -87,8 +90,22 @@ def test_files_the_server_reads_later_are_read_at_the_flags(tmp_path, capsys):
     keys.write_text("key-1 tenant-a extra\n")
     taken = tmp_path / "a-file"
     taken.write_text("")
+    not_a_fit = tmp_path / "dict.json"
+    not_a_fit.write_text('{"a": 1}')
     for flags, said in ((("--pd-profile", str(bad)), "not JSON"), (("--api-keys", str(keys)), "--api-keys"),
+                        (("--pd-profile", str(not_a_fit)), "not a `pdserve profile` fit (no prefill_coef"),
                         (("--trace-dir", str(taken)), "File exists")):
         assert main(["serve", "--model", "tiny", "--port", "18999", *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], (flags, err)
+
+
+def test_a_deployment_the_cost_model_cannot_be_fitted_for_fails_with_one_line_and_no_worker(capsys):
+    """A step budget below the fit's prompt points (the default --pd-profile auto fits at start):
+    before, two tracebacks (the fit's child and the server's RuntimeError), exit 1."""
+    assert main(["serve", "--model", "tiny", "--port", "18999", "--max-num-batched-tokens", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("error: the router's cost-model fit (--pd-profile auto) failed: a profile fit "
+                                            "needs at least two prefill and two decode points; `--pd-profile none` "
+                                            "serves without one"), err

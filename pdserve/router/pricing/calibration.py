@@ -158,12 +158,19 @@ def fit_in_child(engine: EngineConfig, threads: int, model_dir: Path, max_model_
         if done.returncode != 0:
             raise RuntimeError(f"the router's cost-model fit failed in its child process (exit {done.returncode}; "
                                "its error is printed above)")
-        return json.loads(out.read_text())
+        fitted = json.loads(out.read_text())
+        if "error" in fitted:  # the deployment cannot be fitted (e.g. a step budget below its prompt points)
+            raise ValueError(fitted["error"])
+        return fitted
 
 
 def fit_child_main(args_path: str, out_path: str) -> None:
-    """The child's side of `fit_in_child`: read the arguments, fit, write the profile."""
-    fitted = fit_now(*pickle.loads(Path(args_path).read_bytes()))
+    """The child's side of `fit_in_child`: read the arguments, fit, write the profile (or the
+    ValueError that says why this deployment cannot be fitted: no traceback for a bad input)."""
+    try:
+        fitted = fit_now(*pickle.loads(Path(args_path).read_bytes()))
+    except ValueError as exc:
+        fitted = {"error": str(exc)}
     Path(out_path).write_text(json.dumps(fitted))
 
 

@@ -171,6 +171,16 @@ async def _back(backend, worker_id: str, timeout_s: float) -> bool:
     return worker_id in backend.registered
 
 
+async def _undo(backend, worker_id: str, drain_timeout_s: float) -> bool:
+    """Change a worker an interrupted enable made prefill back to colocated; whether it is."""
+    try:
+        await change_role(backend, worker_id, "colocated", drain_timeout_s)
+        return True
+    except RoleChangeFailed as exc:
+        log.error("undoing the enable on %s failed: %s", worker_id, exc)
+        return False
+
+
 def _refuse_failed(backend, worker_id: str) -> None:
     """A worker past its crash-loop limit is never started again: no change can finish on it."""
     if worker_id in backend.failed_workers():
@@ -196,13 +206,21 @@ async def set_disaggregation(backend, enabled: bool, drain_timeout_s: float = 30
                                f"will not serve as prefill; the release stays as it is")
     if not enabled:
         router.set_disaggregation(False)  # new requests run whole on decode workers from now on
-    for wid in origin_prefill_workers(backend):
-        if wid in failed:
-            continue
-        if await _back(backend, wid, drain_timeout_s):
-            change = await change_role(backend, wid, "prefill" if enabled else "colocated", drain_timeout_s)
-            if change.from_role != change.to_role:  # one already in its role is not a change
-                changes.append(change)
+    try:
+        for wid in origin_prefill_workers(backend):
+            if wid in failed:
+                continue
+            if await _back(backend, wid, drain_timeout_s):
+                change = await change_role(backend, wid, "prefill" if enabled else "colocated", drain_timeout_s)
+                if change.from_role != change.to_role:  # one already in its role is not a change
+                    changes.append(change)
+    except RoleChangeFailed as exc:
+        if not enabled or not changes:
+            raise
+        # disaggregation stays off: the workers this enable already made prefill would serve nothing
+        undone = [c.worker_id for c in changes if await _undo(backend, c.worker_id, drain_timeout_s)]
+        raise RoleChangeFailed(f"{exc}; the enable was undone: {', '.join(undone) or 'none'} of "
+                               f"{', '.join(c.worker_id for c in changes)} back to colocated") from None
     if failed and not failed_ok:  # disabled: the others changed and requests run whole; the FAILED ones serve nothing
         raise RoleChangeFailed(f"disaggregation is off, but {', '.join(failed)} FAILED (past --max-crashes) and "
                                f"serves no role")

@@ -212,3 +212,44 @@ def test_a_worker_that_comes_back_in_its_old_role_mid_change_is_changed_on_its_n
     change = asyncio.run(role_control.change_role(Replaced(), "prefill-0", "colocated", 1.0, 5.0))
     assert sent == [("colocated", 2), ("colocated", 3)]
     assert (change.from_role, change.to_role, change.from_epoch, change.to_epoch) == ("prefill", "colocated", 2, 3)
+
+
+def test_an_enable_interrupted_by_a_worker_that_fails_for_good_undoes_the_changes_it_made():
+    """2P1D disabled (both prefill workers colocated). The enable makes prefill-0 prefill, then
+    prefill-1 dies for good during its change (FAILED). Disaggregation stays off, so prefill-0
+    would serve nothing as a prefill worker: the enable changes it back and says so (helper-44)."""
+    sent = []
+    failed: list[str] = []
+
+    class TwoPrefill(Backend):
+        def __init__(self):
+            super().__init__()
+            self.origin_roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
+            self.failed_workers = lambda: list(failed)
+            self.control_auth = SimpleNamespace(advance=lambda wid, epoch: None)
+            counter = SimpleNamespace(inc=lambda: None)
+            self.metrics.role_changes = SimpleNamespace(labels=lambda *a: counter)
+            self.on_role_changed = lambda wid, role, epoch: None
+            self.restarts, self.away = True, set()
+            for wid in ("prefill-0", "prefill-1"):
+                self.comes_back(wid, "colocated", 2)
+            self.router.set_disaggregation(False)  # disabled earlier
+
+        def comes_back(self, wid, role, epoch):
+            self.router.register(WorkerInfo(wid, "h0", Role(role), epoch, 1000, "m", "abi"))
+            self.router.report_load(wid, epoch, LOAD)
+            self.registered[wid] = SimpleNamespace(role=role, epoch=epoch)
+
+        async def _send(self, wid, msg):
+            sent.append((wid, msg.role, msg.epoch))
+            if wid == "prefill-1":  # dies during its switch, past its crash limit
+                failed.append(wid)
+                del self.registered[wid]
+                return
+            self.comes_back(wid, msg.role, msg.epoch)
+
+    backend = TwoPrefill()
+    with pytest.raises(role_control.RoleChangeFailed, match="the enable was undone: prefill-0 of prefill-0 back to colocated"):
+        asyncio.run(role_control.set_disaggregation(backend, True, 1.0))
+    assert sent == [("prefill-0", "prefill", 3), ("prefill-1", "prefill", 3), ("prefill-0", "colocated", 4)]
+    assert backend.registered["prefill-0"].role == "colocated" and backend.router.disaggregation is False
