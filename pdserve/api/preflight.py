@@ -14,10 +14,7 @@ import argparse
 import glob
 import math
 import os
-import re
 import socket
-
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def finite_float(text: str) -> float:
@@ -56,8 +53,6 @@ def check_machine(config) -> None:
     """What this machine can give the workers started on it (not checked under Ray: they run
     elsewhere): the device, the cores a worker's threads would run on, the memory of every pool."""
     engine = config.engine
-    if not DEVICE.fullmatch(engine.device):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {engine.device!r}")
     if config.ray:
         return
     if engine.device != "cpu" and not glob.glob("/dev/nvidia[0-9]*"):

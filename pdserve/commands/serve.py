@@ -8,8 +8,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from pdserve.api.preflight import (DEVICE, check_files, check_kv_events, check_listen, check_machine, check_model,
-                                   check_predictor, finite_float)
+from pdserve.api.preflight import (check_files, check_kv_events, check_listen, check_machine, check_model, check_predictor,
+                                   finite_float)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.prompt_priority import PromptPriority
 from pdserve.workers.process.tp_rank import add_tp_flags, shape_from_args
@@ -198,8 +198,6 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
         max_tenant_roots=getattr(args, "max_tenant_roots", EngineConfig.max_tenant_roots),
     )
-    if not DEVICE.fullmatch(engine.device):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {engine.device!r}")
     if engine.device != "cpu" and args.mode != "colocated":
         raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "
                          "(CUDA IPC, or TCP through pinned host staging) is not built yet")

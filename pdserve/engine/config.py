@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pdserve.engine.prompt_priority import PromptPriority
@@ -48,5 +49,7 @@ class EngineConfig:
         for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device (--device) must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes (--host-kv-mb) must be >= 0, got {self.host_kv_bytes}")

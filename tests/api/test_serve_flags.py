@@ -36,13 +36,13 @@ BAD = [
     (("--kv-cache-mb", "100000000"), "workers' K/V pools"),  # ENOMEM tracebacks in the workers
     (("--host-kv-mb", "100000000"), "workers' K/V pools"),
     (("--threads-per-worker", "100000"), "--threads-per-worker 100000 is more than the"),  # the fit's traceback
-    (("--device", "banana", "--mode", "colocated"), "--device must be cpu, cuda or cuda:N, got 'banana'"),
+    (("--device", "banana", "--mode", "colocated"), "device (--device) must be cpu, cuda or cuda:N, got 'banana'"),
     (("--admin-token-file", "/nonexistent/token"), "No such file or directory"),  # tracebacks, each
     (("--api-keys", "/nonexistent/keys"), "No such file or directory"),
     (("--pd-profile", "/nonexistent/profile.json"), "No such file or directory"),
     (("--kv-events-replay-endpoint", "garbage"), "--kv-events-replay-endpoint replays what --kv-events-endpoint"),
     (("--kv-events-endpoint", "tcp://192.0.2.1:5555"), "worker 0 cannot bind port 5555"),  # crash-looped the workers
-    (("--device", "CPU"), "--device must be cpu, cuda or cuda:N, got 'CPU'"),
+    (("--device", "CPU"), "device (--device) must be cpu, cuda or cuda:N, got 'CPU'"),
 ]
 
 

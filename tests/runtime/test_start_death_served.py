@@ -75,7 +75,7 @@ def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--port", str(port), "--startup-timeout-s", "8"],
+                                 "--port", str(port), "--startup-timeout-s", "15"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -88,7 +88,8 @@ def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_
             time.sleep(0.005)
         assert proc.wait(60) == 1
         text = log_path.read_text()
-        assert "error: prefill-0 did not register within 8 s of the start (--startup-timeout-s)" in text, text[-2000:]
+        # 15 s: decode-0 registers well within it even on a slow or loaded CPU, so only prefill-0 is named
+        assert "error: prefill-0 did not register within 15 s of the start (--startup-timeout-s)" in text, text[-2000:]
         assert "Traceback" not in text, text[-3000:]
     finally:
         stop(proc)
