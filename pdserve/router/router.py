@@ -13,8 +13,9 @@ answers; nothing here does I/O or sleeps. One call per event:
     route(request)                                    policy over a snapshot -> plan with holds, or
                                                       an early rejection before any prefill work
     kv_published(request_id)                          K/V visible at D: release P's staging hold
-    transfer_ended(failed)                            a handoff's outcome (the P/D decision's
-                                                      observed failure rate)
+    signals                                           what the P/D decision reads between routes:
+                                                      handoff outcomes, the decode workers' clocks,
+                                                      the traffic (pd_signals.py)
     observe_transfer(bytes, seconds, same_host)       a published handoff's size and time: the
                                                       link price every model the router routes,
                                                       decides and plans with carries (link_rates.py)
@@ -45,7 +46,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from pdserve.engine.tp_tally import CollectiveReport
-from pdserve.ledger.margin import DecodeBudget
 from pdserve.router import kernels
 from pdserve.router.answers import Retirement, RouterCounters
 from pdserve.router.config import Mode, RouterConfig
@@ -64,11 +64,11 @@ from pdserve.router.messages import (
     new_frozen,
 )
 from pdserve.router.policy.live_pricing import LivePricing
-from pdserve.router.policy.pd_decision import PdDecision, decide_pd, decision_slos, facts_for
+from pdserve.router.policy.pd_decision import PdDecision
+from pdserve.router.policy.pd_signals import PdSignals
 from pdserve.router.policy.plan import hold_requests, local_hold, local_route_plan, route_plan, takeover_holds
 from pdserve.router.policy.policies import POLICIES, Choice, PolicyContext, Refusal
 from pdserve.router.pricing.cost import CostModel
-from pdserve.router.pricing.decode_clocks import ArrivalRate, PromptLengths
 from pdserve.router.pricing.link_rates import LinkRates
 from pdserve.router.splitwise.mixed_pool import WHOLE_ON_MIXED, MixedOffer, MixedPools
 from pdserve.router.state.registry import ClusterIdentity, Registry, RetiredWorker, WorkerState
@@ -111,13 +111,9 @@ class Router:
         self._events: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()  # decisions per policy: round robin's cursor
         self._pd_total: Counter[str] = Counter()
-        self._transfers: Counter[str] = Counter()  # "ended", "failed": the observed failure rate
         self._clock = clock
-        self.arrivals = ArrivalRate()  # the P/D decision's recent arrival rate
-        self.prompts = PromptLengths()  # and the recent median prompt (its default TTFT target)
+        self.signals = PdSignals(clock)  # what the P/D decision reads of the traffic and the decode clocks
         self._heavy_light = HeavyLight()  # live routes per decode worker, heavy or light (--decode-choice p2c)
-        self._measured_tpot: dict[str, float] = {}  # per decode worker: its live requests' mean TPOT (P/D decision)
-        self._decode_clocks: dict[str, tuple[tuple[DecodeBudget, ...], float]] = {}  # per decode worker: budgets, p90 ITL
         self._p2c = Sampler()
         # TP workers' collectives as their own steps show them, priced into the builders' slots
         self._prices = LivePricing(config.pricing, config.cost, (self._snapshots, self._whole, self._mixed))
@@ -206,8 +202,7 @@ class Router:
         result = self._choose(self.snapshot(), request, name)
         if isinstance(result, Refusal) and self.disaggregation and self._mixed.present(self._registry):
             result = self._choose(self.snapshot(overflow=True), request, name)  # mixed workers before a refusal
-        self.arrivals.observe(self._clock())  # after the decision: it read the rate of the arrivals before it
-        self.prompts.observe(request.prompt_tokens)
+        self.signals.observe_route(request.prompt_tokens)
         if isinstance(result, Refusal):
             self._route_total[(name, result.reason.value)] += 1
             return RouteRejection(request.request_id, name, result.reason, result.retry_after_s, result.detail)
@@ -221,13 +216,6 @@ class Router:
     def kv_published(self, request_id: str) -> None:
         self._ledger.publish(request_id)
         self._events["kv_published"] += 1
-
-    def transfer_ended(self, failed: bool) -> None:
-        self._transfers["ended"] += 1
-        self._transfers["failed"] += int(failed)
-
-    def transfer_failure_rate(self) -> float:
-        return self._transfers["failed"] / self._transfers["ended"] if self._transfers["ended"] else 0.0
 
     def takeover_holds(
         self, request: RouteRequest, exclude: frozenset[str] = frozenset()
@@ -393,36 +381,17 @@ class Router:
             return route_plan(snapshot, request, choice, cost, policy, holds, pd)
         return local_route_plan(snapshot, request, choice, cost, policy, holds[1], pd)
 
-    def note_measured_tpot(self, worker_id: str, tpot_s: float) -> None:
-        """The mean TPOT a worker's live requests have had so far (the frontend, per heartbeat)."""
-        self._measured_tpot[worker_id] = tpot_s
-
-    def note_decode_clocks(self, worker_id: str, budgets: tuple[DecodeBudget, ...], itl_p90_s: float) -> None:
-        """A decode worker's running decodes' own budgets and its recent p90 inter-token gap (the
-        frontend's token clocks, per heartbeat): the P/D decision's slack and gap terms."""
-        self._decode_clocks[worker_id] = (budgets, itl_p90_s)
-
     def heavy_light(self, worker_id: str) -> tuple[int, int]:
         """(heavy, light) live routes on a decode worker (--decode-choice p2c's load)."""
         return self._heavy_light.counts(worker_id)
 
     def _decide_pd(self, snapshot: Snapshot, request: RouteRequest, choice: Choice, cost: CostModel) -> PdDecision:
         """The P/D decision for the policy's chosen pair, over the same snapshot, priced by `cost` (the pair's)."""
-        cfg = self.config
         if snapshot.prefill.worker_ids[choice.prefill_slot] == snapshot.decode.worker_ids[choice.decode_slot]:
             return WHOLE_ON_MIXED  # both phases chose one mixed worker: it runs the request whole
-        if cfg.pd.mode == "never" or (cfg.pd.mode == "always" and not cfg.pd.min_prompt_tokens):
-            return decide_pd(None, cfg.pd, cost, cfg.ttft_slo_s, cfg.tpot_slo_s)  # no facts read: the hot path
-        ps, ds = choice.prefill_slot, choice.decode_slot
-        budgets, itl_p90_s = self._decode_clocks.get(snapshot.decode.worker_ids[ds], ((), 0.0))
-        p_hit = choice.prefill_hit_blocks if choice.terms is None else choice.terms.hit_blocks  # with a fetch that pays
-        facts = facts_for(request, p_hit, choice.decode_hit_blocks, bool(snapshot.same_host[ps, ds]),
-                          int(snapshot.decode.active_batch[ds]), int(snapshot.prefill.pending_tokens[ps]),
-                          self.transfer_failure_rate(), cost, int(snapshot.decode.pending_tokens[ds]),
-                          self.arrivals.rate(self._clock()),
-                          sum(self._heavy_light.counts(snapshot.decode.worker_ids[ds])),  # live routes to D
-                          self._measured_tpot.get(snapshot.decode.worker_ids[ds], 0.0), budgets, itl_p90_s)
-        return decide_pd(facts, cfg.pd, cost, *decision_slos(request, facts, cfg.pd, cost, self.prompts.median()))
+        cfg = self.config
+        return self.signals.decide(snapshot, request, choice, cost, cfg.pd, (cfg.ttft_slo_s, cfg.tpot_slo_s),
+                                   lambda worker_id: sum(self._heavy_light.counts(worker_id)))  # live routes to D
 
     def _on_retired(self, retired: RetiredWorker) -> Retirement:
         for change in self._kv.retire(retired.worker_id, retired.role_epoch):  # its blocks vanish with its epoch

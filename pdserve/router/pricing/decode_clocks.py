@@ -6,7 +6,7 @@ only, from its second decode token on: the first gap holds the handoff or the lo
 `p90_s(worker)` is the batch's p90 inter-token latency (0 with no gap yet). `decode_budgets`
 gives each live request decoding at a worker its own `DecodeBudget` (tokens so far, the time
 since its first token, max_tokens left). Both reach the router once per heartbeat
-(`Router.note_decode_clocks`); nothing here decides. Beside them, what the decision reads of the
+(`PdSignals.note_decode_clocks`, router/policy/pd_signals.py); nothing here decides. Beside them, what the decision reads of the
 recent traffic: `ArrivalRate` (requests per second) and `PromptLengths` (the median prompt).
 """
 

@@ -98,7 +98,7 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
         metrics.kv_transfer_physical_bytes.inc(msg.physical_bytes)  # on the wire, published or not
         metrics.kv_transfer_retries.inc(msg.resends)
         if msg.published:
-            backend.router.transfer_ended(failed=False)  # the P/D decision's observed failure rate
+            backend.router.signals.transfer_ended(failed=False)  # the P/D decision's observed failure rate
             metrics.kv_transfer_bytes.inc(msg.logical_bytes)  # the manifest's bytes, now at D
             metrics.kv_transfer_seconds.observe(msg.transfer_s)
             metrics.kv_exposed_seconds.observe(msg.exposed_s)
@@ -125,7 +125,7 @@ async def _on_transfer_done(backend, msg: m.TransferDone) -> None:
     metrics.kv_transfer_failures.labels(f"{msg.side}:{msg.reason or 'aborted'}").inc()
     if msg.reason in CAPABILITY_DENIALS:  # the memory owner's check refused the transfer (counted once)
         metrics.capability_denials.labels(msg.reason).inc()
-    backend.router.transfer_ended(failed=True)
+    backend.router.signals.transfer_ended(failed=True)
     live.kv_failed = True
     live.note(kv_failure=f"{msg.side}:{msg.reason or 'aborted'}")
     if live.first_token_s is not None:

@@ -151,9 +151,9 @@ def report_load(backend, hb: m.Heartbeat) -> None:
                       hb.load.applied_grant_seq)
     backend.router.report_load(hb.worker_id, hb.epoch, load)
     backend.away.discard(hb.worker_id)  # routable from its first report (registry: LIVE), not its registration
-    backend.router.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
+    backend.router.signals.note_measured_tpot(hb.worker_id, measured_tpot_s(backend, hb.worker_id))
     budgets = decode_budgets(backend.live.values(), hb.worker_id, time.monotonic())
-    backend.router.note_decode_clocks(hb.worker_id, budgets, backend.itl.p90_s(hb.worker_id))
+    backend.router.signals.note_decode_clocks(hb.worker_id, budgets, backend.itl.p90_s(hb.worker_id))
     if hb.load.collectives is not None:  # a TP worker's collective seconds (router/pricing/live_collectives.py)
         backend.router.report_collectives(hb.worker_id, hb.epoch, hb.load.collectives)
         export_live_collectives(backend, hb.worker_id)

@@ -187,14 +187,14 @@ def test_the_router_reads_d_s_decode_clocks():
     assert quiet.colocated and quiet.pd.terms.interference_saved_s == 0.0
     router.complete("quiet")
     # its own budget: 99 tokens in 98.9 s, 1 left: 1 s x 99 gaps - 98.9 s - 21 ms = 79 ms of slack
-    router.note_decode_clocks("d0", (DecodeBudget(99, 98.9, 1),), 0.0)
-    router.arrivals.reset(0.0, 0.0)  # no arrival rate to share the slack with
+    router.signals.note_decode_clocks("d0", (DecodeBudget(99, 98.9, 1),), 0.0)
+    router.signals.arrivals.reset(0.0, 0.0)  # no arrival rate to share the slack with
     late = router.route(RouteRequest("late", 400, 16))
     assert late.pd.terms.interference_saved_s == pytest.approx(0.41 - (99 - 98.9 - 0.021), abs=1e-9)
     router.complete("late")
     # the batch's p90 gap of 700 ms: the 410 ms chunk opens a 1.11 s gap, 110 ms past the target
-    router.note_decode_clocks("d0", (), 0.7)
-    router.arrivals.reset(0.0, 0.0)
+    router.signals.note_decode_clocks("d0", (), 0.7)
+    router.signals.arrivals.reset(0.0, 0.0)
     gap = router.route(RouteRequest("gap", 400, 16))
     assert gap.pd.terms.interference_saved_s == pytest.approx(0.11, abs=1e-9)
     router.complete("gap")
@@ -221,7 +221,7 @@ def test_a_short_prompt_s_default_ttft_target_is_the_workload_s_median_prompt():
     for i in range(4):  # the workload's long prompts
         router.route(RouteRequest(f"long{i}", prompt_tokens=1024, expected_output_tokens=1))
         router.complete(f"long{i}")
-    assert router.prompts.median() == 1024
+    assert router.signals.prompts.median() == 1024
     short = router.route(RouteRequest("short1", prompt_tokens=200, expected_output_tokens=1))
     target = 5 * sum(d_prefill.chunked_prefill_s(1024, 0, 512))
     assert short.pd.ttft_slo_s == pytest.approx(target, abs=1e-12) and target == pytest.approx(5.22, abs=1e-12)

@@ -178,7 +178,7 @@ def route_request(router: Router, request: RouteRequest, decode_batch: int, pend
         router.register(WorkerInfo(worker_id, "h0", role, 1, blocks, router.config.model_identity,
                                    router.config.kv_abi_hash))
         router.report_load(worker_id, 1, load)
-    router.arrivals.reset(rate_rps, router._clock())
+    router.signals.arrivals.reset(rate_rps, router._clock())
     routed = router.route(request)
     assert routed.colocated == (not routed.pd.disaggregate)
     router.complete(request.request_id)

@@ -232,9 +232,9 @@ def test_a_disaggregated_route_carries_its_decision():
 
 def test_margin_routes_read_the_observed_failure_rate():
     router = make_router("margin")
-    router.transfer_ended(failed=True)
-    router.transfer_ended(failed=False)
-    assert router.transfer_failure_rate() == 0.5
+    router.signals.transfer_ended(failed=True)
+    router.signals.transfer_ended(failed=False)
+    assert router.signals.failure_rate() == 0.5
     plan = router.route(RouteRequest("r1", prompt_tokens=100, expected_output_tokens=60))
     assert plan.pd.terms.failure_penalty_s == pytest.approx(0.5 * 0.11, abs=1e-12)  # rate x prefill_s(100)
     assert plan.colocated  # idle decode worker: nothing to save, the local prefill wins
@@ -303,7 +303,7 @@ def test_a_long_prompt_is_not_kept_local_while_p_prepares_d_s_next_decodes():
     router.report_load("p0", 1, WorkerLoad(0, 0, free, applied_grant_seq=3))
     router.report_load("d0", 1, WorkerLoad(0, 0, free - held, applied_grant_seq=3))
     assert router.snapshot().decode.active_batch[0] == 0 and sum(router.heavy_light("d0")) == 3
-    router.arrivals.reset(0.0, 0.0)
+    router.signals.arrivals.reset(0.0, 0.0)
     plan = router.route(RouteRequest("r3", prompt_tokens=1024, expected_output_tokens=100))
     # a local prefill: two whole 512-token chunks beside 3 decodes (23 + 522 ms each): each decode
     # waits 1.044 s against 100 x (30 - 23) ms = 0.7 s of TPOT slack, and sees two 545 ms gaps,
@@ -369,7 +369,7 @@ def test_the_router_passes_the_measured_tpot_of_the_chosen_decode_worker():
                                  pd=PdPolicy("margin", ttft_slo_s=10.0, tpot_slo_s=0.5))
     router.report_load("d0", 1, WorkerLoad(0, 8, 100))
     quiet = router.route(RouteRequest("quiet", prompt_tokens=400, expected_output_tokens=20))
-    router.note_measured_tpot("d0", 0.49)
+    router.signals.note_measured_tpot("d0", 0.49)
     slow = router.route(RouteRequest("slow", prompt_tokens=400, expected_output_tokens=20))
     # 400 tokens beside 8 (then 9) decodes stall each ~0.41 s in one gap within the 500 ms target:
     # within 20 x (500 - 28) ms of slack by the profile, beyond 20 x (500 - 490) ms measured
