@@ -7,6 +7,7 @@ start waited out its 180 s timeout ("1 of 2 workers registered in 180s")."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--port", str(port), "--startup-timeout-s", "15"],
+                                 "--port", str(port), "--startup-timeout-s", "8"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -88,8 +89,9 @@ def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_
             time.sleep(0.005)
         assert proc.wait(60) == 1
         text = log_path.read_text()
-        # 15 s: decode-0 registers well within it even on a slow or loaded CPU, so only prefill-0 is named
-        assert "error: prefill-0 did not register within 15 s of the start (--startup-timeout-s)" in text, text[-2000:]
+        # prefill-0 is named; on a loaded CPU decode-0 may be named beside it
+        named = re.search(r"error: ([\w, -]+) did not register within 8 s of the start \(--startup-timeout-s\)", text)
+        assert named and "prefill-0" in named.group(1).split(", "), text[-2000:]
         assert "Traceback" not in text, text[-3000:]
     finally:
         stop(proc)

@@ -36,22 +36,20 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.engine.kv.block_manager import DEFAULT_TENANT, prompt_block_hashes, root_hash
 from pdserve.engine.errors import InvalidRequest
-from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, Rejection, WorkerView
+from pdserve.router.contract import ErrorEvent, FinishEvent, GenerationRequest, WorkerView
 from pdserve.router.errors import UnknownRequestError
 from pdserve.router.kv.fetch_runner import FetchRunner
 from pdserve.router.kv.kv_inbox import KvInbox
 from pdserve.router.kv.kv_index import hash_key
-from pdserve.router.messages import RejectReason, Role, RoutePlan, RouteRejection, RouteRequest, WorkerInfo
+from pdserve.router.messages import Role, WorkerInfo
 from pdserve.router.pricing.decode_clocks import ItlWindows
+from pdserve.router.process import frontend_admission as admission
 from pdserve.router.process import frontend_events as ev
 from pdserve.router.process import frontend_upkeep as upkeep
 from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.router.process.control_acks import ControlAcks
 from pdserve.router.process.control_auth import ControlAuth
 from pdserve.router.process.control_handshakes import MONITOR_EVENTS, HandshakeTally
-from pdserve.router.process.frontend_start import (
-    ADMISSION_POLL_S, AdmissionRetry, admission_waits, refuse_never_fitting, start, worst_case_blocks,
-)
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
 from pdserve.router.process.serving_metrics import register_serving_metrics
@@ -216,7 +214,7 @@ class ClusterBackend:
         live = InFlight(req, seed, asyncio.Queue())
         self.live[req.request_id] = live
         try:
-            await self._admit(live)
+            await admission.admit(self, live)  # frontend_admission.py
         except BaseException as error:
             self.live.pop(req.request_id, None)
             live.done = True
@@ -254,83 +252,11 @@ class ClusterBackend:
         if self.vocab_size and any(t >= self.vocab_size for t in req.params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
 
-    # ---- routing --------------------------------------------------------------------------
-    async def _route(self, live: InFlight, deadline: float) -> RoutePlan:
-        """Route now, or wait in the admission queue while capacity is only momentarily short (or
-        a dead worker is being started again: `admission_waits`); reject early (before any
-        prefill work) when the wait runs out or no route can exist."""
-        req = live.req
-        hashes = self._block_hashes(req.prompt_ids, req.params.tenant)
-        pools = self._decode_pools()
-        if pools and not self.away:  # with a worker away, the largest pool may be the one missing: waits below
-            refuse_never_fitting(req, self._block_size, self.max_model_len, max(pools))  # a 400: it never fits
-        if self.tetri.mode == "dynamic" and self.loads and not self._could_ever_fit(req):  # its hold could never grow to it
-            self._reject(RouteRejection(req.request_id, self.router.config.policy, RejectReason.NO_DECODE_CAPACITY,
-                                        self.router.config.retry_after_s, "max_tokens could never fit a decode worker"))
-        while True:
-            heavy = self.tetri.hold(req).heavy
-            result = self.router.route(RouteRequest(req.request_id, len(req.prompt_ids), self.output_demand(req), hashes,
-                                                    heavy=heavy))
-            if not isinstance(result, RouteRejection):
-                break
-            waits = admission_waits(result.reason.value, self.restarts, self.away)
-            fits = result.reason.value == "no_route" or self._could_ever_fit(req)  # no_route: pools are away
-            if not waits or time.monotonic() > deadline or not fits:
-                self._reject(result)
-            await asyncio.sleep(ADMISSION_POLL_S)
-        live.note(admission_wait_s=time.monotonic() - live.arrival_s)
-        live.policy, live.prefill_id, live.decode_id = result.policy, result.prefill_id, result.decode_id
-        live.note(prefix_hit_blocks=result.prefill_hit_blocks, decode_hit_blocks=result.decode_hit_blocks,
-                  prefix_hit_bytes=result.prefill_hit_blocks * self._block_size * self._bytes_per_token(),
-                  transfer_bytes_planned=result.transfer_bytes, predicted_ttft_s=result.predicted_ttft_s,
-                  predicted_tpot_s=result.predicted_tpot_s)
-        if result.pd is not None:
-            live.note(**result.pd.trace_fields())
-        if result.prefix_terms is not None:  # the prefix policy's queue/host/fetch/prefill terms
-            live.note(**result.prefix_terms.trace_fields())
-        self.tetri.note_route(live)
-        return result
-
-    async def _admit(self, live: InFlight) -> None:
-        """Route and start; a decode worker that turns the reservation down for capacity (its
-        report was stale), or a route that lost a worker before the request started, sends the
-        request back to the admission queue until the deadline."""
-        deadline = time.monotonic() + self.admission_wait_s
-        while True:
-            plan = await self._route(live, deadline)
-            try:
-                await start(self, live, plan)  # frontend_start.py
-                return
-            except AdmissionRetry as retry:
-                self.release(live.req.request_id, completed=False)
-                if time.monotonic() > deadline:
-                    self.metrics.early_rejections.labels(retry.reason).inc()
-                    raise Rejection(f"decode reservation refused: {retry.reason}", 503, 1.0, retry.reason) from None
-                await asyncio.sleep(retry.wait_s)
-            except BaseException:
-                self.release(live.req.request_id, completed=False)
-                raise
-
+    # ---- what admission reads (frontend_admission.py) ------------------------------------
     def output_demand(self, req: GenerationRequest) -> int:
         """Output tokens to hold room for: n x (max_tokens, or the predicted bound under --reserve
         dynamic: tetri_runtime.py), and the partial block each fork copies."""
         return self.tetri.output_demand(req, self._block_size, self.max_model_len)
-
-    def _could_ever_fit(self, req: GenerationRequest) -> bool:
-        """False when even an empty decode worker could not hold the request at its worst case
-        (max_tokens, under --reserve dynamic too: its hold may grow that far): waiting is pointless."""
-        pools = self._decode_pools()
-        return bool(pools) and worst_case_blocks(req, self._block_size, self.max_model_len) <= max(pools)
-
-    def _decode_pools(self) -> list[int]:
-        """The K/V blocks of each registered worker that decodes."""
-        return [w.num_blocks for w in self.registered.values() if w.role in ("decode", "colocated", "mixed")]
-
-    def _reject(self, result: RouteRejection) -> None:
-        self.metrics.early_rejections.labels(result.reason.value).inc()
-        self.trace.write({"request_id": result.request_id, "rejected": result.reason.value, "detail": result.detail})
-        raise Rejection(f"no feasible route: {result.reason.value} {result.detail}".strip(), 503,
-                        result.retry_after_s, result.reason.value)
 
     def _block_hashes(self, prompt_ids: tuple[int, ...], tenant: str = DEFAULT_TENANT) -> tuple[int, ...]:
         if self._prefix_identity is None:
