@@ -84,11 +84,11 @@ def check_files(config) -> None:
             profile = json.loads(Path(config.pd_profile).read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"--pd-profile {config.pd_profile}: not JSON ({exc})") from None
-        for key in ("prefill_coef", "decode_coef"):  # what router/pricing/cost.py reads of a fit
-            coef = profile.get(key) if isinstance(profile, dict) else None
-            if not (isinstance(coef, list) and len(coef) == 3 and all(isinstance(x, (int, float)) for x in coef)):
-                raise ValueError(f"--pd-profile {config.pd_profile}: not a `pdserve profile` fit (no {key} of three "
-                                 f"numbers)")
+        from pdserve.router.pricing.calibration import is_fit
+
+        if not is_fit(profile):
+            raise ValueError(f"--pd-profile {config.pd_profile}: not a `pdserve profile` fit (prefill_coef and "
+                             f"decode_coef of three numbers each)")
     if config.trace_dir:
         os.makedirs(config.trace_dir, exist_ok=True)
 

@@ -93,7 +93,7 @@ def test_files_the_server_reads_later_are_read_at_the_flags(tmp_path, capsys):
     not_a_fit = tmp_path / "dict.json"
     not_a_fit.write_text('{"a": 1}')
     for flags, said in ((("--pd-profile", str(bad)), "not JSON"), (("--api-keys", str(keys)), "--api-keys"),
-                        (("--pd-profile", str(not_a_fit)), "not a `pdserve profile` fit (no prefill_coef"),
+                        (("--pd-profile", str(not_a_fit)), "not a `pdserve profile` fit (prefill_coef and decode_coef of three numbers each)"),
                         (("--trace-dir", str(taken)), "File exists")):
         assert main(["serve", "--model", "tiny", "--port", "18999", *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -125,8 +125,14 @@ def _read_fit(path: Path) -> dict | None:
         fitted = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    ok = isinstance(fitted, dict) and all(isinstance(fitted.get(k), list) for k in ("prefill_coef", "decode_coef"))
-    return fitted if ok else None
+    return fitted if is_fit(fitted) else None
+
+
+def is_fit(profile) -> bool:
+    """A `pdserve profile` fit as CostModel.from_profile reads one: three numbers each of prefill_coef and decode_coef."""
+    return isinstance(profile, dict) and all(
+        isinstance(coef, list) and len(coef) == 3 and all(isinstance(x, (int, float)) for x in coef)
+        for coef in (profile.get("prefill_coef"), profile.get("decode_coef")))
 
 
 def _keep_fit(path: Path, fitted: dict) -> None:
