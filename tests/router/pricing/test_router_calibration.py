@@ -160,3 +160,16 @@ def test_a_kept_fit_serves_later_starts_until_anything_it_depends_on_changes(pri
     assert len(fits) == 6
     assert cost_profile("auto", TINY, 1, model_dir, 512) == cost_profile("auto", TINY, 1, model_dir, 512)
     assert len(fits) == 6
+
+
+def test_a_kept_fit_that_is_not_three_numbers_a_phase_is_measured_again_not_read(tmp_path):
+    """The kept-fit cache reads what CostModel.from_profile can use and nothing else: a file whose
+    coefficients are lists of another length (a damaged or foreign file) counts as no fit (before:
+    it was returned and the router's start failed unpacking it)."""
+    path = tmp_path / "fit.json"
+    good = {"prefill_coef": [0.001, 0.0002, 1e-8], "decode_coef": [0.002, 0.0001, 1e-7]}
+    path.write_text(json.dumps(good))
+    assert calibration._read_fit(path) == good
+    for bad in ({**good, "prefill_coef": [0.001]}, {**good, "decode_coef": [0.1, 0.2, "x"]}, {"prefill_coef": [1, 2, 3]}):
+        path.write_text(json.dumps(bad))
+        assert calibration._read_fit(path) is None, bad
