@@ -45,6 +45,7 @@ from pdserve.model.default import resolve_model
 from pdserve.model.llama import LlamaModel
 from pdserve.model.cpu import cpu_report
 from pdserve.model.numerics import resolve_compute_dtype
+from pdserve.model import paged_decode
 from pdserve.model.loader import checkpoint_hash, load_state_dict
 from pdserve.model.tokenizer import load_tokenizer
 
@@ -65,9 +66,12 @@ def check_device(config: EngineConfig) -> None:
             raise ValueError(f"--device {config.device} does not support {name} yet")
 
 
-def device_report(device: str) -> dict[str, str]:
-    """The GPU's name in reports and /workers (nothing on the CPU)."""
-    return {} if device == "cpu" else {"device": f"{device} ({torch.cuda.get_device_name(torch.device(device))})"}
+def device_report(device: str) -> dict:
+    """The GPU's name in reports and /workers; on the CPU, the threads the C kernels split a call
+    over in this process (torch's count, or 1 where they cannot open an OpenMP region)."""
+    if device == "cpu":
+        return {"kernel_threads": torch.get_num_threads() if paged_decode.openmp() else 1}
+    return {"device": f"{device} ({torch.cuda.get_device_name(torch.device(device))})"}
 
 
 def new_seed() -> int:

@@ -42,17 +42,32 @@ _LOADED_PID = os.getpid()  # GNU OpenMP's thread pool does not survive fork()
 def openmp_usable() -> bool:
     """Whether a kernel may open an OpenMP parallel region in this process: not in a forked
     child, where the runtime's inherited pool has no threads behind it and a region hangs
-    (torch's own parallel ops hang there too)."""
+    (torch's own parallel ops hang there too), unless the child was declared fresh
+    (`openmp_fresh`)."""
     return os.getpid() == _LOADED_PID
+
+
+def openmp_fresh() -> None:
+    """Declare this process's OpenMP runtime fresh: it is a fork of a process that never opened a
+    parallel region (the warm template of workers/process/warm_start.py only imports modules), so
+    no pool was inherited and its kernels may open regions as torch's own products do. Without
+    this, every worker forked from the template ran the kernels (attention, glue, few-row and
+    AVX2 products) on one thread whatever its `--threads-per-worker`."""
+    global _LOADED_PID
+    _LOADED_PID = os.getpid()
+
+
+def region_threads(openmp_built) -> int:
+    """The threads a kernel call may use here: torch's thread count where the build has OpenMP
+    (`openmp_built()`) and a region may open in this process, else 1."""
+    return torch.get_num_threads() if openmp_built() and openmp_usable() else 1
 
 
 def threads_for(work: int, threshold: int, openmp_built) -> int:
     """torch's thread count for a kernel call of `work` units, at or above `threshold` (below it a
     parallel region costs more than it saves) where the build has OpenMP (`openmp_built()`) and a
     region may open in this process; else 1."""
-    if work < threshold or not openmp_built() or not openmp_usable():
-        return 1
-    return torch.get_num_threads()
+    return 1 if work < threshold else region_threads(openmp_built)
 
 
 def named(label: str, fn, *args):

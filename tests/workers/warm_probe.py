@@ -14,6 +14,19 @@ from multiprocessing import shared_memory
 from pdserve.workers import lifeline
 
 
+def _kernels() -> dict:
+    """What the C kernels may do in this fork: open an OpenMP region (a stale pool would hang the
+    call below, which splits its rows over torch's threads), and on how many threads."""
+    import torch
+
+    from pdserve.model import ckernel, glue, paged_decode
+    torch.set_num_threads(int(os.environ["PROBE_KERNELS"]))
+    x = torch.randn(64, 4096)
+    out = glue.add_rms_norm(x, None, torch.ones(4096), 1e-6)
+    return {"openmp_usable": ckernel.openmp_usable(), "openmp_built": paged_decode.openmp(),
+            "glue_threads": glue._threads(*x.shape), "glue_ok": bool(torch.isfinite(out).all())}
+
+
 def main(argv: list[str]) -> None:
     parent = os.getppid()
     segment = shared_memory.SharedMemory(create=True, size=4096)  # unlinked by this process's tracker when it dies
@@ -22,6 +35,8 @@ def main(argv: list[str]) -> None:
     report = {"config": argv[0], "flavour": os.environ.get("PROBE_FLAVOUR"),
               "pytest_test": os.environ.get("PYTEST_CURRENT_TEST"), "argv": sys.argv, "parent": parent,
               "comm": comm, "segment": segment.name, "torch_loaded": "torch" in sys.modules, "stdin": os.readlink("/proc/self/fd/0")}
+    if os.environ.get("PROBE_KERNELS"):
+        report.update(_kernels())
     out = os.environ["PROBE_OUT"]
     with open(out + ".tmp", "w") as f:
         f.write(json.dumps(report))

@@ -224,6 +224,8 @@ def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ:
         tracker._fd = tracker._pid = None
     os.environ.clear()
     os.environ.update(environ)
+    from pdserve.model import ckernel  # loaded by the template already; never in the launcher
+    ckernel.openmp_fresh()  # the template opened no parallel region: this fork's OpenMP has no stale pool
     module, function = entry.split(":")
     main = getattr(importlib.import_module(module), function)
 

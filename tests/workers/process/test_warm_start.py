@@ -121,6 +121,24 @@ def _wait(predicate, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_fork_runs_the_c_kernels_on_torchs_threads(monkeypatch, tmp_path):
+    """The template only imported modules, so no OpenMP pool was inherited: a fork's C kernels
+    split a large call over the threads it set, as its torch products do. Before, each fork took
+    itself for the child of a process whose pool was in use and ran every kernel on one thread."""
+    from pdserve.model import paged_decode
+    monkeypatch.setattr(warm_start, "ENTRY", PROBE)
+    monkeypatch.setenv("PROBE_KERNELS", "2")
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe.json"))
+    proc = warm_start.start(json.dumps({"worker_id": "probe-kernels"}))
+    try:
+        got = _report(tmp_path / "probe.json", proc)
+    finally:
+        proc.kill()
+    assert got["openmp_usable"] is True and got["glue_ok"]
+    built = paged_decode.openmp()  # this process loaded the kernels itself: it may open regions
+    assert got["openmp_built"] is built and got["glue_threads"] == (2 if built else 1)
+
+
 def test_a_worker_outlasting_its_template_stays_visible_and_killable(monkeypatch, tmp_path):
     """A stopped worker whose template was killed is alive to the launcher until it really ends,
     and the launcher can still end it (a hung worker must not be restarted beside itself)."""
