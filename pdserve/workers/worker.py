@@ -63,12 +63,6 @@ def pin_threads(config: WorkerConfig) -> None:
         os.sched_setaffinity(0, set(config.cpu_affinity))
 
 
-def kernel_note(numerics: dict) -> str:
-    """The start line's word on the C kernels' threads (a CPU engine's report has it)."""
-    threads = numerics.get("kernel_threads")
-    return "" if threads is None else f"; C kernels on {threads} thread{'' if threads == 1 else 's'}"
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, control_keys: ControlKeys | None = None):
         pin_threads(config)
@@ -116,10 +110,10 @@ class Worker:
     def register(self) -> None:
         with self.lock:
             self.kv_resync_wanted = True  # a new epoch starts with an empty index entry at the router
-        eng = self.engine
+        eng, kernels = self.engine, self.engine.numerics.get("kernel_threads")  # None on a GPU
         print(f"pdserve worker {self.id} (epoch {self.epoch}, {self.role}): {cpu_summary()}; "
               f"compute {eng.numerics['compute_dtype']}, products {eng.numerics['products']}"
-              f"{kernel_note(eng.numerics)}", file=sys.stderr, flush=True)
+              f"{'' if kernels is None else f'; C kernel threads {kernels}'}", file=sys.stderr, flush=True)
         self.send(m.Register(
             worker_id=self.id, epoch=self.epoch, host_id=self.config.host_id, role=self.role, pid=os.getpid(),
             num_blocks=eng.pool.num_blocks, block_size=eng.abi.block_size, model_hash=eng.identity.model_hash,

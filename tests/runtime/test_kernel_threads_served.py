@@ -60,7 +60,7 @@ def test_every_worker_runs_its_kernels_on_its_threads_first_start_and_restart(tm
                             json={"model": "tiny", "prompt": "hello", "max_tokens": 6, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
         lines = [line for line in log_path.read_text().splitlines() if line.startswith("pdserve worker ")]
-        assert len(lines) == 3 and all(line.endswith(f"C kernels on {expected} thread{'s' * (expected > 1)}")
+        assert len(lines) == 3 and all(line.endswith(f"; C kernel threads {expected}")
                                        for line in lines), lines
     finally:
         stop(proc)
