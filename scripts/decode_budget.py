@@ -24,27 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.speed.bench_arms import import_contexts
+from pdserve.engine.speed import step_parts
 from pdserve.engine.speed.benchmark import _prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model import paged_decode
-from pdserve.model.numerics import dense, linear
-
-
-def _gemms(model, batch: int):
-    cfg = model.config
-    x = torch.randn(batch, cfg.hidden_size).to(model.dtype)  # [Bd, d]
-    xo = torch.randn(batch, cfg.num_heads * cfg.head_dim).to(model.dtype)  # [Bd, H_q * D]
-    xf = torch.randn(batch, dense(model.layers[0].w2).shape[1]).to(model.dtype)  # [Bd, d_ff]
-
-    def run():
-        for layer in model.layers:
-            linear(x, layer.wqkv, layer.bqkv, model.skinny)
-            linear(xo, layer.wo, layer.bo, model.skinny)
-            linear(x, layer.w13, skinny_rows=model.skinny)
-            linear(xf, layer.w2, skinny_rows=model.skinny)
-        linear(x, model.lm_head, skinny_rows=model.skinny)
-    return run
 
 
 def _attention(model, batch: int, context: int):
@@ -99,7 +83,7 @@ def main() -> None:
                                  enable_prefix_cache=False, max_num_seqs=args.batch, kv_cache_bytes=0,
                                  num_blocks=args.batch * (args.context + steps + 64) // 16 + 64))
     import_contexts(engine, _prompts(args.batch, args.context, engine.model_config.vocab_size, 2), steps)
-    arms = {"step": engine.step, "gemms": _gemms(engine.model, args.batch),
+    arms = {"step": engine.step, "gemms": step_parts.products(engine.model, args.batch, args.batch)[0],
             "attn": _attention(engine.model, args.batch, args.context),
             "kernel": _kernel(engine.model, args.batch, args.context)}
     with torch.inference_mode():

@@ -25,26 +25,8 @@ import torch.nn.functional as F
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.speed import step_parts
 from pdserve.engine.speed.benchmark import _prompts
-from pdserve.model.numerics import dense, linear
-
-
-def _products(model, rows: int):
-    cfg = model.config
-    x = torch.randn(rows, cfg.hidden_size).to(model.dtype)  # [T, d]
-    xo = torch.randn(rows, cfg.num_heads * cfg.head_dim).to(model.dtype)  # [T, H_q * D]
-    xf = torch.randn(rows, dense(model.layers[0].w2).shape[1]).to(model.dtype)  # [T, d_ff]
-    flops = 2 * rows * sum(dense(w).numel() for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
-    flops += 2 * dense(model.lm_head).numel()
-
-    def run():
-        for layer in model.layers:
-            linear(x, layer.wqkv, layer.bqkv, model.skinny)
-            linear(xo, layer.wo, layer.bo, model.skinny)
-            linear(x, layer.w13, skinny_rows=model.skinny)
-            linear(xf, layer.w2, skinny_rows=model.skinny)
-        linear(x[-1:], model.lm_head, skinny_rows=model.skinny)
-    return run, flops
 
 
 def _prefill(engine: Engine, prompts: list[list[int]]):
@@ -68,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, enable_prefix_cache=False, max_num_seqs=4, kv_cache_bytes=0,
                                  num_blocks=4 * (args.prompt + 16) // 16 + 64, max_num_batched_tokens=args.prompt))
-    products, flops = _products(engine.model, args.prompt)
+    products, flops = step_parts.products(engine.model, args.prompt, 1)
     a, b = torch.randn(2048, 2048).to(torch.bfloat16), torch.randn(2048, 2048).to(torch.bfloat16)
     arms = {"prefill": _prefill(engine, _prompts(args.rounds + 1, args.prompt, engine.model_config.vocab_size, 7)),
             "products": products, "ceiling": lambda: F.linear(a, b)}
