@@ -37,6 +37,18 @@ def served_cli(*flags: str, ready_timeout_s: float = 120.0) -> Iterator[tuple[su
         stop(proc)
 
 
+def serve_logged(log_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """(process, port) of `pdserve serve --model tiny --kv-cache-mb 16` with `flags` (the rest its
+    defaults: 1P1D), its output in `log_path`, in a session of its own (`stop` ends it), `env`
+    added to this process's environment."""
+    port = free_local_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
+                                 "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, start_new_session=True)
+    return proc, port
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to its process group, SIGKILL past 30 s (uvicorn waits for open requests to end)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

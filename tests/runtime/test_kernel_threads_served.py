@@ -10,14 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 
 from pdserve.model import paged_decode
-from pdserve.ports import free_local_port
-from tests.api.served_cli import ROOT, stop
+from tests.api.served_cli import serve_logged, stop
 
 
 def _workers(port: int) -> dict[str, dict]:
@@ -39,12 +37,8 @@ def _until(check, what: str, timeout_s: float = 120.0):
 
 def test_every_worker_runs_its_kernels_on_its_threads_first_start_and_restart(tmp_path):
     expected = 2 if paged_decode.openmp() else 1  # a build without OpenMP runs each call on one thread
-    port, log_path = free_local_port(), tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--port", str(port), "--threads-per-worker", "2"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = tmp_path / "serve.log"
+    proc, port = serve_logged(log_path, "--threads-per-worker", "2")
     try:
         first = _until(lambda: (w := _workers(port)) and set(w) == {"prefill-0", "decode-0"}
                        and all(x["state"] == "live" for x in w.values()) and w,

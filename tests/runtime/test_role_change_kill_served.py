@@ -14,14 +14,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-from pdserve.ports import free_local_port
-from tests.api.served_cli import ROOT, stop, wait_healthy
+from tests.api.served_cli import serve_logged, stop, wait_healthy
 
 TOKEN = "role-change-test"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -50,12 +48,8 @@ def _pools_free(base: str) -> bool:
 def _served(tmp_path, *flags: str):
     """(process, base URL, log path) of a 1P1D `pdserve serve` that disaggregates every request
     (so a stream holds prefill-0's drain), admin token from the environment."""
-    port, log_path = free_local_port(), tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_ADMIN_TOKEN": TOKEN}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--pd-decision", "always", "--port", str(port), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = tmp_path / "serve.log"
+    proc, port = serve_logged(log_path, "--pd-decision", "always", *flags, env={"PDSERVE_ADMIN_TOKEN": TOKEN})
     try:
         wait_healthy(port, 180.0)
         yield proc, f"http://127.0.0.1:{port}", log_path

@@ -10,14 +10,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from pdserve.ports import free_local_port
-from tests.api.served_cli import ROOT, stop
+from tests.api.served_cli import serve_logged, stop
 
 
 def _kill_when_started(pgid: int, name: str, timeout_s: float = 120.0) -> int:
@@ -34,13 +32,8 @@ def _kill_when_started(pgid: int, name: str, timeout_s: float = 120.0) -> int:
 
 @pytest.mark.parametrize("restart", [True, False], ids=["restarts", "no-restart"])
 def test_a_worker_killed_during_start_up_is_restarted_or_fails_the_start_at_once(tmp_path, restart):
-    port, log_path = free_local_port(), tmp_path / "serve.log"
-    flags = [] if restart else ["--no-restart"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--port", str(port), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = tmp_path / "serve.log"
+    proc, port = serve_logged(log_path, *([] if restart else ["--no-restart"]))
     try:
         _kill_when_started(proc.pid, "pd-decode-0")
         deadline = time.monotonic() + 120
@@ -72,12 +65,8 @@ def test_a_worker_stopped_during_start_up_fails_the_start_at_its_timeout_naming_
     """SIGSTOP before it registers: no heartbeat to miss and no death to see, so the start waits
     --startup-timeout-s and then fails naming the worker that did not register (before: "1 of 2
     workers registered in 180s", with no name and no flag to shorten the wait)."""
-    port, log_path = free_local_port(), tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--kv-cache-mb", "16",
-                                 "--port", str(port), "--startup-timeout-s", "8"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = tmp_path / "serve.log"
+    proc, port = serve_logged(log_path, "--startup-timeout-s", "8")
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

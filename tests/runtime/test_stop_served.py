@@ -10,16 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from pdserve.ports import free_local_port
-from tests.api.served_cli import ROOT, wait_healthy
+from tests.api.served_cli import serve_logged, wait_healthy
 
 
 def group_members(pgid: int) -> list[str]:
@@ -34,13 +31,9 @@ def segments() -> set[str]:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_sigterm_to_the_process_group_stops_cleanly_without_restarts(tmp_path, mode):
-    port, log_path = free_local_port(), tmp_path / "serve.log"
+    log_path = tmp_path / "serve.log"
     before = segments()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny", "--mode", mode,
-                                 "--kv-cache-mb", "16", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc, port = serve_logged(log_path, "--mode", mode)
     try:
         wait_healthy(port, 180.0)
         members = group_members(proc.pid)
