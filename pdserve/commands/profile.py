@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prefill in chunks of N tokens, as a server with this step budget does (default: one step)")
     p.add_argument("--kv-cache-mb", type=int, default=256,
                    help="K/V pool per serving worker the capacity is computed for (as `pdserve serve --kv-cache-mb`)")
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per K/V block, as `pdserve serve --block-size` (default 16)")
     p.add_argument("--prompt-lens", type=_ints, help="prefill points, e.g. 128,512,1024,2048")
     p.add_argument("--batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
     p.add_argument("--contexts", type=_ints, help="decode context lengths, e.g. 128,1024")
@@ -58,7 +60,8 @@ def run_profile_command(args: argparse.Namespace) -> int:
         model=args.model or "small", threads=args.threads, dtype=args.dtype)
     overrides = {"repeats": args.repeats, "prompt_lens": args.prompt_lens, "batches": args.batches,
                  "contexts": args.contexts, "chunk_tokens": args.max_num_batched_tokens,
-                 "compute_dtype": args.compute_dtype, "kv_cache_mb": args.kv_cache_mb, "tp": args.tp}
+                 "compute_dtype": args.compute_dtype, "kv_cache_mb": args.kv_cache_mb, "tp": args.tp,
+                 "block_size": args.block_size}
     plan = dataclasses.replace(plan, batch_invariant=not args.no_batch_invariant,
                                **{k: v for k, v in overrides.items() if v is not None})
     model = run_profile(plan)

@@ -42,6 +42,7 @@ class ProfilePlan:
     batch_invariant: bool = True  # match the server's `--no-batch-invariant`
     chunk_tokens: int | None = None  # prefill in chunks of this many tokens, as a server with this budget does
     kv_cache_mb: int = 256  # the K/V pool a server would give each worker (`pdserve serve --kv-cache-mb`)
+    block_size: int = 16  # match the server's `--block-size` (the attention kernels walk the pool by block)
     tp: int = 1  # tensor-parallel ranks, one thread each, unpinned (a TP worker's steps; recorded as meta.tp)
 
     @classmethod
@@ -55,12 +56,12 @@ def _engine(plan: ProfilePlan):
     from pdserve.engine.engine import Engine
 
     longest = max(max(plan.prompt_lens), max(plan.contexts) + DECODE_STEPS + 4)
-    blocks = max(plan.batches) * (longest // 16 + 2) + 64
+    blocks = max(plan.batches) * (longest // plan.block_size + 2) + 64
     budget = plan.chunk_tokens or longest * max(plan.batches)
     config = EngineConfig(model=plan.model, dtype=plan.dtype, compute_dtype=plan.compute_dtype,
                           batch_invariant=plan.batch_invariant, enable_prefix_cache=False, num_blocks=blocks,
                           max_num_seqs=max(plan.batches), max_num_batched_tokens=budget, num_threads=plan.threads,
-                          tp=plan.tp)
+                          tp=plan.tp, block_size=plan.block_size)
     return Engine(config)
 
 

@@ -194,6 +194,7 @@ def fit_now(engine: EngineConfig, threads: int, model_dir: Path, max_model_len: 
     plan = ProfilePlan(model=str(model_dir), threads=threads, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
                        batch_invariant=engine.batch_invariant, chunk_tokens=engine.max_num_batched_tokens,
                        kv_cache_mb=max(1, engine.kv_cache_bytes >> 20) if engine.kv_cache_bytes else 256, tp=tp,
+                       block_size=engine.block_size,
                        **profile_points(engine.max_num_batched_tokens, max_model_len))
     try:
         fitted = run_profile(plan).to_dict()

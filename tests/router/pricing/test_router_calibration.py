@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -38,8 +39,11 @@ def test_profile_points_stay_inside_the_chunk_and_the_context():
 
 
 def test_auto_fits_the_served_engine_and_the_router_decides_with_it(tmp_path):
+    """The fit runs the served engine's shape: its block size too (before, always 16: a server with
+    `--block-size 32` was priced by an engine it never runs)."""
     model_dir = resolve_model("tiny")
-    fitted = cost_profile("auto", TINY, 1, model_dir, 512)
+    fitted = cost_profile("auto", replace(TINY, block_size=32), 1, model_dir, 512)
+    assert fitted["meta"]["block_size"] == 32 and fitted["meta"]["chunk_tokens"] == 128
     assert fitted["kind"] == "profiled" and len(fitted["prefill_coef"]) == 3 and len(fitted["decode_coef"]) == 3
     assert "collectives" not in fitted  # TP 1 everywhere: nothing to time
     assert all(c >= 0 for c in fitted["prefill_coef"] + fitted["decode_coef"])
