@@ -41,5 +41,7 @@ def exit_closed() -> None:
     os._exit(0)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a bare interpreter (`PDSERVE_WORKER_START=exec`), named as a fork is
+    from pdserve.workers.process.warm_start import name_process
+    name_process(sys.argv[1])
     main()

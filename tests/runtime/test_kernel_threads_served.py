@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from pdserve.model import paged_decode
 from tests.api.served_cli import serve_logged, stop
@@ -35,10 +36,13 @@ def _until(check, what: str, timeout_s: float = 120.0):
     raise AssertionError(what)
 
 
-def test_every_worker_runs_its_kernels_on_its_threads_first_start_and_restart(tmp_path):
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_every_worker_runs_its_kernels_on_its_threads_first_start_and_restart(tmp_path, start):
+    """Forks of the warm template (the default) and bare interpreters (`PDSERVE_WORKER_START=exec`)
+    alike; both are named pd-WORKER for `pgrep` (before, a bare interpreter stayed `python`)."""
     expected = 2 if paged_decode.openmp() else 1  # a build without OpenMP runs each call on one thread
     log_path = tmp_path / "serve.log"
-    proc, port = serve_logged(log_path, "--threads-per-worker", "2")
+    proc, port = serve_logged(log_path, "--threads-per-worker", "2", env={"PDSERVE_WORKER_START": start})
     try:
         first = _until(lambda: (w := _workers(port)) and set(w) == {"prefill-0", "decode-0"}
                        and all(x["state"] == "live" for x in w.values()) and w,

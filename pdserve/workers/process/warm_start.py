@@ -238,11 +238,11 @@ def run_forked(config_json: str, fd_names: tuple[str, ...], entry: str, environ:
         forkserver._forkserver._forkserver_alive_fd = None
     if "keys" in fds:
         os.environ[CONTROL_KEYS_FD_ENV] = str(fds["keys"])
-    _name_process(config_json)
+    name_process(config_json)
     main([config_json])
 
 
-def _name_process(config_json: str) -> None:
+def name_process(config_json: str) -> None:
     """`ps -o comm` and `pgrep` show the worker's id ("pd-decode-0"), not the template's command line."""
     try:
         name = f"pd-{json.loads(config_json)['worker_id']}"[:15].encode()
