@@ -122,6 +122,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-index-max-entries", type=int, default=524_288, metavar="N",
                    help="bound of the router's cluster K/V index (block, worker) entries; least recently used "
                         "entries go past it (~280 bytes each)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="each worker keeps the K/V of full prompt blocks for later requests with the same prefix "
+                        "(vLLM's flag; --no-enable-prefix-caching computes every prompt whole, with no reuse, "
+                        "fetch or host tier)")
     p.add_argument("--no-kv-sharing", action="store_true",
                    help="no cross-worker prefix fetch and no routing credit for a prefix another worker holds "
                         "(each worker reuses only its own prefix cache; no host tier)")
@@ -197,6 +201,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         prompt_priority=prompt_priority(args),
         host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
         max_tenant_roots=getattr(args, "max_tenant_roots", EngineConfig.max_tenant_roots),
+        enable_prefix_cache=getattr(args, "enable_prefix_caching", True),
     )
     if engine.device != "cpu" and args.mode != "colocated":
         raise ValueError(f"--device {engine.device} serves --mode colocated only: the handoff between GPU pools "
