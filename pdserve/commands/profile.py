@@ -15,30 +15,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("profile", help="measure the engine and fit a latency model (JSON)")
     p.add_argument("--model", default=None, help="tiny | small | checkpoint dir (default small; tiny with --quick)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the fitted model")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quick", action="store_true", help="a few points only (tests)")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help="time a TP N engine (N one-thread ranks; recorded as meta.tp, which the router's "
                         "cost model prices TP N workers with as measured: router/pricing/tp_pricing.py)")
     p.add_argument("--collectives-tp", type=_ints, metavar="N,M",
                    help="also time gloo's all_reduce and the step broadcast at these TP sizes, recorded as the "
                         "profile's `collectives` (default: --tp when it is > 1; latency/tp_collectives.py)")
-    p.add_argument("--repeats", type=int, help="timings per point (median after one warm-up)")
+    p.add_argument("--repeats", type=_positive, help="timings per point (median after one warm-up)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="engine dtype; profile with the dtype you will serve with")
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None,
                    help="activation/matmul dtype (as `pdserve serve --compute-dtype`)")
     p.add_argument("--no-batch-invariant", action="store_true", help="as `pdserve serve --no-batch-invariant`")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
                    help="prefill in chunks of N tokens, as a server with this step budget does (default: one step)")
-    p.add_argument("--kv-cache-mb", type=int, default=256,
+    p.add_argument("--kv-cache-mb", type=_positive, default=256,
                    help="K/V pool per serving worker the capacity is computed for (as `pdserve serve --kv-cache-mb`)")
-    p.add_argument("--block-size", type=int, default=None, metavar="N",
+    p.add_argument("--block-size", type=_positive, default=None, metavar="N",
                    help="tokens per K/V block, as `pdserve serve --block-size` (default 16)")
     p.add_argument("--prompt-lens", type=_ints, help="prefill points, e.g. 128,512,1024,2048")
     p.add_argument("--batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
     p.add_argument("--contexts", type=_ints, help="decode context lengths, e.g. 128,1024")
     p.set_defaults(func=run_profile_command)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> tuple[int, ...]:

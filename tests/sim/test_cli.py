@@ -102,12 +102,24 @@ def test_bench_sim_reports_rates(capsys):
 def test_profile_quick_writes_a_usable_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the tiny checkpoint goes here
     out = tmp_path / "prof.json"
-    assert main(["profile", "--quick", "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["profile", "--quick", "--threads", "1", "--repeats", "1", "--block-size", "32", "--out", str(out)]) == 0
     from pdserve.latency.load import load_latency_model
 
     model = load_latency_model(out)
     assert model.prefill_s(64) > 0 and model.decode_step_s(4, 256) > 0
-    assert json.loads(out.read_text())["meta"]["threads"] == 1
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["threads"] == 1 and meta["block_size"] == 32  # the engine a `--block-size 32` server runs
+
+
+@pytest.mark.parametrize("flag", ["--block-size", "--threads", "--tp", "--repeats", "--kv-cache-mb",
+                                  "--max-num-batched-tokens"])
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_profile_refuses_a_count_that_is_not_positive_at_the_flags(tmp_path, capsys, flag, value):
+    """Before, `--block-size 0` ended in a ZeroDivisionError traceback after the checkpoint loaded."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--quick", flag, value, "--out", str(tmp_path / "p.json")])
+    assert exit_.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_plan_validate_refuses_bad_recalibration_flags(tmp_path, capsys):
