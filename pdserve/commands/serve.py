@@ -199,7 +199,8 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill_length_buckets=length_buckets(getattr(args, "prefill_length_buckets", "")),
         prompt_priority=prompt_priority(args),
-        host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) else getattr(args, "host_kv_mb", 0) << 20,
+        host_kv_bytes=0 if getattr(args, "no_kv_sharing", False) or not getattr(args, "enable_prefix_caching", True)
+        else getattr(args, "host_kv_mb", 0) << 20,  # the tier holds evicted prefix blocks: none without a cache
         max_tenant_roots=getattr(args, "max_tenant_roots", EngineConfig.max_tenant_roots),
         enable_prefix_cache=getattr(args, "enable_prefix_caching", True),
     )

@@ -19,7 +19,9 @@ from tests.runtime.conftest import WORKER_THREADS, prompt
 def test_the_flag_defaults_on_and_reaches_the_workers_config():
     parse = build_parser().parse_args
     assert serve_config(parse(["serve", "--model", "tiny"])).engine.enable_prefix_cache is True
-    assert serve_config(parse(["serve", "--model", "tiny", "--no-enable-prefix-caching"])).engine.enable_prefix_cache is False
+    assert serve_config(parse(["serve", "--model", "tiny", "--host-kv-mb", "8"])).engine.host_kv_bytes == 8 << 20
+    off = serve_config(parse(["serve", "--model", "tiny", "--no-enable-prefix-caching", "--host-kv-mb", "8"])).engine
+    assert off.enable_prefix_cache is False and off.host_kv_bytes == 0  # no cache: no evicted blocks to keep
 
 
 def test_without_prefix_caching_a_repeated_prompt_reuses_nothing_and_decodes_the_same_tokens(tmp_path):
