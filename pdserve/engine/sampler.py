@@ -42,8 +42,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+        # drop a token when the mass strictly before it already reaches top_p; the most likely is
+        # always kept (a top_p below fp32's range compares as 0 and would drop every token)
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x

@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 from pdserve.engine.errors import IllegalTransition, InvalidRequest
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+# Stop strings are searched for in every step's new text on the engine thread, each one apart: a
+# request with 280,000 of them (a 4 MB body) cost its worker ~110 ms a step, slowing every request
+# there. TGI caps them at 4 by default, OpenAI at 4; this leaves room for any real client
+MAX_STOP_STRINGS = 128
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -56,12 +63,16 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not _is_count(self.min_tokens) or self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not math.isfinite(self.repetition_penalty) or not _FP32_TINY <= self.repetition_penalty <= _FP32_MAX:
+            # the penalty divides or multiplies fp32 logits: outside fp32's normal range it is 0 or inf there
+            raise InvalidRequest(f"repetition_penalty must be a number from {_FP32_TINY:.3g} to {_FP32_MAX:.3g}, "
+                                 f"got {self.repetition_penalty!r}")
         if not all(_is_count(t) for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -74,7 +85,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's rule (_SAMPLING_EPS): a temperature this small is greedy. Dividing fp32 logits by
+        # it would overflow to inf (or, below fp32's range, divide by zero) and sample NaNs
+        return self.temperature < GREEDY_BELOW
+
+
+_FP32_TINY, _FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # fp32's smallest normal, largest finite
 
 
 def _is_count(value) -> bool:
