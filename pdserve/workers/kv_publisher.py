@@ -12,11 +12,22 @@ drops it), each subscription (the socket is an XPUB) turns the next batch into a
 AllBlocksCleared, then a BlockStored per held block and tier. `publish(sink)` runs on
 the worker's engine thread; replay requests are served by a daemon thread under a lock shared
 with `publish`.
+
+Bounds (neither socket is authenticated, as vLLM's are not, so what a peer sends must not size
+what the worker holds): a snapshot is sent at most once per `snapshot_interval_s` however often
+peers subscribe (a later subscription is answered by the next one; a snapshot of 4,096 held
+blocks is ~340 KB, and one per batch let a resubscribing peer grow a worker by gigabytes); the
+replay buffer keeps at most `buffer_batches` batches and `buffer_bytes` bytes, dropping the
+oldest; a replay answer shares the buffer's payloads rather than copying them per peer, and a peer
+that does not read is sent at most `REPLAY_QUEUE` messages (the rest of its answer, end marker
+included, is dropped, as ZeroMQ drops past a peer's queue); a frame larger than `MAX_REQUEST_BYTES`
+on either socket (a subscription or a replay request) disconnects its sender.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import msgspec
@@ -25,6 +36,8 @@ import zmq
 from pdserve.engine.kv.vllm_events import VllmEventSink
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+MAX_REQUEST_BYTES = 4096  # a replay request is 8 bytes, a subscription 1 + the topic
+REPLAY_QUEUE = 100  # messages queued to one replay peer at the most
 
 
 def _split(base: str) -> tuple[str, int]:
@@ -64,30 +77,40 @@ def check_endpoints(endpoint: str | None, replay_endpoint: str | None, num_worke
 
 class KvEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_batches: int = 10_000):
+                 buffer_batches: int = 10_000, buffer_bytes: int = 64 << 20, snapshot_interval_s: float = 1.0):
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that hears each (re)subscription
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's, not only a topic's first
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._pub.bind(endpoint)
         self._topic = topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._buffer_bytes, self._max_buffer_bytes = 0, buffer_bytes
         self._seq = 0
+        self._snapshot_due, self._snapshot_interval_s = False, snapshot_interval_s
+        self._last_snapshot = -float("inf")
         self._lock = threading.Lock()
         self._replay = None
         self._running = True
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            self._replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
             self._replay.bind(replay_endpoint)
             threading.Thread(target=self._serve_replay, daemon=True, name="kv-events-replay").start()
 
     def publish(self, sink: VllmEventSink) -> None:
         """Send the sink's pending events as one batch (nothing when there are none); the whole
-        state instead when a subscriber subscribed since the previous call."""
-        if self._subscribed():
+        state instead when a subscriber subscribed since the last snapshot and the interval since
+        it has passed."""
+        self._snapshot_due |= self._subscribed()
+        now = time.monotonic()
+        if self._snapshot_due and now - self._last_snapshot >= self._snapshot_interval_s:
             sink.snapshot()
+            self._snapshot_due, self._last_snapshot = False, now
         batch = sink.take()
         if batch is None:
             return
@@ -95,7 +118,12 @@ class KvEventPublisher:
         with self._lock:
             seq = self._seq
             self._seq += 1
+            if len(self._buffer) == self._buffer.maxlen:
+                self._buffer_bytes -= len(self._buffer[0][1])
             self._buffer.append((seq, payload))
+            self._buffer_bytes += len(payload)
+            while self._buffer_bytes > self._max_buffer_bytes and len(self._buffer) > 1:
+                self._buffer_bytes -= len(self._buffer.popleft()[1])
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
 
     def _subscribed(self) -> bool:
@@ -128,8 +156,8 @@ class KvEventPublisher:
             start = int.from_bytes(request[0], "big")
             with self._lock:
                 kept = [(s, p) for s, p in self._buffer if s >= start]
-        for seq, payload in kept:
-            self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
+        for seq, payload in kept:  # not copied: every peer's queue refers to the buffer's bytes
+            self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload), copy=False)
         self._replay.send_multipart((*envelope, END_OF_REPLAY, b""))
 
     def close(self) -> None:

@@ -176,3 +176,24 @@ def test_a_subscriber_learns_of_a_restart_it_joined_too_late_to_see():
         sub.close(0)
     assert media == {b"new-1": {"GPU"}}
     assert 0 not in seqs  # the new process's opening clear was lost to this subscriber
+
+
+def test_the_replay_buffer_is_bounded_in_bytes_and_stays_gapless():
+    """The kept batches are capped in bytes as well as in number (a snapshot of a large pool is
+    hundreds of KB): the oldest go first, and what is kept is still numbered without gaps up to
+    the newest."""
+    pub, rep = free_port(), free_port()
+    publisher = KvEventPublisher(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}", buffer_bytes=20_000)
+    sink = VllmEventSink(16)
+    try:
+        for i in range(200):  # ~1 KB a batch
+            for j in range(8):
+                sink.stored(b"h%05d-%d" % (i, j), None, tuple(range(16)))
+            publisher.publish(sink)
+        kept = ask(f"tcp://127.0.0.1:{rep}", ((0).to_bytes(8, "big"),))
+    finally:
+        publisher.close()
+    assert kept[-1] == [END_OF_REPLAY, b""]
+    seqs = [int.from_bytes(r[0], "big") for r in kept[:-1]]
+    assert seqs == list(range(seqs[0], 200)) and seqs[0] > 0  # the newest kept, the oldest dropped
+    assert sum(len(r[1]) for r in kept[:-1]) <= 20_000
