@@ -28,16 +28,23 @@ def finite_float(text: str) -> float:
 
 
 def check_model(config) -> None:
-    """The checkpoint exists and reads; each role's tensor-parallel size divides it; a block fits the
-    model's positions and the pool holds at least one (a CheckpointError or TpShapeError, both
-    ValueErrors): a worker that found out would exit and be restarted into the same error, or, with
-    no block to allocate, start and never run a request."""
+    """The checkpoint exists and reads: its config, its weights' headers against the config (names,
+    dtypes, shapes, byte spans against the file sizes; no tensor is read) and its tokenizer; each
+    role's tensor-parallel size divides it; a block fits the model's positions and the pool holds at
+    least one (a CheckpointError or TpShapeError, both ValueErrors): a worker that found out would
+    exit and be restarted into the same error, or, with no block to allocate, start and never run a
+    request; the server itself would stop on it with a traceback."""
     from pdserve.engine.kv.kv_abi import KvAbi
     from pdserve.model.config import check_tp, load_config
     from pdserve.model.default import resolve_model
+    from pdserve.model.loader import check_checkpoint
+    from pdserve.model.tokenizer import load_tokenizer
 
     engine = config.engine
-    model = load_config(resolve_model(engine.model))
+    model_dir = resolve_model(engine.model)
+    model = load_config(model_dir)
+    check_checkpoint(model_dir, model)
+    load_tokenizer(model_dir)
     for role in config.shape().roles():
         check_tp(model, config.tp.for_role(role.value))
     if engine.block_size > model.max_position_embeddings:

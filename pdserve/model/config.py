@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_NORM_EPS = 1e-6
+# Every worker builds its rotary tables ([P, D] fp32 cos and sin) for all positions up front, so a
+# context of 10**12 asks for terabytes; 2**24 is past every released model's (Llama 4 Scout: 10M).
+MAX_POSITION_EMBEDDINGS = 2**24
+# The expected-tensor list is built per layer before any is checked; a layer count of 10**9 would
+# spin there. No released decoder has more than a few hundred.
+MAX_HIDDEN_LAYERS = 4096
+# `dtype` (transformers 5) / `torch_dtype` (4.x): the float kinds the loader converts from; an
+# integer or float8 dtype means quantized weights this engine does not dequantize.
+CHECKPOINT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -132,19 +142,19 @@ def _parse(d: dict[str, Any], source: str) -> ModelConfig:
             vocab_size=_int(d, "vocab_size", source),
             hidden_size=hidden,
             intermediate_size=_int(d, "intermediate_size", source),
-            num_layers=_int(d, "num_hidden_layers", source),
+            num_layers=_int(d, "num_hidden_layers", source, most=MAX_HIDDEN_LAYERS),
             num_heads=num_heads,
             num_kv_heads=_int(d, "num_key_value_heads", source, default=num_heads),
             head_dim=_int(d, "head_dim", source) if head_dim is not None else hidden // num_heads,
             rope_theta=_rope_theta(d, source),
-            rms_norm_eps=float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
-            max_position_embeddings=_int(d, "max_position_embeddings", source),
+            rms_norm_eps=_positive_float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS), "rms_norm_eps", source),
+            max_position_embeddings=_int(d, "max_position_embeddings", source, most=MAX_POSITION_EMBEDDINGS),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
             o_bias=attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_token_ids(d.get("eos_token_id"), source),
-            checkpoint_dtype=d.get("dtype") or d.get("torch_dtype"),
+            checkpoint_dtype=_checkpoint_dtype(d, source),
             qk_norm=arch == "Qwen3ForCausalLM",
         )
     except ValueError as exc:
@@ -202,8 +212,8 @@ def _rope_theta(d: dict[str, Any], source: str) -> float:
     if params is not None:
         _check_rope_type(params, "rope_parameters", source)
         if "rope_theta" in params:
-            return float(params["rope_theta"])
-    return float(d.get("rope_theta", DEFAULT_ROPE_THETA))
+            return _positive_float(params["rope_theta"], "rope_parameters.rope_theta", source)
+    return _positive_float(d.get("rope_theta", DEFAULT_ROPE_THETA), "rope_theta", source)
 
 
 def _check_rope_type(params: Any, key: str, source: str) -> None:
@@ -214,7 +224,7 @@ def _check_rope_type(params: Any, key: str, source: str) -> None:
         raise CheckpointError(source, f"unsupported rope scaling: {key}.rope_type = {rope_type!r}")
 
 
-def _int(d: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+def _int(d: dict[str, Any], key: str, source: str, default: int | None = None, most: int | None = None) -> int:
     value = d.get(key)
     if value is None:
         if default is None:
@@ -222,6 +232,24 @@ def _int(d: dict[str, Any], key: str, source: str, default: int | None = None) -
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(source, f"{key} must be a positive integer, got {value!r}")
+    if most is not None and value > most:
+        raise CheckpointError(source, f"{key} must be at most {most}, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, key: str, source: str) -> float:
+    """A positive finite number: a NaN epsilon or a zero or negative rope theta gives NaN logits with
+    no error anywhere (json reads NaN and Infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(source, f"{key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _checkpoint_dtype(d: dict[str, Any], source: str) -> str | None:
+    key = "dtype" if d.get("dtype") is not None else "torch_dtype"
+    value = d.get(key)
+    if value is not None and value not in CHECKPOINT_DTYPES:
+        raise CheckpointError(source, f"{key} {value!r} is not supported (one of {', '.join(CHECKPOINT_DTYPES)})")
     return value
 
 

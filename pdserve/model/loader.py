@@ -6,6 +6,11 @@ the file and the problem. It never returns a partial or silently reshaped model.
 `inv_freq` buffers are ignored; for tied embeddings `lm_head.weight` is never returned (the
 forward pass reuses `model.embed_tokens.weight`), whether or not the checkpoint stores it.
 
+`check_checkpoint` runs every one of those checks from the safetensors headers alone (names,
+dtypes, shapes, byte spans against the file sizes; model/safetensors_header.py), without torch:
+the serving process's pre-flight calls it, so a checkpoint no worker could load is refused once
+before any worker starts, and `load_state_dict` calls it before it reads a tensor.
+
 Layouts: one `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 
 `checkpoint_hash` is the model identity used to fence K/V: it covers the config and every
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from pdserve.model.config import CONFIG_FILE, ModelConfig
 from pdserve.model.errors import CheckpointError
+from pdserve.model.safetensors_header import TensorEntry, read_header
 
 if TYPE_CHECKING:  # torch is loaded by the calls that make tensors: the router's process hashes and checks checkpoints without it
     import torch
@@ -34,6 +39,9 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 HASH_VERSION = b"pdserve-checkpoint-hash-v1"
 HASH_SAMPLE_BYTES = 256  # bytes hashed at each of a tensor's start, middle and end
+# The float kinds `.to(dtype)` turns into the same weight; integer or float8 tensors are quantized
+# weights whose scales this loader would not apply.
+LOADABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -74,18 +82,26 @@ def load_state_dict(
 
     dtype = torch.float32 if dtype is None else dtype
     model_dir = Path(model_dir)
-    if not (model_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(model_dir / CONFIG_FILE, "config.json not found")
-    expected = expected_shapes(config)
-    located = _locate_tensors(model_dir)
-    _check_names_and_shapes(located, expected, model_dir)
+    located = check_checkpoint(model_dir, config)
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
+    for name in expected_shapes(config):
         by_file.setdefault(located[name][0], []).append(name)
     state: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         state.update(_read_tensors(file, names, dtype))
     return state
+
+
+def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, tuple[Path, TensorEntry]]:
+    """Every tensor of the checkpoint in `model_dir` located (file, header entry) and checked against
+    `config` from the headers alone: exactly the expected names, each of its expected shape and of a
+    loadable dtype, each file's spans whole. Raises `CheckpointError` naming the file and the problem."""
+    model_dir = Path(model_dir)
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise CheckpointError(model_dir / CONFIG_FILE, "config.json not found")
+    located = _locate_tensors(model_dir)
+    _check_tensors(located, expected_shapes(config), model_dir)
+    return located
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -100,6 +116,8 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         return [model_dir / shard for shard in shards]
     if (model_dir / SINGLE_FILE).is_file():
         return [model_dir / SINGLE_FILE]
+    if (model_dir / SINGLE_FILE).exists():
+        raise CheckpointError(model_dir / SINGLE_FILE, "not a regular file")
     raise CheckpointError(model_dir, f"no {SINGLE_FILE} or {INDEX_FILE} found")
 
 
@@ -115,13 +133,10 @@ def checkpoint_hash(model_dir: str | Path) -> str:
         raise CheckpointError(config_file, f"config.json is not valid JSON ({exc})") from exc
     digest = hashlib.sha256(HASH_VERSION)
     digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    entries = []
-    for file in weight_files(model_dir):
-        entries += [(name, file, info, base) for name, info, base in _header_entries(file)]
-    for name, file, info, base in sorted(entries, key=lambda e: e[0]):
-        digest.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
-        start, end = info["data_offsets"]
-        digest.update(_sample_bytes(file, base + start, base + end))
+    entries = [(entry, file) for file in weight_files(model_dir) for entry in read_header(file)]
+    for entry, file in sorted(entries, key=lambda e: e[0].name):
+        digest.update(json.dumps([entry.name, entry.dtype, list(entry.shape)]).encode())
+        digest.update(_sample_bytes(file, entry.start, entry.end))
     return digest.hexdigest()
 
 
@@ -135,17 +150,18 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _locate_tensors(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Map every tensor name in the checkpoint to (file holding it, its shape)."""
+def _locate_tensors(model_dir: Path) -> dict[str, tuple[Path, TensorEntry]]:
+    """Map every tensor name in the checkpoint to (file holding it, its header entry)."""
     index_map = _read_index(model_dir / INDEX_FILE) if (model_dir / INDEX_FILE).is_file() else None
-    located: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    located: dict[str, tuple[Path, TensorEntry]] = {}
     for file in weight_files(model_dir):
-        for name, shape in _read_shapes(file).items():
+        for entry in read_header(file):
+            name = entry.name
             if name in located:
                 raise CheckpointError(file, f"tensor {name!r} also stored in {located[name][0].name}")
             if index_map is not None and index_map.get(name) != file.name:
                 raise CheckpointError(file, f"tensor {name!r} is not listed for this shard in {INDEX_FILE}")
-            located[name] = (file, shape)
+            located[name] = (file, entry)
     if index_map is not None:
         for name, shard in index_map.items():
             if name not in located:
@@ -153,17 +169,20 @@ def _locate_tensors(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return located
 
 
-def _check_names_and_shapes(
-    located: dict[str, tuple[Path, tuple[int, ...]]],
+def _check_tensors(
+    located: dict[str, tuple[Path, TensorEntry]],
     expected: dict[str, tuple[int, ...]],
     model_dir: Path,
 ) -> None:
     for name, want in expected.items():
         if name not in located:
             raise CheckpointError(model_dir, f"missing tensor {name!r} (expected shape {want})")
-        file, got = located[name]
-        if got != want:
-            raise CheckpointError(file, f"tensor {name!r} has shape {got}, expected {want}")
+        file, entry = located[name]
+        if entry.shape != want:
+            raise CheckpointError(file, f"tensor {name!r} has shape {entry.shape}, expected {want}")
+        if entry.dtype not in LOADABLE_DTYPES:
+            raise CheckpointError(file, f"tensor {name!r} is {entry.dtype}; loadable: {', '.join(LOADABLE_DTYPES)} "
+                                        f"(a quantized checkpoint is not supported)")
     for name, (file, _) in located.items():
         if name in expected or name.endswith(IGNORED_SUFFIXES):
             continue
@@ -172,32 +191,12 @@ def _check_names_and_shapes(
         raise CheckpointError(file, f"unexpected tensor {name!r}")
 
 
-def _read_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(file, f"unreadable safetensors file ({exc})") from exc
-
-
 def _read_tensors(file: Path, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as f:
             return {name: f.get_tensor(name).to(dtype) for name in names}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(file, f"unreadable safetensors file ({exc})") from exc
-
-
-def _header_entries(file: Path) -> list[tuple[str, dict, int]]:
-    """(name, header info, byte offset of the data section) for every tensor in `file`."""
-    try:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(file, f"unreadable safetensors header ({exc})") from exc
-    header.pop("__metadata__", None)
-    return [(name, info, 8 + size) for name, info in header.items()]
 
 
 def _sample_bytes(file: Path, start: int, end: int) -> bytes:

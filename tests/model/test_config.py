@@ -112,6 +112,17 @@ def test_sliding_window_as_large_as_context_is_fine():
     (llama_dict(num_key_value_heads=3), ["num_kv_heads"]),
     ({k: v for k, v in llama_dict().items() if k != "hidden_size"}, ["hidden_size"]),
     (llama_dict(model_type="qwen2"), ["model_type", "qwen2"]),
+    # numbers the forward pass takes on trust: NaN logits, terabyte rotary tables, a spinning layer list
+    (llama_dict(rms_norm_eps=float("nan")), ["rms_norm_eps must be a positive finite number", "nan"]),
+    (llama_dict(rms_norm_eps=0), ["rms_norm_eps must be a positive finite number"]),
+    (llama_dict(rms_norm_eps="1e-5"), ["rms_norm_eps must be a positive finite number"]),
+    (llama_dict(rope_theta=0), ["rope_theta must be a positive finite number"]),
+    (llama_dict(rope_theta=float("inf")), ["rope_theta must be a positive finite number"]),
+    (llama_dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), ["rope_parameters.rope_theta", "-1.0"]),
+    (llama_dict(max_position_embeddings=10**12), ["max_position_embeddings must be at most 16777216"]),
+    (llama_dict(num_hidden_layers=10**9), ["num_hidden_layers must be at most 4096"]),
+    (llama_dict(torch_dtype="int8"), ["torch_dtype 'int8' is not supported"]),
+    (llama_dict(dtype="float8_e4m3fn", torch_dtype="bfloat16"), ["dtype 'float8_e4m3fn' is not supported"]),
 ])
 def test_refused_configs_name_file_and_problem(d, fragments):
     with pytest.raises(CheckpointError) as exc_info:

@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from pdserve.model.config import load_config
 from pdserve.model.errors import CheckpointError
 from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import checkpoint_hash, expected_shapes, load_state_dict
+from pdserve.model.loader import check_checkpoint, checkpoint_hash, expected_shapes, load_state_dict
 from tests.helpers.checkpoints import load_hf_model, make_random_checkpoint
 
 
@@ -122,6 +122,38 @@ def test_garbage_header_is_named(ckpt):
     with pytest.raises(CheckpointError, match="unreadable safetensors") as exc_info:
         load(ckpt)
     assert str(file) in str(exc_info.value)
+
+
+def test_a_header_length_past_safetensors_cap_is_refused_before_it_is_read(ckpt):
+    """Before: f.read(2**62) raised a bare MemoryError in the serving process."""
+    file = ckpt / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes((2**62).to_bytes(8, "little") + data[8:])
+    with pytest.raises(CheckpointError, match="unreadable safetensors header .its length field says 4611686018427387904"):
+        check_checkpoint(ckpt, load_config(ckpt))
+    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+        checkpoint_hash(ckpt)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda data: data + b"\0" * 4, "4 bytes after the last tensor"),
+    (lambda data: data[:-1], "past the file's"),
+])
+def test_header_checks_see_what_safetensors_refuses_at_load(ckpt, edit, said):
+    """The header-only check (the serving process's pre-flight) refuses what safe_open would."""
+    file = ckpt / "model.safetensors"
+    file.write_bytes(edit(file.read_bytes()))
+    with pytest.raises(CheckpointError, match="unreadable safetensors") as exc_info:
+        check_checkpoint(ckpt, load_config(ckpt))
+    assert said in str(exc_info.value) and str(file) in str(exc_info.value)
+
+
+def test_a_quantized_tensor_is_refused_by_its_dtype(ckpt):
+    file = ckpt / "model.safetensors"
+    name = "model.layers.0.mlp.up_proj.weight"
+    rewrite(file, lambda t: t.update({name: t[name].to(torch.int8)}))
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' is I8; loadable: F16, BF16, F32, F64"):
+        check_checkpoint(ckpt, load_config(ckpt))
 
 
 def test_shape_mismatch_names_tensor_file_and_shapes(ckpt):
