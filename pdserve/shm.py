@@ -12,10 +12,14 @@ never registered with multiprocessing's resource tracker, so
 CPython 3.13 does this with `SharedMemory(track=False)`; earlier versions register every attach,
 hence the small mapping below. A missing segment raises `FileNotFoundError`, an empty one
 `ValueError`, as `SharedMemory` does.
+
+`reap_dead_pools(worker_id)` unlinks the segments of a worker's dead incarnations (a restarted
+worker at its start, the launcher once its workers have stopped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -57,3 +61,20 @@ def attach(name: str) -> AttachedSegment | shared_memory.SharedMemory:
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, create=False, track=False)
     return AttachedSegment(name)
+
+
+def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the K/V pool segments earlier incarnations of this worker left behind when they
+    were killed (kill -9 skips the unlink): `pdserve-<worker>-<pid>[-<token>]` whose pid is gone."""
+    prefix, reaped = f"pdserve-{worker_id}-", []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return reaped
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+                reaped.append(name)
+    return reaped

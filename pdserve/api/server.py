@@ -85,6 +85,7 @@ class ServeConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # dead workers start again (supervisor.py)
     lease_s: float = 30.0  # K/V held for a request whose router stopped renewing is reclaimed after this
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is retired, ended and restarted (hung)
+    step_timeout_s: float = 60.0  # a worker whose engine loop is stuck this long stops heartbeating (workers/heartbeat.py)
     max_reroutes: int = 2  # a request moved this many times to another worker ends with `max_reroutes` instead
     pd_decision: str = "margin"  # per request: "always" | "never" | "margin" (router/policy/pd_decision.py)
     pd_min_prompt_tokens: int = 0  # prompts with fewer uncached tokens at D prefill there, before the margin
@@ -112,6 +113,8 @@ class ServeConfig:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
+        if not self.step_timeout_s >= 1.0:
+            raise ValueError(f"--step-timeout-s must be >= 1, got {self.step_timeout_s}")
         if not self.heartbeat_timeout_s >= 1.0 or self.max_reroutes < 0:
             raise ValueError(f"--heartbeat-timeout-s must be >= 1 and --max-reroutes >= 0, got "
                              f"{self.heartbeat_timeout_s}, {self.max_reroutes}")
@@ -338,4 +341,5 @@ async def serve(config: ServeConfig) -> None:
         if config.mode != "colocated":
             print(f"pdserve: {slo_line(backend.router.config.pd, backend.router.config.cost)}", flush=True)
         await server.serve()
+    server.raise_stop_signals()  # once the workers are stopped (api/edge/stop.py)
 

@@ -157,6 +157,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout-s", type=finite_float, default=10.0,
                    help="a worker silent this long (hung, e.g. SIGSTOP) is retired, ended (SIGKILL after a grace) "
                         "and restarted under its next epoch")
+    p.add_argument("--step-timeout-s", type=finite_float, default=60.0, metavar="S",
+                   help="a worker whose engine loop has not come round for this long (one step stuck: a "
+                        "tensor-parallel rank stopped or hung, a deadlock) stops heartbeating, so it is retired, "
+                        "ended and restarted after --heartbeat-timeout-s more (vLLM's "
+                        "VLLM_ENGINE_ITERATION_TIMEOUT_S); longer than any step the model takes")
     p.add_argument("--startup-timeout-s", type=finite_float, default=180.0, metavar="S",
                    help="every worker registers within this long of the start, or the start fails naming those "
                         "that did not (a large checkpoint may need more)")
@@ -223,6 +228,7 @@ def serve_config(args: argparse.Namespace, port: int | None = None):
         restart=RestartPolicy(enabled=not args.no_restart, max_crashes=getattr(args, "max_crashes", 5),
                               crash_window_s=getattr(args, "crash_window_s", 120.0)),
         lease_s=args.lease_s, heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 10.0),
+        step_timeout_s=getattr(args, "step_timeout_s", 60.0),
         startup_timeout_s=getattr(args, "startup_timeout_s", 180.0),
         max_reroutes=getattr(args, "max_reroutes", 2),
         pd_decision=args.pd_decision, pd_min_prompt_tokens=args.pd_min_prompt_tokens,

@@ -19,11 +19,13 @@ joins them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -146,22 +148,36 @@ class TpLeader:
         return logits
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop and join the followers (idempotent); a group a follower already left is torn down
-        and the rest killed after `timeout_s`."""
+        """Stop and join the followers (idempotent). A stopped follower is continued first so that
+        it can take the stop; one that does not take it within `timeout_s` (hung) is killed, which
+        ends the broadcast, so a worker's shutdown never waits on a rank for good."""
         if self.closed:
             return
         self.closed = True
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, TypeError):  # TypeError: never started (pid None)
+                os.kill(p.pid, signal.SIGCONT)
+        stop = threading.Thread(target=self._send_stop, daemon=True, name="tp-stop")
+        stop.start()
+        stop.join(timeout_s)
+        if stop.is_alive():  # a rank did not take the stop: killed, the broadcast fails and returns
+            for p in self.procs:
+                p.kill()
+            stop.join(timeout_s)
+        if not stop.is_alive():  # the group is torn down only once nothing waits in it
+            dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    @staticmethod
+    def _send_stop() -> None:
         try:
             dist.broadcast_object_list([None], src=0)
         except RuntimeError:  # a follower is gone: the group cannot carry the stop
             pass
-        finally:
-            dist.destroy_process_group()
-            for p in self.procs:
-                p.join(timeout_s)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
 
     @property
     def follower_pids(self) -> list[int]:

@@ -25,6 +25,10 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_s: float = 0.25
+    # the engine loop must come round within this long, or heartbeats stop and the router replaces the
+    # worker as hung (a step blocked in a TP collective on a stopped rank, a deadlock); vLLM's
+    # VLLM_ENGINE_ITERATION_TIMEOUT_S is 60 s too (workers/heartbeat.py)
+    step_timeout_s: float = 60.0
     trace_path: str | None = None
     step_log_path: str | None = None  # engine step log (engine/step_log.py), one line per step
     layerwise_threshold_tokens: int = 256

@@ -18,7 +18,6 @@ serves whatever phase the router sends it (roles.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -41,6 +40,7 @@ from pdserve.handoff.leases import LeaseTable
 from pdserve.handoff.trace import TraceSink
 from pdserve.model.cpu import summary as cpu_summary
 from pdserve.model.numerics import BatchInvarianceError
+from pdserve.shm import reap_dead_pools
 from pdserve.workers import messages as m
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.control_keys import ControlKeys, secure
@@ -101,6 +101,7 @@ class Worker:
         self.leases_reclaimed = 0
         self._next_lease_check = 0.0
         self.kv_resync_wanted = True  # the first heartbeat of an epoch carries the whole prefix key set
+        self.loop_at, self.last_load = time.monotonic(), None  # the main loop's last turn; the last beat's load
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: m.ToRouter) -> None:
@@ -138,6 +139,7 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while self.running:
+            self.loop_at = time.monotonic()  # heartbeats stop when this stands still (heartbeat.py)
             busy = self.engine.has_unfinished()
             timeout_ms = 0 if busy else 2
             while dict(poller.poll(timeout_ms)).get(self.sock):
@@ -365,23 +367,6 @@ class Worker:
         self.engine.pool.close(unlink=True)
         if self.engine.blocks.host is not None:
             self.engine.blocks.host.close()  # its shared segment too
-
-
-def reap_dead_pools(worker_id: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink the K/V pool segments earlier incarnations of this worker left behind when they
-    were killed (kill -9 skips the unlink): `pdserve-<worker>-<pid>[-<token>]` whose pid is gone."""
-    prefix, reaped = f"pdserve-{worker_id}-", []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return reaped
-    for name in names:
-        pid = name[len(prefix):].split("-", 1)[0]
-        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_dir, name))
-                reaped.append(name)
-    return reaped
 
 
 def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:

@@ -53,3 +53,44 @@ def test_heartbeats_ship_deltas_and_a_resync_when_asked():
         assert not beat(worker, index)[0].kv.resync  # one resync per request
     finally:
         worker.close()
+
+
+def test_a_beat_does_not_wait_long_for_a_held_lock():
+    """The engine thread holds the worker's lock through each step's bookkeeping; on a loaded CPU
+    it can take it back before the heartbeat thread runs, step after step. A beat waits at most
+    LOCK_WAIT_S, then repeats the last load (its collective seconds already reported), without
+    block events, which the next beat under the lock carries; before, it waited for the lock and
+    the router could retire a busy worker as hung."""
+    import threading
+    import time
+
+    from pdserve.workers.heartbeat import LOCK_WAIT_S
+
+    engine = EngineConfig(model="tiny", num_blocks=16, max_num_batched_tokens=64)
+    worker = Worker(WorkerConfig("c0", "colocated", "tcp://127.0.0.1:9", engine=engine))  # never sends here
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with worker.lock:
+            held.set()
+            release.wait(30)
+
+    try:
+        first = worker.heartbeat()  # under the lock: the whole key set
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        held.wait(10)
+        beats: list = []
+        beating = threading.Thread(target=lambda: beats.append(worker.heartbeat()), daemon=True)
+        started = time.monotonic()
+        beating.start()
+        beating.join(LOCK_WAIT_S + 10)
+        waited = time.monotonic() - started
+        release.set()
+        assert beats, "the beat waited for the lock"
+        assert waited >= LOCK_WAIT_S * 0.9 and beats[0].load == first.load and beats[0].kv is None
+        serve(worker, "r", prompt(1))
+        assert worker.heartbeat().kv.events  # the lock free again: the blocks it stored are reported
+    finally:
+        release.set()
+        worker.close()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.shm import reap_dead_pools
 from pdserve.workers.process import warm_start
 from pdserve.workers.config import WorkerConfig, encode_config
 from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
@@ -43,6 +44,7 @@ class LaunchConfig:
     layerwise_threshold_tokens: int = 256
     heartbeat_s: float = 0.25
     lease_s: float = 30.0
+    step_timeout_s: float = 60.0  # the engine loop's bound before heartbeats stop (workers/config.py)
     capability_key: str | None = None  # the router's public key (hex), given to every worker
     tp: TpShape = TpShape()  # tensor-parallel ranks per role (workers/process/tp_rank.py)
     kv_events: tuple[str | None, str | None] = (None, None)  # vLLM KV events: base endpoint, replay base
@@ -71,6 +73,7 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             worker_id=worker_id, role=role, router_address=router_address, host_id=host,
             engine=worker_engine(launch.engine, tp, per, affinity), cpu_affinity=affinity, trace_path=trace, step_log_path=steps,
             layerwise_threshold_tokens=launch.layerwise_threshold_tokens, heartbeat_s=launch.heartbeat_s, lease_s=launch.lease_s,
+            step_timeout_s=launch.step_timeout_s,
             exit_with_parent=True, capability_key=launch.capability_key,
             kv_events_endpoint=offset_endpoint(launch.kv_events[0], len(configs)),
             kv_events_replay_endpoint=offset_endpoint(launch.kv_events[1], len(configs)), lendable=launch.lendable,
@@ -171,14 +174,21 @@ class LocalCluster:
             proc.wait()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Workers were asked to shut down; wait, then terminate any that did not."""
+        """Workers were asked to shut down; wait, then terminate any that did not (continued first:
+        a stopped worker takes no SIGTERM, nor notices its router is gone), then kill; then unlink
+        the pool segments of those that could not (a killed worker skips its own unlink)."""
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=timeout_s / max(1, len(self.procs)))
             except subprocess.TimeoutExpired:
                 proc.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        for worker_id in self.procs:
+            reap_dead_pools(worker_id)

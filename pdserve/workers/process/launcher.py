@@ -44,7 +44,7 @@ class Launcher:
         launch = LaunchConfig(roles, _with_resolved_model(cfg.engine), cfg.threads_per_worker, cfg.pin_cpus,
                               cfg.trace_dir, cfg.layerwise_threshold_tokens, lease_s=cfg.lease_s, capability_key=capability_key,
                               tp=cfg.tp, kv_events=(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint),
-                              lendable=cfg.mode == "splitwise")
+                              lendable=cfg.mode == "splitwise", step_timeout_s=cfg.step_timeout_s)
         if cfg.ray:
             from pdserve.workers.process.ray_launch import RayCluster
 

@@ -90,7 +90,7 @@ def test_a_restarted_worker_reaps_only_its_dead_incarnations_pools(tmp_path):
     import subprocess
     import sys
 
-    from pdserve.workers.worker import reap_dead_pools
+    from pdserve.shm import reap_dead_pools
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
