@@ -7,8 +7,11 @@ events into the request's `Choices` (choices.py: n choices, echo, logprobs).
   after the stream began becomes one `data: {"error": {...}}` event before `[DONE]`, so a client
   can always tell a failed stream from a finished one; so does a backend iterator that raises.
   Every token event is sent, also when its text is empty (a token whose text the detokenizer holds
-  back, e.g. part of a UTF-8 character, or a special token), as vLLM does: a client sees one event
-  per decode step, so its TTFT and inter-token times are the generation's, not the text's.
+  back, e.g. part of a UTF-8 character, or a special token), as vLLM does: a client that keeps up
+  sees one event per decode step, so its TTFT and inter-token times are the generation's, not the
+  text's. A client that lags far behind (it stopped reading) gets fewer, larger events with the
+  same content: the router merges a choice's tokens past a margin of events waiting for it
+  (router/process/output_collector.py).
 - `EventStreamResponse` closes the `RequestStream` when the response ends for any reason (normal
   end, client disconnect, cancellation, error), so an abandoned request is always aborted.
 """

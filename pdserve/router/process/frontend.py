@@ -52,6 +52,7 @@ from pdserve.router.process.control_auth import ControlAuth
 from pdserve.router.process.control_handshakes import MONITOR_EVENTS, HandshakeTally
 from pdserve.router.process.inflight import InFlight, RequestTraceWriter
 from pdserve.router.process.metrics import RuntimeMetrics
+from pdserve.router.process.output_collector import OutputCollector
 from pdserve.router.process.serving_metrics import register_serving_metrics
 from pdserve.router.router import Router
 from pdserve.router.tetri.tetri_runtime import TetriRuntime
@@ -211,7 +212,7 @@ class ClusterBackend:
         """Async generator of events; a Rejection raised before the first event means not admitted."""
         self._validate(req)
         seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
-        live = InFlight(req, seed, asyncio.Queue())
+        live = InFlight(req, seed, OutputCollector())
         self.live[req.request_id] = live
         try:
             await admission.admit(self, live)  # frontend_admission.py
@@ -225,7 +226,7 @@ class ClusterBackend:
             raise
         try:
             while True:
-                event = await live.queue.get()
+                event = await live.outputs.get()
                 yield event
                 if isinstance(event, (FinishEvent, ErrorEvent)):
                     return

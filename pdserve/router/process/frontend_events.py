@@ -69,8 +69,8 @@ async def _on_tokens(backend, worker_id: str, item: m.TokenItem) -> None:
     if item.forks:
         live.forks = tuple(item.forks)
     if item.token_ids or item.text:
-        live.queue.put_nowait(TokenEvent(tuple(item.token_ids), item.text, item.index, item.finish_reason,
-                                         tuple(item.logprobs), item.prompt_logprobs))
+        live.outputs.put(TokenEvent(tuple(item.token_ids), item.text, item.index, item.finish_reason,
+                                    tuple(item.logprobs), item.prompt_logprobs))
     backend.tetri.on_tokens(live, worker_id, item)  # hold growths, preemptions, prediction score (tetri_runtime.py)
     if item.finished:
         if live.disaggregated and worker_id == live.prefill_id:
@@ -179,7 +179,7 @@ async def _finish(backend, live: InFlight, reason: str, prompt_tokens: int) -> N
     backend.hits.on_finished(live.prefill_id or live.decode_id, live.trace.get("fetch_holder"), prompt, cached,
                              live.trace.get("fetch_landed_blocks", 0) * backend._block_size)
     backend.clocks.finished(time.monotonic() - live.arrival_s)
-    live.queue.put_nowait(FinishEvent(reason, prompt, n, cached_tokens=cached))
+    live.outputs.put(FinishEvent(reason, prompt, n, cached_tokens=cached))
 
 
 async def _fail(backend, live: InFlight, message: str, code: str) -> None:

@@ -1,6 +1,7 @@
 """One in-flight request as the router process sees it, and its per-request trace record.
 
-Contract: `InFlight` holds the request's route, which workers may speak for it right now
+Contract: `InFlight` holds the request's route, its events on their way to the client (`outputs`,
+output_collector.py), which workers may speak for it right now
 (`owners`: messages from anyone else are late and ignored), the tokens streamed so far (the
 recompute fallback resumes from them), and the timestamps its trace line reports. The line keeps
 two clocks apart: `ttft_s` is when the first token was sent to the client (TTFT; the prefill
@@ -22,13 +23,14 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.router.contract import GenerationRequest
+from pdserve.router.process.output_collector import OutputCollector
 
 
 @dataclass
 class InFlight:
     req: GenerationRequest
     seed: int
-    queue: asyncio.Queue
+    outputs: OutputCollector  # events for the client: merged while it lags, never back-pressuring the worker
     arrival_s: float = field(default_factory=time.monotonic)
     transfer_start_s: float | None = None  # when the router handed the prompt to P with its transfer plan
     policy: str = ""

@@ -259,4 +259,4 @@ async def fail(backend, live: InFlight, message: str, code: str) -> None:
     rec = live.record("error")
     rec["error"] = code
     backend.trace.write(rec)
-    live.queue.put_nowait(ErrorEvent(message, code))
+    live.outputs.put(ErrorEvent(message, code))

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from pdserve.engine.sequence import SamplingParams
 from pdserve.router.contract import GenerationRequest
 from pdserve.router.process.frontend_upkeep import renewals
 from pdserve.router.process.inflight import InFlight
+from pdserve.router.process.output_collector import OutputCollector
 
 
 def _live(rid: str, prefill: str = "", decode: str = "", done: bool = False, engine_id: str = "") -> InFlight:
     req = GenerationRequest(rid, (1, 2, 3), SamplingParams(max_tokens=2))
-    return InFlight(req, 0, asyncio.Queue(), prefill_id=prefill, decode_id=decode, done=done, engine_id=engine_id)
+    return InFlight(req, 0, OutputCollector(), prefill_id=prefill, decode_id=decode, done=done, engine_id=engine_id)
 
 
 def test_renewals_cover_each_worker_of_each_live_route():
