@@ -94,6 +94,7 @@ class ClusterBackend:
         self.admission_wait_s = admission_wait_s
         self.restarts = restarts  # the launcher starts dead workers again (workers/process/supervisor.py)
         self.away: set[str] = set()  # workers lost and not routable again yet (registered and reported load)
+        self.admission_line = admission.AdmissionLine()  # requests waiting in admission, first come first served
         self.registered: dict[str, m.Register] = {}
         self.origin_roles: dict[str, str] = {}  # the role each worker was launched in
         self.on_role_changed: Callable[[str, str, int], None] = lambda wid, role, epoch: None  # the launcher's

@@ -9,12 +9,18 @@ every `ADMISSION_POLL_S` while the refusal is one that waiting can cure (`admiss
 decode pool, a dead worker being started again, a pool away in a role change), until the
 admission deadline; a route whose decode worker turns the reservation down for capacity, or that
 lost a worker before the request started (`AdmissionRetry`), goes back to the queue with its holds
-released. Every rejection is counted (`early_rejections`) and traced.
+released. The queue is first come, first served, as vLLM's scheduler takes its waiting queue in
+order (`AdmissionLine`): while a request that arrived earlier waits, a later one does not route,
+but waits behind it (until its own deadline, when it tries once more). Before, each waiter retried
+on its own and a request arriving as capacity freed took it at once, so under a full pool requests
+that had waited longest ran out their deadline (503) while later ones were served. Every rejection
+is counted (`early_rejections`) and traced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 
 from pdserve.router.contract import GenerationRequest, Rejection
@@ -23,6 +29,33 @@ from pdserve.router.process.frontend_start import (
     ADMISSION_POLL_S, AdmissionRetry, admission_waits, refuse_never_fitting, start, worst_case_blocks,
 )
 from pdserve.router.process.inflight import InFlight
+
+
+class AdmissionLine:
+    """The requests waiting in admission, by arrival: `first(rid, arrival_s)` says whether none
+    that arrived earlier is waiting (the line's head routes; a request not in the line routes only
+    when the line is empty or it arrived first)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+        self._waiting: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def join(self, request_id: str, arrival_s: float) -> None:
+        if request_id not in self._waiting:
+            self._waiting[request_id] = arrival_s
+            heapq.heappush(self._heap, (arrival_s, request_id))
+
+    def leave(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)  # its heap entry goes when it reaches the top
+
+    def first(self, request_id: str, arrival_s: float) -> bool:
+        heap = self._heap
+        while heap and self._waiting.get(heap[0][1]) != heap[0][0]:  # left (or left and came back)
+            heapq.heappop(heap)
+        return not heap or heap[0] >= (arrival_s, request_id)
 
 
 async def admit(backend, live: InFlight) -> None:
@@ -56,17 +89,26 @@ async def route(backend, live: InFlight, deadline: float) -> RoutePlan:
     if backend.tetri.mode == "dynamic" and backend.loads and not could_ever_fit(backend, req):  # its hold could never grow to it
         reject(backend, RouteRejection(req.request_id, backend.router.config.policy, RejectReason.NO_DECODE_CAPACITY,
                                        backend.router.config.retry_after_s, "max_tokens could never fit a decode worker"))
-    while True:
-        heavy = backend.tetri.hold(req).heavy
-        result = backend.router.route(RouteRequest(req.request_id, len(req.prompt_ids), backend.output_demand(req), hashes,
-                                                   heavy=heavy))
-        if not isinstance(result, RouteRejection):
-            break
-        waits = admission_waits(result.reason.value, backend.restarts, backend.away)
-        fits = result.reason.value == "no_route" or could_ever_fit(backend, req)  # no_route: pools are away
-        if not waits or time.monotonic() > deadline or not fits:
-            reject(backend, result)
-        await asyncio.sleep(ADMISSION_POLL_S)
+    line: AdmissionLine = backend.admission_line
+    try:
+        while True:
+            if not line.first(req.request_id, live.arrival_s) and time.monotonic() <= deadline:
+                line.join(req.request_id, live.arrival_s)  # behind a request that arrived earlier
+                await asyncio.sleep(ADMISSION_POLL_S)
+                continue
+            heavy = backend.tetri.hold(req).heavy
+            result = backend.router.route(RouteRequest(req.request_id, len(req.prompt_ids), backend.output_demand(req),
+                                                       hashes, heavy=heavy))
+            if not isinstance(result, RouteRejection):
+                break
+            waits = admission_waits(result.reason.value, backend.restarts, backend.away)
+            fits = result.reason.value == "no_route" or could_ever_fit(backend, req)  # no_route: pools are away
+            if not waits or time.monotonic() > deadline or not fits:
+                reject(backend, result)
+            line.join(req.request_id, live.arrival_s)
+            await asyncio.sleep(ADMISSION_POLL_S)
+    finally:
+        line.leave(req.request_id)
     live.note(admission_wait_s=time.monotonic() - live.arrival_s)
     live.policy, live.prefill_id, live.decode_id = result.policy, result.prefill_id, result.decode_id
     live.note(prefix_hit_blocks=result.prefill_hit_blocks, decode_hit_blocks=result.decode_hit_blocks,

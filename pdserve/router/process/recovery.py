@@ -23,12 +23,16 @@ published by then. REROUTE / RECOMPUTE tell the old owners to abort (the decode 
 its reservation, the source cancels its transfer), move the router's holds to the new worker
 (the old ones released once, the new one taken; `Router.retake`) and resume there with
 Generate after the tokens already streamed (same seed, so the continuation is identical).
-FAIL ends the request with an explicit `kv_not_visible` error, except while a decode worker the
-supervisor is starting again (lost, restarts on: `backend.away`) may take it: then the request
-waits for it (RESTART_WAIT: its owners abort, its holds are released, and it is decided again once
-a decode worker registers or none is coming back), at most `backend.admission_wait_s` after its
-first such wait, as admission waits for a pool that is away (a 1P1D or 2P1D deployment whose
-only decode worker was killed or hung would otherwise fail every request it was serving). A request already moved
+FAIL ends the request with an explicit `kv_not_visible` error, except while a decode worker may
+take it later: one the supervisor is starting again (lost, restarts on: `backend.away`), or a live
+one that has no room for it now (its pool taken by the requests admitted meanwhile, or by a lost
+worker's other requests moving there). Then the request waits (RESTART_WAIT while a decode worker
+is away, CAPACITY_WAIT otherwise: its owners abort, its holds are released, and it is decided again
+once a decode worker registers, one has room for it, or none is coming back), at most
+`backend.admission_wait_s` after its first such wait, as admission waits for a pool that is away
+or full (a 1P1D or 2P1D deployment whose only decode worker was killed or hung would otherwise
+fail every request it was serving, and with a small pool the restarted worker is full of new
+admissions by the time the waiting requests are decided again). A request already moved
 `backend.max_reroutes` times (`--max-reroutes`; reroutes and retries together) is not moved
 again: it FAILs with `max_reroutes`, so a request that takes down every worker it lands on (a
 poison request) costs at most that many more workers. Every decision but a first-try
@@ -58,6 +62,7 @@ from pdserve.workers import messages as m
 MAX_REROUTES = "max_reroutes"
 WORKER_LOST = "worker_lost"  # a server fault (503), never the client's (api/errors.py)
 RESTART_WAIT = "restart_wait"  # the fallback outcome of a request waiting for a decode worker being restarted
+CAPACITY_WAIT = "capacity_wait"  # ... waiting for room at a live decode worker
 RESTART_POLL_S = 0.05
 DECODE_ROLES = frozenset({"decode", "colocated", "mixed"})
 
@@ -83,8 +88,8 @@ async def decide(backend, live: InFlight, cause: str, lost: str | None = None) -
         return None
     facts, holds = situation(backend, live, lost)
     decision = _capped(backend, live, decide_decode_start(facts))
-    if decision.action is DecodeStartAction.FAIL and decision.reason == KV_NOT_VISIBLE and _may_wait_restart(backend, live):
-        _record_outcome(backend, live, RESTART_WAIT, cause)
+    if decision.action is DecodeStartAction.FAIL and decision.reason == KV_NOT_VISIBLE and _may_wait(backend, live, lost):
+        _record_outcome(backend, live, RESTART_WAIT if _decode_restarting(backend) else CAPACITY_WAIT, cause)
         await _wait_restart(backend, live, lost)
         return decision
     _record(backend, live, decision, cause)
@@ -132,11 +137,6 @@ def _capped(backend, live: InFlight, decision: DecodeStartDecision) -> DecodeSta
     if decision.action is not DecodeStartAction.FAIL and moves(live) >= backend.max_reroutes:
         return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
     return decision
-    if moves(live) >= backend.max_reroutes:
-        return DecodeStartDecision(DecodeStartAction.FAIL, reason=MAX_REROUTES)
-    if live.req.params.n > 1 and live.output_ids:
-        return DecodeStartDecision(DecodeStartAction.FAIL, reason=WORKER_LOST)
-    return decision
 
 
 def _first_recompute(facts: DecodeStartSituation, holds: dict[str, HoldRequest]) -> str:
@@ -169,12 +169,24 @@ def _decode_restarting(backend) -> bool:
     return backend.restarts and any(roles.get(wid) in DECODE_ROLES for wid in backend.away)
 
 
-def _may_wait_restart(backend, live: InFlight) -> bool:
-    if not _decode_restarting(backend):
+def _may_come_back(backend, lost: str | None = None) -> bool:
+    """A decode worker may take the request later: one is being started again, or one lives
+    (its room frees as its decodes end)."""
+    return _decode_restarting(backend) or bool({wid for wid, _ in _decode_workers(backend)} - {lost})
+
+
+def _may_wait(backend, live: InFlight, lost: str | None) -> bool:
+    if not _may_come_back(backend, lost):
         return False
     if live.restart_wait_until_s is None:
         live.restart_wait_until_s = time.monotonic() + backend.admission_wait_s
     return time.monotonic() < live.restart_wait_until_s
+
+
+def _has_room(backend, live: InFlight) -> bool:
+    """Some live decode worker could take the request now (holding its prompt, or with headroom)."""
+    facts, _ = situation(backend, live, None)
+    return facts.can_recompute or bool(facts.visible_at)
 
 
 async def _wait_restart(backend, live: InFlight, lost: str | None) -> None:
@@ -199,9 +211,9 @@ def _decode_workers(backend) -> frozenset[tuple[str, int]]:
 
 async def _decide_when_back(backend, live: InFlight, attempt: str, before: frozenset) -> None:
     while not live.done and live.engine_id == attempt and time.monotonic() < live.restart_wait_until_s:
-        if _decode_workers(backend) - before or not _decode_restarting(backend):
+        await asyncio.sleep(RESTART_POLL_S)  # first: a decision that failed just now is not taken again at once
+        if _decode_workers(backend) - before or _has_room(backend, live) or not _may_come_back(backend):
             break
-        await asyncio.sleep(RESTART_POLL_S)
     if not live.done and live.engine_id == attempt:
         await decide(backend, live, "restart_waited")
 
