@@ -335,7 +335,7 @@ async def serve(config: ServeConfig) -> None:
                          max_request_body_bytes=config.max_request_body_bytes)
         server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                http=edge_protocol(config.http_limits)),
-                                 functools.partial(_begin_stop, backend, launcher))
+                                 functools.partial(_begin_stop, backend, launcher), launcher.force_stop)
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
               f"{cpu_summary(_workers_cpu(backend))}", flush=True)
         if config.mode != "colocated":

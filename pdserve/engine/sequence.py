@@ -27,6 +27,10 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 # request with 280,000 of them (a 4 MB body) cost its worker ~110 ms a step, slowing every request
 # there. TGI caps them at 4 by default, OpenAI at 4; this leaves room for any real client
 MAX_STOP_STRINGS = 128
+# and each is searched for over a window of about twice the longest, by a search that is quadratic
+# in the worst case: 128 strings of 1,249 characters cost ~120 ms a step. Bounded per string and in all
+MAX_STOP_STRING_CHARS, MAX_STOP_CHARS = 256, 4096
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # dividing a logit by less (multiplying by more) leaves fp32's range
 
 
 @dataclass(frozen=True)
@@ -55,17 +59,19 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= _FP32_MAX:
+            # above fp32's largest it is inf there, and a logit already at -inf (min_tokens, bias) / inf is NaN
+            raise InvalidRequest(f"temperature must be from 0 to {_FP32_MAX:.3g}, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not _is_count(self.min_tokens) or self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        if not math.isfinite(self.repetition_penalty) or not _FP32_TINY <= self.repetition_penalty <= _FP32_MAX:
-            # the penalty divides or multiplies fp32 logits: outside fp32's normal range it is 0 or inf there
-            raise InvalidRequest(f"repetition_penalty must be a number from {_FP32_TINY:.3g} to {_FP32_MAX:.3g}, "
+        low, high = REPETITION_PENALTY_RANGE
+        if not math.isfinite(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            # the penalty divides or multiplies fp32 logits: far outside 1 a logit becomes inf and sampling NaN
+            raise InvalidRequest(f"repetition_penalty must be a number from {low:g} to {high:g}, "
                                  f"got {self.repetition_penalty!r}")
         if not all(_is_count(t) for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
@@ -73,6 +79,9 @@ class SamplingParams:
             raise InvalidRequest("stop strings must be non-empty")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if self.stop and (max(map(len, self.stop)) > MAX_STOP_STRING_CHARS or sum(map(len, self.stop)) > MAX_STOP_CHARS):
+            raise InvalidRequest(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters each and "
+                                 f"{MAX_STOP_CHARS} in all, got {max(map(len, self.stop))} and {sum(map(len, self.stop))}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -90,7 +99,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-_FP32_TINY, _FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # fp32's smallest normal, largest finite
+_FP32_MAX = 3.4028234663852886e38  # fp32's largest finite number
 
 
 def _is_count(value) -> bool:

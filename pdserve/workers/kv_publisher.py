@@ -16,7 +16,8 @@ with `publish`.
 Bounds (neither socket is authenticated, as vLLM's are not, so what a peer sends must not size
 what the worker holds): a snapshot is sent at most once per `snapshot_interval_s` however often
 peers subscribe (a later subscription is answered by the next one; a snapshot of 4,096 held
-blocks is ~340 KB, and one per batch let a resubscribing peer grow a worker by gigabytes); the
+blocks is ~340 KB, and one per batch let a resubscribing peer grow a worker by gigabytes), and a
+turn of the engine thread reads at most SUBSCRIPTIONS_PER_TURN subscription frames; the
 replay buffer keeps at most `buffer_batches` batches and `buffer_bytes` bytes, dropping the
 oldest; a replay answer shares the buffer's payloads rather than copying them per peer, and a peer
 that does not read is sent at most `REPLAY_QUEUE` messages (the rest of its answer, end marker
@@ -38,6 +39,7 @@ from pdserve.engine.kv.vllm_events import VllmEventSink
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 MAX_REQUEST_BYTES = 4096  # a replay request is 8 bytes, a subscription 1 + the topic
 REPLAY_QUEUE = 100  # messages queued to one replay peer at the most
+SUBSCRIPTIONS_PER_TURN = 64  # subscription frames read per publish (the engine thread's turn) at the most
 
 
 def _split(base: str) -> tuple[str, int]:
@@ -127,9 +129,13 @@ class KvEventPublisher:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
 
     def _subscribed(self) -> bool:
-        """Whether a subscription arrived (b"\\x01" + topic); unsubscriptions are ignored."""
+        """Whether a subscription arrived (b"\\x01" + topic); unsubscriptions are ignored. At most
+        SUBSCRIPTIONS_PER_TURN frames are read a turn (this runs on the engine thread: peers sending
+        millions of 1-byte frames held it for a minute; the rest wait for later turns)."""
         joined = False
-        while self._pub.poll(0):
+        for _ in range(SUBSCRIPTIONS_PER_TURN):
+            if not self._pub.poll(0):
+                break
             joined |= self._pub.recv()[:1] == b"\x01"
         return joined
 

@@ -5,12 +5,16 @@ holds (workers/kv_publisher.py).
 Found by an adversarial pass: a peer that subscribes over and over (an XSUB sending b"\\x01")
 turned every batch into a snapshot of every held block (~340 KB at 4,096 blocks), each kept in the
 10,000-batch replay buffer: a decode worker grew from 563 MB to 3.9 GB. A 300 MB frame on the
-replay socket was read in whole. Now a snapshot goes out at most once a second, and a frame over
-MAX_REQUEST_BYTES disconnects its sender; a well-behaved subscriber and replay client are served
-throughout, and so are completions."""
+replay socket was read in whole. Peers sending 1-byte subscription frames without pause held the
+engine thread, which read them all before its next step, for over a minute (the worker was then
+replaced as stuck). Now a snapshot goes out at most once a second, a turn reads at most
+SUBSCRIPTIONS_PER_TURN subscription frames, and a frame over MAX_REQUEST_BYTES disconnects its
+sender; a well-behaved subscriber and replay client are served throughout, and so are completions
+(the engine loop never stands still for `--step-timeout-s` 2 s)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -22,6 +26,24 @@ from tests.runtime.conftest import prompt
 from tests.runtime.test_kv_events_vllm import DECODE, AllBlocksCleared, free_ports, replay
 
 SPAM_S = 3.0
+
+
+FLOOD_S = 6.0
+
+
+def subscription_flood(endpoint: str, seconds: float) -> None:
+    """Two peers sending 1-byte subscription frames without pause."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.XSUB) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.SNDHWM, 0)  # nothing dropped at the sender: every frame reaches the worker
+        s.connect(endpoint)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(1000):
+            for s in socks:
+                s.send(b"\x01")
+    ctx.destroy(linger=0)
 
 
 def complete(port: int, ids: list[int]) -> dict:
@@ -58,8 +80,9 @@ def snapshots_seen_while_spammed(ctx: zmq.Context, endpoint: str) -> int:
 
 def test_resubscribing_and_oversized_frames_do_not_grow_a_worker(tmp_path):
     base = free_ports(4)  # prefill-0 publishes at base, decode-0 at base + 1; replay at base + 2, + 3
-    proc, port = serve_logged(tmp_path / "serve.log", "--kv-events-endpoint", f"tcp://127.0.0.1:{base}",
-                              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{base + 2}")
+    log_path = tmp_path / "serve.log"
+    proc, port = serve_logged(log_path, "--kv-events-endpoint", f"tcp://127.0.0.1:{base}",
+                              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{base + 2}", "--step-timeout-s", "2")
     ctx = zmq.Context()
     try:
         wait_healthy(port, 180.0)
@@ -80,6 +103,14 @@ def test_resubscribing_and_oversized_frames_do_not_grow_a_worker(tmp_path):
         seqs = [seq for seq, _ in kept]
         assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         assert complete(port, list(prompt(80, 0)))["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        flood = threading.Thread(target=subscription_flood, args=(f"tcp://127.0.0.1:{base + 1}", FLOOD_S), daemon=True)
+        flood.start()
+        time.sleep(1.0)
+        assert complete(port, list(prompt(40, 9)))["choices"][0]["finish_reason"] == "length"  # served meanwhile
+        flood.join(FLOOD_S + 10)
+        time.sleep(3.0)  # a loop held past the flood would show now
+        assert "has not come round" not in log_path.read_text()
     finally:
         stop(proc)
         ctx.destroy(linger=0)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.api.served_cli import serve_logged, stop
 from tests.runtime.conftest import prompt
@@ -104,7 +105,11 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("pdserve-")} if os.path.isdir("/dev/shm") else set()
 
 
-def test_sigterm_ends_a_stopped_worker_and_its_pool(tmp_path):
+@pytest.mark.parametrize("second", [None, signal.SIGTERM, signal.SIGINT], ids=["one signal", "SIGTERM twice",
+                                                                                "then SIGINT"])
+def test_sigterm_ends_a_stopped_worker_and_its_pool(tmp_path, second):
+    """A second signal during the stop (a second Ctrl-C, a supervisor's repeat) ends the process at
+    once, as before, but kills the workers first (before, the stopped ones were left behind)."""
     log_path: Path = tmp_path / "serve.log"
     proc, port = serve_logged(log_path)
     tree: list[int] = []
@@ -115,9 +120,13 @@ def test_sigterm_ends_a_stopped_worker_and_its_pool(tmp_path):
         pids = {workers[w]["pid"] for w in ("prefill-0", "decode-0")}
         pools = {n for n in _segments() if any(f"-{pid}-" in n for pid in pids)}
         assert pools
-        os.kill(workers["prefill-0"]["pid"], signal.SIGSTOP)
+        for wid in ("prefill-0", "decode-0") if second else ("prefill-0",):
+            os.kill(workers[wid]["pid"], signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)  # the server alone, as a user's kill or Ctrl-C does
-        assert proc.wait(60) == -signal.SIGTERM  # it still exits as signalled
+        if second is not None:
+            time.sleep(0.5)  # the stop is waiting for the stopped workers
+            proc.send_signal(second)
+        assert proc.wait(60) == -(second or signal.SIGTERM)  # it still exits as signalled
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(_gone(p) for p in tree):
             time.sleep(0.1)

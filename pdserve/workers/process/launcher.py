@@ -153,6 +153,12 @@ class Launcher:
         if self.impl is not None:
             self.impl.stop()
 
+    def force_stop(self) -> None:
+        """A second stop signal: end every worker now (the local ones killed, their pools unlinked)."""
+        force = getattr(self.impl, "force_stop", None)
+        if force is not None:
+            force()
+
 
 def _with_resolved_model(engine: EngineConfig) -> EngineConfig:
     return replace(engine, model=str(resolve_model(engine.model)))
