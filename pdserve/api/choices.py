@@ -10,7 +10,9 @@ leads each choice's first piece: completions' prompt text, with the prompt token
 `drop_output` (max_tokens 0) the sampled token is dropped: a choice is its echo alone,
 finish_reason "length", and no completion tokens are counted.
 Usage: n = 1 takes the backend's count (it knows resumed tokens); n > 1 counts every choice's
-tokens as they arrived.
+tokens as they arrived. A streamed request keeps none of its pieces (only `whole()` reads them, for
+a response sent at once): a stream of n = 32 x 2,000 tokens with logprobs would otherwise hold the
+whole response's objects in the serving process until it ends, however slowly its client reads.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class Choices:
         if not text and not token_ids and not entries:
             return None
         body = self.fmt.logprobs_body(entries, self.names, choice.num_chars) if self.wants_logprobs else None
-        choice.pieces.append(text)
-        choice.token_ids.extend(token_ids)
-        choice.entries.extend(entries)
+        if not self.parsed.stream:  # for whole(); a stream sends each piece and forgets it
+            choice.pieces.append(text)
+            choice.token_ids.extend(token_ids)
+            choice.entries.extend(entries)
         choice.num_chars += sum(len(self.names(e if isinstance(e, int) else e.token_id)) for e in entries)
         return Piece(choice.index, text, token_ids, body)
 
@@ -107,6 +110,7 @@ class Choices:
         return closing
 
     def whole(self) -> list[FullChoice]:
+        assert not self.parsed.stream, "a streamed request keeps no pieces"
         return [FullChoice(c.index, "".join(c.pieces), c.token_ids, c.finish_reason or "stop",
                            self.fmt.logprobs_body(c.entries, self.names, 0) if self.wants_logprobs else None)
                 for c in self.choices]

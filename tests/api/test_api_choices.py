@@ -30,9 +30,9 @@ class ScriptedStream:
         self.closed = True
 
 
-def parsed(n=1, logprobs=None, echo=None, drop_output=False, prompt_logprobs=None) -> ParsedRequest:
+def parsed(n=1, logprobs=None, echo=None, drop_output=False, prompt_logprobs=None, stream=True) -> ParsedRequest:
     params = SamplingParams(max_tokens=4, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    return ParsedRequest((7, 8, 9), params, True, False, False, echo=echo, drop_output=drop_output)
+    return ParsedRequest((7, 8, 9), params, stream, False, False, echo=echo, drop_output=drop_output)
 
 
 def lp(token: int, value: float) -> TokenLogprobs:
@@ -59,7 +59,7 @@ def test_a_choice_that_ends_early_is_closed_at_once():
 
 
 def test_whole_response_counts_every_choice_and_echo_leads_with_prompt_logprobs():
-    req = parsed(n=2, logprobs=0, echo=Echo("xyz", (7, 8, 9)), prompt_logprobs=0)
+    req = parsed(n=2, logprobs=0, echo=Echo("xyz", (7, 8, 9)), prompt_logprobs=0, stream=False)
     fmt = ResponseFormat("cmpl-1", "m")
     events = [TokenEvent((5,), "Q", 1, None, (lp(5, -1.0),), (lp(8, -2.0), lp(9, -3.0))),
               TokenEvent((6,), "R", 0, "length", (lp(6, -0.5),)), TokenEvent((4,), "S", 1, "stop", (lp(4, -0.25),)),
@@ -77,7 +77,7 @@ def test_whole_response_counts_every_choice_and_echo_leads_with_prompt_logprobs(
 
 
 def test_max_tokens_zero_returns_the_echo_alone():
-    req = parsed(echo=Echo("xyz", (7, 8, 9)), drop_output=True)
+    req = parsed(echo=Echo("xyz", (7, 8, 9)), drop_output=True, stream=False)
     fmt = ResponseFormat("cmpl-1", "m")
     events = [TokenEvent((5,), "Q", 0, "length"), FinishEvent("length", 3, 1)]
     result = asyncio.run(collect(ScriptedStream(events[1:]), events[0], Choices(req, fmt, TokenNames(None))))
@@ -95,3 +95,22 @@ def test_chat_logprob_entries():
     assert content == [{"token": "token_id:5", "logprob": -1.0, "bytes": list(b"token_id:5"),
                         "top_logprobs": [{"token": "token_id:6", "logprob": -0.5, "bytes": list(b"token_id:6")},
                                          {"token": "token_id:5", "logprob": -1.0, "bytes": list(b"token_id:5")}]}]
+
+
+def test_a_stream_keeps_none_of_what_it_sent():
+    """A stream sends each piece and forgets it (before, every piece, id and logprob stayed in the
+    serving process until the stream ended: the whole response, however slowly it was read); the
+    same events collected for a whole response keep everything."""
+    events = [TokenEvent((i,), f"t{i}", i % 2, logprobs=(lp(i, -0.5),)) for i in range(200)]
+    events.append(FinishEvent("length", 3, 200))
+    req = parsed(n=2, logprobs=1)
+    fmt = ResponseFormat("cmpl-1", "m")
+    choices = Choices(req, fmt, TokenNames(None))
+    for event in events[:-1]:
+        choices.take(event)
+    assert all(not c.pieces and not c.token_ids and not c.entries for c in choices.choices)
+    assert choices.num_tokens == 200
+    whole = Choices(parsed(n=2, logprobs=1, stream=False), fmt, TokenNames(None))
+    for event in events[:-1]:
+        whole.take(event)
+    assert [len(c.token_ids) for c in whole.whole()] == [100, 100]
