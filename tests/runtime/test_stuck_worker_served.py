@@ -5,7 +5,7 @@ through `pdserve serve` (found by an adversarial pass).
   good, but its heartbeat thread went on beating, so the router never retired it and every request
   there hung. Now the heartbeats stop once the worker's loop has not come round for
   `--step-timeout-s` (60 s by default, vLLM's iteration timeout; 3 s here), the router retires it as
-  hung after `--heartbeat-timeout-s`, ends it (its ranks die with it) and starts it again; the
+  hung after `--heartbeat-timeout-s` (10 s by default; 3 s here), ends it (its ranks die with it) and starts it again; the
   stream ends and new requests are served.
 - Default 1P1D, prefill-0 SIGSTOPped, then SIGTERM to the server: uvicorn re-raised the signal as
   its server returned, ending the process before the workers were stopped, so the stopped worker
@@ -64,7 +64,7 @@ def _follower(worker_pid: int) -> int:
 def _stream(port: int, ended: dict) -> None:
     try:
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=httpx.Timeout(120, connect=10),
-                          json={"model": "tiny", "prompt": list(prompt(60, 1)), "max_tokens": 400, "ignore_eos": True,
+                          json={"model": "tiny", "prompt": list(prompt(60, 1)), "max_tokens": 250, "ignore_eos": True,
                                 "stream": True}) as response:
             for line in response.iter_lines():
                 ended.setdefault("first", time.monotonic())
@@ -76,7 +76,7 @@ def _stream(port: int, ended: dict) -> None:
 
 def test_a_stopped_tp_rank_gets_its_worker_replaced(tmp_path):
     log_path = tmp_path / "serve.log"
-    proc, port = serve_logged(log_path, "--tp", "2", "--step-timeout-s", "3")
+    proc, port = serve_logged(log_path, "--tp", "2", "--step-timeout-s", "3", "--heartbeat-timeout-s", "3")
     try:
         first = _until(lambda: (w := _workers(port)) and len(w) == 2 and all(x["state"] == "live" for x in w.values())
                        and w, f"the server never came up: {log_path.read_text()[-3000:]}", 240.0)
