@@ -76,7 +76,8 @@ def _stream(port: int, ended: dict) -> None:
 
 def test_a_stopped_tp_rank_gets_its_worker_replaced(tmp_path):
     log_path = tmp_path / "serve.log"
-    proc, port = serve_logged(log_path, "--tp", "2", "--step-timeout-s", "3", "--heartbeat-timeout-s", "3")
+    proc, port = serve_logged(log_path, "--tp", "2", "--step-timeout-s", "3", "--heartbeat-timeout-s", "3",
+                              "--pd-profile", "none")  # the TP cost-model fit is not what this tests
     try:
         first = _until(lambda: (w := _workers(port)) and len(w) == 2 and all(x["state"] == "live" for x in w.values())
                        and w, f"the server never came up: {log_path.read_text()[-3000:]}", 240.0)

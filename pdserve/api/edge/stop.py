@@ -48,9 +48,11 @@ class StoppingServer(uvicorn.Server):
             self._restore = {sig: signal.signal(sig, self._forced) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _forced(self, sig: int, frame) -> None:
-        self.on_force()
-        signal.signal(sig, signal.SIG_DFL)
-        signal.raise_signal(sig)
+        try:
+            self.on_force()
+        finally:  # the process ends as signalled whatever the kill met
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
 
     def raise_stop_signals(self) -> None:
         """The caught signals, as uvicorn raises them (last first): the process ends as signalled."""
