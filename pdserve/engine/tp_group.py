@@ -44,6 +44,9 @@ from pdserve.model.tp import TpLlamaModel, check_tp
 from pdserve.ports import free_local_port
 
 GROUP_TIMEOUT = timedelta(days=30)  # a follower waits in broadcast for as long as the worker idles
+# every rank joins within this long, or the join raises (a rank that died at start, a port taken
+# between free_local_port() and the store's bind): with the group's own timeout the join waited for good
+JOIN_TIMEOUT = timedelta(seconds=120)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -85,9 +88,11 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def init_group(port: int, rank: int, tp: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
-                            timeout=GROUP_TIMEOUT)
+def init_group(port: int, rank: int, tp: int, join_timeout: timedelta = JOIN_TIMEOUT) -> None:
+    """Join the gloo group of `tp` ranks whose rank 0 serves its store at `port`; raises
+    (RuntimeError, or DistStoreError, a RuntimeError) when the group is not whole by `join_timeout`."""
+    store = dist.TCPStore("127.0.0.1", port, tp, is_master=rank == 0, timeout=join_timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=tp, timeout=GROUP_TIMEOUT)
 
 
 def build_shard(spec: RankSpec, rank: int, state: dict[str, torch.Tensor] | None = None) -> TpLlamaModel:
