@@ -46,7 +46,7 @@ from pdserve.ports import free_local_port
 GROUP_TIMEOUT = timedelta(days=30)  # a follower waits in broadcast for as long as the worker idles
 # every rank joins within this long, or the join raises (a rank that died at start, a port taken
 # between free_local_port() and the store's bind): with the group's own timeout the join waited for good
-JOIN_TIMEOUT = timedelta(seconds=120)
+JOIN_TIMEOUT = timedelta(seconds=300)  # past any skew between ranks loading their shards
 _PR_SET_PDEATHSIG = 1
 
 
