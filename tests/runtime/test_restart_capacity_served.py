@@ -7,7 +7,9 @@ with `kv_not_visible` (some 70 ms after the kill, decided before the death was k
 request arriving as capacity freed took it ahead of those that had waited longest, which could run
 out their admission wait (503). Now a request whose decode worker is lost waits for room at a live
 one (`capacity_wait`) as well as for a restart, and admission is first come, first served: every
-stream ends with its whole output, the tokens an unloaded server gives, and the pools come back."""
+stream ends with its whole output, the tokens an unloaded server gives, and the pools come back.
+(`--admission-wait-s 120`: the failures before were not admission timeouts; the longer wait keeps
+the 30 queued requests from timing out on a slower machine.)"""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def _complete(port: int, i: int, out: dict) -> None:
 
 def test_streams_on_a_killed_decode_worker_all_finish_with_a_small_pool(tmp_path):
     log_path = tmp_path / "serve.log"
-    proc, port = serve_logged(log_path, "--kv-cache-mb", "6")
+    # admission waits up to 120 s, not 30: a machine half as fast must not turn the queue of 30 into 503s
+    proc, port = serve_logged(log_path, "--kv-cache-mb", "6", "--admission-wait-s", "120")
     try:
         first = _until(lambda: (w := _workers(port)) and len(w) == 2 and all(x["state"] == "live" for x in w.values())
                        and w, f"the server never came up: {log_path.read_text()[-3000:]}", 240.0)
