@@ -238,7 +238,10 @@ def test_a_prefill_worker_retired_during_the_rollback_comes_back_colocated():
 
     async def main():
         async with cluster(config(restart=RestartPolicy(first_delay_s=0.2, max_delay_s=1.0))) as (backend, launcher):
-            control = ReleaseController(backend, ack_timeout_s=2.0)
+            # the stopped worker never answers, so any wait retires it; the live ones must answer in
+            # it on a loaded machine (at 2 s, decode-0 was once retired too while the router's own
+            # loop stalled for a second)
+            control = ReleaseController(backend, ack_timeout_s=6.0)
             stopped = launcher.pid("prefill-0")
             os.kill(stopped, signal.SIGSTOP)  # silent at ADVANCE_ROUTE_EPOCH: retired, ended, restarted
             try:

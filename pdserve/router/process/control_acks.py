@@ -61,7 +61,7 @@ async def ask(backend, worker_id: str, msg, kind: str, subject: str, timeout_s: 
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s) if sent else None
     except asyncio.TimeoutError:
-        await retire(backend, worker_id, f"no {kind} acknowledgement in {timeout_s:g} s")
+        await retire(backend, worker_id, f"sent no {kind} acknowledgement in {timeout_s:g} s")
         return None
     finally:
         backend.acks.forget((worker_id, kind, subject))
@@ -84,5 +84,5 @@ async def retire(backend, worker_id: str, reason: str) -> None:
     retirement = backend.router.deregister(worker_id, reg.epoch)
     ev.forget_worker(backend, worker_id)
     backend.metrics.hung_workers.inc()
-    backend.on_worker_hung(worker_id, reg.epoch)  # ended, then restarted under its next epoch
+    backend.on_worker_hung(worker_id, reg.epoch, reason)  # ended, then restarted under its next epoch
     await ev.on_worker_lost(backend, worker_id, retirement.orphaned_request_ids)

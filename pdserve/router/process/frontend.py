@@ -102,7 +102,7 @@ class ClusterBackend:
         # supervision (api/server.py's launcher): a registration counts as healthy, a hung worker is ended,
         # FAILED workers (past the crash-loop limit) stay in /workers; a request moves at most max_reroutes times
         self.on_worker_registered: Callable[[str, int], None] = lambda wid, epoch: None
-        self.on_worker_hung: Callable[[str, int], None] = lambda wid, epoch: None
+        self.on_worker_hung: Callable[[str, int, str], None] = lambda wid, epoch, reason: None
         self.failed_workers: Callable[[], list[str]] = lambda: []
         self.max_reroutes = 2
         self.last_register: dict[str, m.Register] = {}  # each worker's latest registration (a FAILED one's row)

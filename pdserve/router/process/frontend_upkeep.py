@@ -97,7 +97,9 @@ async def reap_lost_workers(backend) -> None:
         backend.away.add(wid)
         ev.forget_worker(backend, wid)
         backend.metrics.hung_workers.inc()
-        backend.on_worker_hung(wid, retirement.worker.role_epoch)  # ended, then restarted under its next epoch
+        silent_s = backend.router.config.heartbeat_timeout_s
+        reason = f"sent no heartbeat for {silent_s:g} s of the router's running time (--heartbeat-timeout-s)"
+        backend.on_worker_hung(wid, retirement.worker.role_epoch, reason)  # ended, then restarted under its next epoch
         await ev.on_worker_lost(backend, wid, retirement.orphaned_request_ids)
     for wid in backend.failed_workers():
         backend.away.discard(wid)  # not coming back: admission does not wait for it

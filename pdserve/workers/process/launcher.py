@@ -112,14 +112,14 @@ class Launcher:
         """An incarnation registered: healthy from now (a long registration resets the backoff)."""
         self.schedule.on_registered(worker_id, epoch, self.clock())
 
-    def retire_hung(self, worker_id: str, epoch: int, grace_s: float = 1.0) -> None:
-        """The router retired the worker's `epoch` for missed heartbeats: end its process off the
+    def retire_hung(self, worker_id: str, epoch: int, reason: str, grace_s: float = 1.0) -> None:
+        """The router retired the worker's `epoch` (it missed its heartbeats, or a control message's
+        acknowledgement: `reason`): end its process off the
         event loop (SIGKILL after `grace_s`); `dead()` then reports it and the schedule restarts it.
         Only the incarnation running that epoch is ended (a restarted one is not the hung one)."""
         life = self.schedule.lives.get(worker_id)
         if self.impl is not None and life is not None and life.epoch == epoch and life.due_s is None:
-            log.warning("%s (epoch %d) sent no heartbeat for %g s of the router's running time (--heartbeat-timeout-s): "
-                        "retired as hung, ending its process", worker_id, epoch, self.config.heartbeat_timeout_s)
+            log.warning("%s (epoch %d) %s: retired as hung, ending its process", worker_id, epoch, reason)
             asyncio.get_running_loop().run_in_executor(None, self.impl.stop_hung, worker_id, grace_s)
 
     def down_for_good(self) -> list[str]:

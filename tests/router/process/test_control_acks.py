@@ -15,7 +15,7 @@ def test_a_key_rotation_waits_for_every_worker_and_retires_the_silent_one():
     async def scenario():
         h = Harness(["prefill-0"], ["decode-0"])
         hung: list[tuple[str, int]] = []
-        h.backend.on_worker_hung = lambda wid, epoch: hung.append((wid, epoch))
+        h.backend.on_worker_hung = lambda wid, epoch, reason: hung.append((wid, epoch))
         rotation = asyncio.create_task(h.backend.revoke_capabilities(ack_timeout_s=0.5))
         sent = [await h.next_sent(m.CapabilityKey) for _ in range(2)]
         await h.deliver(m.ControlAck("decode-0", 1, "capability_key", "1", 5.0))  # the old epoch: not this rotation
