@@ -300,11 +300,14 @@ def model_name(config: ServeConfig) -> str:
     return spec if spec in ("tiny", "small") else spec.rstrip("/").split("/")[-1]
 
 
-def _begin_stop(backend: ClusterBackend, launcher: Launcher) -> None:
-    """The server got its stop signal: no worker is started again, and no request waits for one
-    (a request whose worker died with the stop fails now instead of at its restart wait's end)."""
+def _begin_stop(backend: ClusterBackend, launcher: Launcher, loop: asyncio.AbstractEventLoop) -> None:
+    """The server got its stop signal (this runs in the signal handler): no worker is started
+    again, no request waits for one (a request whose worker died with the stop fails now instead
+    of at its restart wait's end), none is admitted, and every open one ends now with an error
+    event (`ClusterBackend.stop_serving`)."""
     launcher.begin_stop()
     backend.restarts = False
+    loop.call_soon_threadsafe(backend.stop_serving)
 
 
 def _workers_cpu(backend: ClusterBackend) -> dict:
@@ -335,7 +338,8 @@ async def serve(config: ServeConfig) -> None:
                          max_request_body_bytes=config.max_request_body_bytes)
         server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                http=edge_protocol(config.http_limits)),
-                                 functools.partial(_begin_stop, backend, launcher), launcher.force_stop)
+                                 functools.partial(_begin_stop, backend, launcher, asyncio.get_running_loop()),
+                                 launcher.force_stop)
         print(f"pdserve: {config.mode} cluster ready, serving on http://{config.host}:{config.port} ({_loop_name()} loop); "
               f"{cpu_summary(_workers_cpu(backend))}", flush=True)
         if config.mode != "colocated":

@@ -46,6 +46,7 @@ from pdserve.router.pricing.decode_clocks import ItlWindows
 from pdserve.router.process import frontend_admission as admission
 from pdserve.router.process import frontend_events as ev
 from pdserve.router.process import frontend_upkeep as upkeep
+from pdserve.router.process import recovery
 from pdserve.router.process.capabilities import CapabilityIssuer
 from pdserve.router.process.control_acks import ControlAcks
 from pdserve.router.process.control_auth import ControlAuth
@@ -93,6 +94,7 @@ class ClusterBackend:
         self.transport = transport
         self.admission_wait_s = admission_wait_s
         self.restarts = restarts  # the launcher starts dead workers again (workers/process/supervisor.py)
+        self.stopping = False  # the server got its stop signal (`stop_serving`)
         self.away: set[str] = set()  # workers lost and not routable again yet (registered and reported load)
         self.admission_line = admission.AdmissionLine()  # requests waiting in admission, first come first served
         self.registered: dict[str, m.Register] = {}
@@ -162,6 +164,19 @@ class ClusterBackend:
         self._monitor.close()
         self.sock.close()
         self.trace.close()
+
+    def stop_serving(self) -> None:
+        """The server got its stop signal: nothing is admitted from now on (a request waiting in
+        admission is refused, 503 `shutdown`) and every started request ends now with
+        ErrorEvent("shutdown"), its workers told to abort, so that open streams end at once rather
+        than when their generation would have (the HTTP server waits for them before it stops)."""
+        self.stopping = True
+        asyncio.get_running_loop().create_task(self._end_started())
+
+    async def _end_started(self) -> None:
+        for live in list(self.live.values()):
+            if live.owners and not live.done:
+                await recovery.fail(self, live, "the server is stopping", "shutdown")
 
     def lookup(self, engine_id: str) -> InFlight | None:
         """The in-flight request a worker message names, if that attempt is still the current one."""

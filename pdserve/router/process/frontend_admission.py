@@ -72,6 +72,8 @@ async def admit(backend, live: InFlight) -> None:
                 backend.metrics.early_rejections.labels(retry.reason).inc()
                 raise Rejection(f"decode reservation refused: {retry.reason}", 503, 1.0, retry.reason) from None
             await asyncio.sleep(retry.wait_s)
+            if backend.stopping:
+                raise Rejection("the server is stopping", 503, 1.0, "shutdown")
         except BaseException:
             backend.release(live.req.request_id, completed=False)
             raise
@@ -92,6 +94,8 @@ async def route(backend, live: InFlight, deadline: float) -> RoutePlan:
     line: AdmissionLine = backend.admission_line
     try:
         while True:
+            if backend.stopping:
+                raise Rejection("the server is stopping", 503, 1.0, "shutdown")
             if not line.first(req.request_id, live.arrival_s) and time.monotonic() <= deadline:
                 line.join(req.request_id, live.arrival_s)  # behind a request that arrived earlier
                 await asyncio.sleep(ADMISSION_POLL_S)
