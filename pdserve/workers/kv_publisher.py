@@ -1,45 +1,62 @@
-"""A worker's prefix-cache events on a ZeroMQ PUB socket in vLLM's KV-events wire format.
+"""A worker's prefix-cache events in vLLM's KV-events wire format, published through a relay process.
 
 Contract (vLLM's `ZmqEventPublisher`, so its subscribers work unchanged): each batch is one
 multipart message [topic, sequence number as 8 big-endian bytes, msgpack `KVEventBatch`
-(engine/kv/vllm_events.py)], numbers from 0 upwards with no gaps. The last `buffer_batches` messages
-are kept for replay: a ROUTER socket answers a request [start sequence, 8 big-endian bytes] with
-one [sequence, payload] reply per kept message from that number on, then [-1, empty payload]
-as the end marker (a request it cannot read gets the end marker alone). Numbers restart at 0 with
-each worker process, as vLLM's do, and batch 0 opens with AllBlocksCleared; since a subscriber
-that reconnects to a restarted worker misses what was sent before its subscription arrived (PUB/SUB
-drops it), each subscription (the socket is an XPUB) turns the next batch into a snapshot:
-AllBlocksCleared, then a BlockStored per held block and tier. `publish(sink)` runs on
-the worker's engine thread; replay requests are served by a daemon thread under a lock shared
-with `publish`.
+(engine/kv/vllm_events.py)] on a PUB socket, numbered from 0 upwards with no gaps; the last
+`buffer_batches` messages are kept for replay: a ROUTER socket answers a request [start sequence,
+8 big-endian bytes] with one [sequence, payload] reply per kept message from that number on, then
+[-1, empty payload] as the end marker (a request it cannot read gets the end marker alone).
+Numbers restart at 0 with each worker process, as vLLM's do, and batch 0 opens with
+AllBlocksCleared. A subscriber that reconnects to a restarted worker misses what was sent before
+its subscription arrived (PUB/SUB drops it), so a subscription turns the next batch into a
+snapshot: AllBlocksCleared, then a BlockStored per held block and tier.
 
-Bounds (neither socket is authenticated, as vLLM's are not, so what a peer sends must not size
-what the worker holds): a snapshot is sent at most once per `snapshot_interval_s` however often
-peers subscribe (a later subscription is answered by the next one; a snapshot of 4,096 held
-blocks is ~340 KB, and one per batch let a resubscribing peer grow a worker by gigabytes), and a
-turn of the engine thread reads at most SUBSCRIPTIONS_PER_TURN subscription frames; the
-replay buffer keeps at most `buffer_batches` batches and `buffer_bytes` bytes, dropping the
-oldest; a replay answer shares the buffer's payloads rather than copying them per peer, and a peer
-that does not read is sent at most `REPLAY_QUEUE` messages (the rest of its answer, end marker
-included, is dropped, as ZeroMQ drops past a peer's queue); a frame larger than `MAX_REQUEST_BYTES`
-on either socket (a subscription or a replay request) disconnects its sender.
+Structure: the external sockets and the replay buffer live in a relay process
+(workers/kv_relay.py: libzmq cannot bound what a peer of an XPUB or ROUTER makes its process hold,
+so that process is not the worker's). The worker numbers the batches and builds the snapshots;
+`publish(sink)` runs on its engine thread and never blocks it: it sends (sequence, payload) over a
+private channel (a ZMQ PAIR over ipc:// in a 0700 directory) holding CHANNEL_QUEUE batches at most,
+and reads the relay's notes without waiting. A batch the channel cannot take (the relay is not
+keeping up, or is being restarted) is dropped without using its number, and the next batch sent is
+a snapshot, so subscribers resync. A subscription note comes at most once per
+`snapshot_interval_s` however often peers subscribe (the relay rate-limits). Each publish checks
+the relay's process: one that has exited is logged with its exit status and replaced (at most once
+per RESTART_S), and the replacement's first batch is a snapshot; its replay buffer starts empty and
+the numbers go on. The relay dies with the thread that started it (PR_SET_PDEATHSIG: the worker builds
+the publisher and runs its loop on one thread, which lives as long as the worker) and with
+`close()`. A relay that cannot bind fails the publisher's construction (zmq.ZMQError naming
+the endpoint), so the worker fails to start as it would binding the socket itself.
+
+Bounds: what the worker holds for KV events is the sink's pending events of one turn and the
+channel's CHANNEL_QUEUE batches; the relay's bounds are in workers/kv_relay.py.
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
-from collections import deque
+from pathlib import Path
 
 import msgspec
 import zmq
 
 from pdserve.engine.kv.vllm_events import VllmEventSink
+from pdserve.workers.kv_relay import CHANNEL_QUEUE, END_OF_REPLAY, MAX_REQUEST_BYTES, NOTES_QUEUE, REPLAY_QUEUE
 
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-MAX_REQUEST_BYTES = 4096  # a replay request is 8 bytes, a subscription 1 + the topic
-REPLAY_QUEUE = 100  # messages queued to one replay peer at the most
-SUBSCRIPTIONS_PER_TURN = 64  # subscription frames read per publish (the engine thread's turn) at the most
+__all__ = ["END_OF_REPLAY", "MAX_REQUEST_BYTES", "REPLAY_QUEUE", "KvEventPublisher", "check_endpoints", "endpoint_for"]
+
+log = logging.getLogger("pdserve.kv_events")
+
+RESTART_S = 1.0  # a relay that died is replaced at most this often
+START_TIMEOUT_S = 30.0  # how long the first relay may take to bind (a loaded 2-core machine)
+NOTES_PER_TURN = NOTES_QUEUE  # relay notes read per publish at the most
 
 
 def _split(base: str) -> tuple[str, int]:
@@ -80,92 +97,142 @@ def check_endpoints(endpoint: str | None, replay_endpoint: str | None, num_worke
 class KvEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000, buffer_bytes: int = 64 << 20, snapshot_interval_s: float = 1.0):
+        self._spec = {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "topic": topic,
+                      "buffer_batches": buffer_batches, "buffer_bytes": buffer_bytes,
+                      "snapshot_interval_s": snapshot_interval_s, "parent_pid": os.getpid()}
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that hears each (re)subscription
-        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's, not only a topic's first
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._pub.bind(endpoint)
-        self._topic = topic.encode()
+        self._dir: str | None = None  # the channel's directory, until the relay has connected
         self._encoder = msgspec.msgpack.Encoder()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._buffer_bytes, self._max_buffer_bytes = 0, buffer_bytes
-        self._seq = 0
-        self._snapshot_due, self._snapshot_interval_s = False, snapshot_interval_s
-        self._last_snapshot = -float("inf")
-        self._lock = threading.Lock()
-        self._replay = None
-        self._running = True
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-            self._replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
-            self._replay.bind(replay_endpoint)
-            threading.Thread(target=self._serve_replay, daemon=True, name="kv-events-replay").start()
+        self._seq, self._resync = 0, False
+        self.num_dropped = 0  # batches the channel could not take (each followed by a snapshot)
+        self._relay: subprocess.Popen | None = None
+        self._channel: zmq.Socket | None = None
+        self._ready, self._started_at = False, -float("inf")
+        try:
+            self._start()
+            self._await_bound()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def relay_pid(self) -> int:
+        return self._relay.pid
 
     def publish(self, sink: VllmEventSink) -> None:
         """Send the sink's pending events as one batch (nothing when there are none); the whole
-        state instead when a subscriber subscribed since the last snapshot and the interval since
-        it has passed."""
-        self._snapshot_due |= self._subscribed()
-        now = time.monotonic()
-        if self._snapshot_due and now - self._last_snapshot >= self._snapshot_interval_s:
+        state instead after a subscription note, a dropped batch or a relay restart."""
+        self._watch()
+        self._read_notes()
+        if not self._ready or not self._channel.poll(0, zmq.POLLOUT):
+            if sink.take() is not None:  # dropped: the relay is not keeping up, or is being replaced
+                self._resync, self.num_dropped = True, self.num_dropped + 1
+            return
+        if self._resync:
             sink.snapshot()
-            self._snapshot_due, self._last_snapshot = False, now
+            self._resync = False
         batch = sink.take()
         if batch is None:
             return
-        payload = self._encoder.encode(batch)
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-            if len(self._buffer) == self._buffer.maxlen:
-                self._buffer_bytes -= len(self._buffer[0][1])
-            self._buffer.append((seq, payload))
-            self._buffer_bytes += len(payload)
-            while self._buffer_bytes > self._max_buffer_bytes and len(self._buffer) > 1:
-                self._buffer_bytes -= len(self._buffer.popleft()[1])
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+        try:
+            self._channel.send_multipart((self._seq.to_bytes(8, "big"), self._encoder.encode(batch)),
+                                         zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._resync, self.num_dropped = True, self.num_dropped + 1
+            return
+        self._seq += 1
 
-    def _subscribed(self) -> bool:
-        """Whether a subscription arrived (b"\\x01" + topic); unsubscriptions are ignored. At most
-        SUBSCRIPTIONS_PER_TURN frames are read a turn (this runs on the engine thread: peers sending
-        millions of 1-byte frames held it for a minute; the rest wait for later turns)."""
-        joined = False
-        for _ in range(SUBSCRIPTIONS_PER_TURN):
-            if not self._pub.poll(0):
-                break
-            joined |= self._pub.recv()[:1] == b"\x01"
-        return joined
+    def _start(self) -> None:
+        """A relay with a channel of its own (a fresh PAIR: nothing of a dead relay's queue stays)."""
+        self._close_channel()
+        self._dir = tempfile.mkdtemp(prefix="pdserve-kv-relay-")  # mode 0700: no other user reaches the channel
+        address = f"ipc://{self._dir}/channel"
+        channel = self._ctx.socket(zmq.PAIR)
+        channel.setsockopt(zmq.LINGER, 0)
+        channel.setsockopt(zmq.SNDHWM, CHANNEL_QUEUE)
+        channel.setsockopt(zmq.RCVHWM, NOTES_QUEUE)
+        channel.bind(address)
+        self._channel, self._ready, self._started_at = channel, False, time.monotonic()
+        root = str(Path(__file__).resolve().parents[2])  # the tree this module is from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self._relay = subprocess.Popen([sys.executable, "-m", "pdserve.workers.kv_relay",
+                                        json.dumps({**self._spec, "channel": address})],
+                                       stdin=subprocess.DEVNULL, env=env)
 
-    def _serve_replay(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replay, zmq.POLLIN)
-        while self._running:
+    def _await_bound(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._ready:
+            exited = self._relay.poll() is not None
+            if self._channel.poll(200 if not exited else 1000):
+                self._handle(self._channel.recv(), starting=True)
+            elif exited:
+                raise zmq.ZMQError(msg=f"KV events: the relay exited ({_status(self._relay.returncode)}) before it bound "
+                                       f"{self._spec['endpoint']}")
+            elif time.monotonic() > deadline:
+                raise zmq.ZMQError(msg=f"KV events: the relay did not bind {self._spec['endpoint']} in {START_TIMEOUT_S:.0f} s")
+
+    def _watch(self) -> None:
+        """Replace a relay that has exited (at most once per RESTART_S)."""
+        if self._relay.poll() is None:
+            return
+        if self._channel is not None:
+            log.warning("KV events: the relay (pid %d) exited (%s); starting another", self._relay.pid,
+                        _status(self._relay.returncode))
+            self._close_channel()
+        if time.monotonic() - self._started_at >= RESTART_S:
             try:
-                if not poller.poll(100):
-                    continue
-                self._answer(self._replay.recv_multipart())
-            except zmq.ZMQError:
-                break
-        self._replay.close(0)  # this thread owns the socket: closed here, never from another thread
+                self._start()
+            except (OSError, zmq.ZMQError) as exc:
+                self._started_at = time.monotonic()
+                log.warning("KV events: cannot start a relay: %s", exc)
 
-    def _answer(self, frames: list[bytes]) -> None:
-        """Reply to [identity, (empty delimiter: a REQ client), start as 8 big-endian bytes] with
-        the kept batches from `start` on, then the end marker. Any other request gets the end
-        marker alone (vLLM's replay drops it unanswered, leaving its client waiting for good)."""
-        delimited = len(frames) >= 3 and frames[1] == b""
-        envelope, request = (frames[:2], frames[2:]) if delimited else (frames[:1], frames[1:])
-        kept = []
-        if len(request) == 1 and len(request[0]) == 8:
-            start = int.from_bytes(request[0], "big")
-            with self._lock:
-                kept = [(s, p) for s, p in self._buffer if s >= start]
-        for seq, payload in kept:  # not copied: every peer's queue refers to the buffer's bytes
-            self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload), copy=False)
-        self._replay.send_multipart((*envelope, END_OF_REPLAY, b""))
+    def _read_notes(self) -> None:
+        for _ in range(NOTES_PER_TURN):
+            if self._channel is None or not self._channel.poll(0):
+                return
+            self._handle(self._channel.recv())
+
+    def _handle(self, note: bytes, starting: bool = False) -> None:
+        self._remove_dir()  # the relay has connected: the path is not needed again (nor left behind by a kill -9)
+        if note == b"bound":
+            self._ready = True
+            self._resync |= self._seq > 0  # a replacement: its subscribers start from a snapshot
+        elif note == b"joined":
+            self._resync = True
+        elif note.startswith(b"error "):
+            errno, text = note.decode(errors="replace").split(" ", 2)[1:]
+            if starting:
+                raise zmq.ZMQError(int(errno), f"KV events: cannot bind {text}")
+            log.warning("KV events: the relay cannot bind %s", text)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close(0)
+            self._channel, self._ready = None, False
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def close(self) -> None:
-        self._running = False
-        self._pub.close(0)
+        """End the relay (SIGTERM, then SIGKILL past 2 s) and the channel."""
+        relay, self._relay = self._relay, None
+        if relay is not None and relay.poll() is None:
+            relay.terminate()
+            try:
+                relay.wait(2)
+            except subprocess.TimeoutExpired:
+                relay.kill()
+                relay.wait()
+        self._close_channel()
+
+
+def _status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"

@@ -7,9 +7,9 @@ turned every batch into a snapshot of every held block (~340 KB at 4,096 blocks)
 10,000-batch replay buffer: a decode worker grew from 563 MB to 3.9 GB. A 300 MB frame on the
 replay socket was read in whole. Peers sending 1-byte subscription frames without pause held the
 engine thread, which read them all before its next step, for over a minute (the worker was then
-replaced as stuck). Now a snapshot goes out at most once a second, a turn reads at most
-SUBSCRIPTIONS_PER_TURN subscription frames, and a frame over MAX_REQUEST_BYTES disconnects its
-sender; a well-behaved subscriber and replay client are served throughout, and so are completions
+replaced as stuck). Now a snapshot goes out at most once a second, the subscription frames are
+read by the worker's relay process (workers/kv_relay.py), never on the engine thread, and a frame
+over MAX_REQUEST_BYTES disconnects its sender; a well-behaved subscriber and replay client are served throughout, and so are completions
 (the engine loop never stands still for `--step-timeout-s` 2 s)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The vLLM KV-events publisher's edges (workers/kv_publisher.py): `pdserve serve` refuses
+"""The vLLM KV-events publisher's edges (workers/kv_publisher.py, its sockets in the relay process
+of workers/kv_relay.py): `pdserve serve` refuses
 endpoint flags whose per-worker port ranges collide before any worker starts, the replay socket
 answers every request (a malformed one with the end marker alone), and a subscriber that joins,
 or rejoins a restarted worker, gets a snapshot that clears what it held."""
@@ -67,6 +68,7 @@ def publisher():
     pub, rep = free_port(), free_port()
     publisher = KvEventPublisher(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}")
     publisher.publish(VllmEventSink(16))  # batch 0: the opening AllBlocksCleared
+    kept_through(f"tcp://127.0.0.1:{rep}", 0)
     yield publisher, f"tcp://127.0.0.1:{rep}"
     publisher.close()
 
@@ -89,6 +91,17 @@ def ask(endpoint: str, frames: tuple[bytes, ...], kind: int = zmq.DEALER) -> lis
         return replies
     finally:
         sock.close(0)
+
+
+def kept_through(endpoint: str, seq: int, wait_s: float = 10.0) -> list[list[bytes]]:
+    """The replay from 0 once it reaches `seq`: the relay process (workers/kv_relay.py) keeps a
+    batch a moment after `publish` returns."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        kept = ask(endpoint, ((0).to_bytes(8, "big"),))
+        if len(kept) > 1 and int.from_bytes(kept[-2][0], "big") >= seq or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("frames", [(b"abc",), (b"",), (b"", b"abc"), (b"", b""), (b"\0" * 9,),
@@ -190,10 +203,11 @@ def test_the_replay_buffer_is_bounded_in_bytes_and_stays_gapless():
             for j in range(8):
                 sink.stored(b"h%05d-%d" % (i, j), None, tuple(range(16)))
             publisher.publish(sink)
-        kept = ask(f"tcp://127.0.0.1:{rep}", ((0).to_bytes(8, "big"),))
+        newest = 199 - publisher.num_dropped  # a batch the relay's channel could not take has no number
+        kept = kept_through(f"tcp://127.0.0.1:{rep}", newest)
     finally:
         publisher.close()
     assert kept[-1] == [END_OF_REPLAY, b""]
     seqs = [int.from_bytes(r[0], "big") for r in kept[:-1]]
-    assert seqs == list(range(seqs[0], 200)) and seqs[0] > 0  # the newest kept, the oldest dropped
+    assert seqs == list(range(seqs[0], newest + 1)) and seqs[0] > 0  # the newest kept, the oldest dropped
     assert sum(len(r[1]) for r in kept[:-1]) <= 20_000

@@ -11,7 +11,8 @@ structs, array-like and tagged by class name, as vllm.distributed.kv_events decl
 (bytes); `parent_block_hash` is None for a chain's first block; `medium` is "GPU" for the device
 pool (vLLM's name for it, also on a CPU worker) and "CPU" for the host tier. A worker's first batch
 starts with `AllBlocksCleared` (its cache starts empty); `snapshot()` turns the next batch into the
-whole state (the publisher asks for one when a subscriber subscribes: workers/kv_publisher.py).
+whole state (the publisher asks for one when a subscriber subscribes, after a batch it dropped and
+from a replaced relay: workers/kv_publisher.py).
 """
 
 from __future__ import annotations
