@@ -13,18 +13,19 @@ the worker's heartbeat reports.
 
 Placement: rank r is pinned to core `cores[r % len(cores)]` with one torch thread (`pin_rank`).
 Lifetime: a follower asks the kernel for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG,
-then re-checks its parent), so a killed worker leaves no followers; `TpLeader.close` stops and
-joins them.
+then re-checks its parent) before it imports torch (`lifetime.run_tied`), so a killed worker
+leaves no followers; `TpLeader.close` stops and joins them. Rank 0 joins the group while it
+watches its followers: one that ends before the group is whole fails the start at once
+(`TpStartError`, naming the rank and how it ended), and a start that raises kills the followers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import pickle
 import secrets
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch.multiprocessing as mp
 from pdserve.engine.kv.kv_abi import KvAbi
 from pdserve.engine.kv.kv_pool import TORCH_DTYPES, KvPool
 from pdserve.engine.tp_tally import CollectiveTally
+from pdserve.lifetime import describe_exit, run_tied
 from pdserve.model.config import load_config
 from pdserve.model.loader import load_state_dict
 from pdserve.model.numerics import resolve_compute_dtype
@@ -44,10 +46,12 @@ from pdserve.model.tp import TpLlamaModel, check_tp
 from pdserve.ports import free_local_port
 
 GROUP_TIMEOUT = timedelta(days=30)  # a follower waits in broadcast for as long as the worker idles
-# every rank joins within this long, or the join raises (a rank that died at start, a port taken
-# between free_local_port() and the store's bind): with the group's own timeout the join waited for good
+# every rank joins within this long, or the join raises (a rank stopped or hung at start, a port taken
+# between free_local_port() and the store's bind): with the group's own timeout the join waited for good;
+# a rank that died is seen at once (`join_watching`)
 JOIN_TIMEOUT = timedelta(seconds=300)  # past any skew between ranks loading their shards
-_PR_SET_PDEATHSIG = 1
+FOLLOWER_ENTRY = "pdserve.engine.tp_group:follower_main"
+WATCH_S = 0.05  # how often rank 0 looks at its followers while it waits in the join
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,6 @@ class RankSpec:
     num_blocks: int
     abi: KvAbi
     cores: tuple[int, ...]
-    parent_pid: int
 
 
 def rank_core(cores: tuple[int, ...], rank: int) -> int | None:
@@ -79,20 +82,49 @@ def pin_rank(cores: tuple[int, ...], rank: int) -> None:
     torch.set_num_threads(1)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent exits (Linux); exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def init_group(port: int, rank: int, tp: int, join_timeout: timedelta = JOIN_TIMEOUT) -> None:
     """Join the gloo group of `tp` ranks whose rank 0 serves its store at `port`; raises
     (RuntimeError, or DistStoreError, a RuntimeError) when the group is not whole by `join_timeout`."""
     store = dist.TCPStore("127.0.0.1", port, tp, is_master=rank == 0, timeout=join_timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=tp, timeout=GROUP_TIMEOUT)
+
+
+class TpStartError(RuntimeError):
+    """A follower rank ended before its group was whole: this start of the engine failed."""
+
+
+def join_watching(port: int, tp: int, procs: list, join_timeout: timedelta = JOIN_TIMEOUT) -> None:
+    """`init_group` as rank 0, raising `TpStartError` as soon as a follower in `procs` (rank i + 1)
+    has ended rather than at `join_timeout`. The join runs in a daemon thread; after such a raise
+    it stays blocked in the store until `join_timeout` (the caller is failing its start)."""
+    outcome: list[BaseException | None] = []
+    joiner = threading.Thread(target=_join_into, args=(outcome, port, tp, join_timeout), daemon=True, name="tp-join")
+    joiner.start()
+    while not outcome:
+        for rank, p in enumerate(procs, start=1):
+            if p.exitcode is not None:
+                raise TpStartError(f"tensor-parallel rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)} "
+                                   f"before the group was whole")
+        joiner.join(WATCH_S)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def _join_into(outcome: list, port: int, tp: int, join_timeout: timedelta) -> None:
+    try:
+        init_group(port, 0, tp, join_timeout)
+    except BaseException as exc:  # handed to the watching thread, which raises it
+        outcome.append(exc)
+    else:
+        outcome.append(None)
+
+
+def kill_followers(procs: list) -> None:
+    """SIGKILL (a stopped one too) and reap every follower that was started."""
+    for p in procs:
+        if p.pid is not None:
+            p.kill()
+            p.join()
 
 
 def build_shard(spec: RankSpec, rank: int, state: dict[str, torch.Tensor] | None = None) -> TpLlamaModel:
@@ -105,8 +137,8 @@ def build_shard(spec: RankSpec, rank: int, state: dict[str, torch.Tensor] | None
 
 
 def follower_main(spec: RankSpec, rank: int) -> None:
-    """A follower's whole life: build, join, run every broadcast step, stop on `None`."""
-    die_with_parent(spec.parent_pid)
+    """A follower's whole life (tied to rank 0's by `lifetime.run_tied`): build, join, run every
+    broadcast step, stop on `None`."""
     pin_rank(spec.cores, rank)
     model = build_shard(spec, rank)
     pool = KvPool(spec.abi, spec.num_blocks, shm_name=spec.pool_shm, create=False)
@@ -192,20 +224,24 @@ class TpLeader:
 def start_group(spec_base: dict, state: dict[str, torch.Tensor], pool: KvPool) -> TpLeader:
     """Spawn the followers over `pool` (shared memory), join as rank 0, build rank 0's shard.
 
-    `spec_base`: RankSpec's fields other than port, pool_shm, num_blocks, abi, parent_pid."""
+    `spec_base`: RankSpec's fields other than port, pool_shm, num_blocks, abi."""
     if pool.shm_name is None:
         raise ValueError("a tensor-parallel engine needs its K/V pool in shared memory (EngineConfig.kv_shm_name)")
     spec = RankSpec(**spec_base, port=free_local_port(), pool_shm=pool.shm_name, num_blocks=pool.num_blocks,
-                    abi=pool.abi, parent_pid=os.getpid())
+                    abi=pool.abi)
     check_tp(load_config(spec.model_dir), spec.tp)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follower_main, args=(spec, r), daemon=True, name=f"pdserve-tp{r}")
-             for r in range(1, spec.tp)]
-    for p in procs:
-        p.start()
-    pin_rank(spec.cores, 0)
-    shard = build_shard(spec, 0, state)
-    init_group(spec.port, 0, spec.tp)
+    procs = [ctx.Process(target=run_tied, args=(os.getpid(), FOLLOWER_ENTRY, pickle.dumps((spec, r))), daemon=True,
+                         name=f"pdserve-tp{r}") for r in range(1, spec.tp)]
+    try:
+        for p in procs:
+            p.start()
+        pin_rank(spec.cores, 0)
+        shard = build_shard(spec, 0, state)
+        join_watching(spec.port, spec.tp, procs)
+    except BaseException:  # a rank lost, a shard that did not build, a join past its timeout
+        kill_followers(procs)
+        raise
     return TpLeader(shard, procs)
 
 

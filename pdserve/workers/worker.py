@@ -34,6 +34,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.errors import EngineError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_log import StepLog
+from pdserve.engine.tp_group import TpStartError
 from pdserve.engine.kv.vllm_events import VllmEventSink
 from pdserve.handoff.trust.capability import verifier_from_hex
 from pdserve.handoff.leases import LeaseTable
@@ -375,12 +376,16 @@ def _with_shm(config: EngineConfig, shm_name: str | None) -> EngineConfig:
 
 def serve_worker(config: WorkerConfig, control_keys: ControlKeys | None = None) -> None:
     """Process entry point (multiprocessing target or Ray actor body). A machine that cannot keep
-    rows batch-invariant ends the worker with one clear line instead of serving inexactly."""
+    rows batch-invariant ends the worker with one clear line instead of serving inexactly; so does
+    a tensor-parallel rank lost during the start (exit 1: a restart may come up)."""
     try:
         worker = Worker(config, control_keys)
     except BatchInvarianceError as exc:
         print(f"pdserve worker {config.worker_id}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except TpStartError as exc:
+        print(f"pdserve worker {config.worker_id}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     try:
         worker.run()
     finally:

@@ -9,6 +9,9 @@ machine oversubscribed threads cost far more than they give.
 a dead one again under a new epoch (the supervisor decides when); `stop_hung(worker, grace_s)` ends
 a worker the router retired for missed heartbeats (SIGTERM and SIGCONT, SIGKILL after the grace),
 so its death is reported and it is restarted like any other; `kill()` exists for fault tests.
+Whenever the launcher ends a worker (`stop_hung`, `stop`, `force_stop`) it ends the worker's
+children too (its tensor-parallel followers, held before the worker is signalled:
+workers/process/children.py), a stopped one included.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.lifetime import describe_exit
 from pdserve.shm import reap_dead_pools
-from pdserve.workers.process import warm_start
+from pdserve.workers.process import children, warm_start
 from pdserve.workers.config import WorkerConfig, encode_config
 from pdserve.workers.control_keys import FD_ENV as CONTROL_KEYS_FD_ENV
 from pdserve.workers.control_keys import ControlKeys, pipe_for
@@ -79,18 +83,6 @@ def worker_configs(launch: LaunchConfig, router_address: str, host_id: str | Non
             kv_events_replay_endpoint=offset_endpoint(launch.kv_events[1], len(configs)), lendable=launch.lendable,
         ))
     return configs
-
-
-def describe_exit(returncode: int | None) -> str:
-    """A process's return code in words: 'killed by SIGKILL', 'exited with code 1'."""
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
 
 
 class LocalCluster:
@@ -159,46 +151,60 @@ class LocalCluster:
         os.kill(self.procs[worker_id].pid, signal.SIGKILL)
 
     def stop_hung(self, worker_id: str, grace_s: float = 1.0) -> None:
-        """End a worker retired for missed heartbeats: a stopped process gets SIGCONT so that it
-        can take the SIGTERM; one that has not exited after `grace_s` is killed."""
+        """End a worker retired for missed heartbeats, or one that never registered: a stopped
+        process gets SIGCONT so that it can take the SIGTERM; one that has not exited after
+        `grace_s` is killed; then its children (`_terminate`, `_reap`)."""
         proc = self.procs[worker_id]
         if proc.poll() is not None:
             return
-        proc.terminate()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        held = _terminate(proc)
+        _reap(proc, held, grace_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Workers were asked to shut down; wait, then terminate any that did not (continued first:
-        a stopped worker takes no SIGTERM, nor notices its router is gone), then kill; then unlink
-        the pool segments of those that could not (a killed worker skips its own unlink)."""
-        for proc in self.procs.values():
+        a stopped worker takes no SIGTERM, nor notices its router is gone), then kill them and their
+        children; then unlink the pool segments of those that could not (a killed worker skips its
+        own unlink)."""
+        held: dict[str, list[int]] = {}
+        for worker_id, proc in self.procs.items():
             try:
                 proc.wait(timeout=timeout_s / max(1, len(self.procs)))
             except subprocess.TimeoutExpired:
-                proc.terminate()
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                held[worker_id] = _terminate(proc)
+        for worker_id, proc in self.procs.items():
+            _reap(proc, held.get(worker_id, []), 2.0)
         for worker_id in self.procs:
             reap_dead_pools(worker_id)
 
     def force_stop(self) -> None:
-        """Kill every worker now (a stopped one too) and unlink what they leave: a second stop signal."""
+        """Kill every worker now (a stopped one too) and its children, and unlink what they leave:
+        a second stop signal."""
+        held = {worker_id: children.hold(proc.pid) if proc.poll() is None else [] for worker_id, proc in self.procs.items()}
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
         for worker_id, proc in self.procs.items():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
+            children.kill_held(held[worker_id])
             reap_dead_pools(worker_id)
+
+
+def _terminate(proc) -> list[int]:
+    """SIGTERM and SIGCONT a live worker; its children, held first (workers/process/children.py):
+    a follower rank stopped before it tied its life to the worker's outlives it otherwise."""
+    held = children.hold(proc.pid)
+    proc.terminate()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+    return held
+
+
+def _reap(proc, held: list[int], grace_s: float) -> None:
+    """Wait `grace_s` for the worker, SIGKILL it if it has not exited, then its held children."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    children.kill_held(held)
