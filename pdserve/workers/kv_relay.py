@@ -24,14 +24,13 @@ Contract:
   sender; the process runs at nice +NICE, and its data segment (RLIMIT_DATA) is capped at its size
   once bound plus `buffer_bytes` plus SLACK_BYTES, so a flood ends it (an allocation fails) instead
   of growing the machine; it dumps no core;
-- life: it dies with the thread that started it (PR_SET_PDEATHSIG SIGKILL, checked against the
-  parent pid it was given, in case that parent is already gone) and on SIGTERM (the worker's
-  close). Nothing here imports more than zmq: it starts in ~60 ms.
+- life: it dies with the thread that started it (`lifetime.die_with_parent`: PR_SET_PDEATHSIG
+  SIGKILL, checked against the parent pid it was given, in case that parent is already gone) and
+  on SIGTERM (the worker's close). Nothing here imports more than zmq and the standard library: it starts in ~60 ms.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -42,6 +41,8 @@ from collections import deque
 
 import zmq
 
+from pdserve.lifetime import die_with_parent
+
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 MAX_REQUEST_BYTES = 4096  # a replay request is 8 bytes, a subscription 1 + the topic
 REPLAY_QUEUE = 100  # messages queued to one replay peer at the most
@@ -50,7 +51,6 @@ NOTES_QUEUE = 16  # notes in flight to the worker at the most
 SLACK_BYTES = 128 << 20  # room over the replay buffer for connections, queues and the interpreter
 NICE = 10
 TURN = 256  # frames read from one socket before the others get a turn
-PR_SET_PDEATHSIG = 1
 
 
 class Relay:
@@ -156,15 +156,6 @@ class Relay:
         for seq, payload in kept:  # not copied: every peer's queue refers to the buffer's bytes
             self.replay.send_multipart((*envelope, seq, payload), copy=False)
         self.replay.send_multipart((*envelope, END_OF_REPLAY, b""))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the thread that started this process ends (the worker killed -9 included)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent_pid:  # gone before the prctl: no signal would come
-        os._exit(1)
 
 
 def cap_memory(extra_bytes: int) -> None:
