@@ -37,7 +37,12 @@ def endpoint_config(args: argparse.Namespace, base_url: str, model: str | None) 
     """The endpoint, discovering the model when not given."""
     from pdserve.bench.http.client import EndpointConfig, discover_model
 
-    model = model or asyncio.run(discover_model(base_url))
+    if not model:
+        try:
+            model = asyncio.run(discover_model(base_url))
+        except Exception as exc:  # httpx's connect, HTTP status and JSON errors; a listing without ids
+            raise SystemExit(f"error: cannot list the models at {base_url}/v1/models ({type(exc).__name__}: {exc}); "
+                             f"is the server up? (--model names one without asking)") from None
     return EndpointConfig(
         base_url=base_url, model=model, api=args.api, ignore_eos=not args.no_ignore_eos,
         request_timeout_s=args.request_timeout_s, api_key=args.api_key, http_client=args.http_client,
@@ -100,8 +105,10 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 def search_plan(args: argparse.Namespace) -> SearchPlan:
     """The sweep ladder and bisection limits."""
     if args.sweep_rates:
-        ladder = tuple(sorted(float(r) for r in args.sweep_rates.split(",") if r.strip()))
+        ladder = tuple(sorted(args.sweep_rates))
     else:
+        if args.sweep_start > args.sweep_max:
+            raise SystemExit(f"pdserve bench: --sweep-start {args.sweep_start:g} is above --sweep-max {args.sweep_max:g}")
         ladder = geometric_ladder(args.sweep_start, args.sweep_max, args.sweep_factor)
     return SearchPlan(ladder, args.attainment, args.sweep_rel_tol, args.max_bisections)
 

@@ -63,6 +63,10 @@ def fixed(n: int) -> LengthSpec:
 
 
 def _validate(kind: str, params: tuple[float, ...]) -> None:
+    if not all(np.isfinite(params)):
+        raise ValueError(f"{kind} needs finite numbers, got {params}")
+    if kind in ("fixed", "uniform") and params[-1] > LengthSpec.max_len:
+        raise ValueError(f"{kind} lengths above {LengthSpec.max_len} tokens are not drawn (every sample is clipped there)")
     if kind == "fixed" and params[0] < 1:
         raise ValueError("fixed length must be >= 1")
     if kind == "uniform" and not 1 <= params[0] <= params[1]:

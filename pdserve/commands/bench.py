@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve import argtypes
+
 DESCRIPTION = """\
 Replay a seeded workload against an OpenAI-compatible endpoint (streaming /v1/completions or
 /v1/chat/completions) and report TTFT/TPOT percentiles, SLO attainment (TTFT alone, TPOT alone,
@@ -50,7 +52,7 @@ def register(subparsers) -> None:
     compare.add_argument("--endpoint-b", required=True, help="base URL of system B")
     compare.add_argument("--model-a", help="model at A (default: first of its /v1/models)")
     compare.add_argument("--model-b", help="model at B (default: first of its /v1/models)")
-    compare.add_argument("--repeats", type=int, default=2, help="fixed-rate rounds, ABBA order (default 2)")
+    compare.add_argument("--repeats", type=argtypes.positive_int, default=2, help="fixed-rate rounds, ABBA order (default 2)")
     add_run_args(compare)
     compare.set_defaults(func=run_compare_command)
 
@@ -61,11 +63,11 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     _add_load_args(parser.add_argument_group("load"))
     _add_workload_args(parser.add_argument_group("workload"))
     slo = parser.add_argument_group("SLO")
-    slo.add_argument("--slo-ttft-ms", type=float, help="TTFT threshold (ms), required")
-    slo.add_argument("--slo-tpot-ms", type=float, help="TPOT threshold (ms), required")
-    slo.add_argument("--attainment", type=float, default=0.9, help="required attainment p (default 0.9)")
+    slo.add_argument("--slo-ttft-ms", type=argtypes.positive, help="TTFT threshold (ms), required")
+    slo.add_argument("--slo-tpot-ms", type=argtypes.positive, help="TPOT threshold (ms), required")
+    slo.add_argument("--attainment", type=argtypes.fraction, default=0.9, help="required attainment p (default 0.9)")
     out = parser.add_argument_group("output")
-    out.add_argument("--json", dest="json_path", metavar="PATH", help="write the JSON report here")
+    out.add_argument("--json", dest="json_path", type=argtypes.output_file, metavar="PATH", help="write the JSON report here")
     out.add_argument("--plot-dir", metavar="DIR", help="write PNG plots here")
     out.add_argument("--include-records", action="store_true", help="add per-request records to the JSON")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -76,56 +78,64 @@ def _add_client_args(group) -> None:
     group.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
                        help="raw: minimal asyncio HTTP/1.1 client (lowest overhead, default); httpx")
     group.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
-    group.add_argument("--request-timeout-s", type=float, default=600.0)
+    group.add_argument("--request-timeout-s", type=argtypes.positive, default=600.0)
     group.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    group.add_argument("--max-tokens", type=int, default=None, metavar="N",
+    group.add_argument("--max-tokens", type=argtypes.tokens, default=None, metavar="N",
                        help="ask every request for N tokens and end it at its own (trace) length with pdserve's "
                             "scripted_eos_tokens, as a model's EOS would: the server reserves for N")
 
 
 def _add_load_args(group) -> None:
-    group.add_argument("--num-requests", type=int, default=0, help="requests per run (a trace: default all lines)")
-    group.add_argument("--rate", type=float, help="offered rate, req/s ('inf' sends all at once)")
-    group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+    group.add_argument("--num-requests", type=argtypes.int_in(0, argtypes.MAX_COUNT), default=0, help="requests per run (a trace: default all lines)")
+    group.add_argument("--rate", type=argtypes.rate, help="offered rate, req/s ('inf' sends all at once)")
+    group.add_argument("--max-concurrency", type=argtypes.positive_int, default=None, metavar="N",
                        help="at most N requests in flight; a request due while N are waits for one to end "
                             "(with --rate inf: a closed loop of N clients, as vllm bench serve --max-concurrency)")
     group.add_argument("--sweep", action="store_true", help="find goodput by a rate sweep plus bisection")
-    group.add_argument("--sweep-rates", help="comma-separated ladder, e.g. 1,2,4,8 (default: geometric)")
-    group.add_argument("--sweep-start", type=float, default=1.0, help="geometric ladder start (req/s)")
-    group.add_argument("--sweep-max", type=float, default=256.0, help="geometric ladder end (req/s)")
-    group.add_argument("--sweep-factor", type=float, default=2.0, help="geometric ladder factor")
-    group.add_argument("--sweep-rel-tol", type=float, default=0.05, help="bisection stops within this of the bracket top")
-    group.add_argument("--max-bisections", type=int, default=6)
+    group.add_argument("--sweep-rates", type=argtypes.rates, help="comma-separated ladder, e.g. 1,2,4,8 (default: geometric)")
+    group.add_argument("--sweep-start", type=argtypes.positive, default=1.0, help="geometric ladder start (req/s)")
+    group.add_argument("--sweep-max", type=argtypes.positive, default=256.0, help="geometric ladder end (req/s)")
+    group.add_argument("--sweep-factor", type=_factor, default=2.0, help="geometric ladder factor")
+    group.add_argument("--sweep-rel-tol", type=argtypes.fraction, default=0.05, help="bisection stops within this of the bracket top")
+    group.add_argument("--max-bisections", type=argtypes.int_in(0, 64), default=6)
     group.add_argument("--arrival", choices=("poisson", "gamma", "constant", "trace"),
                        help="arrival process (default: trace times if the trace has them, else poisson)")
-    group.add_argument("--burstiness", type=float, default=1.0,
+    group.add_argument("--burstiness", type=argtypes.positive, default=1.0,
                        help="gamma arrivals: coefficient of variation of gaps (1 = Poisson; vLLM's shape = 1/CV^2)")
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--warmup-s", type=float, default=0.0, help="exclude requests scheduled before this")
-    group.add_argument("--cooldown-s", type=float, default=0.0, help="exclude requests scheduled in the last S seconds")
+    group.add_argument("--warmup-s", type=argtypes.nonnegative, default=0.0, help="exclude requests scheduled before this")
+    group.add_argument("--cooldown-s", type=argtypes.nonnegative, default=0.0, help="exclude requests scheduled in the last S seconds")
 
 
 def _add_workload_args(group) -> None:
     source = group.add_mutually_exclusive_group()
-    source.add_argument("--input-len", type=int, help="fixed prompt length (tokens)")
+    source.add_argument("--input-len", type=argtypes.tokens, help="fixed prompt length (tokens)")
     source.add_argument("--input-dist", metavar="SPEC", help="prompt length distribution")
     source.add_argument("--trace", metavar="FILE", help="JSON-lines trace")
     output = group.add_mutually_exclusive_group()
-    output.add_argument("--output-len", type=int, help="fixed output length (tokens)")
+    output.add_argument("--output-len", type=argtypes.tokens, help="fixed output length (tokens)")
     output.add_argument("--output-dist", metavar="SPEC", help="output length distribution")
-    group.add_argument("--num-conversations", type=int, default=0, help="multi-turn: requests cycle over C conversations")
-    group.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one system prefix shared by all")
+    group.add_argument("--num-conversations", type=argtypes.nonnegative_int, default=0, help="multi-turn: requests cycle over C conversations")
+    group.add_argument("--shared-prefix-len", type=argtypes.int_in(0, argtypes.MAX_TOKENS), default=0, help="tokens of one system prefix shared by all")
     group.add_argument("--closed-loop", action="store_true",
                        help="multi-turn closed loop (bench/closed_loop.py): C conversations at once, each turn sent "
                             "after the previous answer, its prompt carrying that answer; needs --num-conversations, "
                             "--input-len, --output-len; reports TTFT per turn (no rate, no SLO)")
-    group.add_argument("--num-turns", type=int, default=4, help="closed loop: turns per conversation")
-    group.add_argument("--turn-len", type=int, default=64, help="closed loop: new user tokens per later turn")
+    group.add_argument("--num-turns", type=argtypes.positive_int, default=4, help="closed loop: turns per conversation")
+    group.add_argument("--turn-len", type=argtypes.tokens, default=64, help="closed loop: new user tokens per later turn")
     group.add_argument("--prompt-format", choices=("text", "ids"), default="text")
-    group.add_argument("--tokenizer-bytes-per-token", type=float, default=1.0)
-    group.add_argument("--bos-tokens", type=int, default=1, help="tokens the server adds to a text prompt")
+    group.add_argument("--tokenizer-bytes-per-token", type=argtypes.positive, default=1.0)
+    group.add_argument("--bos-tokens", type=argtypes.nonnegative_int, default=1, help="tokens the server adds to a text prompt")
     group.add_argument("--content-salt", type=int, default=0, metavar="K",
                        help="other prompt content, same lengths and arrivals (a sweep's later points add their index)")
+
+
+def _factor(text: str) -> float:
+    """`--sweep-factor`: a geometric ladder grows, so > 1."""
+    value = argtypes.finite(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 1, got {text!r}")
+    return value
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -14,7 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.commands.simulate import add_pd_decision_arg, add_slo_args, add_workload_args
+from pdserve import argtypes
+from pdserve.commands.simulate import add_pd_decision_arg, add_slo_args, add_workload_args, latency_model_arg
+
+MAX_GPUS = 4096  # the search enumerates replicas per GPU: a budget of 10**18 never ends
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,19 +26,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tiny | small | llama-13b-class | llama-70b-class | DIR | config.json | HF id aiconfigurator ships")
     p.add_argument("--hardware", default=None,
                    help="a100-80g | h100 | h200 | PROFILE.json (default: the aic system's, else a100-80g)")
-    p.add_argument("--latency-model", metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]|distserve:ENGINE:CHECKOUT",
+    p.add_argument("--latency-model", type=latency_model_arg, metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]|distserve:ENGINE:CHECKOUT",
                    help="FILE.json: this latency model (e.g. a profile fit) for tp1pp1 only; aic:h200_sxm (etc.): "
                         "aiconfigurator's measured step times for every TP x PP shape (pip install 'pdserve[aic]'); "
                         "distserve:distserve|vllm:CHECKOUT: DistServe's fitted A100 step times of its engine or of "
                         "vLLM 0.2, from a LLMServe/DistServe checkout (OPT-13B, OPT-66B)")
-    p.add_argument("--gpus", type=int, required=True, help="GPU budget")
-    p.add_argument("--gpus-per-node", type=int, help="override the hardware profile's GPUs per node")
-    p.add_argument("--link-gbps", type=float, help="inter-node K/V link per GPU, Gbit/s (default: the profile's NIC)")
-    p.add_argument("--target-rate", type=float, help="size replicas for this rate instead of filling the budget")
-    p.add_argument("--margin", type=float, default=0.1, help="disaggregate only if per-GPU goodput beats colocated by this fraction")
+    p.add_argument("--gpus", type=argtypes.int_in(1, MAX_GPUS), required=True, help="GPU budget")
+    p.add_argument("--gpus-per-node", type=argtypes.positive_int, help="override the hardware profile's GPUs per node")
+    p.add_argument("--link-gbps", type=argtypes.positive, help="inter-node K/V link per GPU, Gbit/s (default: the profile's NIC)")
+    p.add_argument("--target-rate", type=argtypes.positive, help="size replicas for this rate instead of filling the budget")
+    p.add_argument("--margin", type=argtypes.nonnegative, default=0.1, help="disaggregate only if per-GPU goodput beats colocated by this fraction")
     p.add_argument("--definition", choices=("joint", "phase"), default="joint", help="goodput definition")
-    p.add_argument("--chunk-budgets", default="256,512,1024,2048", help="colocated chunk budgets to search")
-    p.add_argument("--max-seqs", type=int, default=256, help="decode batch limit")
+    p.add_argument("--chunk-budgets", type=_budgets, default=(256, 512, 1024, 2048), help="colocated chunk budgets to search")
+    p.add_argument("--max-seqs", type=argtypes.positive_int, default=256, help="decode batch limit")
     p.add_argument("--colocated-scheduler", choices=("mixed", "prefill-first"), default="mixed",
                    help="colocated candidates: chunked prefill mixed with decode (default), or prefill-first "
                         "without mixing (vLLM 0.2, DistServe's baseline: whole prompts, up to the chunk budget, in "
@@ -51,8 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_workload_args(p, 400)
     add_slo_args(p, required=True)
     p.add_argument("--json", action="store_true", help="print one JSON line")
-    p.add_argument("--plot", metavar="PATH", help="write a goodput-vs-rate PNG here")
-    p.add_argument("--emit-config", metavar="FILE.json",
+    p.add_argument("--plot", type=argtypes.output_file, metavar="PATH", help="write a goodput-vs-rate PNG here")
+    p.add_argument("--emit-config", type=argtypes.output_file, metavar="FILE.json",
                    help="write the chosen deployment as a serve configuration (`pdserve serve --config FILE`)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--validate", action="store_true", help="measure the top two configurations with the local runtime")
@@ -61,11 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model for the local server (default: the --latency-model profile's model, else small)")
     v.add_argument("--serve-dtype", choices=("bfloat16", "float32"), default=None,
                    help="server dtype (default: the --latency-model profile's dtype, else float32)")
-    v.add_argument("--validate-rates", metavar="R1,R2,...",
+    v.add_argument("--validate-rates", type=argtypes.rates, metavar="R1,R2,...",
                    help="bench sweep ladder for every configuration (default: 0.25/0.5/1/1.5 x each prediction)")
-    v.add_argument("--validate-requests", type=int, help="requests per bench run (default --num-requests)")
-    v.add_argument("--validate-max-bisections", type=int, default=1, help="bench bisections after the ladder (default 1)")
-    v.add_argument("--validate-tolerance", type=float, default=None, metavar="T",
+    v.add_argument("--validate-requests", type=argtypes.count, help="requests per bench run (default --num-requests)")
+    v.add_argument("--validate-max-bisections", type=argtypes.nonnegative_int, default=1, help="bench bisections after the ladder (default 1)")
+    v.add_argument("--validate-tolerance", type=argtypes.positive, default=None, metavar="T",
                    help="instead of a sweep, check |predicted - measured| <= T x measured with two bench runs per "
                         "configuration (at pred/(1+T) and pred/(1-T)); e.g. 0.15")
     v.add_argument("--validate-calibrate", nargs="?", const="burst", choices=("burst", "load"), default=None,
@@ -82,9 +85,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --validate-recalibrate: bench points per configuration at most (default 4); each "
                         "point is held to the prediction for its own window, from the engine's step logs")
     v.add_argument("--validate-dir", metavar="DIR", help="keep each configuration's server log and bench report here")
-    v.add_argument("--validate-max-workers", type=int, default=None,
+    v.add_argument("--validate-max-workers", type=argtypes.positive_int, default=None,
                    help="skip configurations needing more worker processes (default: CPU count)")
     p.set_defaults(func=run_plan)
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    """`--chunk-budgets`: comma-separated token budgets, each >= 1."""
+    budgets = tuple(argtypes.positive_int(x) for x in text.split(",") if x.strip())
+    if not budgets:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token budgets, got {text!r}")
+    return budgets
 
 
 def plan_inputs(args: argparse.Namespace):
@@ -108,7 +119,7 @@ def plan_inputs(args: argparse.Namespace):
         model=model, hardware=hardware, gpus=args.gpus, workload=workload_config(args),
         slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment), target_rps=args.target_rate,
         link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
-        chunk_budgets=tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()),
+        chunk_budgets=args.chunk_budgets,
         definition=args.definition, margin=args.margin, max_seqs=args.max_seqs, transfer_overlap=args.transfer,
         fixed_model=fixed, family=family, prefix_cache=args.prefix_cache,
         mixed_batches=args.colocated_scheduler == "mixed", pd_decision=args.pd_decision,
@@ -209,7 +220,7 @@ def _validate(args: argparse.Namespace, result, summary: dict) -> list[dict]:
     bench = ["--num-requests", str(num_requests), "--slo-ttft-ms", str(args.slo_ttft_ms),
              "--slo-tpot-ms", str(args.slo_tpot_ms), "--attainment", str(args.attainment), "--seed", str(args.seed),
              "--max-bisections", str(args.validate_max_bisections), "--prompt-format", "ids", *workload]
-    rates = [float(r) for r in args.validate_rates.split(",") if r.strip()] if args.validate_rates else None
+    rates = list(args.validate_rates) if args.validate_rates else None
     limit = args.validate_max_workers or os.cpu_count() or 1
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     runnable = [c for c in configs if c.workers <= limit]

@@ -13,6 +13,8 @@ import argparse
 import json
 import time
 
+from pdserve import argtypes
+
 DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_TPOT_MS = 100.0
 
@@ -21,29 +23,29 @@ def add_workload_args(parser: argparse.ArgumentParser, default_requests: int) ->
     """Workload flags with the benchmark's names (read by `pdserve.bench.cli_args.workload_config`)."""
     group = parser.add_argument_group("workload")
     source = group.add_mutually_exclusive_group()
-    source.add_argument("--input-len", type=int, help="fixed prompt length (tokens)")
+    source.add_argument("--input-len", type=argtypes.tokens, help="fixed prompt length (tokens)")
     source.add_argument("--input-dist", metavar="SPEC", help="prompt length distribution, e.g. uniform:256,1024")
     source.add_argument("--trace", metavar="FILE", help="JSON-lines trace (prompt_len/output_len[/arrival_s])")
     output = group.add_mutually_exclusive_group()
-    output.add_argument("--output-len", type=int, help="fixed output length (tokens)")
+    output.add_argument("--output-len", type=argtypes.tokens, help="fixed output length (tokens)")
     output.add_argument("--output-dist", metavar="SPEC", help="output length distribution")
-    group.add_argument("--num-requests", type=int, default=default_requests, help=f"requests (default {default_requests})")
+    group.add_argument("--num-requests", type=argtypes.count, default=default_requests, help=f"requests (default {default_requests})")
     group.add_argument("--arrival", choices=("poisson", "gamma", "constant", "trace"), help="arrival process (default poisson)")
-    group.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    group.add_argument("--burstiness", type=argtypes.positive, default=1.0, help="gamma arrivals: coefficient of variation")
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--num-conversations", type=int, default=0, help="multi-turn: requests cycle over C conversations")
-    group.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one system prefix shared by all")
+    group.add_argument("--num-conversations", type=argtypes.nonnegative_int, default=0, help="multi-turn: requests cycle over C conversations")
+    group.add_argument("--shared-prefix-len", type=argtypes.int_in(0, argtypes.MAX_TOKENS), default=0, help="tokens of one system prefix shared by all")
     group.add_argument("--prefix-cache", action="store_true", help="count shared prefixes and earlier turns as cache hits")
     parser.set_defaults(prompt_format="ids", tokenizer_bytes_per_token=1.0, bos_tokens=1, sweep=False)
 
 
 def add_slo_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
     group = parser.add_argument_group("SLO")
-    group.add_argument("--slo-ttft-ms", type=float, required=required, default=None if required else DEFAULT_SLO_TTFT_MS,
+    group.add_argument("--slo-ttft-ms", type=argtypes.positive, required=required, default=None if required else DEFAULT_SLO_TTFT_MS,
                        help="TTFT threshold (ms)" + ("" if required else f" (default {DEFAULT_SLO_TTFT_MS:g})"))
-    group.add_argument("--slo-tpot-ms", type=float, required=required, default=None if required else DEFAULT_SLO_TPOT_MS,
+    group.add_argument("--slo-tpot-ms", type=argtypes.positive, required=required, default=None if required else DEFAULT_SLO_TPOT_MS,
                        help="TPOT threshold (ms)" + ("" if required else f" (default {DEFAULT_SLO_TPOT_MS:g})"))
-    group.add_argument("--attainment", type=float, default=0.9, help="required attainment p (default 0.9)")
+    group.add_argument("--attainment", type=argtypes.fraction, default=0.9, help="required attainment p (default 0.9)")
 
 
 def add_pd_decision_arg(parser: argparse.ArgumentParser, default: str) -> None:
@@ -55,6 +57,21 @@ def add_pd_decision_arg(parser: argparse.ArgumentParser, default: str) -> None:
                              "every request off")
 
 
+def latency_model_arg(text: str) -> str:
+    """`--latency-model`: an ``aic:``/``distserve:`` spec as typed (read with --model later), or a
+    latency model JSON file, read now: a file that is missing or malformed is refused at the parse."""
+    from pdserve.latency.load import load_latency_model
+    from pdserve.latency.spec import is_family
+
+    if is_family(text):
+        return text
+    try:
+        load_latency_model(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def link_bytes_per_s(gbps: float | None) -> float:
     """--link-gbps is gigabits per second; None means an unconstrained link."""
     return float("inf") if gbps is None else gbps * 1e9 / 8
@@ -62,39 +79,39 @@ def link_bytes_per_s(gbps: float | None) -> float:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser("simulate", help="simulate a deployment under a latency model (discrete events)")
-    sim.add_argument("--latency-model", required=True,
+    sim.add_argument("--latency-model", required=True, type=latency_model_arg,
                      metavar="FILE.json|aic:SYSTEM[:BACKEND[:VERSION]]|distserve:ENGINE:CHECKOUT",
                      help="constant, roofline or profiled model JSON; or aiconfigurator's measured step times "
                           "(e.g. aic:h200_sxm), or DistServe's fitted A100 step times (distserve:vllm:CHECKOUT); "
                           "the last two need --model, and --tp/--pp for the instance shape")
     sim.add_argument("--model", help="with aic:...: a config.json, DIR or Hugging Face id aiconfigurator ships")
-    sim.add_argument("--tp", type=int, default=1, help="with aic:...: tensor-parallel degree of every instance")
-    sim.add_argument("--pp", type=int, default=1, help="with aic:...: pipeline-parallel degree of every instance")
+    sim.add_argument("--tp", type=argtypes.positive_int, default=1, help="with aic:...: tensor-parallel degree of every instance")
+    sim.add_argument("--pp", type=argtypes.positive_int, default=1, help="with aic:...: pipeline-parallel degree of every instance")
     sim.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
-    sim.add_argument("--replicas", type=int, default=1, help="colocated instances")
-    sim.add_argument("--prefill", type=int, default=1, help="prefill instances (disaggregated)")
-    sim.add_argument("--decode", type=int, default=1, help="decode instances (disaggregated)")
-    sim.add_argument("--max-prefill-batch", type=int, default=1, help="requests per prefill batch")
-    sim.add_argument("--max-prefill-tokens", type=int, help="new tokens per prefill batch")
+    sim.add_argument("--replicas", type=argtypes.positive_int, default=1, help="colocated instances")
+    sim.add_argument("--prefill", type=argtypes.positive_int, default=1, help="prefill instances (disaggregated)")
+    sim.add_argument("--decode", type=argtypes.positive_int, default=1, help="decode instances (disaggregated)")
+    sim.add_argument("--max-prefill-batch", type=argtypes.positive_int, default=1, help="requests per prefill batch")
+    sim.add_argument("--max-prefill-tokens", type=argtypes.positive_int, help="new tokens per prefill batch")
     sim.add_argument("--prefill-policy", choices=("fcfs", "sjf"), default="fcfs")
-    sim.add_argument("--chunk-tokens", type=int, default=512, help="colocated per-iteration token budget")
-    sim.add_argument("--max-seqs", type=int, default=256, help="decode batch limit")
-    sim.add_argument("--link-gbps", type=float, help="K/V link per decode instance, Gbit/s (default unconstrained)")
+    sim.add_argument("--chunk-tokens", type=argtypes.positive_int, default=512, help="colocated per-iteration token budget")
+    sim.add_argument("--max-seqs", type=argtypes.positive_int, default=256, help="decode batch limit")
+    sim.add_argument("--link-gbps", type=argtypes.positive, help="K/V link per decode instance, Gbit/s (default unconstrained)")
     sim.add_argument("--transfer", choices=("request", "layer"), default="request", help="K/V transfer overlap")
-    sim.add_argument("--layers", type=int, default=1, help="layers for layer-wise transfer")
-    sim.add_argument("--rate", type=float, help="offered rate req/s (default: a trace's own rate)")
+    sim.add_argument("--layers", type=argtypes.positive_int, default=1, help="layers for layer-wise transfer")
+    sim.add_argument("--rate", type=argtypes.rate, help="offered rate req/s (default: a trace's own rate)")
     sim.add_argument("--sweep", action="store_true",
                      help="find goodput instead (the benchmark's sweep + bisection on simulated runs): "
                           "request_goodput (joint) and request_goodput_phase")
-    sim.add_argument("--sweep-rates", metavar="R1,R2,...", help="sweep ladder (default: 1/64 .. 64 req/s, x2 steps)")
-    sim.add_argument("--sweep-rel-tol", type=float, default=0.01, help="bisection stops within this of the bracket top")
+    sim.add_argument("--sweep-rates", type=argtypes.rates, metavar="R1,R2,...", help="sweep ladder (default: 1/64 .. 64 req/s, x2 steps)")
+    sim.add_argument("--sweep-rel-tol", type=argtypes.fraction, default=0.01, help="bisection stops within this of the bracket top")
     add_workload_args(sim, 1000)
     add_slo_args(sim)
     add_pd_decision_arg(sim, "always")
     sim.add_argument("--json", action="store_true", help="print one JSON line")
     sim.set_defaults(func=run_simulate)
     bench = subparsers.add_parser("bench-sim", help="measure simulator speed: requests simulated per wall second")
-    bench.add_argument("--num-requests", type=int, default=50000)
+    bench.add_argument("--num-requests", type=argtypes.count, default=50000)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=run_bench_sim)
 
@@ -177,7 +194,7 @@ def _sweep(args: argparse.Namespace, requests, model) -> dict:
     if args.rate is not None:
         raise ValueError("--rate and --sweep are exclusive")
     if args.sweep_rates:
-        ladder = tuple(sorted({float(r) for r in args.sweep_rates.split(",") if r.strip()}))
+        ladder = tuple(sorted(set(args.sweep_rates)))
     else:
         ladder = geometric_ladder(1 / 64, 64.0)
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.attainment)

@@ -60,8 +60,8 @@ class HardwareProfile:
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"hardware profile {self.name}: {name} must be positive")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"hardware profile {self.name}: {name} must be positive and finite")
 
     def without_measured_kernels(self) -> HardwareProfile:
         """The same GPU on the plain roofline (flat efficiencies, bandwidth + latency collectives)."""
@@ -111,6 +111,8 @@ def hardware_from_dict(d: dict) -> HardwareProfile:
         )
     except KeyError as exc:
         raise ValueError(f"hardware profile is missing {exc}") from exc
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed hardware profile ({exc})") from exc
 
 
 def load_hardware(name_or_path: str) -> HardwareProfile:
@@ -119,4 +121,10 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
     path = PROFILE_DIR / f"{key}.json" if key in BUILTIN_HARDWARE else Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"unknown hardware {name_or_path!r}: use one of {BUILTIN_HARDWARE} or a profile JSON file")
-    return hardware_from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{name_or_path}: cannot read a hardware profile ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{name_or_path}: a hardware profile is a JSON object, got {type(data).__name__}")
+    return hardware_from_dict(data)

@@ -37,11 +37,37 @@ def latency_from_dict(d: dict) -> LatencyModel:
 
 
 def load_latency_model(path: str | Path) -> LatencyModel:
-    """Read a latency model JSON file."""
+    """Read a latency model JSON file; an unreadable, non-JSON or malformed one (missing fields,
+    a number that is not finite, a negative time) is a ValueError naming the file."""
     try:
-        return latency_from_dict(json.loads(Path(path).read_text()))
-    except (KeyError, TypeError) as exc:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read a latency model ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a latency model is a JSON object, got {type(data).__name__}")
+    bad = _first_bad_number(data)
+    if bad is not None:
+        raise ValueError(f"{path}: malformed latency model ({bad[0]} = {bad[1]!r}: every number must be finite and >= 0)")
+    try:
+        return latency_from_dict(data)
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed latency model ({exc})") from exc
+
+
+def _first_bad_number(value, where: str = "") -> tuple[str, float] | None:
+    """(path, value) of the first number that is NaN, infinite or negative."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        bad = isinstance(value, float | int) and not isinstance(value, bool) and not 0 <= value < float("inf")
+        return (where, value) if bad else None
+    for key, item in items:
+        found = _first_bad_number(item, f"{where}.{key}" if where and not str(key).startswith("[") else f"{where}{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _optional_int(value) -> int | None:
