@@ -9,6 +9,8 @@ import argparse
 import json
 from typing import Any, Mapping
 
+from pdserve import argtypes
+
 
 def emit(result: Mapping[str, Any], as_json: bool) -> None:
     """Print `result` as one JSON object or as an aligned key/value table."""
@@ -102,6 +104,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     phase.add_argument("--prefill-new", type=int, required=True, help="new prefill rows N_P")
     phase.add_argument("--prefill-visible", type=int, default=0, help="rows already visible T0")
     phase.add_argument("--decode-lengths", required=True, help="visible lengths s1,s2,... (current row included)")
-    phase.add_argument("--flops", type=float, required=True, help="compute rate C in FLOP/s")
-    phase.add_argument("--mem-bw", type=float, required=True, help="state-byte rate R in B/s")
+    phase.add_argument("--flops", type=argtypes.positive, required=True, help="compute rate C in FLOP/s")
+    phase.add_argument("--mem-bw", type=argtypes.positive, required=True, help="state-byte rate R in B/s")
     phase.set_defaults(func=_guard(_phase_cost))

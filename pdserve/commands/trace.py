@@ -12,6 +12,8 @@ import argparse
 import json
 from dataclasses import asdict
 
+from pdserve import argtypes
+
 COLUMNS = ("transfer", "request", "generation", "status", "wall_us", "overlap_us", "retries", "exposed_us", "logical_bytes", "sent_bytes")
 
 
@@ -87,11 +89,11 @@ def _analyze(args: argparse.Namespace) -> int:
 
     try:
         requests = _request_trace(args.trace)
-    except OSError as exc:
+        summary = decision_summary(requests) if requests is not None else None
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not UTF-8, a prompt_tokens that is no count
         print(f"pdserve trace: {exc}")
         return 2
-    if requests is not None:
-        summary = decision_summary(requests)
+    if summary is not None:
         if args.json:
             print(json.dumps({"pd_decisions": summary}))
         else:
@@ -100,7 +102,7 @@ def _analyze(args: argparse.Namespace) -> int:
     try:
         with open(args.trace, encoding="utf-8") as handle:
             events = parse_jsonl(handle)
-    except (OSError, TraceFormatError) as exc:
+    except (OSError, UnicodeDecodeError, TraceFormatError) as exc:
         print(f"pdserve trace: {exc}")
         return 2
     layers = set(range(args.layers)) if args.layers is not None else None
@@ -118,6 +120,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
     analyze = sub.add_parser("analyze", help="check the transfer-trace contract and report timing")
     analyze.add_argument("trace", help="JSON-lines trace written by the runtime")
-    analyze.add_argument("--layers", type=int, default=None, help="require layers 0..N-1 visible before publication")
+    analyze.add_argument("--layers", type=argtypes.positive_int, default=None, help="require layers 0..N-1 visible before publication")
     analyze.add_argument("--json", action="store_true", help="print one JSON object")
     analyze.set_defaults(func=_analyze)

@@ -66,7 +66,7 @@ def stage_packing_violations(
     for slot in slots:
         by_instance.setdefault(slot.instance, []).append(slot.stage)
     for instance, got in sorted(by_instance.items()):
-        if sorted(got) != list(range(stages)):
+        if len(got) != stages or sorted(got) != list(range(stages)):
             problems.append(f"instance {instance} places stages {sorted(got)}, expected 0..{stages - 1}")
     for node, used in sorted(node_gpu_usage(slots).items()):
         if used > gpus_per_node:

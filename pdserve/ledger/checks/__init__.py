@@ -46,7 +46,7 @@ def load_fixture(name: str, path: str | Path | None = None) -> dict[str, Any]:
     try:
         text = fixture_text(name) if path is None else Path(path).read_text()
         data = json.loads(text)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise CheckFailed(f"cannot read fixture: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckFailed("a fixture must be a JSON object")
@@ -61,5 +61,5 @@ def run_check(name: str, fixture: dict[str, Any]) -> dict[str, Any]:
         raise CheckFailed(f"fixture is for check {declared!r}, not {name!r}")
     try:
         return module.check(fixture)
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
         raise CheckFailed(f"malformed fixture: {type(exc).__name__}: {exc}") from exc
