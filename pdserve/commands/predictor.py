@@ -14,26 +14,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from pdserve import argtypes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("predictor", help="output-length predictor (TetriInfer buckets): synth, train, eval")
     sub = p.add_subparsers(dest="predictor_command", metavar="ACTION")
     s = sub.add_parser("synth", help="write a synthetic trace whose output lengths depend on the prompt")
-    s.add_argument("--out", required=True, metavar="TRACE.jsonl")
-    s.add_argument("--n", type=int, default=2000)
+    s.add_argument("--out", required=True, type=argtypes.output_file, metavar="TRACE.jsonl")
+    s.add_argument("--n", type=argtypes.count, default=2000)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--noise", type=float, default=0.1, help="fraction that runs one length range longer")
+    s.add_argument("--noise", type=argtypes.share, default=0.1, help="fraction that runs one length range longer")
     s.set_defaults(func=run_synth)
     t = sub.add_parser("train", help="train a bucket classifier from a trace with recorded output lengths")
     t.add_argument("trace", metavar="TRACE.jsonl")
-    t.add_argument("--out", required=True, metavar="P.json")
+    t.add_argument("--out", required=True, type=argtypes.output_file, metavar="P.json")
     _model_args(t)
     t.add_argument("--buckets", default=None, metavar="0,32,64,...", help="bucket bounds (default: manifest.DEFAULT_BUCKETS)")
-    t.add_argument("--holdout", type=float, default=0.2)
+    t.add_argument("--holdout", type=_holdout, default=0.2, help="share of the trace held out to score (0 < H < 1)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--temperature", type=float, default=0.0, help="the traced outputs' sampling temperature")
-    t.add_argument("--top-p", type=float, default=1.0, help="the traced outputs' top_p")
+    t.add_argument("--temperature", type=argtypes.nonnegative, default=0.0, help="the traced outputs' sampling temperature")
+    t.add_argument("--top-p", type=argtypes.fraction, default=1.0, help="the traced outputs' top_p")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="accuracy of a predictor on a trace, next to the majority baseline")
     e.add_argument("predictor", metavar="P.json")
@@ -41,6 +44,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _model_args(e)
     e.set_defaults(func=run_eval)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _holdout(text: str) -> float:
+    """Some examples to train on and some to score: 0 scored every prediction against its own
+    training line (accuracy 1.0), 1 trained on none (0.0)."""
+    value = argtypes.finite(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text!r}")
+    return value
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -61,14 +73,13 @@ def _target(model: str):
 def run_synth(args: argparse.Namespace) -> int:
     from pdserve.predictor.synth import synth_entries, write_trace
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_trace(args.out, synth_entries(args.n, args.seed, args.noise))
     print(f"wrote {args.n} requests to {args.out}")
     return 0
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pdserve.predictor.manifest import DEFAULT_BUCKETS, Manifest
     from pdserve.predictor.training import fit, read_examples
 
@@ -87,6 +98,7 @@ def run_train(args: argparse.Namespace) -> int:
                "heldout_coverage": score.coverage}
     from dataclasses import replace
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     replace(predictor, manifest=replace(manifest, trained_on=trained)).save(args.out)
     print(json.dumps({"out": args.out, **trained}))
     return 0

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
+
+from pdserve import argtypes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("profile", help="measure the engine and fit a latency model (JSON)")
     p.add_argument("--model", default=None, help="tiny | small | checkpoint dir (default small; tiny with --quick)")
-    p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the fitted model")
+    p.add_argument("--out", required=True, type=argtypes.output_file, metavar="FILE.json", help="where to write the fitted model")
     p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quick", action="store_true", help="a few points only (tests)")
     p.add_argument("--tp", type=_positive, default=1, metavar="N",
@@ -61,6 +65,35 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def check_plan(plan) -> None:
+    """What the measurement needs, checked before minutes of it: a checkpoint that loads and that
+    --tp divides, points within its positions, a fit's two prefill and two decode points, a pool
+    this machine holds and no more threads than its CPUs (100000 crashed torch)."""
+    from pdserve.engine.kv.kv_abi import KvAbi
+    from pdserve.latency.engine_profile import DECODE_STEPS
+    from pdserve.model.config import check_tp, load_config
+    from pdserve.model.default import resolve_model
+
+    model = load_config(resolve_model(plan.model))
+    check_tp(model, plan.tp)
+    longest = max(max(plan.prompt_lens), max(plan.contexts) + DECODE_STEPS + 4)
+    if longest > model.max_position_embeddings:
+        raise ValueError(f"a point of {longest} tokens (--prompt-lens, --contexts + {DECODE_STEPS + 4}) is longer than "
+                         f"the model's {model.max_position_embeddings} positions")
+    if len(set(plan.prompt_lens)) < 2 or len(set(plan.batches)) * len(set(plan.contexts)) < 2:
+        raise ValueError("a profile fit needs at least two prefill points (--prompt-lens) and two decode points "
+                         "(--batches x --contexts)")
+    cpus = len(os.sched_getaffinity(0))
+    if (plan.threads or 1) > cpus:
+        raise ValueError(f"--threads {plan.threads} is more than the {cpus} CPUs this process may run on")
+    blocks = max(plan.batches) * (longest // plan.block_size + 2) + 64
+    pool = blocks * KvAbi(model.num_layers, model.num_kv_heads, model.head_dim, plan.block_size, plan.dtype).bytes_per_block
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pool > memory // 2:
+        raise ValueError(f"--batches {max(plan.batches)} at {longest} tokens needs a {pool >> 20} MiB K/V pool; this "
+                         f"machine has {memory >> 20} MiB")
+
+
 def run_profile_command(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -74,6 +107,11 @@ def run_profile_command(args: argparse.Namespace) -> int:
                  "block_size": args.block_size}
     plan = dataclasses.replace(plan, batch_invariant=not args.no_batch_invariant,
                                **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        check_plan(plan)
+    except ValueError as exc:  # CheckpointError and TpShapeError are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     model = run_profile(plan)
     out = model.to_dict()
     sizes = args.collectives_tp or ((plan.tp,) if plan.tp > 1 else ())
@@ -81,6 +119,7 @@ def run_profile_command(args: argparse.Namespace) -> int:
         from pdserve.latency.tp_collectives import profile_section
 
         out["collectives"] = profile_section(plan.model, plan.dtype, plan.compute_dtype, tuple(sizes))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({"out": args.out, "prefill_coef": model.prefill_coef, "decode_coef": model.decode_coef}))
     return 0

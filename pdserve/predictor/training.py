@@ -34,7 +34,7 @@ def read_examples(trace: str | Path, tokenizer) -> tuple[list[list[int]], list[i
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         obj = json.loads(line)
-        if not isinstance(obj.get("prompt"), str) or "output_len" not in obj:
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "output_len" not in obj:
             raise ValueError(f"{trace}:{line_no}: a training line needs 'prompt' text and 'output_len'")
         prompts.append(tokenizer.encode(obj["prompt"]))
         lengths.append(int(obj["output_len"]))
