@@ -27,6 +27,16 @@ def finite_float(text: str) -> float:
     return value
 
 
+def check_local(config) -> None:
+    """Every check of a cluster started on this machine except its HTTP address: `pdserve demo`,
+    `drill` and `chaos` serve on a free port they pick themselves."""
+    check_model(config)
+    check_predictor(config)
+    check_machine(config)
+    check_files(config)
+    check_kv_events(config)
+
+
 def check_model(config) -> None:
     """The checkpoint exists and reads: its config, its weights' headers against the config (names,
     dtypes, shapes, byte spans against the file sizes; no tensor is read) and its tokenizer; each

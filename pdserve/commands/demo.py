@@ -15,13 +15,14 @@ import argparse
 import json
 import sys
 
+from pdserve import argtypes
 from pdserve.commands.serve import add_cluster_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run a mixed workload on a local P/D cluster and check it against colocated")
     add_cluster_args(p)
-    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--num-requests", type=argtypes.int_in(1, 10_000), default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=run, pd_decision="always")  # the demo exercises the handoff: every request takes it
@@ -33,10 +34,14 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.commands.serve import serve_config
     from pdserve.api.exercises.demo import DemoSpec, run_demo
 
+    from pdserve.api.preflight import check_local
+    from pdserve.ports import free_local_port
+
     try:
-        config = serve_config(args, port=0)
+        config = serve_config(args, port=free_local_port())  # run_* serves on a free port of its own
         config.shape()
-    except ValueError as exc:
+        check_local(config)
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     summary = asyncio.run(run_demo(config, DemoSpec(num_requests=args.num_requests, seed=args.seed)))
