@@ -24,8 +24,10 @@ the relay's process: one that has exited is logged with its exit status and repl
 per RESTART_S), and the replacement's first batch is a snapshot; its replay buffer starts empty and
 the numbers go on. The relay dies with the thread that started it (PR_SET_PDEATHSIG: the worker builds
 the publisher and runs its loop on one thread, which lives as long as the worker) and with
-`close()`. A relay that cannot bind fails the publisher's construction (zmq.ZMQError naming
-the endpoint), so the worker fails to start as it would binding the socket itself.
+`close()`. The worker binds the listening sockets itself and keeps them for its life; each relay
+serves them (ZMQ_USE_FD), so no other process can take a port while a relay is being replaced. An
+endpoint that cannot be bound fails the publisher's construction (zmq.ZMQError naming it), and so
+the worker's start.
 
 Bounds: what the worker holds for KV events is the sink's pending events of one turn and the
 channel's CHANNEL_QUEUE batches; the relay's bounds are in workers/kv_relay.py.
@@ -37,7 +39,7 @@ import json
 import logging
 import os
 import shutil
-import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +50,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.kv.vllm_events import VllmEventSink
+from pdserve.lifetime import describe_exit
 from pdserve.workers.kv_relay import CHANNEL_QUEUE, END_OF_REPLAY, MAX_REQUEST_BYTES, NOTES_QUEUE, REPLAY_QUEUE
 
 __all__ = ["END_OF_REPLAY", "MAX_REQUEST_BYTES", "REPLAY_QUEUE", "KvEventPublisher", "check_endpoints", "endpoint_for"]
@@ -55,6 +58,7 @@ __all__ = ["END_OF_REPLAY", "MAX_REQUEST_BYTES", "REPLAY_QUEUE", "KvEventPublish
 log = logging.getLogger("pdserve.kv_events")
 
 RESTART_S = 1.0  # a relay that died is replaced at most this often
+LISTEN_BACKLOG = 100  # libzmq's own for a TCP listener
 START_TIMEOUT_S = 30.0  # how long the first relay may take to bind (a loaded 2-core machine)
 NOTES_PER_TURN = NOTES_QUEUE  # relay notes read per publish at the most
 
@@ -108,7 +112,12 @@ class KvEventPublisher:
         self._relay: subprocess.Popen | None = None
         self._channel: zmq.Socket | None = None
         self._ready, self._started_at = False, -float("inf")
+        self._listeners: list[socket.socket] = []
         try:
+            for key, address in (("pub_fd", endpoint), ("replay_fd", replay_endpoint)):
+                if address is not None:
+                    self._listeners.append(_listen(address))
+                    self._spec[key] = self._listeners[-1].fileno()
             self._start()
             self._await_bound()
         except BaseException:
@@ -157,7 +166,7 @@ class KvEventPublisher:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self._relay = subprocess.Popen([sys.executable, "-m", "pdserve.workers.kv_relay",
                                         json.dumps({**self._spec, "channel": address})],
-                                       stdin=subprocess.DEVNULL, env=env)
+                                       stdin=subprocess.DEVNULL, env=env, pass_fds=[s.fileno() for s in self._listeners])
 
     def _await_bound(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -166,7 +175,7 @@ class KvEventPublisher:
             if self._channel.poll(200 if not exited else 1000):
                 self._handle(self._channel.recv(), starting=True)
             elif exited:
-                raise zmq.ZMQError(msg=f"KV events: the relay exited ({_status(self._relay.returncode)}) before it bound "
+                raise zmq.ZMQError(msg=f"KV events: the relay exited ({describe_exit(self._relay.returncode)}) before it bound "
                                        f"{self._spec['endpoint']}")
             elif time.monotonic() > deadline:
                 raise zmq.ZMQError(msg=f"KV events: the relay did not bind {self._spec['endpoint']} in {START_TIMEOUT_S:.0f} s")
@@ -177,7 +186,7 @@ class KvEventPublisher:
             return
         if self._channel is not None:
             log.warning("KV events: the relay (pid %d) exited (%s); starting another", self._relay.pid,
-                        _status(self._relay.returncode))
+                        describe_exit(self._relay.returncode))
             self._close_channel()
         if time.monotonic() - self._started_at >= RESTART_S:
             try:
@@ -217,22 +226,37 @@ class KvEventPublisher:
             self._dir = None
 
     def close(self) -> None:
-        """End the relay (SIGTERM, then SIGKILL past 2 s) and the channel."""
+        """End the relay (SIGKILL: it keeps nothing worth a clean exit, and a stopped one would
+        take no SIGTERM), the channel and the listening sockets."""
         relay, self._relay = self._relay, None
         if relay is not None and relay.poll() is None:
-            relay.terminate()
-            try:
-                relay.wait(2)
-            except subprocess.TimeoutExpired:
-                relay.kill()
-                relay.wait()
+            relay.kill()
+            relay.wait()
         self._close_channel()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
 
 
-def _status(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
+def _listen(endpoint: str) -> socket.socket:
+    """A listening TCP socket on `endpoint` (tcp://HOST:PORT; HOST `*` for every interface), held by
+    the worker for its life and handed to each relay (ZMQ_USE_FD): between a relay's death and its
+    replacement the port stays the worker's, so no other process can bind it and take its
+    subscribers. Raises zmq.ZMQError naming the endpoint when it cannot be bound."""
+    host, port = _split(endpoint)
+    host = host.removeprefix("tcp://").strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(None if host in ("*", "") else host, port,
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise zmq.ZMQError(exc.errno or 0, f"KV events: cannot bind {endpoint}: {exc.strerror or exc}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq's own listener
+        listener.bind(address)
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        listener.close()
+        raise zmq.ZMQError(exc.errno or 0, f"KV events: cannot bind {endpoint}: {exc.strerror}") from None
+    listener.set_inheritable(True)
+    return listener

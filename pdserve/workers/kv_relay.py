@@ -75,12 +75,15 @@ class Relay:
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         if self.replay is not None:
             self.replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
-        self.bind(self.pub, spec["endpoint"])
+        self.bind(self.pub, spec["endpoint"], spec.get("pub_fd"))
         if self.replay is not None:
-            self.bind(self.replay, spec["replay_endpoint"])
+            self.bind(self.replay, spec["replay_endpoint"], spec.get("replay_fd"))
 
-    def bind(self, sock: zmq.Socket, endpoint: str) -> None:
+    def bind(self, sock: zmq.Socket, endpoint: str, fd: int | None) -> None:
+        """Bind `endpoint`, on the worker's listening socket `fd` when it gave one (ZMQ_USE_FD)."""
         try:
+            if fd is not None:
+                sock.setsockopt(zmq.USE_FD, fd)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             self.channel.send(f"error {exc.errno} {endpoint}: {exc.strerror}".encode())

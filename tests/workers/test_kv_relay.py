@@ -177,6 +177,34 @@ def test_a_relay_that_dies_is_replaced_and_its_replacement_starts_with_a_snapsho
         publisher.close()
 
 
+def test_a_dead_relays_ports_stay_the_workers_until_its_replacement_takes_them():
+    """Found by an adversarial pass: the relay bound the ports itself, so once a flood or a kill
+    ended it another local process could bind them (8.5 ms after the kill) and feed the worker's
+    subscribers its own batches until it let go. The worker now holds the listening sockets and
+    hands them to each relay."""
+    pub, rep = endpoints()
+    publisher, sink = KvEventPublisher(pub, rep), VllmEventSink(16)
+    sub = subscriber(pub)
+    try:
+        sink.stored(b"b1", None, tuple(range(16)))
+        time.sleep(1.0)  # past RESTART_S: the replacement starts at the next publish
+        follow_until(publisher, sink, sub, bool)
+        first = publisher.relay_pid
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: gone(first))
+        for endpoint in (pub, rep):
+            intruder = socket.socket()
+            intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
+            with pytest.raises(OSError, match="Address already in use"):
+                intruder.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+            intruder.close()
+        after = follow_until(publisher, sink, sub, lambda s: any(opens_clear(b) for _, b in s))
+        assert publisher.relay_pid != first and after  # the same subscriber follows the replacement
+    finally:
+        sub.close(0)
+        publisher.close()
+
+
 HOLDER = """
 import sys, time
 from pdserve.workers.kv_publisher import KvEventPublisher
@@ -197,9 +225,19 @@ def test_the_relay_dies_with_its_worker_killed_by_sigkill():
         holder.kill()
         holder.wait()
     assert wait_until(lambda: gone(relay), 5.0), "the relay outlived its worker"
-    with socket.socket() as s:  # its ports are free again
+    assert wait_until(lambda: bindable(int(pub.rsplit(":", 1)[1])), 5.0)  # its ports are free again
+
+
+def bindable(port: int) -> bool:
+    """Whether a listener can bind `port` now (the kernel frees a dead process's sockets a moment
+    after the process shows as gone)."""
+    with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", int(pub.rsplit(":", 1)[1])))
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_a_relay_whose_parent_is_already_gone_exits():
