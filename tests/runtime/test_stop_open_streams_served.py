@@ -5,12 +5,14 @@ Found by an adversarial pass: uvicorn stops by waiting for every open response t
 workers, which got no signal, went on generating, so a SIGTERM took as long as the longest open
 generation (35 s for 12 streams of 1,500 tokens; a client that stopped reading held it until
 --response-write-timeout-s); a second SIGTERM meanwhile was ignored (uvicorn forces only on a
-second SIGINT). Now each started request ends at the signal with an error event (`shutdown`),
-uvicorn cancels a response still open STOP_GRACE_S later, and a second signal kills the workers
-and ends the process at once."""
+second SIGINT, and ended the process with status 0). Now each started request ends at the signal
+with an error event (`shutdown`), a response still open STOP_GRACE_S later has its connection cut,
+a second signal kills the workers and ends the process at once (a storm of them once), and the
+exit status is the signal's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -46,7 +48,7 @@ def _until(check, what: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_to_the_server_alone_ends_open_streams_with_an_error_event(tmp_path: Path):
+def test_sigint_to_the_server_alone_ends_open_streams_with_an_error_event(tmp_path: Path):
     proc, port = serve_logged(tmp_path / "serve.log", "--kv-cache-mb", "64")
     try:
         wait_healthy(port, 180.0)
@@ -55,8 +57,8 @@ def test_sigterm_to_the_server_alone_ends_open_streams_with_an_error_event(tmp_p
         for client in clients:
             client.start()
         _until(lambda: all(streams), "the streams never started", 60.0)
-        proc.send_signal(signal.SIGTERM)  # the server's pid only: the workers get no signal
-        assert proc.wait(60) == -signal.SIGTERM
+        proc.send_signal(signal.SIGINT)  # the server's pid only (a Ctrl-C there): the workers get no signal
+        assert proc.wait(60) == -signal.SIGINT  # as signalled (a KeyboardInterrupt made it 0)
         for client in clients:
             client.join(30)
         for out in streams:
@@ -77,7 +79,7 @@ def _completed(port: int) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-@pytest.mark.parametrize("second", [False, True], ids=["one signal", "SIGTERM twice"])
+@pytest.mark.parametrize("second", [False, True], ids=["one signal", "then a storm of SIGTERMs"])
 def test_a_response_that_cannot_be_written_holds_the_stop_only_until_its_grace_or_a_second_signal(tmp_path: Path, second):
     """The stop waits for open responses; one whose client reads nothing cannot end: its connection
     is cut STOP_GRACE_S into the stop (quietly, as a client's disconnect), and a second signal
@@ -105,13 +107,16 @@ def test_a_response_that_cannot_be_written_holds_the_stop_only_until_its_grace_o
             if second:
                 time.sleep(0.5)
                 forced = time.monotonic()
-                proc.send_signal(signal.SIGTERM)
+                for _ in range(10):  # a supervisor that insists: one forced stop, logged once
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.01)
             # before: the response waited for --response-write-timeout-s, and a second signal was ignored
             assert proc.wait(60) == -signal.SIGTERM
             if second:
                 assert time.monotonic() - forced < STOP_GRACE_S  # ended by the signal, not by the grace
         said = log_path.read_text()
-        assert ("a second SIGTERM during the stop" in said) == second, said[-2000:]
+        assert said.count("a second SIGTERM during the stop") == int(second), said[-2000:]
         assert "Traceback" not in said, said[-3000:]
         _until(lambda: not group_members(proc.pid), "a worker outlived the server", 20.0)
     finally:

@@ -37,6 +37,7 @@ class StoppingServer(uvicorn.Server):
         super().__init__(config)
         self.on_stop, self.on_force = on_stop, on_force
         self._restore: dict[int, object] = {}
+        self._forcing = False
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and self.on_force is not None:  # a second signal while the server stops
@@ -76,6 +77,9 @@ class StoppingServer(uvicorn.Server):
             self._restore = {sig: signal.signal(sig, self._forced) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _forced(self, sig: int, frame) -> None:
+        if self._forcing:  # a storm of signals: the first one's kill is under way and ends the process
+            return
+        self._forcing = True
         log.warning("a second %s during the stop: the workers are killed now", signal.Signals(sig).name)
         try:
             self.on_force()
@@ -84,8 +88,11 @@ class StoppingServer(uvicorn.Server):
             signal.raise_signal(sig)
 
     def raise_stop_signals(self) -> None:
-        """The caught signals, as uvicorn raises them (last first): the process ends as signalled."""
+        """The caught signals, last first as uvicorn raises them, each with its default action: the
+        process ends as signalled (under Python's own handler a SIGINT is a KeyboardInterrupt, and
+        the command ended with status 0)."""
         for sig, handler in self._restore.items():
             signal.signal(sig, handler)
         for sig in reversed(getattr(self, "stop_signals", [])):
+            signal.signal(sig, signal.SIG_DFL)
             signal.raise_signal(sig)
