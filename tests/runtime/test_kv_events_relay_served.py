@@ -24,6 +24,7 @@ import zmq
 
 from tests.api.served_cli import serve_logged, stop, wait_healthy
 from tests.runtime.conftest import prompt
+from tests.runtime.test_kv_events_bounds_served import complete
 from tests.runtime.test_kv_events_vllm import DECODE, AllBlocksCleared, free_ports, replay
 
 WORKER_GROWTH_MIB = 100  # what the floods may add to the worker's RSS
@@ -131,14 +132,6 @@ def relays(pid: int) -> list[int]:
         except OSError:
             pass
     return out
-
-
-def complete(port: int, ids: list[int]) -> dict:
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                          json={"model": "tiny", "prompt": ids, "max_tokens": 4, "ignore_eos": True,
-                                "temperature": 0.0, "return_token_ids": True})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def follows(ctx: zmq.Context, pub: str, rep: str, port: int) -> None:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.api.served_cli import serve_logged, stop
+from tests.helpers.processes import exited as _gone
 from tests.runtime.conftest import prompt
 from tests.runtime.test_kernel_threads_served import _until, _workers
 
@@ -40,15 +41,6 @@ def _children(pid: int) -> list[int]:
 
 def _tree(pid: int) -> list[int]:
     return [c for child in _children(pid) for c in (child, *_tree(child))]
-
-
-def _gone(pid: int) -> bool:
-    """Exited (or a zombie waiting for its parent's wait)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _follower(worker_pid: int) -> int:

@@ -23,6 +23,7 @@ from pdserve.engine.kv.vllm_events import AllBlocksCleared, KVEventBatch, VllmEv
 from pdserve.workers import kv_relay
 from pdserve.workers.kv_publisher import KvEventPublisher
 from tests.workers.test_kv_publisher import apply, ask, free_port
+from tests.helpers.processes import exited as gone
 
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -39,14 +40,6 @@ def replayed(endpoint: str, until, wait_s: float = 15.0) -> list[tuple[int, KVEv
         if until(kept) or time.monotonic() > deadline:
             return kept
         time.sleep(0.05)
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def wait_until(check, wait_s: float = 10.0) -> bool:

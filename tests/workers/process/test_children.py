@@ -12,6 +12,7 @@ import sys
 import time
 
 from pdserve.workers.process import children
+from tests.helpers.processes import exited as _gone
 
 SLEEPER = "import time; time.sleep(60)"
 PARENT = f"""
@@ -21,14 +22,6 @@ kids = [subprocess.Popen([sys.executable, "-c", {SLEEPER!r}]),
 print(" ".join(str(k.pid) for k in kids), flush=True)
 kids[0].wait()
 """
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _until_gone(pid: int, timeout_s: float = 10.0) -> bool:

@@ -17,6 +17,7 @@ import pytest
 
 import pdserve
 from pdserve.workers.process import warm_start
+from tests.helpers.processes import exited as _gone
 
 REPO = str(Path(pdserve.__file__).resolve().parent.parent)
 PROBE = "tests.workers.warm_probe:main"
@@ -30,14 +31,6 @@ def _report(path: Path, proc, timeout_s: float = 60.0) -> dict:
         assert time.monotonic() < deadline, "the stand-in wrote nothing"
         time.sleep(0.02)
     return json.loads(path.read_text())
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
-    except FileNotFoundError:
-        return True
 
 
 def test_a_fork_sees_the_launchers_environment_and_streams_and_reports_its_exit(monkeypatch, tmp_path, capfd):
