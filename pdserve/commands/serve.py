@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -359,8 +360,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         run_loop(serve(config))  # uvloop where installed (pdserve/loop.py)
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # a SIGINT before the HTTP server took the signals (during the start)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process ends as signalled, as a later one does
+        signal.raise_signal(signal.SIGINT)
     except (TimeoutError, StartFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -75,3 +75,25 @@ def test_sigterm_to_the_process_group_stops_cleanly_without_restarts(tmp_path, m
     assert "(epoch 2" not in said, said[-3000:]  # no worker started again
     ours = {name for name in segments() - before if name.startswith("pdserve") and set(name.split("-")) & pids}
     assert not ours, ours  # pool segments are named after their worker's pid
+
+
+def _worker_started(pgid: int) -> bool:
+    rows = subprocess.run(["ps", "-eo", "pgid=,comm="], capture_output=True, text=True).stdout.splitlines()
+    return any(row.split() == [str(pgid), "pd-prefill-0"] for row in rows)
+
+
+def test_sigint_during_the_start_ends_the_server_as_signalled(tmp_path):
+    """A Ctrl-C while the workers load (before the HTTP server takes the signals) reached `serve`
+    as a KeyboardInterrupt, which it took for a normal end: exit status 0, as if it had served."""
+    proc, _ = serve_logged(tmp_path / "serve.log", "--pd-profile", "none")
+    try:
+        deadline = time.monotonic() + 120
+        while not _worker_started(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, "no worker started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == -signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

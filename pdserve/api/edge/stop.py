@@ -91,8 +91,11 @@ class StoppingServer(uvicorn.Server):
         """The caught signals, last first as uvicorn raises them, each with its default action: the
         process ends as signalled (under Python's own handler a SIGINT is a KeyboardInterrupt, and
         the command ended with status 0)."""
-        for sig, handler in self._restore.items():
-            signal.signal(sig, handler)
-        for sig in reversed(getattr(self, "stop_signals", [])):
+        caught = list(reversed(getattr(self, "stop_signals", [])))
+        for sig in caught:  # first: one arriving now must not meet Python's SIGINT handler
             signal.signal(sig, signal.SIG_DFL)
+        for sig, handler in self._restore.items():
+            if sig not in caught:
+                signal.signal(sig, handler)
+        for sig in caught:
             signal.raise_signal(sig)
